@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import aetcd
 import pytest
 
-from broker.testing import EtcdServer
+from broker.testing import EtcdServer, free_port
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +40,93 @@ async def etcd(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[aetcd
     finally:
         await client.delete_prefix(etcd_prefix.encode())
         await client.close()
+
+
+@dataclass
+class BrokerProcess:
+    """A `gazette serve` subprocess; `address` is what `--broker.address` takes."""
+
+    proc: subprocess.Popen[bytes]
+    address: str
+    prefix: str
+    log: Path
+
+
+def start_broker_process(
+    etcd_server: EtcdServer, prefix: str, log: Path, broker_id: str = "broker-0"
+) -> BrokerProcess:
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "broker.main", "serve",
+                "--broker.id", broker_id, "--broker.host", "127.0.0.1", "--broker.port", str(port),
+                "--etcd.address", etcd_server.endpoint, "--etcd.prefix", prefix, "--etcd.lease", "5s",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    address = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gazette serve exited {proc.returncode}: {log.read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_process(proc)
+                raise TimeoutError("gazette serve did not start listening") from None
+            time.sleep(0.05)
+    return BrokerProcess(proc, address, prefix, log)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def broker_process(
+    etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BrokerProcess]:
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    log = tmp_path_factory.mktemp("broker") / "broker.log"
+    broker = start_broker_process(etcd_server, prefix, log)
+    try:
+        yield broker
+    finally:
+        stop_process(broker.proc)
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def run_cli(
+    *args: str,
+    input: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 60,
+) -> Result:
+    """Run a console command (`gazctl`, `gazette`) as the user would, in a subprocess."""
+    module = {"gazctl": "gazctl.cli", "gazette": "broker.main"}[args[0]]
+    full_env = dict(os.environ)
+    full_env.pop("BROKER_ADDRESS", None)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args[1:]],
+        input=input, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout,
+    )  # fmt: skip
+    return Result(proc.returncode, proc.stdout, proc.stderr)

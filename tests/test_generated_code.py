@@ -25,7 +25,15 @@ def compiled_descriptors(tmp_path: Path) -> dict[str, descriptor_pb2.FileDescrip
     out = tmp_path / "set.pb"
     files = [f"broker/protocol/{name}.proto" for name in PROTOS]
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", ".", f"--descriptor_set_out={out}", *files],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            ".",
+            f"--descriptor_set_out={out}",
+            *files,
+        ],
         cwd=ROOT,
         check=True,
     )
@@ -75,7 +83,15 @@ def test_upstream_service_paths() -> None:
     """The gRPC paths upstream clients call must exist on our generated servicers."""
     from broker.protocol import consumer_pb2_grpc, protocol_pb2_grpc
 
-    for method in ["List", "Apply", "Read", "Append", "Replicate", "ListFragments", "FragmentStoreHealth"]:
+    for method in [
+        "List",
+        "Apply",
+        "Read",
+        "Append",
+        "Replicate",
+        "ListFragments",
+        "FragmentStoreHealth",
+    ]:
         assert hasattr(protocol_pb2_grpc.JournalServicer, method)
     for method in ["Stat", "List", "Apply", "GetHints", "Unassign"]:
         assert hasattr(consumer_pb2_grpc.ShardServicer, method)

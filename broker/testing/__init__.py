@@ -1,5 +1,7 @@
-"""Test harness for gazette-py and for applications that embed brokers in their own tests."""
+"""Test harness for gazette-py and for applications that embed brokers in their own tests:
+a real etcd child process (`EtcdServer`) and in-process brokers (`BrokerHarness`)."""
 
 from broker.testing.etcd import EtcdServer, find_etcd_binary, free_port
+from broker.testing.harness import BrokerHarness
 
-__all__ = ["EtcdServer", "find_etcd_binary", "free_port"]
+__all__ = ["BrokerHarness", "EtcdServer", "find_etcd_binary", "free_port"]

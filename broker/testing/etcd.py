@@ -65,7 +65,9 @@ def etcd_command(binary: str, data_dir: Path, client_port: int, peer_port: int) 
     ]  # fmt: skip
 
 
-def wait_etcd_healthy(endpoint: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_etcd_healthy(
+    endpoint: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:

@@ -1,0 +1,1 @@
+"""Assignment of items (journals, shards) to members (brokers, consumers) through etcd."""

@@ -1,0 +1,138 @@
+"""List, watch and apply journal specs through any broker's Journal service.
+
+These are the library calls `gazctl journals list|apply|edit` are thin wrappers of.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+
+class BrokerUnavailable(ConnectionError):
+    """The broker could not be reached (or went away mid-call)."""
+
+
+class ApplyConflict(RuntimeError):
+    """An Apply's etcd transaction failed: an expected revision did not match."""
+
+    def __init__(self, message: str, batch: int) -> None:
+        super().__init__(message)
+        self.batch = batch
+
+
+def grpc_target(address: str) -> str:
+    """`http://host:port` (upstream's --broker.address form) to a gRPC target `host:port`."""
+    parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"broker address {address!r}: expected http://HOST:PORT")
+    host = parsed.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+
+
+def dial(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        grpc_target(address),
+        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
+    )
+
+
+def _unavailable(address: str, exc: grpc.aio.AioRpcError) -> BrokerUnavailable:
+    detail = (exc.details() or "").split("\n")[0]
+    return BrokerUnavailable(f"cannot reach broker at {address}: {detail}")
+
+
+@dataclass
+class ListSnapshot:
+    header: pb.Header
+    journals: list[pb.ListResponse.Journal] = field(default_factory=list)
+
+    def as_response(self) -> pb.ListResponse:
+        return pb.ListResponse(status=pb.OK, header=self.header, journals=self.journals)
+
+
+class JournalsClient:
+    """A Journal service client bound to one broker address."""
+
+    def __init__(self, address: str, *, timeout: float | None = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = dial(address)
+        self.stub = pb_grpc.JournalStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> JournalsClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _snapshots(
+        self, selector: pb.LabelSelector, watch: bool
+    ) -> AsyncIterator[ListSnapshot]:
+        request = pb.ListRequest(selector=selector, watch=watch)
+        call = self.stub.List(request, timeout=None if watch else self.timeout)
+        current: ListSnapshot | None = None
+        try:
+            async for response in call:
+                if response.HasField("header"):
+                    if response.status != pb.OK:
+                        raise RuntimeError(f"List failed: {pb.Status.Name(response.status)}")
+                    current = ListSnapshot(header=response.header)
+                    current.journals.extend(response.journals)
+                elif current is not None and response.journals:
+                    current.journals.extend(response.journals)
+                elif current is not None:
+                    # An empty message closes a snapshot of a watch.
+                    yield current
+                    current = None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise _unavailable(self.address, exc) from None
+            raise
+        if current is not None and not watch:
+            yield current
+
+    async def list(self, selector: pb.LabelSelector | None = None) -> ListSnapshot:
+        async for snapshot in self._snapshots(selector or pb.LabelSelector(), watch=False):
+            return snapshot
+        raise RuntimeError("List returned no response")
+
+    def watch(self, selector: pb.LabelSelector | None = None) -> AsyncIterator[ListSnapshot]:
+        """Each complete snapshot of the selected journals, now and whenever it changes."""
+        return self._snapshots(selector or pb.LabelSelector(), watch=True)
+
+    async def apply(
+        self, changes: Sequence[pb.ApplyRequest.Change], max_txn_size: int = 0
+    ) -> list[pb.ApplyResponse]:
+        """Apply changes in one transaction, or in batches of `max_txn_size` (0: one batch).
+
+        Each batch is all-or-nothing; a failed batch stops the run, and earlier batches stay
+        applied (as upstream's batched apply does).
+        """
+        size = max_txn_size if max_txn_size > 0 else max(len(changes), 1)
+        responses = []
+        for number, start in enumerate(range(0, len(changes), size)):
+            request = pb.ApplyRequest(changes=changes[start : start + size])
+            try:
+                response = await self.stub.Apply(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _unavailable(self.address, exc) from None
+                raise
+            if response.status == pb.ETCD_TRANSACTION_FAILED:
+                raise ApplyConflict("a journal's revision changed since it was read", number)
+            if response.status != pb.OK:
+                raise RuntimeError(f"Apply failed: {pb.Status.Name(response.status)}")
+            responses.append(response)
+        return responses

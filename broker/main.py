@@ -1,0 +1,200 @@
+"""`gazette`: the broker server command (`gazette serve`, `gazette print-config`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+import click
+
+from broker import config as cfg
+from broker.server import AnnounceError, Broker, BrokerConfig
+
+INI_NAME = "gazette.ini"
+
+
+def _duration(value: Any) -> float:
+    from spec.durations import parse_go_duration
+
+    return parse_go_duration(str(value)) / 1e9
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Serve a Gazette broker."""
+    _, ini = cfg.load_ini(INI_NAME)
+    ctx.obj = ini
+    ctx.default_map = cfg.default_map(cli, ini)
+
+
+@cli.command()
+@cfg.option(
+    "--broker.zone", default="local", help="Availability zone within which this process is running"
+)
+@cfg.option("--broker.id", default=socket.gethostname(), help="Unique ID of this process")
+@cfg.option(
+    "--broker.host",
+    default=socket.gethostname(),
+    help="Addressable, advertised hostname or IP of this process",
+)
+@cfg.option(
+    "--broker.port", default="8080", help="Service port for gRPC requests (0 picks a free port)"
+)
+@cfg.option(
+    "--broker.listen-host",
+    default="",
+    help="Interface to listen on (default: loopback if --broker.host is loopback, else all)",
+)
+@cfg.option("--broker.file-root", default="", help="Local path which roots file:// fragment stores")
+@cfg.option(
+    "--broker.limit",
+    default=1024,
+    type=int,
+    help="Maximum number of journals the broker will allocate",
+)
+@cfg.option(
+    "--broker.max-replication",
+    default=9,
+    type=int,
+    help="Maximum effective replication of any one journal",
+)
+@cfg.option(
+    "--broker.min-append-rate",
+    default=65536,
+    type=int,
+    help="Minimum rate (bytes/s) at which a client may stream Append content",
+)
+@cfg.option(
+    "--broker.max-append-rate",
+    default=0,
+    type=int,
+    help="Max rate (bytes/s) of appends across all journals (0 is unlimited)",
+)
+@cfg.option(
+    "--broker.watch-delay",
+    default="30ms",
+    help="Delay applied to the application of watched etcd events",
+)
+@cfg.option(
+    "--broker.max-grpc-recv-size",
+    default=4194304,
+    type=int,
+    help="Maximum gRPC message size the broker accepts",
+)
+@cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address")
+@cfg.option(
+    "--etcd.prefix",
+    default="/gazette/cluster",
+    help="etcd base prefix for broker state and coordination",
+)
+@cfg.option(
+    "--etcd.lease", env="ETCD_LEASE_TTL", default="20s", help="Time-to-live of the etcd lease"
+)
+@cfg.option(
+    "--log.level",
+    default="info",
+    type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]),
+    help="Logging level",
+)
+@cfg.option(
+    "--log.format",
+    default="text",
+    type=click.Choice(["json", "text", "color"]),
+    help="Logging output format",
+)
+def serve(**opts: Any) -> None:
+    """Serve as a Gazette broker with the provided configuration, until SIGTERM or SIGINT."""
+    _setup_logging(opts["log_level"], opts["log_format"])
+    try:
+        config = BrokerConfig(
+            zone=opts["broker_zone"],
+            id=opts["broker_id"],
+            host=opts["broker_host"],
+            port=int(opts["broker_port"]),
+            listen_host=opts["broker_listen_host"],
+            file_root=opts["broker_file_root"],
+            limit=opts["broker_limit"],
+            max_replication=opts["broker_max_replication"],
+            min_append_rate=opts["broker_min_append_rate"],
+            max_append_rate=opts["broker_max_append_rate"],
+            watch_delay=_duration(opts["broker_watch_delay"]),
+            max_grpc_recv_size=opts["broker_max_grpc_recv_size"],
+            etcd_address=opts["etcd_address"],
+            etcd_prefix=opts["etcd_prefix"].rstrip("/"),
+            etcd_lease=_duration(opts["etcd_lease"]),
+        )
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    from broker.protocol import validate
+
+    try:
+        validate.validate_process_id(pb_id(config))
+    except validate.ValidationError as exc:
+        raise click.ClickException(f"--broker.zone/--broker.id: {exc}") from None
+    code = asyncio.run(_serve(config))
+    sys.exit(code)
+
+
+def pb_id(config: BrokerConfig) -> Any:
+    from broker.protocol import protocol_pb2 as pb
+
+    return pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
+
+
+async def _serve(config: BrokerConfig) -> int:
+    broker = Broker(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await broker.start()
+    except (AnnounceError, OSError) as exc:
+        click.echo(f"gazette: {exc}", err=True)
+        return 1
+    except Exception as exc:
+        click.echo(f"gazette: cannot start: {exc.__class__.__name__}: {exc}", err=True)
+        return 1
+    stop_wait = asyncio.ensure_future(stop.wait())
+    done_wait = asyncio.ensure_future(broker.done.wait())
+    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    done_wait.cancel()
+    failure = broker.failure
+    await broker.stop()
+    if failure is not None:
+        click.echo(f"gazette: {failure}", err=True)
+        return 1
+    return 0
+
+
+@cli.command("print-config")
+@click.pass_context
+def print_config(ctx: click.Context) -> None:
+    """Print the combined configuration (gazette.ini, environment, defaults) in INI form."""
+    click.echo(cfg.render_ini(cli, ctx.obj or {}), nl=False)
+
+
+def _setup_logging(level: str, fmt: str) -> None:
+    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+              "warn": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}  # fmt: skip
+    if fmt == "json":
+        format_ = (
+            '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+        )
+    else:
+        format_ = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=levels[level], format=format_, stream=sys.stderr)
+
+
+def main() -> None:
+    cli(prog_name="gazette")
+
+
+if __name__ == "__main__":
+    main()

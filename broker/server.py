@@ -1,0 +1,205 @@
+"""A broker process: announces itself in etcd under a lease, mirrors the keyspace, and serves the
+Journal gRPC service until it is asked to stop.
+
+`Broker` is the asyncio runtime that `gazette serve` runs and that `broker.testing` embeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import aetcd
+import grpc
+from aetcd import transactions
+
+from broker import etcd as etcdx
+from broker.allocator import keyspace as aks
+from broker.keyspace import KeySpace
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.service import JournalService
+
+log = logging.getLogger(__name__)
+
+
+class AnnounceError(RuntimeError):
+    pass
+
+
+class LeaseLost(RuntimeError):
+    pass
+
+
+@dataclass
+class BrokerConfig:
+    """Settings of one broker, named after upstream's `--broker.*` and `--etcd.*` flags."""
+
+    zone: str = "local"
+    id: str = field(default_factory=socket.gethostname)
+    host: str = field(default_factory=socket.gethostname)
+    port: int = 8080
+    listen_host: str = ""
+    file_root: str = ""
+    limit: int = 1024
+    max_replication: int = 9
+    min_append_rate: int = 65536
+    max_append_rate: int = 0
+    watch_delay: float = 0.03
+    etcd_address: str = "http://localhost:2379"
+    etcd_prefix: str = "/gazette/cluster"
+    etcd_lease: float = 20.0
+    max_grpc_recv_size: int = 4 * 1024 * 1024
+
+    def bind_host(self) -> str:
+        """Where to listen: as given, else loopback when the advertised host is loopback (it
+        could not be reached from elsewhere anyway), else every interface as upstream does."""
+        if self.listen_host:
+            return self.listen_host
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(self.host, None)}
+        except OSError:
+            return "0.0.0.0"
+        if addresses and all(a.startswith("127.") or a == "::1" for a in addresses):
+            return "127.0.0.1"
+        return "0.0.0.0"
+
+
+class Broker:
+    """One broker's runtime. Every background task it starts is owned here and awaited on stop."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
+        self.etcd: aetcd.Client = etcdx.connect(config.etcd_address)
+        self.ks = KeySpace(
+            config.etcd_prefix,
+            aks.broker_decoder(config.etcd_prefix),
+            apply_delay=config.watch_delay,
+        )
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.lease_id = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.done = asyncio.Event()
+        self.failure: BaseException | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def member_key(self) -> str:
+        return aks.member_key(self.config.etcd_prefix, self.config.zone, self.config.id)
+
+    def spec(self, exiting: bool = False) -> pb.BrokerSpec:
+        return pb.BrokerSpec(
+            process_spec=pb.ProcessSpec(id=self.process_id, endpoint=self.endpoint),
+            journal_limit=self.config.limit,
+            exiting=exiting,
+        )
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.config.max_grpc_recv_size),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        service = JournalService(self.ks, self.etcd, self.config.etcd_prefix, self.process_id)
+        pb_grpc.add_JournalServicer_to_server(service, self.server)
+        bind = f"{self.config.bind_host()}:{self.config.port}"
+        self.port = self.server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {bind}: the port is in use or not permitted")
+        try:
+            await self.etcd.connect()
+            await self.ks.load(self.etcd)
+            self._spawn(self.ks.watch(self.etcd), "keyspace watch")
+            await self._grant_lease()
+            self._spawn(self._keep_lease_alive(), "lease keep-alive")
+            await self._announce()
+            await self.server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("broker %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
+
+    def _spawn(self, coro: object, name: str) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        task.set_name(name)
+        task.add_done_callback(self._on_task_done)
+        self._tasks.append(task)
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("broker task %r failed: %s", task.get_name(), exc)
+            self.failure = self.failure or exc
+            self.done.set()
+
+    async def _grant_lease(self) -> None:
+        lease = await self.etcd.lease(max(1, round(self.config.etcd_lease)))
+        self.lease_id = lease.id
+
+    async def _announce(self) -> None:
+        """Create our member key under a fresh lease. If a previous incarnation still holds it,
+        wait for its lease to expire rather than steal it."""
+        ttl = max(1, round(self.config.etcd_lease))
+        key = self.member_key.encode()
+        deadline = asyncio.get_running_loop().time() + 2 * ttl + 2
+        while True:
+            result = await etcdx.txn(
+                self.etcd,
+                [transactions.Version(key) == 0],
+                [transactions.Put(key, self.spec().SerializeToString(), lease=self.lease_id)],
+            )
+            if result.succeeded:
+                await self.ks.wait_for_revision(result.revision)
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise AnnounceError(
+                    f"member key {self.member_key} is held by another live process: "
+                    "give this broker a different --broker.id or stop the other one"
+                )
+            log.warning("member key %s exists; waiting for its lease to expire", self.member_key)
+            await asyncio.sleep(1.0)
+
+    async def _keep_lease_alive(self) -> None:
+        interval = max(0.2, self.config.etcd_lease / 3)
+        while True:
+            await asyncio.sleep(interval)
+            reply = await self.etcd.refresh_lease(self.lease_id)
+            if reply is None or reply.TTL <= 0:
+                raise LeaseLost(f"etcd lease {self.lease_id:x} of {self.member_key} expired")
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful exit: mark the member exiting, drain gRPC, revoke the lease, close etcd."""
+        if self.lease_id and self.failure is None:
+            with contextlib.suppress(Exception):
+                await self.etcd.put(
+                    self.member_key.encode(),
+                    self.spec(exiting=True).SerializeToString(),
+                    lease=self.lease_id,
+                )
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self.lease_id:
+            with contextlib.suppress(Exception):
+                await self.etcd.revoke_lease(self.lease_id)
+            self.lease_id = 0
+        with contextlib.suppress(Exception):
+            await self.etcd.close()
+        self.done.set()

@@ -1,0 +1,166 @@
+"""The broker's Journal gRPC service: List and Apply over the etcd keyspace.
+
+Read, Append, Replicate, ListFragments and FragmentStoreHealth belong to later layers and answer
+UNIMPLEMENTED until then.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import aetcd
+import grpc
+from aetcd import transactions
+
+from broker import etcd as etcdx
+from broker.allocator import keyspace as aks
+from broker.keyspace import KeySpace
+from broker.protocol import labels, validate
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# Keeps each ListResponse within gRPC's 32 KiB buffer tier for typical specs (as upstream).
+MAX_JOURNALS_PER_LIST_RESPONSE = 25
+
+
+class JournalService(pb_grpc.JournalServicer):
+    def __init__(
+        self, ks: KeySpace, client: aetcd.Client, root: str, process_id: pb.ProcessSpec.ID
+    ) -> None:
+        self.ks = ks
+        self.etcd = client
+        self.root = root
+        self.process_id = process_id
+
+    def unrouted_header(self) -> pb.Header:
+        h = self.ks.header
+        return pb.Header(
+            process_id=self.process_id,
+            route=pb.Route(primary=-1),
+            etcd=pb.Header.Etcd(
+                cluster_id=h.cluster_id,
+                member_id=h.member_id,
+                revision=self.ks.revision,
+                raft_term=h.raft_term,
+            ),
+        )
+
+    def _member(self, zone: str, suffix: str) -> aks.Member | None:
+        kv = self.ks.get(aks.member_key(self.root, zone, suffix))
+        return kv.decoded if kv is not None and isinstance(kv.decoded, aks.Member) else None
+
+    def snapshot(self, selector: pb.LabelSelector) -> tuple[list[pb.ListResponse.Journal], int]:
+        """Journals matching `selector` with their routes, and the max mod revision among them."""
+        items_prefix = self.root + aks.ITEMS
+        assign_prefix = self.root + aks.ASSIGNMENTS
+        items = self.ks.prefixed(items_prefix)
+        # Items and assignments are both ordered on journal name: narrow a single-name query.
+        names = labels.values_of(selector.include, "name")
+        if len(names) == 1:
+            items = self.ks.prefixed(items_prefix + names[0])
+        out: list[pb.ListResponse.Journal] = []
+        max_mod = -1
+        for kv in items:
+            item = kv.decoded
+            if not isinstance(item, aks.Item) or not isinstance(item.spec, pb.JournalSpec):
+                continue
+            if not labels.matches(selector, labels.journal_meta_labels(item.spec)):
+                continue
+            assignments = self.ks.prefixed(f"{assign_prefix}{item.id}{aks.SEP}")
+            journal = pb.ListResponse.Journal(
+                spec=item.spec,
+                mod_revision=kv.mod_revision,
+                create_revision=kv.create_revision,
+                route=aks.build_route(assignments, self._member),
+            )
+            out.append(journal)
+            max_mod = max(max_mod, kv.mod_revision)
+        return out, max_mod
+
+    async def List(
+        self, request: pb.ListRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ListResponse]:
+        try:
+            validate.validate_list_request(request)
+        except validate.ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        selector = labels.rewrite_prefix_meta_label(request.selector)
+
+        min_revision = 0
+        if request.HasField("watch_resume"):
+            min_revision = request.watch_resume.etcd.revision + 1
+        last: tuple[int, int] | None = None
+        while True:
+            if min_revision > self.ks.revision:
+                await self.ks.wait_for_revision(min_revision)
+            min_revision = self.ks.revision + 1
+
+            journals, max_mod = self.snapshot(selector)
+            if last == (len(journals), max_mod):
+                continue  # Unchanged: creates and updates raise max_mod, deletes shrink the count.
+            last = (len(journals), max_mod)
+
+            first = pb.ListResponse(status=pb.OK, header=self.unrouted_header())
+            chunk = first
+            for start in range(0, max(len(journals), 1), MAX_JOURNALS_PER_LIST_RESPONSE):
+                chunk.journals.extend(journals[start : start + MAX_JOURNALS_PER_LIST_RESPONSE])
+                yield chunk
+                chunk = pb.ListResponse()
+            if not request.watch:
+                return
+            yield pb.ListResponse()  # Marks the end of this snapshot for watching clients.
+
+    async def Apply(
+        self, request: pb.ApplyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ApplyResponse:
+        try:
+            validate.validate_apply_request(request)
+        except validate.ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        compare = []
+        ops: list[object] = []
+        for change in request.changes:
+            if change.HasField("upsert"):
+                key = aks.item_key(self.root, change.upsert.name)
+                ops.append(transactions.Put(key.encode(), change.upsert.SerializeToString()))
+            else:
+                key = aks.item_key(self.root, change.delete)
+                ops.append(transactions.Delete(key.encode()))
+            # -1 lets a caller skip the revision check explicitly.
+            if change.expect_mod_revision != -1:
+                compare.append(transactions.Mod(key.encode()) == change.expect_mod_revision)
+
+        response = pb.ApplyResponse(status=pb.OK, header=self.unrouted_header())
+        result = await etcdx.txn(self.etcd, compare, ops)
+        if not result.succeeded:
+            response.status = pb.ETCD_TRANSACTION_FAILED
+        elif ops:
+            # Answer only once our own keyspace reflects the write (read-your-writes for List).
+            await self.ks.wait_for_revision(result.revision)
+        response.header.etcd.revision = result.revision
+        return response
+
+    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Read is not implemented yet")
+
+    async def Append(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Append is not implemented yet")
+
+    async def Replicate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Replicate is not implemented yet")
+
+    async def ListFragments(
+        self, request: pb.FragmentsRequest, context: grpc.aio.ServicerContext
+    ) -> None:  # type: ignore[override]
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ListFragments is not implemented yet")
+
+    async def FragmentStoreHealth(
+        self, request: pb.FragmentStoreHealthRequest, context: grpc.aio.ServicerContext
+    ) -> None:  # type: ignore[override]
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "FragmentStoreHealth is not implemented yet"
+        )

@@ -1,0 +1,87 @@
+"""`gazctl`: the operator command line for gazette-py, with upstream gazctl's command tree.
+
+Every user error is one line on stderr and a non-zero exit; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import click
+import grpc
+
+from broker import config as cfg
+from broker.client import ApplyConflict, BrokerUnavailable
+from broker.protocol.labels import SelectorError
+from broker.protocol.validate import ValidationError
+from spec import SpecError
+
+INI_NAME = "gazctl.ini"
+T = TypeVar("T")
+
+
+class UserError(click.ClickException):
+    """A problem with the user's input or environment, reported as one line."""
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """The synchronous edge: run one library coroutine, translating user-facing failures."""
+    try:
+        return asyncio.run(coro)
+    except (BrokerUnavailable, ApplyConflict, SelectorError, ValidationError, SpecError) as exc:
+        raise UserError(str(exc)) from None
+    except grpc.aio.AioRpcError as exc:
+        detail = (exc.details() or "").split("\n")[0]
+        raise UserError(f"broker refused the request ({exc.code().name}): {detail}") from None
+
+
+class GazctlGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (SelectorError, ValidationError, SpecError, BrokerUnavailable, ApplyConflict) as exc:
+            raise UserError(str(exc)) from None
+
+
+@click.group(cls=GazctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """gazctl is a tool for interacting with Gazette brokers and consumer applications."""
+    try:
+        _path, ini = cfg.load_ini(INI_NAME)
+    except cfg.ConfigFileError as exc:
+        raise UserError(str(exc)) from None
+    ctx.obj = ini
+    ctx.default_map = cfg.default_map(cli, ini)
+
+
+@cli.command("print-config")
+@click.pass_context
+def print_config(ctx: click.Context) -> None:
+    """Print the combined configuration (gazctl.ini, environment, defaults) in INI form."""
+    click.echo(cfg.render_ini(cli, ctx.obj or {}), nl=False)
+
+
+def _register() -> None:
+    from gazctl.dev import dev
+    from gazctl.journals import journals
+
+    cli.add_command(journals)
+    cli.add_command(dev)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        cli(prog_name="gazctl")
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

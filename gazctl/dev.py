@@ -1,0 +1,306 @@
+"""`gazctl dev up|down|status`: a local cluster (etcd and N brokers) on loopback.
+
+Processes run detached so `up` can return; their pids and addresses live in `<dir>/cluster.json`
+and `down` stops exactly those pids (after checking each still runs what we started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from broker.client import BrokerUnavailable, JournalsClient
+from broker.testing.etcd import (
+    EtcdNotFound,
+    etcd_command,
+    find_etcd_binary,
+    free_port,
+    wait_etcd_healthy,
+)
+from gazctl.render import console
+
+STATE = "cluster.json"
+ETCD_PREFIX = "/gazette/cluster"
+
+
+@dataclass
+class Proc:
+    role: str
+    pid: int
+    address: str
+    log: str
+    marker: str  # a string the process's command line must contain for it to be ours
+
+
+@dataclass
+class ClusterState:
+    dir: str
+    etcd: Proc
+    brokers: list[Proc] = field(default_factory=list)
+
+    def all(self) -> list[Proc]:
+        return [*self.brokers, self.etcd]
+
+    def save(self) -> None:
+        Path(self.dir, STATE).write_text(json.dumps(asdict(self), indent=2))
+
+    @staticmethod
+    def load(directory: Path) -> ClusterState | None:
+        path = directory / STATE
+        if not path.exists():
+            return None
+        try:
+            doc = json.loads(path.read_text())
+            return ClusterState(
+                dir=doc["dir"],
+                etcd=Proc(**doc["etcd"]),
+                brokers=[Proc(**b) for b in doc["brokers"]],
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def is_running(proc: Proc) -> bool:
+    """Alive, not a zombie, and still running the command we started (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return state != "Z" and proc.marker in cmdline
+
+
+def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
+    """SIGTERM, then SIGKILL after `timeout`. Returns whether the process was running."""
+    if not is_running(proc):
+        return False
+    os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_running(proc):
+            return True
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    while is_running(proc):
+        time.sleep(0.05)
+    return True
+
+
+def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Outlives `gazctl dev up`, and ignores the terminal's ^C.
+        )
+
+
+def tail(path: str, lines: int = 5) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+async def wait_brokers_ready(
+    brokers: list[Proc], procs: list[subprocess.Popen[bytes]], timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    for proc, popen in zip(brokers, procs, strict=True):
+        client = JournalsClient(proc.address, timeout=2.0)
+        try:
+            while True:
+                if popen.poll() is not None:
+                    raise click.ClickException(
+                        f"{proc.role} exited with status {popen.returncode} during start-up; "
+                        f"see {proc.log}:\n{tail(proc.log)}"
+                    )
+                try:
+                    await client.list()
+                    break
+                except BrokerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise click.ClickException(
+                            f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}"
+                        ) from None
+                    await asyncio.sleep(0.1)
+        finally:
+            await client.close()
+
+
+async def revoke_stale_members(etcd_endpoint: str) -> None:
+    """Brokers of an earlier run of this folder are all stopped, but etcd restored their leases
+    with its data: revoke them, so new brokers need not wait for them to expire."""
+    from broker import etcd as etcdx
+
+    client = etcdx.connect(etcd_endpoint)
+    try:
+        for kv in await client.get_prefix(f"{ETCD_PREFIX}/members/".encode()):
+            if kv.lease:
+                with contextlib.suppress(Exception):
+                    await client.revoke_lease(kv.lease)
+    finally:
+        await client.close()
+
+
+def broker_command(i: int, port: int, etcd: str, file_root: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "broker.main", "serve",
+        "--broker.zone", "local",
+        "--broker.id", f"broker-{i}",
+        "--broker.host", "127.0.0.1",
+        "--broker.port", str(port),
+        "--broker.file-root", str(file_root),
+        "--etcd.address", etcd,
+        "--etcd.prefix", ETCD_PREFIX,
+        "--etcd.lease", "10s",
+    ]  # fmt: skip
+
+
+def print_status(state: ClusterState) -> None:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("Process", "PID", "Address", "State", "Log"):
+        table.add_column(column)
+    for proc in state.all():
+        alive = is_running(proc)
+        table.add_row(
+            proc.role, str(proc.pid), proc.address,
+            "[green]running[/green]" if alive else "[red]stopped[/red]", proc.log,
+        )  # fmt: skip
+    console.print(table)
+
+
+@click.group()
+def dev() -> None:
+    """A local development cluster: etcd and brokers on loopback."""
+
+
+dir_option = click.option(
+    "--dir", "directory", default=".gazette-dev", show_default=True, type=click.Path(file_okay=False),
+    help="Folder holding the cluster's state, logs, etcd data and file:// fragment store",
+)  # fmt: skip
+
+
+@dev.command("up")
+@dir_option
+@click.option(
+    "--brokers", default=3, show_default=True, type=click.IntRange(1, 32), help="Number of brokers"
+)
+@click.option(
+    "--timeout",
+    default=60.0,
+    show_default=True,
+    help="Seconds to wait for the cluster to become ready",
+)
+def up(directory: str, brokers: int, timeout: float) -> None:
+    """Start etcd and brokers, wait until all are ready, and print BROKER_ADDRESS."""
+    root = Path(directory).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    existing = ClusterState.load(root)
+    if existing is not None:
+        running = [p for p in existing.all() if is_running(p)]
+        if running and len(running) == len(existing.all()):
+            click.echo(f"a dev cluster is already running in {root}:", err=True)
+            print_status(existing)
+            click.echo(f"export BROKER_ADDRESS={existing.brokers[0].address}")
+            return
+        # Stale state from a crashed or half-stopped run: stop survivors and start afresh.
+        for proc in running:
+            stop_pid(proc)
+        (root / STATE).unlink(missing_ok=True)
+        click.echo(f"cleaned stale dev cluster state in {root}", err=True)
+
+    try:
+        etcd_binary = find_etcd_binary()
+    except EtcdNotFound as exc:
+        raise click.ClickException(str(exc)) from None
+    client_port, peer_port = free_port(), free_port()
+    etcd_log = root / "etcd.log"
+    etcd_endpoint = f"http://127.0.0.1:{client_port}"
+    etcd_popen = spawn(
+        etcd_command(etcd_binary, root / "etcd-data", client_port, peer_port), etcd_log
+    )
+    state = ClusterState(
+        dir=str(root),
+        etcd=Proc("etcd", etcd_popen.pid, etcd_endpoint, str(etcd_log), str(root / "etcd-data")),
+    )
+    state.save()
+    try:
+        try:
+            wait_etcd_healthy(etcd_endpoint, timeout=timeout, proc=etcd_popen)
+        except (RuntimeError, TimeoutError) as exc:
+            raise click.ClickException(
+                f"etcd did not start: {exc}; see {etcd_log}:\n{tail(str(etcd_log))}"
+            ) from None
+        asyncio.run(revoke_stale_members(etcd_endpoint))
+        file_root = root / "fragments"
+        file_root.mkdir(exist_ok=True)
+        popens = []
+        for i in range(brokers):
+            port = free_port()
+            log_path = root / f"broker-{i}.log"
+            popen = spawn(broker_command(i, port, etcd_endpoint, file_root), log_path)
+            popens.append(popen)
+            state.brokers.append(
+                Proc(
+                    f"broker-{i}",
+                    popen.pid,
+                    f"http://127.0.0.1:{port}",
+                    str(log_path),
+                    f"--broker.file-root {file_root}",
+                )
+            )
+            state.save()
+        asyncio.run(wait_brokers_ready(state.brokers, popens, timeout))
+    except BaseException:
+        for proc in state.all():
+            stop_pid(proc)
+        (root / STATE).unlink(missing_ok=True)
+        raise
+    print_status(state)
+    click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
+
+
+@dev.command("down")
+@dir_option
+@click.option("--purge", is_flag=True, help="Also delete the folder (etcd data, fragments, logs)")
+def down(directory: str, purge: bool) -> None:
+    """Stop the dev cluster's processes by pid."""
+    root = Path(directory).resolve()
+    state = ClusterState.load(root)
+    if state is None:
+        click.echo(f"no dev cluster in {root}", err=True)
+    else:
+        stopped = sum(stop_pid(proc) for proc in state.all())
+        (root / STATE).unlink(missing_ok=True)
+        click.echo(f"stopped {stopped} process(es) of the dev cluster in {root}", err=True)
+    if purge and root.exists():
+        shutil.rmtree(root)
+
+
+@dev.command("status")
+@dir_option
+def status(directory: str) -> None:
+    """Show the dev cluster's processes."""
+    root = Path(directory).resolve()
+    state = ClusterState.load(root)
+    if state is None:
+        raise click.ClickException(f"no dev cluster in {root}: start one with `gazctl dev up`")
+    print_status(state)
+    if not all(is_running(p) for p in state.all()):
+        sys.exit(1)

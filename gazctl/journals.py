@@ -1,0 +1,333 @@
+"""`gazctl journals ...`: manage journal specs (apply, list, edit)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from google.protobuf import json_format
+
+from broker import config as cfg
+from broker.client import ApplyConflict, JournalsClient, ListSnapshot
+from broker.protocol import labels, validate
+from broker.protocol import protocol_pb2 as pb
+from gazctl import render
+from spec import journals as jspec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def broker_options(f: F) -> F:
+    """The Broker option group of upstream gazctl's `journals` commands."""
+    for decorator in reversed(
+        [
+            cfg.option("--broker.address", default="http://localhost:8080", help="Service address of a Gazette broker"),
+            cfg.option("--broker.cache.size", default=0, type=int, help="Size of client route cache (0 disables it: the broker proxies)"),
+            cfg.option("--broker.cache.ttl", default="1m", help="Time-to-live of route cache entries"),
+            cfg.option("--zone", env="ZONE", default="local", help="Availability zone within which this process is running"),
+            cfg.option("--log.level", default="warn", type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]), help="Logging level"),
+            cfg.option("--log.format", default="text", type=click.Choice(["json", "text", "color"]), help="Logging output format"),
+        ]
+    ):  # fmt: skip
+        f = decorator(f)
+    return f
+
+
+@click.group()
+def journals() -> None:
+    """Interact with broker journals."""
+
+
+def parse_selector(text: str) -> pb.LabelSelector:
+    return labels.parse_selector(text) if text else pb.LabelSelector()
+
+
+def client_of(opts: dict[str, Any]) -> JournalsClient:
+    try:
+        return JournalsClient(opts["broker_address"])
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# ---- apply ----------------------------------------------------------------------------------
+
+
+def read_specs(path: str) -> tuple[str, str]:
+    if path == "-":
+        return "stdin", sys.stdin.read()
+    try:
+        return path, Path(path).read_text()
+    except OSError as exc:
+        raise click.ClickException(f"--specs {path}: {exc.strerror or exc}") from None
+
+
+def decode_entries(origin: str, text: str) -> list[jspec.JournalEntry]:
+    """Decode and validate a YAML journal tree; any problem names the journal or the line."""
+    try:
+        entries = jspec.flatten(jspec.decode_tree(text))
+    except jspec.SpecError as exc:
+        raise click.ClickException(f"{origin}: {exc}") from None
+    for entry in entries:
+        if entry.delete:
+            continue
+        try:
+            validate.validate_journal_spec(entry.spec)
+        except validate.ValidationError as exc:
+            raise click.ClickException(f"{origin}: journal {entry.spec.name}: {exc}") from None
+    return entries
+
+
+def changes_of(entries: list[jspec.JournalEntry]) -> list[pb.ApplyRequest.Change]:
+    changes = []
+    for entry in entries:
+        if entry.delete:
+            changes.append(
+                pb.ApplyRequest.Change(expect_mod_revision=entry.revision, delete=entry.spec.name)
+            )
+        else:
+            changes.append(
+                pb.ApplyRequest.Change(expect_mod_revision=entry.revision, upsert=entry.spec)
+            )
+    return changes
+
+
+def plan(entries: list[jspec.JournalEntry], current: ListSnapshot) -> list[render.PlannedChange]:
+    """What applying `entries` would do against the `current` listing, including conflicts."""
+    by_name = {j.spec.name: j for j in current.journals}
+    out = []
+    for entry in entries:
+        existing = by_name.get(entry.spec.name)
+        conflict = ""
+        if entry.revision != -1:
+            have = existing.mod_revision if existing else 0
+            if have != entry.revision:
+                conflict = (
+                    f"revision {entry.revision} but the journal is at {have}"
+                    if have
+                    else f"revision {entry.revision} but the journal does not exist"
+                )
+        if entry.delete:
+            action = "delete" if existing else "delete (absent)"
+            diff: list[str] = []
+        elif existing is None:
+            action, diff = "create", []
+        else:
+            diff = render.spec_diff(existing.spec, entry.spec)
+            action = "update" if diff else "unchanged"
+        out.append(render.PlannedChange(entry.spec.name, action, diff, conflict))
+    return out
+
+
+async def _apply(
+    opts: dict[str, Any], entries: list[jspec.JournalEntry], dry_run: bool, max_txn_size: int
+) -> list[render.PlannedChange]:
+    async with client_of(opts) as client:
+        # The plan names what changes (and which journals conflict) for dry runs and summaries.
+        planned = plan(entries, await client.list())
+        if dry_run:
+            return planned
+        try:
+            await client.apply(changes_of(entries), max_txn_size=max_txn_size)
+        except ApplyConflict as exc:
+            names = [p.name for p in planned if p.conflict]
+            detail = f": {', '.join(names)}" if names else ""
+            raise click.ClickException(
+                f"revision conflict{detail} changed since the specs were read; nothing in the "
+                f"failed transaction was applied (batch {exc.batch + 1}). List the journals "
+                "again (`gazctl journals list -o yaml`) and re-apply, or use revision: -1"
+            ) from None
+        return planned
+
+
+@journals.command("apply")
+@broker_options
+@click.option(
+    "--specs",
+    default="-",
+    show_default=True,
+    help="Input specifications path to apply (- for stdin)",
+)
+@click.option("--dry-run", is_flag=True, help="Show what would change, and change nothing")
+@click.option(
+    "--max-txn-size",
+    default=0,
+    type=int,
+    show_default=True,
+    help="Maximum changes per etcd transaction (0: one transaction)",
+)
+def apply_cmd(specs: str, dry_run: bool, max_txn_size: int, **opts: Any) -> None:
+    """Apply a YAML journal hierarchy (as `journals list -o yaml` prints) to the brokers."""
+    origin, text = read_specs(specs)
+    entries = decode_entries(origin, text)
+    if not entries:
+        raise click.ClickException(f"{origin}: no journals to apply")
+    from gazctl.cli import run
+
+    planned = run(_apply(opts, entries, dry_run, max_txn_size))
+    render.print_plan(planned, dry_run=dry_run)
+
+
+# ---- list -----------------------------------------------------------------------------------
+
+
+def output(snapshot: ListSnapshot, fmt: str, opts: dict[str, Any]) -> None:
+    if fmt == "yaml":
+        entries = [
+            jspec.JournalEntry(spec=j.spec, revision=j.mod_revision) for j in snapshot.journals
+        ]
+        click.echo(jspec.encode_tree(jspec.hoist(entries)) if entries else "", nl=False)
+    elif fmt == "json":
+        for journal in snapshot.journals:
+            doc = json_format.MessageToDict(journal, preserving_proto_field_name=True)
+            click.echo(json.dumps(doc, sort_keys=True))
+    elif fmt == "proto":
+        click.echo(str(snapshot.as_response()), nl=False)
+    else:
+        render.journals_table(
+            snapshot.journals,
+            label_columns=list(opts["label_columns"]),
+            primary=opts["primary"],
+            replicas=opts["replicas"],
+            rf=opts["rf"],
+            stores=opts["stores"],
+        )
+
+
+async def _list(opts: dict[str, Any], selector: pb.LabelSelector, fmt: str, watch: bool) -> None:
+    async with client_of(opts) as client:
+        if not watch:
+            output(await client.list(selector), fmt, opts)
+            return
+        async for snapshot in client.watch(selector):
+            output(snapshot, fmt, opts)
+            sys.stdout.flush()
+
+
+@journals.command("list")
+@broker_options
+@click.option("-l", "--selector", default="", help="Label selector of journals to list")
+@click.option(
+    "-o",
+    "--format",
+    "fmt",
+    default="table",
+    type=click.Choice(["table", "yaml", "json", "proto"]),
+    show_default=True,
+    help="Output format",
+)
+@click.option("-L", "--label-columns", multiple=True, help="Labels to present as columns")
+@click.option("-p", "--primary", is_flag=True, help="Show the primary column")
+@click.option("-r", "--replicas", is_flag=True, help="Show the replicas column")
+@click.option("--rf", is_flag=True, help="Show the replication factor column")
+@click.option("--stores", is_flag=True, help="Show the fragment store column")
+@click.option("--watch", is_flag=True, help="Keep listing as journals change")
+def list_cmd(selector: str, fmt: str, watch: bool, **opts: Any) -> None:
+    """List journal specifications and status.
+
+    Selectors support the meta-labels "name" and "prefix", e.g. `-l "prefix=examples/"`.
+    Output formats: table, yaml (a hierarchy `journals apply` accepts), json (one journal per
+    line), proto (text format).
+    """
+    from gazctl.cli import run
+
+    sel = parse_selector(selector)
+    with contextlib.suppress(KeyboardInterrupt):
+        run(_list(opts, sel, fmt, watch))
+
+
+# ---- edit -----------------------------------------------------------------------------------
+
+EDIT_HEADER = """\
+# Editing journals matching the selector: {selector}
+# Save and close to apply; an empty file or unchanged content applies nothing.
+# Lines starting with '#' are ignored.
+"""
+
+
+def editor_command() -> list[str]:
+    editor = os.environ.get("GAZ_EDITOR") or os.environ.get("EDITOR") or "vi"
+    return shlex.split(editor)
+
+
+def run_editor(path: Path) -> None:
+    cmd = [*editor_command(), str(path)]
+    try:
+        result = subprocess.run(cmd, check=False)
+    except FileNotFoundError:
+        raise click.ClickException(
+            f"editor {cmd[0]!r} not found: set $GAZ_EDITOR or $EDITOR"
+        ) from None
+    if result.returncode != 0:
+        raise click.ClickException(
+            f"editor {cmd[0]!r} exited with status {result.returncode}; nothing applied"
+        )
+
+
+async def _edit(
+    opts: dict[str, Any], selector_text: str, max_txn_size: int
+) -> list[render.PlannedChange]:
+    selector = parse_selector(selector_text)
+    async with client_of(opts) as client:
+        snapshot = await client.list(selector)
+    if not snapshot.journals:
+        raise click.ClickException(f"no journals match the selector {selector_text!r}")
+    entries = [jspec.JournalEntry(spec=j.spec, revision=j.mod_revision) for j in snapshot.journals]
+    original = EDIT_HEADER.format(selector=selector_text) + jspec.encode_tree(jspec.hoist(entries))
+
+    with tempfile.TemporaryDirectory(prefix="gazctl-edit-") as tmp:
+        path = Path(tmp) / "journals.yaml"
+        path.write_text(original)
+        while True:
+            run_editor(path)
+            text = path.read_text()
+            body = strip_error_comments(text)
+            if not body.strip() or body == strip_error_comments(original):
+                click.echo("no changes to apply", err=True)
+                return []
+            try:
+                edited = decode_entries("edited specs", body)
+                return await _apply(opts, edited, dry_run=False, max_txn_size=max_txn_size)
+            except click.ClickException as exc:
+                # Re-open the editor with the error at the top, keeping the user's edits.
+                path.write_text(f"{ERROR_MARK} {exc.message}\n{body}")
+                click.echo(f"error: {exc.message} (re-opening the editor)", err=True)
+
+
+ERROR_MARK = "# ERROR:"
+
+
+def strip_error_comments(text: str) -> str:
+    return "".join(
+        line for line in text.splitlines(keepends=True) if not line.startswith(ERROR_MARK)
+    )
+
+
+@journals.command("edit")
+@broker_options
+@click.option("-l", "--selector", required=True, help="Label selector of journals to edit")
+@click.option(
+    "--max-txn-size",
+    default=0,
+    type=int,
+    show_default=True,
+    help="Maximum changes per etcd transaction (0: one transaction)",
+)
+def edit_cmd(selector: str, max_txn_size: int, **opts: Any) -> None:
+    """Edit journal specifications in $GAZ_EDITOR (or $EDITOR) and apply the result.
+
+    If the edit does not decode or apply, the editor re-opens with the error shown at the top.
+    """
+    from gazctl.cli import run
+
+    planned = run(_edit(opts, selector, max_txn_size))
+    if planned:
+        render.print_plan(planned, dry_run=False)

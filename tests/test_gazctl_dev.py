@@ -1,0 +1,100 @@
+"""`gazctl dev up|down|status`: a real local cluster of etcd and broker subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from gazctl.dev import ClusterState, is_running
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def cluster_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    directory = tmp_path / "dev"
+    yield directory
+    # Whatever a test left behind is stopped by pid.
+    state = ClusterState.load(directory)
+    if state is not None:
+        for proc in state.all():
+            if is_running(proc):
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_up_status_down(cluster_dir: Path) -> None:
+    r = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "2", timeout=120)
+    assert r.code == 0, r.err
+    state = ClusterState.load(cluster_dir)
+    assert state is not None and len(state.brokers) == 2
+    assert all(is_running(p) for p in state.all())
+    export = r.out.strip().splitlines()[-1]
+    assert export == f"export BROKER_ADDRESS={state.brokers[0].address}"
+
+    # Both brokers are registered, and serve the Journal service.
+    listed = run_cli("gazctl", "journals", "list", env={"BROKER_ADDRESS": state.brokers[1].address})
+    assert listed.code == 0, listed.err
+
+    # Every server bound to loopback.
+    for proc in state.all():
+        assert proc.address.startswith("http://127.0.0.1:")
+
+    status = run_cli("gazctl", "dev", "status", "--dir", str(cluster_dir))
+    assert status.code == 0
+    assert status.out.count("running") == 3
+
+    again = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir))
+    assert again.code == 0
+    assert "already running" in again.err
+    assert ClusterState.load(cluster_dir) == state  # Nothing new was started.
+
+    down = run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir))
+    assert down.code == 0, down.err
+    assert "stopped 3" in down.err
+    assert not any(is_running(p) for p in state.all())
+    assert ClusterState.load(cluster_dir) is None
+
+    status = run_cli("gazctl", "dev", "status", "--dir", str(cluster_dir))
+    assert status.code != 0 and "no dev cluster" in status.err
+
+
+def test_stale_state_from_a_crash_is_cleaned(cluster_dir: Path) -> None:
+    assert (
+        run_cli(
+            "gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1", timeout=120
+        ).code
+        == 0
+    )
+    crashed = ClusterState.load(cluster_dir)
+    assert crashed is not None
+    # A crash: the broker dies hard, etcd survives.
+    os.kill(crashed.brokers[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while is_running(crashed.brokers[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    status = run_cli("gazctl", "dev", "status", "--dir", str(cluster_dir))
+    assert status.code != 0 and "stopped" in status.out
+
+    r = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1", timeout=120)
+    assert r.code == 0, r.err
+    assert "stale" in r.err
+    fresh = ClusterState.load(cluster_dir)
+    assert fresh is not None and fresh.etcd.pid != crashed.etcd.pid
+    assert not is_running(crashed.etcd)  # The survivor of the crashed run was stopped.
+    assert all(is_running(p) for p in fresh.all())
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir), "--purge").code == 0
+    assert not cluster_dir.exists()
+    assert not any(is_running(p) for p in fresh.all())
+
+
+def test_state_file_is_json_with_pids(cluster_dir: Path) -> None:
+    cluster_dir.mkdir(parents=True)
+    (cluster_dir / "cluster.json").write_text("{not json")
+    assert ClusterState.load(cluster_dir) is None
+    (cluster_dir / "cluster.json").write_text(json.dumps({"dir": "x"}))
+    assert ClusterState.load(cluster_dir) is None
