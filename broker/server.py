@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import aetcd
 import grpc
@@ -60,7 +62,7 @@ class BrokerConfig:
         if self.listen_host:
             return self.listen_host
         try:
-            addresses = {info[4][0] for info in socket.getaddrinfo(self.host, None)}
+            addresses = {str(info[4][0]) for info in socket.getaddrinfo(self.host, None)}
         except OSError:
             return "0.0.0.0"
         if addresses and all(a.startswith("127.") or a == "::1" for a in addresses):
@@ -110,7 +112,7 @@ class Broker:
             ]
         )
         service = JournalService(self.ks, self.etcd, self.config.etcd_prefix, self.process_id)
-        pb_grpc.add_JournalServicer_to_server(service, self.server)
+        pb_grpc.add_JournalServicer_to_server(service, self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.bind_host()}:{self.config.port}"
         self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
@@ -128,8 +130,8 @@ class Broker:
             raise
         log.info("broker %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
 
-    def _spawn(self, coro: object, name: str) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
         task.set_name(name)
         task.add_done_callback(self._on_task_done)
         self._tasks.append(task)

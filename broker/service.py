@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aetcd
 import grpc
@@ -21,6 +22,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
 
 # Keeps each ListResponse within gRPC's 32 KiB buffer tier for typical specs (as upstream).
 MAX_JOURNALS_PER_LIST_RESPONSE = 25
@@ -81,7 +84,7 @@ class JournalService(pb_grpc.JournalServicer):
         return out, max_mod
 
     async def List(
-        self, request: pb.ListRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListRequest, context: Context
     ) -> AsyncIterator[pb.ListResponse]:
         try:
             validate.validate_list_request(request)
@@ -113,9 +116,7 @@ class JournalService(pb_grpc.JournalServicer):
                 return
             yield pb.ListResponse()  # Marks the end of this snapshot for watching clients.
 
-    async def Apply(
-        self, request: pb.ApplyRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ApplyResponse:
+    async def Apply(self, request: pb.ApplyRequest, context: Context) -> pb.ApplyResponse:
         try:
             validate.validate_apply_request(request)
         except validate.ValidationError as exc:
@@ -144,23 +145,21 @@ class JournalService(pb_grpc.JournalServicer):
         response.header.etcd.revision = result.revision
         return response
 
-    async def Read(self, request: pb.ReadRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+    async def Read(self, request: pb.ReadRequest, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Read is not implemented yet")
 
-    async def Append(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+    async def Append(self, request_iterator: object, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Append is not implemented yet")
 
-    async def Replicate(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+    async def Replicate(self, request_iterator: object, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Replicate is not implemented yet")
 
-    async def ListFragments(
-        self, request: pb.FragmentsRequest, context: grpc.aio.ServicerContext
-    ) -> None:  # type: ignore[override]
+    async def ListFragments(self, request: pb.FragmentsRequest, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ListFragments is not implemented yet")
 
     async def FragmentStoreHealth(
-        self, request: pb.FragmentStoreHealthRequest, context: grpc.aio.ServicerContext
-    ) -> None:  # type: ignore[override]
+        self, request: pb.FragmentStoreHealthRequest, context: Context
+    ) -> None:
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED, "FragmentStoreHealth is not implemented yet"
         )

@@ -174,6 +174,8 @@ def apply_cmd(specs: str, dry_run: bool, max_txn_size: int, **opts: Any) -> None
 
     planned = run(_apply(opts, entries, dry_run, max_txn_size))
     render.print_plan(planned, dry_run=dry_run)
+    if dry_run and any(change.conflict for change in planned):
+        sys.exit(1)  # The dry run predicts that the apply would fail.
 
 
 # ---- list -----------------------------------------------------------------------------------

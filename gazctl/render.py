@@ -100,23 +100,26 @@ STYLES = {"create": "green", "update": "yellow", "delete": "red", "unchanged": "
 
 
 def print_plan(planned: Sequence[PlannedChange], *, dry_run: bool) -> None:
-    verb = "would" if dry_run else "applied:"
     counts: dict[str, int] = {}
     for change in planned:
         counts[change.action] = counts.get(change.action, 0) + 1
-        if change.action == "unchanged" and not dry_run:
+        if change.action == "unchanged" and not dry_run and not change.conflict:
             continue
         style = STYLES.get(change.action.split()[0], "")
-        line = (
-            f"[{style}]{change.action:<9}[/{style}] {change.name}"
-            if style
-            else f"{change.action} {change.name}"
-        )
+        line = f"[{style}]{change.action:<9}[/{style}] {change.name}"
         if change.conflict:
             line += f"  [bold red]conflict: {change.conflict}[/bold red]"
         console.print(line)
         for d in change.diff:
             console.print(f"            {d}", markup=False)
     summary = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-    prefix = "dry run, nothing applied" if dry_run else verb.rstrip(":")
-    err_console.print(f"{prefix}: {summary}")
+    conflicts = sum(1 for change in planned if change.conflict)
+    if dry_run and conflicts:
+        err_console.print(
+            f"dry run, nothing applied: {summary}; applying would fail on "
+            f"{conflicts} revision conflict(s)"
+        )
+    elif dry_run:
+        err_console.print(f"dry run, nothing applied: {summary}")
+    else:
+        err_console.print(f"applied: {summary}")

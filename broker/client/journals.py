@@ -5,6 +5,7 @@ These are the library calls `gazctl journals list|apply|edit` are thin wrappers 
 
 from __future__ import annotations
 
+import builtins
 import urllib.parse
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -66,10 +67,10 @@ class JournalsClient:
         self.address = address
         self.timeout = timeout
         self.channel = dial(address)
-        self.stub = pb_grpc.JournalStub(self.channel)
+        self.stub = pb_grpc.JournalStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.channel.close(None)
 
     async def __aenter__(self) -> JournalsClient:
         return self
@@ -114,7 +115,7 @@ class JournalsClient:
 
     async def apply(
         self, changes: Sequence[pb.ApplyRequest.Change], max_txn_size: int = 0
-    ) -> list[pb.ApplyResponse]:
+    ) -> builtins.list[pb.ApplyResponse]:
         """Apply changes in one transaction, or in batches of `max_txn_size` (0: one batch).
 
         Each batch is all-or-nothing; a failed batch stops the run, and earlier batches stay

@@ -1,5 +1,6 @@
 """The demo `nox -s demo` runs: a local cluster, the example journal tree applied, listed as a
-table and as YAML, and the cluster stopped (always, even when a step fails)."""
+table and as YAML, an edit of the listing applied back, a stale revision refused, and the cluster
+stopped (always, even when a step fails)."""
 
 from __future__ import annotations
 
@@ -13,57 +14,49 @@ HERE = Path(__file__).resolve().parent
 GAZCTL = [sys.executable, "-m", "gazctl.cli"]
 
 
-def step(title: str, *args: str, env: dict[str, str] | None = None) -> None:
+def gazctl(title: str, *args: str, env: dict[str, str], check: bool = True) -> str:
+    """Run one gazctl command as a user would, echoing it and its output."""
     print(f"\n$ gazctl {' '.join(args)}    # {title}", flush=True)
-    subprocess.run([*GAZCTL, *args], check=True, env=env)
+    proc = subprocess.run([*GAZCTL, *args], env=env, stdout=subprocess.PIPE, text=True)
+    print(proc.stdout, end="", flush=True)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"demo step failed: gazctl {' '.join(args)}")
+    return proc.stdout
 
 
 def main() -> None:
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="gazette-demo-") as tmp:
         cluster = str(Path(tmp) / "cluster")
-        env = dict(os.environ)
         try:
-            up = subprocess.run(
-                [*GAZCTL, "dev", "up", "--dir", cluster, "--brokers", "3"],
-                check=True, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            print(up.stdout, end="")
-            address = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
-            env["BROKER_ADDRESS"] = address
+            up = gazctl(
+                "etcd + 3 brokers", "dev", "up", "--dir", cluster, "--brokers", "3", env=env
+            )
+            env["BROKER_ADDRESS"] = up.strip().splitlines()[-1].split("=", 1)[1]
+
             specs = str(HERE / "journals.yaml")
-            step("preview the change", "journals", "apply", "--specs", specs, "--dry-run", env=env)
-            step("apply the example tree", "journals", "apply", "--specs", specs, env=env)
-            step(
-                "list as a table",
-                "journals",
-                "list",
-                "--rf",
-                "--stores",
-                "-L",
-                "content-type",
-                env=env,
+            gazctl("preview", "journals", "apply", "--specs", specs, "--dry-run", env=env)
+            gazctl("apply the example tree", "journals", "apply", "--specs", specs, env=env)
+            gazctl(
+                "as a table", "journals", "list", "--rf", "--stores", "-L", "content-type", env=env
             )
-            step(
-                "list as a YAML hierarchy",
-                "journals",
-                "list",
-                "-l",
-                "prefix=examples/",
-                "-o",
-                "yaml",
+            listing = gazctl(
+                "as a YAML hierarchy", "journals", "list", "-l", "prefix=examples/", "-o", "yaml",
                 env=env,
+            )  # fmt: skip
+
+            # The listing carries each journal's revision: edit it and apply it back.
+            edited = Path(tmp) / "edited.yaml"
+            edited.write_text(listing.replace("replication: 1\n", "replication: 2\n"))
+            gazctl(
+                "apply an edit of the listing", "journals", "apply", "--specs", str(edited), env=env
             )
-            step(
-                "re-applying is a no-op",
-                "journals",
-                "apply",
-                "--specs",
-                specs,
-                "--dry-run",
-                env=env,
-            )
+            gazctl(
+                "the same edit again is stale: refused, nothing applied",
+                "journals", "apply", "--specs", str(edited), env=env, check=False,
+            )  # fmt: skip
         finally:
-            step("stop the cluster", "dev", "down", "--dir", cluster)
+            gazctl("stop every process by pid", "dev", "down", "--dir", cluster, env=env)
 
 
 if __name__ == "__main__":
