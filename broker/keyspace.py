@@ -133,6 +133,12 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
+def _last_revision(batch: list[Any]) -> int:
+    """The etcd revision a batch of watch responses brings the mirror to."""
+    last = batch[-1]
+    return int(last.events[-1].kv.mod_revision if last.events else last.header.revision)
+
+
 def _key(kv: KeyValue) -> str:
     return kv.key
 
@@ -175,6 +181,12 @@ class KeySpace:
         self._observers: list[Observer] = []
         # Created lazily, inside the running loop, by the first waiter of each generation.
         self._next_update: asyncio.Future[Update] | None = None
+        # The largest revision a wait_for_revision() caller awaits. A batch reaching it is
+        # applied at once instead of after apply_delay: read-your-writes callers (Apply) should
+        # not pay the Nagle delay meant for unsolicited changes.
+        self._wanted = 0
+        # Resolved to wake the watch loop when a new waiter arrives during a pending batch.
+        self._wake: asyncio.Future[None] | None = None
 
     # ---- reading the mirror -------------------------------------------------------------
 
@@ -239,6 +251,10 @@ class KeySpace:
         """
         async with asyncio.timeout(timeout):
             while self._revision < revision:
+                if revision > self._wanted:
+                    self._wanted = revision
+                    if self._wake is not None and not self._wake.done():
+                        self._wake.set_result(None)
                 await self.wait_for_update()
 
     def _publish(self, update: Update) -> None:
@@ -404,10 +420,16 @@ class KeySpace:
                     # call), so it lives in its own task that outlasts apply_delay waits.
                     read = asyncio.ensure_future(call.read())
                 timeout = max(0.0, deadline - loop.time()) if batch else None
-                done, _ = await asyncio.wait((read,), timeout=timeout)
-                if not done:
-                    applying, batch = batch, []
+                if batch and self._wake is None:
+                    self._wake = loop.create_future()
+                waits = (read, self._wake) if batch and self._wake is not None else (read,)
+                done, _ = await asyncio.wait(waits, timeout=timeout)
+                if not done or (read not in done and _last_revision(batch) >= self._wanted):
+                    applying, batch, self._wake = batch, [], None
                     self._apply(applying)
+                    continue
+                if read not in done:
+                    self._wake = None  # Woken for a revision this batch does not reach yet.
                     continue
                 if read.cancelled():
                     # We did not cancel it (our own cancellation lands in asyncio.wait), so
@@ -427,8 +449,8 @@ class KeySpace:
                     established = True
                     continue
                 batch.append(rsp)
-                if self.apply_delay == 0:
-                    applying, batch = batch, []
+                if self.apply_delay == 0 or _last_revision(batch) >= self._wanted > self._revision:
+                    applying, batch, self._wake = batch, [], None
                     self._apply(applying)
                 elif len(batch) == 1:
                     deadline = loop.time() + self.apply_delay

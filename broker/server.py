@@ -16,6 +16,7 @@ from typing import Any
 
 import aetcd
 import grpc
+from aetcd import exceptions as etcd_errors
 from aetcd import transactions
 
 from broker import etcd as etcdx
@@ -173,21 +174,41 @@ class Broker:
             await asyncio.sleep(1.0)
 
     async def _keep_lease_alive(self) -> None:
-        interval = max(0.2, self.config.etcd_lease / 3)
+        """Refresh the lease every third of its TTL. An etcd outage is survivable while the
+        lease may still be alive; once a full TTL passes without a refresh, or etcd says the
+        lease is gone, the broker must stop: its member key and assignments are gone with it."""
+        loop = asyncio.get_running_loop()
+        ttl = self.config.etcd_lease
+        interval = max(0.1, ttl / 3)
+        last_ok = loop.time()
         while True:
             await asyncio.sleep(interval)
-            reply = await self.etcd.refresh_lease(self.lease_id)
+            try:
+                reply = await asyncio.wait_for(self.etcd.refresh_lease(self.lease_id), interval)
+            except (TimeoutError, etcd_errors.ClientError, grpc.aio.AioRpcError) as exc:
+                if loop.time() - last_ok > ttl:
+                    raise LeaseLost(
+                        f"etcd lease of {self.member_key} lapsed: no refresh for {ttl:g}s ({exc})"
+                    ) from None
+                log.warning("refreshing the etcd lease failed (retrying): %s", exc)
+                continue
             if reply is None or reply.TTL <= 0:
-                raise LeaseLost(f"etcd lease {self.lease_id:x} of {self.member_key} expired")
+                raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
+            last_ok = loop.time()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful exit: mark the member exiting, drain gRPC, revoke the lease, close etcd."""
+        # etcd may be the reason we are stopping: bound every call to it.
+        bound = max(1.0, min(5.0, self.config.etcd_lease / 2))
         if self.lease_id and self.failure is None:
             with contextlib.suppress(Exception):
-                await self.etcd.put(
-                    self.member_key.encode(),
-                    self.spec(exiting=True).SerializeToString(),
-                    lease=self.lease_id,
+                await asyncio.wait_for(
+                    self.etcd.put(
+                        self.member_key.encode(),
+                        self.spec(exiting=True).SerializeToString(),
+                        lease=self.lease_id,
+                    ),
+                    bound,
                 )
         if self.server is not None:
             await self.server.stop(grace)
@@ -200,8 +221,8 @@ class Broker:
         self._tasks.clear()
         if self.lease_id:
             with contextlib.suppress(Exception):
-                await self.etcd.revoke_lease(self.lease_id)
+                await asyncio.wait_for(self.etcd.revoke_lease(self.lease_id), bound)
             self.lease_id = 0
         with contextlib.suppress(Exception):
-            await self.etcd.close()
+            await asyncio.wait_for(self.etcd.close(), bound)
         self.done.set()

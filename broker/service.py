@@ -16,7 +16,7 @@ from aetcd import transactions
 
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
-from broker.keyspace import KeySpace
+from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels, validate
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -59,25 +59,29 @@ class JournalService(pb_grpc.JournalServicer):
         """Journals matching `selector` with their routes, and the max mod revision among them."""
         items_prefix = self.root + aks.ITEMS
         assign_prefix = self.root + aks.ASSIGNMENTS
-        items = self.ks.prefixed(items_prefix)
         # Items and assignments are both ordered on journal name: narrow a single-name query.
-        names = labels.values_of(selector.include, "name")
-        if len(names) == 1:
-            items = self.ks.prefixed(items_prefix + names[0])
+        narrow = labels.values_of(selector.include, "name")
+        narrow_to = narrow[0] if len(narrow) == 1 else ""
+        items = self.ks.prefixed(items_prefix + narrow_to)
+        assignments: dict[str, list[KeyValue]] = {}
+        for kv in self.ks.prefixed(assign_prefix + narrow_to):
+            if isinstance(kv.decoded, aks.Assignment):
+                assignments.setdefault(kv.decoded.item_id, []).append(kv)
+
+        matcher = labels.JournalMatcher(selector)
         out: list[pb.ListResponse.Journal] = []
         max_mod = -1
         for kv in items:
             item = kv.decoded
             if not isinstance(item, aks.Item) or not isinstance(item.spec, pb.JournalSpec):
                 continue
-            if not labels.matches(selector, labels.journal_meta_labels(item.spec)):
+            if not matcher.matches(item.spec):
                 continue
-            assignments = self.ks.prefixed(f"{assign_prefix}{item.id}{aks.SEP}")
             journal = pb.ListResponse.Journal(
                 spec=item.spec,
                 mod_revision=kv.mod_revision,
                 create_revision=kv.create_revision,
-                route=aks.build_route(assignments, self._member),
+                route=aks.build_route(assignments.get(item.id, ()), self._member),
             )
             out.append(journal)
             max_mod = max(max_mod, kv.mod_revision)

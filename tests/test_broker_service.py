@@ -197,3 +197,21 @@ async def test_apply_through_one_broker_lists_through_another(
         call.cancel()
         assert [j.spec.name for j in first.journals] == ["shared/j"]
         assert first.header.process_id.suffix == "broker-b"
+
+
+async def test_broker_survives_an_etcd_restart(tmp_path: object) -> None:
+    with EtcdServer() as private:
+        async with BrokerHarness(private.endpoint, "/restart", lease=5.0) as harness:
+            async with harness.client() as client:
+                await client.apply([upsert(spec("r/before"))])
+                private.restart()  # Shorter than the lease TTL: the broker must ride it out.
+                for _ in range(100):
+                    try:
+                        await client.apply([upsert(spec("r/after"))])
+                        break
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.1)
+                names = [j.spec.name for j in (await client.list()).journals]
+                assert names == ["r/after", "r/before"]
+            assert harness.broker.failure is None
+            assert not harness.broker.done.is_set()

@@ -95,3 +95,27 @@ def test_bad_flags_are_one_line(etcd_server: EtcdServer) -> None:
     assert "bad zone!" in r.err
     r = run_cli("gazette", "serve", "--etcd.lease", "soon", "--etcd.address", etcd_server.endpoint)
     assert r.code != 0 and "Traceback" not in r.err and "soon" in r.err
+
+
+def test_lost_lease_stops_the_broker(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """If etcd drops the broker's lease, its member key is gone: it must exit, non-zero."""
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    broker = start_broker_process(etcd_server, prefix, tmp_path / "log", broker_id="lease-test")
+    key = aks.member_key(prefix, "local", "lease-test")
+
+    async def revoke() -> None:
+        client = aetcd.Client(host="127.0.0.1", port=etcd_server.client_port)
+        try:
+            got = await client.get(key.encode())
+            assert got is not None and got.lease
+            await client.revoke_lease(got.lease)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(revoke())
+        code = broker.proc.wait(timeout=20)
+    finally:
+        stop_process(broker.proc)
+    assert code == 1
+    assert "lease" in broker.log.read_text()

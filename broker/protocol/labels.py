@@ -274,6 +274,31 @@ def matches(sel: LabelSelector, labels: LabelSet) -> bool:
     return True
 
 
+class JournalMatcher:
+    """A selector compiled once for matching many journals, as List does: it consults the
+    `name` meta-label directly instead of building each journal's meta-label set."""
+
+    def __init__(self, sel: LabelSelector) -> None:
+        self.everything = not sel.include.labels and not sel.exclude.labels
+        self.include = _by_name(sel.include.labels)
+        self.exclude = _by_name(sel.exclude.labels)
+
+    def matches(self, spec: protocol_pb2.JournalSpec) -> bool:
+        if self.everything:
+            return True
+        have: dict[str, list[str]] = {META_NAME: [spec.name]}
+        for label in spec.labels.labels:
+            if label.name != META_NAME:  # The meta-label wins, as in journal_meta_labels().
+                have.setdefault(label.name, []).append(label.value)
+        for name, wants in self.exclude.items():
+            if any(_value_matches(w, v) for w in wants for v in have.get(name, ())):
+                return False
+        for name, wants in self.include.items():
+            if not any(_value_matches(w, v) for w in wants for v in have.get(name, ())):
+                return False
+        return True
+
+
 # --- Selector text -------------------------------------------------------------------------------
 
 

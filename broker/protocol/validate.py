@@ -5,7 +5,9 @@ Each validator raises ValidationError naming the offending field by its dotted p
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import string
 import unicodedata
 from typing import NamedTuple
@@ -170,6 +172,11 @@ def _describe_symbols(symbols: str) -> str:
     return f"letters, digits and {symbols}"
 
 
+@functools.cache
+def _ascii_token(symbols: str) -> re.Pattern[str]:
+    return re.compile(f"[A-Za-z0-9{re.escape(symbols)}]*")
+
+
 def validate_token(
     value: str, *, field: str, min_len: int, max_len: int, symbols: str = TOKEN_SYMBOLS
 ) -> None:
@@ -182,6 +189,8 @@ def validate_token(
         raise ValidationError(
             field, value, f"{_show(value)} is too {which} ({size} {unit}; expected {wanted} bytes)"
         )
+    if value.isascii() and _ascii_token(symbols).fullmatch(value):
+        return  # The common case, without a per-character Unicode category lookup.
     for index, char in enumerate(value):
         if unicodedata.category(char)[0] in "LN" or char in symbols:
             continue
@@ -371,6 +380,20 @@ def validate_journal_labels(labels: protocol_pb2.LabelSet, *, field: str = "labe
     """The labels of a JournalSpec: a valid set without the meta-labels `name` and `prefix`,
     whose content-type is a MIME type, whose message-type comes with a content-type, and whose
     message-subtype comes with a message-type."""
+    # Many journals share one label set (a topic's partitions): remember the ones found valid.
+    key = tuple((label.name, label.value, label.prefix) for label in labels.labels)
+    if key in _VALID_JOURNAL_LABELS:
+        return
+    _validate_journal_labels(labels, field)
+    if len(_VALID_JOURNAL_LABELS) > 4096:
+        _VALID_JOURNAL_LABELS.clear()
+    _VALID_JOURNAL_LABELS.add(key)
+
+
+_VALID_JOURNAL_LABELS: set[tuple[tuple[str, str, bool], ...]] = set()
+
+
+def _validate_journal_labels(labels: protocol_pb2.LabelSet, field: str) -> None:
     validate_label_set(labels, field=field)
     items = labels.labels
     for reserved in (META_NAME, META_PREFIX):
@@ -495,12 +518,25 @@ def _parse_url(text: str) -> _Url:
     return _Url(scheme, host, _unescape(rest, "path"))
 
 
+# Stores already found valid: a cluster has few distinct stores but many journals naming them.
+_VALID_STORES: set[str] = set()
+
+
 def validate_fragment_store(store: str, *, field: str = "store") -> None:
     """An absolute URL of scheme s3, gs, azure, azure-ad or file, whose path ends in '/'.
 
     s3, gs and azure name a bucket (or container) as host; azure-ad names a tenant as host and
     the storage account and container as the first two path segments; file has no host.
     """
+    if store in _VALID_STORES:
+        return
+    _validate_fragment_store(store, field)
+    if len(_VALID_STORES) > 4096:
+        _VALID_STORES.clear()
+    _VALID_STORES.add(store)
+
+
+def _validate_fragment_store(store: str, field: str) -> None:
 
     def fail(reason: str) -> ValidationError:
         return ValidationError(
@@ -600,8 +636,8 @@ def validate_fragment_spec(
         # the store to decompress, which a file:// store cannot do.
         if (
             index == 0
-            and _parse_url(store).scheme == "file"
             and codec == protocol_pb2.GZIP_OFFLOAD_DECOMPRESSION
+            and _parse_url(store).scheme == "file"
         ):
             raise ValidationError(
                 here,
