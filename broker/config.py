@@ -119,7 +119,7 @@ def render_ini(command: click.Command, ini: dict[str, dict[str, str]]) -> str:
         elif key in ini.get(section, {}):
             value = ini[section][key]
         else:
-            value = param.default
+            value = param.default() if callable(param.default) else param.default
         if value is None:
             value = ""
         elif isinstance(value, bool):
