@@ -36,7 +36,12 @@ def cli(ctx: click.Context) -> None:
 @cfg.option(
     "--broker.zone", default="local", help="Availability zone within which this process is running"
 )
-@cfg.option("--broker.id", default=socket.gethostname, show_default="hostname", help="Unique ID of this process")
+@cfg.option(
+    "--broker.id",
+    default=socket.gethostname,
+    show_default="hostname",
+    help="Unique ID of this process",
+)
 @cfg.option(
     "--broker.host",
     default=socket.gethostname,

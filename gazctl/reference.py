@@ -20,11 +20,19 @@ when this file is stale. Every option can also come from its environment variabl
 
 def _option_row(param: click.Parameter) -> str:
     names = ", ".join(f"`{o}`" for o in [*param.opts, *param.secondary_opts])
-    env = f"`${param.envvar}`" if isinstance(param, click.Option) and isinstance(param.envvar, str) else ""
+    env = (
+        f"`${param.envvar}`"
+        if isinstance(param, click.Option) and isinstance(param.envvar, str)
+        else ""
+    )
     default = ""
     if isinstance(param, click.Option) and isinstance(param.show_default, str):
         default = f"({param.show_default})"  # A default computed where it runs, e.g. hostname.
-    elif isinstance(param, click.Option) and not param.is_flag and param.default not in (None, "", ()):
+    elif (
+        isinstance(param, click.Option)
+        and not param.is_flag
+        and param.default not in (None, "", ())
+    ):
         default = f"`{param.default}`"
     help_ = (param.help or "") if isinstance(param, click.Option) else ""
     if isinstance(param, click.Option) and param.required:

@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gazctl_reference_is_current() -> None:
     committed = (ROOT / "docs" / "gazctl.md").read_text()
-    assert committed == full(), "docs/gazctl.md is stale: python -m gazctl.reference > docs/gazctl.md"
+    assert committed == full(), (
+        "docs/gazctl.md is stale: python -m gazctl.reference > docs/gazctl.md"
+    )
 
 
 def test_readme_quick_start_commands() -> None:

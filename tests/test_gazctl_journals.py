@@ -305,3 +305,25 @@ def test_ini_file_supplies_broker_address(broker_process: BrokerProcess, tmp_pat
     (tmp_path / "gazctl.ini").write_text(f"[journals.broker]\naddress = {broker_process.address}\n")
     r = run_cli("gazctl", "journals", "list", cwd=tmp_path, env={"HOME": str(tmp_path)})
     assert r.code == 0, r.err
+
+
+def test_upstream_yaml_applies_and_lists_back_as_the_same_set(
+    broker_process: BrokerProcess, tmp_path: Path
+) -> None:
+    from spec import journals as jspec
+
+    source = Path(__file__).parent / "data" / "upstream_examples.yaml"
+    text = source.read_text().replace("examples/", "upstream/")
+    specs = tmp_path / "in.yaml"
+    specs.write_text(text)
+    r = gazctl(broker_process, "journals", "apply", "--specs", str(specs))
+    assert r.code == 0, r.err
+
+    listed = gazctl(broker_process, "journals", "list", "-l", "prefix=upstream/", "-o", "yaml")
+    assert listed.code == 0, listed.err
+    wanted = {
+        e.spec.SerializeToString(deterministic=True) for e in jspec.flatten(jspec.decode_tree(text))
+    }
+    got = jspec.flatten(jspec.decode_tree(listed.out))
+    assert {e.spec.SerializeToString(deterministic=True) for e in got} == wanted
+    assert all(e.revision > 0 for e in got)
