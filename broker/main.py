@@ -17,10 +17,13 @@ from broker.server import AnnounceError, Broker, BrokerConfig
 INI_NAME = "gazette.ini"
 
 
-def _duration(value: Any) -> float:
-    from spec.durations import parse_go_duration
+def _duration(flag: str, value: Any) -> float:
+    from spec.durations import DurationError, parse_go_duration
 
-    return parse_go_duration(str(value)) / 1e9
+    try:
+        return parse_go_duration(str(value)) / 1e9
+    except DurationError as exc:
+        raise click.ClickException(f"{flag}: {exc}") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,7 +52,10 @@ def cli(ctx: click.Context) -> None:
     help="Addressable, advertised hostname or IP of this process",
 )
 @cfg.option(
-    "--broker.port", default="8080", help="Service port for gRPC requests (0 picks a free port)"
+    "--broker.port",
+    default=8080,
+    type=click.IntRange(0, 65535),
+    help="Service port for gRPC requests (0 picks a free port)",
 )
 @cfg.option(
     "--broker.listen-host",
@@ -116,40 +122,58 @@ def cli(ctx: click.Context) -> None:
 def serve(**opts: Any) -> None:
     """Serve as a Gazette broker with the provided configuration, until SIGTERM or SIGINT."""
     _setup_logging(opts["log_level"], opts["log_format"])
-    try:
-        config = BrokerConfig(
-            zone=opts["broker_zone"],
-            id=opts["broker_id"],
-            host=opts["broker_host"],
-            port=int(opts["broker_port"]),
-            listen_host=opts["broker_listen_host"],
-            file_root=opts["broker_file_root"],
-            limit=opts["broker_limit"],
-            max_replication=opts["broker_max_replication"],
-            min_append_rate=opts["broker_min_append_rate"],
-            max_append_rate=opts["broker_max_append_rate"],
-            watch_delay=_duration(opts["broker_watch_delay"]),
-            max_grpc_recv_size=opts["broker_max_grpc_recv_size"],
-            etcd_address=opts["etcd_address"],
-            etcd_prefix=opts["etcd_prefix"].rstrip("/"),
-            etcd_lease=_duration(opts["etcd_lease"]),
-        )
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+    config = BrokerConfig(
+        zone=opts["broker_zone"],
+        id=opts["broker_id"],
+        host=opts["broker_host"],
+        port=opts["broker_port"],
+        listen_host=opts["broker_listen_host"],
+        file_root=opts["broker_file_root"],
+        limit=opts["broker_limit"],
+        max_replication=opts["broker_max_replication"],
+        min_append_rate=opts["broker_min_append_rate"],
+        max_append_rate=opts["broker_max_append_rate"],
+        watch_delay=_duration("--broker.watch-delay", opts["broker_watch_delay"]),
+        max_grpc_recv_size=opts["broker_max_grpc_recv_size"],
+        etcd_address=opts["etcd_address"],
+        etcd_prefix=opts["etcd_prefix"].rstrip("/"),
+        etcd_lease=_duration("--etcd.lease", opts["etcd_lease"]),
+    )
+    _check(config)
+    sys.exit(asyncio.run(_serve(config)))
+
+
+def _check(config: BrokerConfig) -> None:
+    """Reject a configuration the broker could not run with, naming the flag."""
+    from broker.etcd import parse_etcd_address
+    from broker.protocol import protocol_pb2 as pb
     from broker.protocol import validate
 
+    spec = pb.BrokerSpec(
+        process_spec=pb.ProcessSpec(
+            id=pb.ProcessSpec.ID(zone=config.zone, suffix=config.id),
+            endpoint=f"http://{config.host}:{config.port or 8080}",
+        ),
+        journal_limit=config.limit,
+    )
+    flags = {
+        "process_spec.id.zone": "--broker.zone",
+        "process_spec.id.suffix": "--broker.id",
+        "process_spec.endpoint": "--broker.host",
+    }
     try:
-        validate.validate_process_id(pb_id(config))
+        validate.validate_broker_spec(spec)
     except validate.ValidationError as exc:
-        raise click.ClickException(f"--broker.zone/--broker.id: {exc}") from None
-    code = asyncio.run(_serve(config))
-    sys.exit(code)
-
-
-def pb_id(config: BrokerConfig) -> Any:
-    from broker.protocol import protocol_pb2 as pb
-
-    return pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
+        flag = flags.get(exc.field, "--broker.limit" if "limit" in exc.field else exc.field)
+        raise click.ClickException(f"{flag}: {exc.problem}") from None
+    try:
+        parse_etcd_address(config.etcd_address)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not config.etcd_prefix.startswith("/"):
+        raise click.ClickException(f"--etcd.prefix {config.etcd_prefix!r}: must start with '/'")
+    if config.etcd_lease < 1:
+        raise click.ClickException(f"--etcd.lease: {config.etcd_lease:g}s is below 1s")
 
 
 async def _serve(config: BrokerConfig) -> int:

@@ -42,6 +42,15 @@ def broker_options(f: F) -> F:
     return f
 
 
+max_txn_size_option = click.option(
+    "--max-txn-size",
+    default=0,
+    type=int,
+    show_default=True,
+    help="Maximum changes per etcd transaction (0: one transaction)",
+)
+
+
 @click.group()
 def journals() -> None:
     """Interact with broker journals."""
@@ -157,13 +166,7 @@ async def _apply(
     help="Input specifications path to apply (- for stdin)",
 )
 @click.option("--dry-run", is_flag=True, help="Show what would change, and change nothing")
-@click.option(
-    "--max-txn-size",
-    default=0,
-    type=int,
-    show_default=True,
-    help="Maximum changes per etcd transaction (0: one transaction)",
-)
+@max_txn_size_option
 def apply_cmd(specs: str, dry_run: bool, max_txn_size: int, **opts: Any) -> None:
     """Apply a YAML journal hierarchy (as `journals list -o yaml` prints) to the brokers."""
     origin, text = read_specs(specs)
@@ -316,13 +319,7 @@ def strip_error_comments(text: str) -> str:
 @journals.command("edit")
 @broker_options
 @click.option("-l", "--selector", required=True, help="Label selector of journals to edit")
-@click.option(
-    "--max-txn-size",
-    default=0,
-    type=int,
-    show_default=True,
-    help="Maximum changes per etcd transaction (0: one transaction)",
-)
+@max_txn_size_option
 def edit_cmd(selector: str, max_txn_size: int, **opts: Any) -> None:
     """Edit journal specifications in $GAZ_EDITOR (or $EDITOR) and apply the result.
 
