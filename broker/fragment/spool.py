@@ -1,0 +1,463 @@
+"""The Spool: a replica's transactional memory of one journal, driven by ReplicateRequests.
+
+It holds the Fragment being built (content in an unlinked temporary file, never in memory), the
+journal registers, and uncommitted content that a later proposal either commits or rolls back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
+
+from broker.fragment.fragments import ZERO_DIGEST, digest_of, sum_from_digest
+from broker.protocol import protocol_pb2 as pb
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
+
+__all__ = ["CompletedFragment", "Spool", "SpoolError", "SpoolObserver"]
+
+
+class SpoolError(Exception):
+    """A ReplicateRequest which is not a valid transition of the Spool: the replication stream
+    that carried it must be aborted (the primary and this replica disagree on the journal)."""
+
+
+class SpoolObserver(Protocol):
+    """Told of the Spool's lifecycle; the way readers of a replica learn of new content."""
+
+    def on_commit(self, fragment: pb.Fragment) -> None:
+        """The Spool's fragment was extended to `fragment` by a commit."""
+
+    def on_complete(self, completed: CompletedFragment) -> None:
+        """A non-empty fragment was completed by a roll. The observer now owns `completed` (its
+        content file) and must close it once the fragment is persisted or no longer needed."""
+
+
+class _SpoolFile:
+    """An unlinked temporary file, read and written by position.
+
+    One owner writes while any thread may read. Closing waits for reads in flight, so a reader
+    never reaches a file descriptor number that was closed and reused for another file.
+    """
+
+    __slots__ = ("__weakref__", "_closing", "_fd", "_finalize", "_lock", "_readers")
+
+    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+        fd, path = tempfile.mkstemp(prefix="spool-", dir=directory)
+        try:
+            os.unlink(path)  # The file lives only as long as its descriptor.
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._readers = 0
+        self._closing = False
+        # Also closes the descriptor if an owner drops the file without closing it.
+        self._finalize = weakref.finalize(self, os.close, fd)
+
+    def write(self, data: bytes, offset: int) -> None:
+        written = os.pwrite(self._fd, data, offset)
+        if written == len(data):
+            return
+        view = memoryview(data)
+        while written < len(view):
+            written += os.pwrite(self._fd, view[written:], offset + written)
+
+    def read(self, offset: int, size: int) -> bytes:
+        with self._lock:
+            if self._closing:
+                raise ValueError("read of a closed fragment file")
+            self._readers += 1
+        try:
+            data = os.pread(self._fd, size, offset)
+            if len(data) == size:
+                return data
+            parts = [data]
+            got = len(data)
+            while got < size:
+                more = os.pread(self._fd, size - got, offset + got)
+                if not more:
+                    raise OSError(f"fragment file ends {size - got} bytes before {offset + size}")
+                parts.append(more)
+                got += len(more)
+            return b"".join(parts)
+        finally:
+            with self._lock:
+                self._readers -= 1
+                last = self._closing and self._readers == 0
+            if last:
+                self._finalize()
+
+    def truncate(self, length: int) -> None:
+        os.ftruncate(self._fd, length)
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            if self._readers:
+                return  # The last reader closes it.
+        self._finalize()
+
+
+class CompletedFragment:
+    """A fragment which a roll completed: its metadata, and its content still readable from the
+    spool file until `close()`. This is what gets persisted to the fragment store.
+
+    `primary` tells whether this broker was the journal's primary when the fragment completed:
+    upstream's primary persists at once, while replicas queue the fragment and usually find it
+    already persisted.
+    """
+
+    __slots__ = ("_file", "_fragment", "_registers", "first_append_time", "primary")
+
+    def __init__(
+        self,
+        file: _SpoolFile,
+        fragment: pb.Fragment,
+        registers: pb.LabelSet,
+        first_append_time: datetime | None,
+        primary: bool,
+    ) -> None:
+        self._file = file
+        self._fragment = fragment
+        self._registers = registers
+        self.first_append_time = first_append_time
+        self.primary = primary
+
+    @property
+    def fragment(self) -> pb.Fragment:
+        return _copy_fragment(self._fragment)
+
+    @property
+    def registers(self) -> pb.LabelSet:
+        """The journal registers at completion."""
+        return _copy_labels(self._registers)
+
+    @property
+    def content_length(self) -> int:
+        return self._fragment.end - self._fragment.begin
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to `size` bytes of content from journal `offset` (fewer only at the fragment end)."""
+        return _read_range(self._file, self._fragment.begin, self._fragment.end, offset, size)
+
+    def close(self) -> None:
+        """Release the content file (reads in flight on other threads finish first)."""
+        self._file.close()
+
+    def __enter__(self) -> CompletedFragment:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        f = self._fragment
+        return f"CompletedFragment<{f.journal} [{f.begin}, {f.end})>"
+
+
+def _read_range(file: _SpoolFile | None, begin: int, end: int, offset: int, size: int) -> bytes:
+    if not begin <= offset <= end:
+        raise ValueError(f"offset {offset} is outside of the fragment [{begin}, {end})")
+    size = min(size, end - offset)
+    if size <= 0:
+        return b""
+    assert file is not None, "a fragment with content has a file"
+    return file.read(offset - begin, size)
+
+
+def _copy_fragment(fragment: pb.Fragment) -> pb.Fragment:
+    out = pb.Fragment()
+    out.CopyFrom(fragment)
+    return out
+
+
+def _copy_labels(labels: pb.LabelSet) -> pb.LabelSet:
+    out = pb.LabelSet()
+    out.CopyFrom(labels)
+    return out
+
+
+def _labels_key(labels: pb.LabelSet) -> tuple[tuple[str, str, bool], ...]:
+    return tuple((label.name, label.value, label.prefix) for label in labels.labels)
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Spool:
+    """A replica's fragment under construction, plus registers and uncommitted content.
+
+    `apply` runs the transitions. A content chunk appends pending bytes at `content_delta`. A
+    proposal is matched, in order, against:
+
+    - a roll: a proposal ending beyond the spool's end plus pending bytes, or an empty proposal
+      at exactly the spool's end, first restarts the spool empty at the proposal's end (handing a
+      non-empty fragment to `on_complete`) and takes the proposal's registers if it moved forward;
+    - a rollback: the current fragment and registers exactly, which discards pending bytes;
+    - a commit: the current fragment extended by all pending bytes, which adopts it and its
+      registers.
+
+    Anything else answers PROPOSAL_MISMATCH with the spool's fragment and registers, so the
+    primary can roll everyone to the furthest offset. Only the owner of the spool calls `apply`;
+    `read` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        journal: str,
+        observer: SpoolObserver,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        clock: Callable[[], datetime] = _utc_now,
+    ) -> None:
+        self._journal = journal
+        self._observer = observer
+        self._directory = directory
+        self._clock = clock
+        self._closed = False
+        self._file: _SpoolFile | None = None
+        self._registers = pb.LabelSet()
+        self._registers_key: tuple[tuple[str, str, bool], ...] = ()
+        self._restart(0, pb.NONE)
+
+    def _restart(self, offset: int, codec: pb.CompressionCodec) -> None:
+        self._begin = self._end = offset
+        self._codec = codec
+        self._digest = ZERO_DIGEST  # Of committed content; all zeros while there is none.
+        self._delta = 0
+        self._committed_sha: _Hash = hashlib.sha1()
+        # Pending content is summed on a copy of the committed state, so a rollback is free.
+        self._pending_sha: _Hash | None = None
+        self._first_append_time: datetime | None = None
+        # What readers on other threads see: replaced as one value, never mutated.
+        self._view: tuple[_SpoolFile | None, int, int] = (self._file, offset, offset)
+
+    # --- State -----------------------------------------------------------------------------------
+
+    @property
+    def journal(self) -> str:
+        return self._journal
+
+    @property
+    def begin(self) -> int:
+        return self._begin
+
+    @property
+    def end(self) -> int:
+        """End of committed content (pending bytes follow it)."""
+        return self._end
+
+    @property
+    def delta(self) -> int:
+        """Bytes of pending, uncommitted content."""
+        return self._delta
+
+    @property
+    def content_length(self) -> int:
+        """Bytes of committed content in the fragment."""
+        return self._end - self._begin
+
+    @property
+    def first_append_time(self) -> datetime | None:
+        """When the fragment's first commit was applied (None while it has no content)."""
+        return self._first_append_time
+
+    @property
+    def fragment(self) -> pb.Fragment:
+        """The fragment as of the last commit."""
+        return self._make_fragment(self._end, self._digest)
+
+    @property
+    def registers(self) -> pb.LabelSet:
+        """The journal registers as of the last commit or roll."""
+        return _copy_labels(self._registers)
+
+    def next_proposal(self) -> pb.Fragment:
+        """The fragment which a commit of all pending content proposes."""
+        if self._pending_sha is None:
+            return self.fragment
+        return self._make_fragment(self._end + self._delta, self._pending_sha.digest())
+
+    def _make_fragment(self, end: int, digest: bytes) -> pb.Fragment:
+        return pb.Fragment(
+            journal=self._journal,
+            begin=self._begin,
+            end=end,
+            sum=sum_from_digest(digest) if end != self._begin else None,
+            compression_codec=self._codec,
+        )
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to `size` bytes of committed content from journal `offset` (fewer only at the end;
+        pending bytes are never returned). Raises ValueError for an offset outside the fragment,
+        which happens when a roll moved the spool on: the completed fragment has the bytes."""
+        file, begin, end = self._view
+        if self._closed:
+            raise ValueError(f"read of the closed spool of {self._journal}")
+        return _read_range(file, begin, end, offset, size)
+
+    # --- Transitions -----------------------------------------------------------------------------
+
+    def apply(self, request: pb.ReplicateRequest, primary: bool = False) -> pb.ReplicateResponse:
+        """Apply a content chunk or a proposal. A chunk answers an empty (OK) response or raises
+        SpoolError; a proposal answers OK or PROPOSAL_MISMATCH. OSErrors of the spool file
+        propagate and leave the spool as it was. `primary` is recorded on a fragment that this
+        request completes, for the persister."""
+        if self._closed:
+            raise SpoolError(f"the spool of {self._journal} is closed")
+        if request.HasField("proposal"):
+            return self._apply_proposal(request.proposal, request.registers, primary)
+        self._apply_content(request.content, request.content_delta)
+        return pb.ReplicateResponse()
+
+    def rollback(self) -> None:
+        """Discard pending content (what a replica does when its replication stream ends)."""
+        self._delta = 0
+        self._pending_sha = None
+
+    def _apply_content(self, content: bytes, content_delta: int) -> None:
+        if content_delta != self._delta:
+            raise SpoolError(
+                f"invalid content_delta of {self._journal} ({content_delta}; expected {self._delta})"
+            )
+        if not content:
+            return
+        if self._file is None:
+            self._file = _SpoolFile(self._directory)
+            self._view = (self._file, self._begin, self._end)
+        self._file.write(content, self._end - self._begin + self._delta)
+        if self._pending_sha is None:
+            self._pending_sha = self._committed_sha.copy()
+        self._pending_sha.update(content)
+        self._delta += len(content)
+
+    def _apply_proposal(
+        self, proposal: pb.Fragment, registers: pb.LabelSet, primary: bool
+    ) -> pb.ReplicateResponse:
+        # Upstream rolls before noticing a foreign journal; a spool must never move for another
+        # journal's proposal, so that one is refused first.
+        if proposal.journal != self._journal:
+            return self._mismatch()
+
+        end = proposal.end
+        if end > self._end + self._delta or (end == self._end and proposal.begin == end):
+            # A peer knows a later offset (or the primary asks to start a new fragment here).
+            # This happens even if the proposal then mismatches: answering with the rolled
+            # fragment is how the primary learns the offset to roll everyone to.
+            self._roll(proposal, registers if end > self._end else None, primary)
+
+        if self._is_fragment(proposal, self._end, self._digest):
+            if _labels_key(registers) == self._registers_key:
+                self.rollback()
+                return pb.ReplicateResponse()
+            return self._mismatch()
+
+        if self._pending_sha is not None:
+            digest = self._pending_sha.digest()
+            if self._is_fragment(proposal, self._end + self._delta, digest):
+                self._commit(digest, registers)
+                return pb.ReplicateResponse()
+        return self._mismatch()
+
+    def _is_fragment(self, proposal: pb.Fragment, end: int, digest: bytes) -> bool:
+        # Field by field: protobuf equality would tell an unset `sum` from a zero one.
+        return (
+            proposal.begin == self._begin
+            and proposal.end == end
+            and proposal.compression_codec == self._codec
+            and digest_of(proposal.sum) == digest
+            and not proposal.backing_store
+            and not proposal.mod_time
+            and not proposal.path_postfix
+        )
+
+    def _commit(self, digest: bytes, registers: pb.LabelSet) -> None:
+        assert self._pending_sha is not None
+        self._end += self._delta
+        self._delta = 0
+        self._committed_sha, self._pending_sha = self._pending_sha, None
+        self._digest = digest
+        self._set_registers(registers)
+        if self._first_append_time is None:
+            self._first_append_time = self._clock()
+        self._view = (self._file, self._begin, self._end)
+        self._observer.on_commit(self.fragment)
+
+    def _roll(self, proposal: pb.Fragment, registers: pb.LabelSet | None, primary: bool) -> None:
+        completed: CompletedFragment | None = None
+        if self._end > self._begin:
+            assert self._file is not None
+            # Drop discarded pending bytes, so the file holds exactly the fragment's content.
+            self._file.truncate(self._end - self._begin)
+            completed = CompletedFragment(
+                self._file, self.fragment, self.registers, self._first_append_time, primary
+            )
+            self._file = None
+        # Else any file holds only discarded pending bytes: it is reused.
+        if registers is not None:
+            self._set_registers(registers)
+        self._restart(proposal.end, proposal.compression_codec)
+        if completed is not None:
+            self._observer.on_complete(completed)
+
+    def _set_registers(self, registers: pb.LabelSet) -> None:
+        key = _labels_key(registers)
+        if key != self._registers_key:
+            self._registers = _copy_labels(registers)
+            self._registers_key = key
+
+    def _mismatch(self) -> pb.ReplicateResponse:
+        return pb.ReplicateResponse(
+            status=pb.PROPOSAL_MISMATCH, fragment=self.fragment, registers=self.registers
+        )
+
+    # --- Lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the spool's file. Completed fragments are unaffected: their owners close them."""
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        registers = ",".join(f"{label.name}={label.value}" for label in self._registers.labels)
+        return (
+            f"Spool<{self._journal} [{self._begin}, {self._end}) +{self._delta} pending, "
+            f"registers: {registers or '-'}>"
+        )
