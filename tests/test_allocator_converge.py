@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.allocator import keyspace as aks
 from broker.allocator.converge import Compare, Delete, Put, Txn, plan
@@ -301,3 +303,153 @@ def test_plan_rejects_a_mismatched_desired() -> None:
     with pytest.raises(ValueError, match="desired has 0 items"):
         plan(state, [])
     assert isinstance(Delete("k"), Delete)
+
+
+# ---- rounds to a fixed point, simulated ---------------------------------------------------------
+
+
+class Store:
+    """An in-memory etcd for the simulation: key -> (raw value, lease, create and mod revision)."""
+
+    def __init__(self, state: State) -> None:
+        self.revision = state.revision
+        self.kvs: dict[str, KeyValue] = {}
+        for kv in (*state.items, *state.members, *(kv for g in state.assignments for kv in g)):
+            self.kvs[kv.key] = kv
+        for group in state.orphans:
+            for kv in group:
+                self.kvs[kv.key] = kv
+        self.decode = aks.broker_decoder(ROOT)
+
+    def state(self) -> State:
+        def under(prefix: str) -> list[KeyValue]:
+            return sorted(
+                (kv for k, kv in self.kvs.items() if k.startswith(prefix)), key=lambda kv: kv.key
+            )
+
+        members = under(ROOT + aks.MEMBERS)
+        return State.build(
+            ROOT, self.revision, members[0].key if members else "", broker_rules(),
+            items=under(ROOT + aks.ITEMS), members=members, assignments=under(ROOT + aks.ASSIGNMENTS),
+        )  # fmt: skip
+
+    def apply(self, txn: Txn) -> None:
+        for c in txn.compares:
+            kv = self.kvs.get(c.key)
+            got = (
+                0 if kv is None else (kv.mod_revision if c.target == "mod" else kv.create_revision)
+            )
+            assert got == c.revision, f"comparison failed: {c}"
+        self.revision += 1
+        for op in txn.ops:
+            if isinstance(op, Delete):
+                assert op.key in self.kvs, f"deleting absent {op.key}"
+                del self.kvs[op.key]
+        for op in txn.ops:
+            if isinstance(op, Put):
+                assert op.key not in self.kvs, f"overwriting {op.key}"
+                decoded = self.decode(op.key, op.value)
+                self.kvs[op.key] = KeyValue(
+                    op.key, op.value, decoded, self.revision, self.revision, 1, op.lease
+                )
+
+    def pulse(self) -> int:
+        """Write every journal's route into its assignments; how many changed."""
+        groups: dict[str, list[KeyValue]] = {}
+        for key, kv in sorted(self.kvs.items()):
+            if key.startswith(ROOT + aks.ASSIGNMENTS):
+                assert isinstance(kv.decoded, aks.Assignment)
+                groups.setdefault(kv.decoded.item_id, []).append(kv)
+        changed = 0
+        for group in groups.values():
+            raw = aks.build_route(group, lambda zone, suffix: None).SerializeToString()
+            for kv in group:
+                if kv.raw != raw:
+                    self.revision += 1
+                    self.kvs[kv.key] = KeyValue(
+                        kv.key, raw, self.decode(kv.key, raw), kv.create_revision,
+                        self.revision, kv.version + 1, kv.lease,
+                    )  # fmt: skip
+                    changed += 1
+        return changed
+
+
+def consistent_members(state: State, i: int) -> set[tuple[str, str]]:
+    group = state.assignments[i]
+    item = state.item(i)
+    return {
+        (kv.decoded.member_zone, kv.decoded.member_suffix)
+        for kv in group
+        if isinstance(kv.decoded, aks.Assignment)
+        and kv.decoded.member_zone != "gone"
+        and state.rules.is_consistent(item, kv, group)
+    }
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> State:
+    n_members = draw(st.integers(1, 5))
+    members = [
+        (draw(st.sampled_from(["a", "b", "c"])), f"m{m}", draw(st.integers(0, 4)))
+        for m in range(n_members)
+    ]
+    items = {f"j{i}": draw(st.integers(0, 3)) for i in range(draw(st.integers(0, 6)))}
+    suffixes = [s for _, s, _ in members] + ["x"]  # "x" is a member that no longer exists.
+    zone_of = {s: z for z, s, _ in members} | {"x": "gone"}
+    assignments = []
+    for item in [*items, "deleted"]:
+        chosen = draw(st.lists(st.sampled_from(suffixes), unique=True, max_size=3))
+        synced = draw(st.booleans())
+        route = ([(zone_of[s], s) for s in sorted(chosen, key=lambda s: (zone_of[s], s))], 0)
+        for slot, s in enumerate(chosen):
+            assignments.append(Asn(item, zone_of[s], s, slot, route if synced else None))
+    exiting = draw(st.lists(st.sampled_from(suffixes[:-1]), unique=True, max_size=2))
+    return build(items, members, assignments, exiting=exiting)
+
+
+@settings(max_examples=150, deadline=None)
+@given(clusters())
+def test_rounds_reach_the_desired_assignment_safely(state: State) -> None:
+    """Rounds of plan -> apply, with a pulse whenever the leader idles, end at the desired
+    assignment, and no round removes a consistent replica an item still needs."""
+    desired = solve(state.problem()).assignments
+    store = Store(state)
+    for _ in range(50):
+        state = store.state()
+        result = plan(state, desired)
+        if not result.txns:
+            if store.pulse() == 0:
+                break
+            continue
+        for txn in result.txns:
+            store.apply(txn)
+        after = store.state()
+        for i in range(len(state.items)):
+            before = consistent_members(state, i)
+            kept = {
+                (kv.decoded.member_zone, kv.decoded.member_suffix)
+                for kv in after.assignments[i]
+                if isinstance(kv.decoded, aks.Assignment)
+            }
+            assert len(before & kept) >= min(len(before), state.replication[i]), state.item_ids[i]
+    else:
+        raise AssertionError("no fixed point after 50 rounds")
+    final = store.state()
+    assert final.orphans == ()
+    for i, want in enumerate(desired):
+        group = final.assignments[i]
+        held = {final.member_index.get(_member(kv), -1) for kv in group}
+        for m in want:
+            # Reached, unless the member is full of replicas that may not go yet.
+            assert m in held or final.total_count[m] >= final.effective_limit(m)
+        if held - set(want):
+            # A replica stays beyond the desired set only while every replica is needed: after
+            # the last pulse all are consistent, so there are no more than desired.
+            assert len(group) <= final.replication[i], final.item_ids[i]
+        slots = sorted(kv.decoded.slot for kv in group if isinstance(kv.decoded, aks.Assignment))
+        assert slots == list(range(len(group)))
+
+
+def _member(kv: KeyValue) -> tuple[str, str]:
+    assert isinstance(kv.decoded, aks.Assignment)
+    return kv.decoded.member_zone, kv.decoded.member_suffix
