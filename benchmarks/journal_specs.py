@@ -5,6 +5,9 @@ the same etcd operations issued directly (the floor any broker could reach).
   putting the same encoded specs with the same revision compares.
 - list: a full listing of N journals through `List` (server-streamed in chunks of 25) vs a
   direct etcd range read of the same keys (decoding included on both sides).
+
+`run()` reports apply as `value` (specs/s) beside its direct-etcd `baseline`, and list as `list`,
+`list_baseline` and `list_ratio`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from typing import Any
 
 from aetcd import transactions
 
@@ -23,6 +27,9 @@ from broker.testing import BrokerHarness, EtcdServer
 JOURNALS = 2000
 BATCH = 100
 ROUNDS = 3
+# --quick: enough to exercise every path (two Apply batches, one List) in a couple of seconds.
+QUICK_JOURNALS = 200
+QUICK_ROUNDS = 1
 
 
 def journal(i: int, tag: str) -> pb.JournalSpec:
@@ -38,26 +45,26 @@ def journal(i: int, tag: str) -> pb.JournalSpec:
     return spec
 
 
-async def run(etcd: EtcdServer) -> dict[str, list[float]]:
+async def measure(etcd: EtcdServer, journals: int, rounds: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"apply": [], "apply_base": [], "list": [], "list_base": []}
     root = "/bench"
     async with BrokerHarness(etcd.endpoint, root, watch_delay=0.03) as harness:
         client = harness.client()
         raw = etcdx.connect(etcd.endpoint)
         try:
-            for r in range(ROUNDS):
-                specs = [journal(i, f"broker-{r}") for i in range(JOURNALS)]
+            for r in range(rounds):
+                specs = [journal(i, f"broker-{r}") for i in range(journals)]
                 t = time.perf_counter()
-                for start in range(0, JOURNALS, BATCH):
+                for start in range(0, journals, BATCH):
                     changes = [
                         pb.ApplyRequest.Change(upsert=s) for s in specs[start : start + BATCH]
                     ]
                     await client.apply(changes)
                 out["apply"].append(time.perf_counter() - t)
 
-                specs = [journal(i, f"direct-{r}") for i in range(JOURNALS)]
+                specs = [journal(i, f"direct-{r}") for i in range(journals)]
                 t = time.perf_counter()
-                for start in range(0, JOURNALS, BATCH):
+                for start in range(0, journals, BATCH):
                     compare, ops = [], []
                     for s in specs[start : start + BATCH]:
                         key = aks.item_key(root, s.name).encode()
@@ -69,8 +76,8 @@ async def run(etcd: EtcdServer) -> dict[str, list[float]]:
                 # The broker learns of direct writes through its watch; let it catch up.
                 await harness.broker.ks.wait_for_revision(result.revision)
 
-            total = ROUNDS * JOURNALS * 2
-            for _ in range(ROUNDS):
+            total = rounds * journals * 2
+            for _ in range(rounds):
                 t = time.perf_counter()
                 listed = await client.list()
                 out["list"].append(time.perf_counter() - t)
@@ -87,22 +94,22 @@ async def run(etcd: EtcdServer) -> dict[str, list[float]]:
     return out
 
 
-def main() -> None:
+def run(quick: bool = False) -> dict[str, Any]:
+    journals, rounds = (QUICK_JOURNALS, QUICK_ROUNDS) if quick else (JOURNALS, ROUNDS)
     with EtcdServer() as etcd:
-        out = asyncio.run(run(etcd))
+        out = asyncio.run(measure(etcd, journals, rounds))
     apply_, apply_base = statistics.median(out["apply"]), statistics.median(out["apply_base"])
     list_, list_base = statistics.median(out["list"]), statistics.median(out["list_base"])
-    listed = ROUNDS * JOURNALS * 2
-    print(f"journal-specs: {JOURNALS} specs per round, {BATCH} per transaction, median of {ROUNDS}")
-    print(
-        f"  apply  broker {JOURNALS / apply_:9.0f} specs/s   direct etcd {JOURNALS / apply_base:9.0f} specs/s"
-        f"   ratio {apply_base / apply_:.2f}"
-    )
-    print(
-        f"  list   broker {listed / list_:9.0f} specs/s   direct etcd {listed / list_base:9.0f} specs/s"
-        f"   ratio {list_base / list_:.2f}   ({listed} journals)"
-    )
-
-
-if __name__ == "__main__":
-    main()
+    listed = rounds * journals * 2
+    return {
+        "value": journals / apply_,
+        "unit": "specs/s",
+        "baseline": journals / apply_base,
+        "ratio": apply_base / apply_,
+        "list": listed / list_,
+        "list_baseline": listed / list_base,
+        "list_ratio": list_base / list_,
+        "journals_applied": journals,
+        "journals_listed": listed,
+        "rounds": rounds,
+    }

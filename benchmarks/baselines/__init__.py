@@ -1,0 +1,1 @@
+"""Same-run baselines: bare grpc.aio chains of separate processes on loopback, no protocol."""

@@ -1,0 +1,92 @@
+"""Smoke test of `nox -s bench`'s runner and the bare-relay baselines: each runs briefly and reports
+the fields the append benchmarks rely on. Nothing here asserts on speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import _runner
+from benchmarks.baselines import _procs
+from benchmarks.baselines.relay import measure_relay_throughput
+from benchmarks.baselines.unary_chain import measure_unary_chain
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+
+
+def test_runner_writes_json_for_journal_specs_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = bench("--json", str(out), "--only", "journal_specs", "--quick")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("journal_specs  "), proc.stdout
+    results = json.loads(out.read_text())
+    assert list(results) == ["journal_specs"]
+    result = results["journal_specs"]
+    assert result["unit"] == "specs/s"
+    for key in ("value", "baseline", "ratio", "list", "list_baseline", "list_ratio"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+
+
+def test_unknown_benchmark_is_one_line() -> None:
+    proc = bench("--only", "journal_specs", "no_such_bench")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("unknown benchmark no_such_bench; known: journal_specs")
+
+
+def test_missing_module_is_not_yet_available(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    registry = {"later": "benchmarks.no_such_module"}
+    assert _runner.main(["--json", str(out)], registry) == 0
+    assert (
+        capsys.readouterr().out
+        == "later  not yet available (no module benchmarks.no_such_module)\n"
+    )
+    assert json.loads(out.read_text()) == {}
+    # Asked for by name, it is still one line, but the run did not do what was asked.
+    assert _runner.main(["--only", "later"], registry) == 1
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
+    """Every server process the baselines start, to check each is stopped."""
+    procs: list[subprocess.Popen[bytes]] = []
+    spawn = _procs._spawn
+
+    def recording(module: str, args: Any) -> subprocess.Popen[bytes]:
+        procs.append(spawn(module, args))
+        return procs[-1]
+
+    monkeypatch.setattr(_procs, "_spawn", recording)
+    return procs
+
+
+def test_relay_baseline_runs(started: list[subprocess.Popen[bytes]]) -> None:
+    result = measure_relay_throughput(duration_s=0.2, chunk_size=64 << 10, append_size=256 << 10)
+    assert result["unit"] == "MB/s"
+    assert result["value"] > 0 and result["appends"] > 0
+    assert 0 < result["p50_ms"] <= result["p99_ms"]
+    assert len(started) == 3 and all(p.poll() is not None for p in started)
+
+
+def test_unary_chain_baseline_runs(started: list[subprocess.Popen[bytes]]) -> None:
+    result = measure_unary_chain(concurrency=4, payload=256, duration_s=0.2)
+    assert result["unit"] == "calls/s"
+    assert result["value"] > 0 and result["calls"] > 0
+    assert 0 < result["p50_ms"] <= result["p99_ms"]
+    assert len(started) == 3 and all(p.poll() is not None for p in started)
