@@ -5,7 +5,7 @@ replication, each member's zone and effective limit, and the current assignments
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -144,8 +144,10 @@ class _Network:
         # While two zones have capacity, no zone may hold every replica of an item.
         self.spread_cap = [max(w - 1, 1) for w in self.want] if self.zones >= 2 else list(self.want)
         self.hold: list[list[int]] = [[] for _ in range(self.n_items)]
-        # Insertion-ordered: newest placements last, so moves prefer undoing them.
-        self.on: list[dict[int, None]] = [{} for _ in range(self.n_members)]
+        # Items placed on each member: by this solve (free to move), and kept from the current
+        # assignment (moving one costs a replica resync). Dicts, as ordered sets.
+        self.on_new: list[dict[int, None]] = [{} for _ in range(self.n_members)]
+        self.on_kept: list[dict[int, None]] = [{} for _ in range(self.n_members)]
         self.load = [0] * self.n_members
         # Replicas of item i in zone z, at i*Z + z.
         self.zone_count = [0] * (self.n_items * self.zones)
@@ -163,13 +165,15 @@ class _Network:
 
     def place(self, i: int, m: int) -> None:
         self.hold[i].append(m)
-        self.on[m][i] = None
+        on = self.on_kept if i * self.n_members + m in self.was else self.on_new
+        on[m][i] = None
         self.load[m] += 1
         self.zone_count[i * self.zones + self.member_zone[m]] += 1
 
     def unplace(self, i: int, m: int) -> None:
         self.hold[i].remove(m)
-        del self.on[m][i]
+        on = self.on_kept if i * self.n_members + m in self.was else self.on_new
+        del on[m][i]
         self.load[m] -= 1
         self.zone_count[i * self.zones + self.member_zone[m]] -= 1
 
@@ -250,13 +254,15 @@ class _Network:
         a node that had none.
 
         A 0-1 breadth-first search over the residual graph: moving a replica the current
-        assignment holds costs 1, anything else 0.
+        assignment holds costs 1, anything else 0. A full member's replicas (a thousand, say)
+        are enumerated lazily, by a token in the queue that yields one at a time, so that a
+        search ending early has not paid for them all.
         """
         n_members, zones = self.n_members, self.zones
         zi_base = n_members + self.n_items
         visit, done, cap, load = self.visit, self.done, self.cap, self.load
-        zc, zone_cap, hold, on = self.zone_count, self.zone_cap, self.hold, self.on
-        member_zone, zone_members, was = self.member_zone, self.zone_members, self.was
+        zc, zone_cap, hold = self.zone_count, self.zone_cap, self.hold
+        member_zone, zone_members = self.member_zone, self.zone_members
         self.stamp += 1
         stamp = self.stamp
         # Members not yet settled, by zone: a zone whose members are all settled is not
@@ -265,6 +271,8 @@ class _Network:
         remaining = self.live
         distance: dict[int, int] = {}
         parent: dict[int, int] = {}
+        # Tokens (negative) enumerating a member's replicas: (member, distance, iterator).
+        tokens: dict[int, tuple[int, int, Iterator[int]]] = {}
         origin = n_members + start
         if done[origin] >= stamp:
             return False  # Found dead by an earlier search.
@@ -273,6 +281,19 @@ class _Network:
         queue = deque((origin,))
         while queue and remaining:
             u = queue.popleft()
+            if u < 0:
+                m, d, replicas = tokens[u]
+                j = next(replicas, -1)
+                if j < 0:
+                    continue
+                queue.appendleft(u)  # More to come, at the same distance.
+                v = zi_base + j * zones + member_zone[m]
+                if done[v] < stamp and (visit[v] < stamp or d < distance[v]):
+                    visit[v] = stamp
+                    distance[v] = d
+                    parent[v] = m
+                    queue.appendleft(v)
+                continue
             if done[u] >= stamp:
                 continue  # Settled at a lower cost already.
             done[u] = stamp
@@ -283,20 +304,13 @@ class _Network:
                 if load[u] < cap[u]:
                     self._apply(parent, u, origin)
                     return True
-                # A full member: any of its replicas may move elsewhere.
-                z = member_zone[u]
-                for j in on[u]:
-                    v = zi_base + j * zones + z
-                    if done[v] < stamp:
-                        cost = 1 if j * n_members + u in was else 0
-                        if visit[v] < stamp or d + cost < distance[v]:
-                            visit[v] = stamp
-                            distance[v] = d + cost
-                            parent[v] = u
-                            if cost:
-                                queue.append(v)
-                            else:
-                                queue.appendleft(v)
+                # A full member: any of its replicas may move elsewhere, those it holds from
+                # the current assignment at a cost.
+                token = -1 - 2 * u
+                tokens[token] = (u, d, iter(self.on_new[u]))
+                queue.appendleft(token)
+                tokens[token - 1] = (u, d + 1, iter(self.on_kept[u]))
+                queue.append(token - 1)
             elif u < zi_base:
                 # An item: it may add a replica in any zone below its cap.
                 j = u - n_members
