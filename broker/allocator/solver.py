@@ -117,6 +117,8 @@ def solve(problem: Problem) -> Solution:
 
 # Visit stamp of nodes proven unable to reach the sink for the rest of a stage.
 _DEAD = 1 << 62
+# A large odd multiplier (Knuth's multiplicative hash) scattering tie-breaks across items.
+_SCATTER = 2654435761
 
 
 class _Network:
@@ -138,6 +140,8 @@ class _Network:
         self.zone_members = [
             [m for m in self.active if self.member_zone[m] == z] for z in range(self.zones)
         ]
+        # Each zone's members twice over, so any rotation of them is one slice.
+        self.zone_members_twice = [ms + ms for ms in self.zone_members]
         # An item cannot use more members than can hold anything.
         self.want = [max(0, min(r, len(self.active))) for r in problem.replication]
         self.wanted = sum(self.want)
@@ -237,7 +241,13 @@ class _Network:
         for count, z in sorted(zip(counts, range(self.zones), strict=True)):
             if count >= best_count:
                 break
-            for m in self.zone_members[z]:
+            # Ties go to the first member from a start that varies by item and zone: taken in a
+            # fixed order, items would share identical member sets (whole replica sets moving
+            # together), and a lost member's replicas would all fall to the same few members.
+            members = self.zone_members[z]
+            n = len(members)
+            start = ((i + 1) * _SCATTER >> (8 + z)) % n
+            for m in self.zone_members_twice[z][start : start + n]:
                 used = load[m]
                 if used < cap[m]:
                     key = used * inverse[m]
