@@ -39,12 +39,20 @@ def connect(address: str, timeout: float | None = None) -> aetcd.Client:
     return aetcd.Client(host=host, port=port, timeout=timeout, options=options)
 
 
+def put_keeping_lease(key: bytes, value: bytes) -> Any:
+    """A transaction Put that keeps the key's current lease (etcd's ignore_lease)."""
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, ignore_lease=True))
+
+
 async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[Any]) -> TxnResult:
     """Run one etcd transaction and return whether it succeeded, with its header."""
     await client.connect()
+    ops = [
+        op if isinstance(op, rpc.RequestOp) else client._ops_to_requests([op])[0] for op in success
+    ]
     request = rpc.TxnRequest(
         compare=[c.build_message() for c in compare],
-        success=client._ops_to_requests(list(success)),
+        success=ops,
         failure=[],
     )
     try:

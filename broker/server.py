@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 import logging
 import socket
+import tempfile
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aetcd
@@ -84,6 +86,8 @@ class Broker:
             apply_delay=config.watch_delay,
         )
         self.server: grpc.aio.Server | None = None
+        self.service: JournalService | None = None
+        self._spool_dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
         self.lease_id = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -112,8 +116,17 @@ class Broker:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        service = JournalService(self.ks, self.etcd, self.config.etcd_prefix, self.process_id)
-        pb_grpc.add_JournalServicer_to_server(service, self.server)  # type: ignore[no-untyped-call]
+        self._spool_dir = tempfile.TemporaryDirectory(prefix="gazette-spools-")
+        self.service = JournalService(
+            self.ks,
+            self.etcd,
+            self.config.etcd_prefix,
+            self.process_id,
+            spool_dir=Path(self._spool_dir.name),
+            min_append_rate=self.config.min_append_rate,
+            max_replication=self.config.max_replication,
+        )
+        pb_grpc.add_JournalServicer_to_server(self.service, self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.bind_host()}:{self.config.port}"
         self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
@@ -213,6 +226,13 @@ class Broker:
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
+        if self.service is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.service.stop(), 30)
+            self.service = None
+        if self._spool_dir is not None:
+            self._spool_dir.cleanup()
+            self._spool_dir = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -1,13 +1,16 @@
-"""The broker's Journal gRPC service: List and Apply over the etcd keyspace.
+"""The broker's Journal gRPC service: List and Apply over the etcd keyspace; Append, Replicate
+and Read over the local replicas (see append_api, replicate_api, read_api).
 
-Read, Append, Replicate, ListFragments and FragmentStoreHealth belong to later layers and answer
-UNIMPLEMENTED until then.
+ListFragments and FragmentStoreHealth come with fragment stores and answer UNIMPLEMENTED until then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 import aetcd
@@ -16,10 +19,17 @@ from aetcd import transactions
 
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
+from broker.append_api import AppendFailed, serve_append
+from broker.append_fsm import AppendFSM, Chunk
+from broker.dialer import Dialer
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels, validate
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.read_api import serve_read
+from broker.replica import Replica
+from broker.replicate_api import serve_replicate
+from broker.resolver import Resolver
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +41,72 @@ MAX_JOURNALS_PER_LIST_RESPONSE = 25
 
 class JournalService(pb_grpc.JournalServicer):
     def __init__(
-        self, ks: KeySpace, client: aetcd.Client, root: str, process_id: pb.ProcessSpec.ID
+        self,
+        ks: KeySpace,
+        client: aetcd.Client,
+        root: str,
+        process_id: pb.ProcessSpec.ID,
+        *,
+        dialer: Dialer | None = None,
+        spool_dir: Path | None = None,
+        min_append_rate: int = 0,
+        max_replication: int = 9,
     ) -> None:
         self.ks = ks
         self.etcd = client
         self.root = root
         self.process_id = process_id
+        self.dialer = dialer or Dialer()
+        self.spool_dir = spool_dir or Path(tempfile.gettempdir())
+        self.min_append_rate = min_append_rate
+        self.max_replication = max_replication
+        self.resolver = Resolver(
+            ks, root, process_id, self.new_replica, max_replication=max_replication
+        )
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def new_replica(self, journal: str) -> Replica:
+        return Replica(journal, self.spool_dir, pulse=self.pulse)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` in the background, owned by the service (awaited on stop)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("background task failed: %s", exc)
+
+    async def stop(self) -> None:
+        """Stop serving local replicas and wait for every background task."""
+        await self.resolver.stop_serving()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.dialer.close()
+
+    async def pulse(self, replica: Replica) -> None:
+        """A zero-byte append by the primary: synchronizes the pipeline and, through
+        state_update_assignments, advertises the route the replicas agreed on."""
+        fsm = AppendFSM(
+            self,
+            pb.AppendRequest(
+                journal=replica.journal,
+                do_not_proxy=True,
+                suspend=pb.AppendRequest.SUSPEND_NO_RESUME,
+            ),
+        )
+        commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
+
+        async def receive() -> Chunk:
+            return next(commit)
+
+        await fsm.run(receive)
+        if fsm.error is not None:
+            raise fsm.error
+        if fsm.status not in (pb.OK, pb.SUSPENDED, pb.NOT_JOURNAL_PRIMARY_BROKER):
+            log.debug("pulse of %s: %s", replica.journal, pb.Status.Name(fsm.status))
 
     def unrouted_header(self) -> pb.Header:
         h = self.ks.header
@@ -149,14 +219,27 @@ class JournalService(pb_grpc.JournalServicer):
         response.header.etcd.revision = result.revision
         return response
 
-    async def Read(self, request: pb.ReadRequest, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Read is not implemented yet")
+    async def Read(
+        self, request: pb.ReadRequest, context: Context
+    ) -> AsyncIterator[pb.ReadResponse]:
+        # grpc.aio needs the handler itself to be an async generator function.
+        async for response in serve_read(self, request, context):
+            yield response
 
-    async def Append(self, request_iterator: object, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Append is not implemented yet")
+    async def Append(
+        self, request_iterator: AsyncIterator[pb.AppendRequest], context: Context
+    ) -> pb.AppendResponse:
+        try:
+            return await serve_append(self, request_iterator, context)
+        except AppendFailed as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            raise AssertionError("unreachable") from None
 
-    async def Replicate(self, request_iterator: object, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Replicate is not implemented yet")
+    async def Replicate(
+        self, request_iterator: AsyncIterator[pb.ReplicateRequest], context: Context
+    ) -> AsyncIterator[pb.ReplicateResponse]:
+        async for response in serve_replicate(self, request_iterator, context):
+            yield response
 
     async def ListFragments(self, request: pb.FragmentsRequest, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ListFragments is not implemented yet")

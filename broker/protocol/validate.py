@@ -862,3 +862,45 @@ def validate_apply_request(req: protocol_pb2.ApplyRequest, *, field: str = "") -
             raise ValidationError(
                 here, None, "neither upsert nor delete is set (expected exactly one)"
             )
+
+
+def validate_append_request(req: protocol_pb2.AppendRequest, *, field: str = "") -> None:
+    """The first message of an Append: a journal (a `;meta` suffix allowed), a non-negative
+    offset, valid register selector and label sets, a known suspend mode, and no content
+    (content comes in the messages that follow)."""
+    if req.HasField("header"):
+        validate_header(req.header, field=_at(field, "header"))
+    validate_journal_name(req.journal, field=_at(field, "journal"), allow_meta=True)
+    if req.offset < 0:
+        raise ValidationError(_at(field, "offset"), req.offset, f"{req.offset} is negative")
+    if req.HasField("check_registers"):
+        validate_label_selector(req.check_registers, field=_at(field, "check_registers"))
+    for name in ("union_registers", "subtract_registers"):
+        if req.HasField(name):
+            validate_label_set(getattr(req, name), field=_at(field, name))
+    if req.suspend not in protocol_pb2.AppendRequest.Suspend.values():
+        raise ValidationError(
+            _at(field, "suspend"), req.suspend, f"{req.suspend} is not a suspend mode"
+        )
+    if req.content:
+        raise ValidationError(
+            _at(field, "content"),
+            len(req.content),
+            "the first Append message must not carry content",
+        )
+
+
+def validate_read_request(req: protocol_pb2.ReadRequest, *, field: str = "") -> None:
+    """A journal (a `;meta` suffix allowed), an offset >= -1, and an end_offset that is zero
+    (unbounded) or not before the offset."""
+    if req.HasField("header"):
+        validate_header(req.header, field=_at(field, "header"))
+    validate_journal_name(req.journal, field=_at(field, "journal"), allow_meta=True)
+    if req.offset < -1:
+        raise ValidationError(_at(field, "offset"), req.offset, f"{req.offset} is below -1")
+    if req.end_offset < 0 or (req.end_offset and req.offset >= 0 and req.end_offset < req.offset):
+        raise ValidationError(
+            _at(field, "end_offset"),
+            req.end_offset,
+            f"{req.end_offset} is before the offset {req.offset}",
+        )

@@ -1,0 +1,174 @@
+"""The Append RPC: runs the append FSM, polices the client's flow rate, and proxies to the
+primary when this broker is not it.
+
+The FSM runs in a task of its own so that a client cancelling its RPC cannot interrupt the
+machinery half-way: the client's departure becomes a client error, which rolls the append back
+on every replica before the pipeline is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from broker.append_fsm import AppendFSM, Chunk, ClientError, State
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import validate
+
+if TYPE_CHECKING:
+    from broker.service import JournalService
+
+log = logging.getLogger(__name__)
+
+# A client may pause this long before its flow rate is judged (upstream's burst credit).
+FLOW_GRACE = 1.0
+
+
+class ClientStream:
+    """Reads the client's remaining AppendRequests for the FSM, as Chunks.
+
+    A client must deliver content at `min_rate` bytes per second on average after a grace
+    period, else the append is aborted: appends hold the journal's pipeline, and a stalled
+    client would block every other writer of the journal.
+    """
+
+    def __init__(self, requests: AsyncIterator[pb.AppendRequest], min_rate: int) -> None:
+        self._it = requests
+        self.min_rate = min_rate
+        self.gone = asyncio.Event()
+        self._start = time.monotonic()
+        self._bytes = 0
+
+    def _deadline(self) -> float | None:
+        if self.min_rate <= 0:
+            return None
+        return self._start + FLOW_GRACE + self._bytes / self.min_rate
+
+    async def receive(self) -> Chunk:
+        if self.gone.is_set():
+            return Chunk(None, ClientError("client went away; rolled back"))
+        read = asyncio.ensure_future(anext(self._it))
+        gone = asyncio.ensure_future(self.gone.wait())
+        deadline = self._deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            done, _ = await asyncio.wait(
+                {read, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            gone.cancel()
+        if read not in done:
+            read.cancel()
+            with contextlib.suppress(BaseException):
+                await read
+            if self.gone.is_set():
+                return Chunk(None, ClientError("client went away; rolled back"))
+            return Chunk(
+                None,
+                ClientError(
+                    f"client streamed slower than --broker.min-append-rate ({self.min_rate} bytes/s); "
+                    "aborted and rolled back"
+                ),
+            )
+        try:
+            request = read.result()
+        except StopAsyncIteration:
+            return Chunk(None)
+        except BaseException as exc:  # Includes the RPC's cancellation: the client is gone.
+            return Chunk(None, ClientError(f"client stream failed: {exc!r}"))
+        self._bytes += len(request.content)
+        return Chunk(request)
+
+
+async def serve_append(
+    svc: JournalService, requests: AsyncIterator[pb.AppendRequest], context: Any
+) -> pb.AppendResponse:
+    iterator = requests.__aiter__()
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty Append stream")
+        raise AssertionError("unreachable") from None
+    try:
+        validate.validate_append_request(first)
+    except validate.ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    fsm = AppendFSM(svc, first)
+    stream = ClientStream(iterator, svc.min_append_rate)
+    task = asyncio.ensure_future(fsm.run(stream.receive))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        stream.gone.set()
+        with contextlib.suppress(Exception):
+            await task
+        raise
+
+    if fsm.state == State.PROXY:
+        return await proxy_append(svc, fsm, first, iterator, context)
+    return response_of(fsm)
+
+
+def response_of(fsm: AppendFSM) -> pb.AppendResponse:
+    response = pb.AppendResponse(
+        status=fsm.status,
+        total_chunks=fsm.total_chunks,
+        delayed_chunks=fsm.delayed_chunks,
+    )
+    if fsm.resolved is not None:
+        response.header.CopyFrom(fsm.resolved.header)
+    if fsm.state == State.FINISHED and fsm.client_fragment is not None:
+        response.commit.CopyFrom(fsm.client_fragment)
+        response.registers.CopyFrom(fsm.registers)
+    elif fsm.status == pb.OK and fsm.error is not None:
+        raise_error(fsm.error)
+    if fsm.status == pb.REGISTER_MISMATCH:
+        response.registers.CopyFrom(fsm.registers)
+    return response
+
+
+class AppendFailed(Exception):
+    pass
+
+
+def raise_error(error: BaseException) -> None:
+    if isinstance(error, ClientError):
+        raise AppendFailed(str(error))
+    raise AppendFailed(f"append failed: {error}")
+
+
+async def proxy_append(
+    svc: JournalService,
+    fsm: AppendFSM,
+    first: pb.AppendRequest,
+    iterator: AsyncIterator[pb.AppendRequest],
+    context: Any,
+) -> pb.AppendResponse:
+    """Forward the whole append to the primary the FSM resolved, and relay its answer."""
+    res = fsm.resolved
+    assert res is not None
+    route = res.route
+    endpoint = route.endpoints[route.primary] if route.primary < len(route.endpoints) else ""
+    if not endpoint:
+        return pb.AppendResponse(status=pb.NO_JOURNAL_PRIMARY_BROKER, header=res.header)
+    out = pb.AppendRequest()
+    out.CopyFrom(first)
+    out.header.CopyFrom(res.header)
+    call = svc.dialer.journal_stub(endpoint).Append()
+    try:
+        await call.write(out)
+        async for request in iterator:
+            await call.write(request)
+        await call.done_writing()
+        response: pb.AppendResponse = await call
+        return response
+    except BaseException:
+        call.cancel()  # The primary rolls back a stream that ends without its commit.
+        raise

@@ -1,0 +1,549 @@
+"""The append state machine of the seed `gazette-transactional-appends.rst`, one method per state.
+
+Every Append RPC, and every pulse of a primary, runs an `AppendFSM`. States and transitions carry
+the seed's names (`state_resolve` is stateResolve, and so on); transitions to `ERROR` on a failed
+precondition set `status`, and on a failure of the machinery set `error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aetcd import transactions
+
+from broker import etcd as etcdx
+from broker.allocator import keyspace as aks
+from broker.fragment import fragments as frag
+from broker.pipeline import Pipeline
+from broker.protocol import labels
+from broker.protocol import protocol_pb2 as pb
+from broker.resolver import Resolution, desired_replication, route_equivalent
+
+if TYPE_CHECKING:
+    from broker.fragment.spool import Spool
+    from broker.service import JournalService
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    RESOLVE = "resolve"
+    ACQUIRE_PIPELINE = "acquire_pipeline"
+    START_PIPELINE = "start_pipeline"
+    SEND_PIPELINE_SYNC = "send_pipeline_sync"
+    RECV_PIPELINE_SYNC = "recv_pipeline_sync"
+    UPDATE_ASSIGNMENTS = "update_assignments"
+    AWAIT_DESIRED_REPLICAS = "await_desired_replicas"
+    VALIDATE_PRECONDITIONS = "validate_preconditions"
+    UPDATE_SUSPEND = "update_suspend"
+    STREAM_CONTENT = "stream_content"  # Semi-terminal: needs client content.
+    READ_ACKNOWLEDGEMENTS = "read_acknowledgements"
+    ERROR = "error"  # Terminal.
+    PROXY = "proxy"  # Terminal.
+    FINISHED = "finished"  # Terminal.
+
+
+class ClientError(Exception):
+    """The client's stream failed or violated the protocol: the append rolls back."""
+
+
+@dataclass
+class Chunk:
+    """One receive from the client: a request, or None at EOF, or an error."""
+
+    request: pb.AppendRequest | None
+    error: BaseException | None = None
+
+
+Receive = Callable[[], Awaitable[Chunk]]
+
+
+class AppendFSM:
+    def __init__(self, svc: JournalService, request: pb.AppendRequest) -> None:
+        self.svc = svc
+        self.req = request
+        self.state = State.RESOLVE
+        self.resolved: Resolution | None = None
+        self.pln: Pipeline | None = None
+        # The queue `pln` (possibly None) was taken from, while we own it: it goes back there,
+        # whatever the resolution says by then (the replica may have been replaced meanwhile).
+        self.pln_return: asyncio.Queue[Pipeline | None] | None = None
+        self.pln_header = False  # Whether the next sync must carry the pipeline's header.
+        self.read_through_rev = 0
+        self.roll_to_offset = 0
+        self.registers = pb.LabelSet()
+        self.next_suspend: pb.JournalSpec.Suspend | None = None
+        self.client_commit = False
+        self.client_fragment: pb.Fragment | None = None
+        self.client_summer: hashlib._Hash | None = None
+        self.total_chunks = 0
+        self.delayed_chunks = 0
+        self.status: pb.Status = pb.OK
+        self.error: BaseException | None = None
+
+    # ---- driving ----------------------------------------------------------------------------
+
+    async def run(self, receive: Receive) -> None:
+        """Run to a terminal state, streaming client content from `receive` on the way."""
+        try:
+            if not await self.run_to(State.STREAM_CONTENT):
+                return
+            while self.state == State.STREAM_CONTENT:
+                await self.state_stream_content(await receive())
+            await self.state_read_acknowledgements()
+        finally:
+            self.return_pipeline()
+
+    async def run_to(self, target: State) -> bool:
+        steps = {
+            State.RESOLVE: self.state_resolve,
+            State.ACQUIRE_PIPELINE: self.state_acquire_pipeline,
+            State.START_PIPELINE: self.state_start_pipeline,
+            State.SEND_PIPELINE_SYNC: self.state_send_pipeline_sync,
+            State.RECV_PIPELINE_SYNC: self.state_recv_pipeline_sync,
+            State.UPDATE_ASSIGNMENTS: self.state_update_assignments,
+            State.AWAIT_DESIRED_REPLICAS: self.state_await_desired_replicas,
+            State.VALIDATE_PRECONDITIONS: self.state_validate_preconditions,
+            State.UPDATE_SUSPEND: self.state_update_suspend,
+        }
+        while self.state != target:
+            step = steps.get(self.state)
+            if step is None:
+                return False  # ERROR, PROXY, FINISHED (or STREAM_CONTENT when not the target).
+            await step()
+        return True
+
+    @property
+    def owns_pipeline(self) -> bool:
+        return self.pln_return is not None
+
+    def return_pipeline(self) -> None:
+        if self.pln_return is not None:
+            self.pln_return.put_nowait(self.pln)
+            self.pln_return = None
+
+    def _fail(self, status: pb.Status = pb.OK, error: BaseException | None = None) -> None:
+        if status != pb.OK:
+            self.status = status
+        if error is not None:
+            self.error = error
+        self.state = State.ERROR
+
+    @property
+    def _res(self) -> Resolution:
+        assert self.resolved is not None
+        return self.resolved
+
+    @property
+    def _spec(self) -> pb.JournalSpec:
+        assert self.resolved is not None and self.resolved.spec is not None
+        return self.resolved.spec
+
+    @property
+    def _pln(self) -> Pipeline:
+        assert self.pln is not None
+        return self.pln
+
+    async def _take(self, queue: asyncio.Queue[Any]) -> tuple[bool, Any]:
+        """Take from a replica queue unless the resolution is invalidated first. Whatever
+        interrupts the wait (even cancellation), an item taken is never lost."""
+        invalidated = self._res.invalidated
+        if invalidated.is_set():
+            return False, None
+        get = asyncio.ensure_future(queue.get())
+        wait = asyncio.ensure_future(invalidated.wait())
+        try:
+            await asyncio.wait({get, wait}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            if get.done() and not get.cancelled():
+                queue.put_nowait(get.result())
+            raise
+        finally:
+            wait.cancel()
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():
+            return True, get.result()
+        return False, None
+
+    # ---- states -----------------------------------------------------------------------------
+
+    async def state_resolve(self) -> None:
+        """Resolve (again) the journal's route, at least through `read_through_rev`."""
+        self.resolved = await self.svc.resolver.resolve(
+            self.req.journal,
+            may_proxy=not self.req.do_not_proxy,
+            require_primary=True,
+            min_etcd_revision=max(self.read_through_rev, self.req.min_etcd_revision),
+            proxy_header=self.req.header if self.req.HasField("header") else None,
+        )
+        res = self.resolved
+        if res.status == pb.SUSPENDED and self.req.suspend == pb.AppendRequest.SUSPEND_RESUME:
+            self.next_suspend = pb.JournalSpec.Suspend(
+                level=pb.JournalSpec.Suspend.NONE, offset=self._spec.suspend.offset
+            )
+            self.state = State.UPDATE_SUSPEND
+        elif res.status != pb.OK:
+            self._fail(res.status)
+        elif not res.is_local:
+            self.return_pipeline()
+            self.state = State.AWAIT_DESIRED_REPLICAS  # We must proxy.
+        elif self.owns_pipeline:
+            self.state = State.START_PIPELINE
+        else:
+            self.state = State.ACQUIRE_PIPELINE
+
+    async def state_acquire_pipeline(self) -> None:
+        """Take exclusive ownership of the replica's pipeline (send side)."""
+        replica = self._res.replica
+        assert replica is not None
+        taken, pln = await self._take(replica.pipeline_queue)
+        if taken:
+            self.pln, self.pln_return = pln, replica.pipeline_queue
+        if not taken or self._res.invalidated.is_set():
+            self.state = State.RESOLVE
+        else:
+            self.state = State.START_PIPELINE
+
+    async def state_start_pipeline(self) -> None:
+        """Keep a pipeline already at the resolved route, else build one with the spool."""
+        res = self._res
+        if self.pln is not None and route_equivalent(self.pln.route, res.route):
+            self.registers.CopyFrom(self.pln.spool.registers)
+            self.state = State.UPDATE_ASSIGNMENTS
+            return
+        if self.pln is not None:
+            self.svc.spawn(self.pln.shutdown(expect_err=False))
+            self.pln = None
+        assert res.replica is not None
+        taken, spool = await self._take(res.replica.spool_queue)
+        if not taken:
+            self.state = State.RESOLVE
+            return
+        # No await from here on: the spool passes straight into the pipeline we own.
+        self.registers.CopyFrom(spool.registers)
+        header = pb.Header()
+        header.CopyFrom(res.header)
+        self.pln = Pipeline(header, spool, res.replica.spool_queue, self.svc.dialer)
+        self.pln_header = True
+        self.state = State.SEND_PIPELINE_SYNC
+
+    async def state_send_pipeline_sync(self) -> None:
+        """Propose the (possibly rolled) current fragment, the route and the registers."""
+        pln = self._pln
+        proposal = maybe_roll_fragment(pln.spool, self.roll_to_offset, self._spec.fragment)
+        req = pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=True)
+        if self.pln_header:
+            req.header.CopyFrom(pln.header)
+            req.deprecated_journal = pln.spool.fragment.journal
+            self.pln_header = False
+        await pln.scatter(req)
+        self.state = State.RECV_PIPELINE_SYNC
+
+    async def state_recv_pipeline_sync(self) -> None:
+        """Read every peer's answer to the sync: agree, roll forward, or re-resolve."""
+        pln = self._pln
+        roll_to, roll_registers, read_through = await pln.gather_sync()
+        self.roll_to_offset, self.read_through_rev = roll_to, read_through
+        error = pln.recv_err() or pln.send_err()
+        if error is not None:
+            self.svc.spawn(pln.shutdown(expect_err=True))
+            self.pln = None
+            self._fail(error=error)
+        elif roll_to:
+            if roll_registers is not None:
+                self.registers.CopyFrom(roll_registers)  # A peer further ahead wins.
+            self.state = State.SEND_PIPELINE_SYNC
+        elif read_through:
+            self.svc.spawn(pln.shutdown(expect_err=False))
+            self.pln = None
+            self.state = State.RESOLVE
+        else:
+            self.state = State.UPDATE_ASSIGNMENTS
+
+    async def state_update_assignments(self) -> None:
+        """Advertise in etcd that the replicas synchronized on this route (consistency)."""
+        res = self._res
+        if route_matches_assignments(res.route, res.assignments):
+            self.state = State.AWAIT_DESIRED_REPLICAS
+            return
+        try:
+            self.read_through_rev = await update_assignments(
+                self.svc.etcd, res.route, res.assignments
+            )
+        except Exception as exc:
+            self._fail(error=RuntimeError(f"updating assignments: {exc}"))
+            return
+        self.state = State.RESOLVE
+
+    async def state_await_desired_replicas(self) -> None:
+        """Wait out an over-subscribed route; refuse an under-replicated one."""
+        res = self._res
+        have = len(res.route.members)
+        want = desired_replication(self._spec, self.svc.max_replication)
+        if have > want:
+            self.read_through_rev = res.header.etcd.revision + 1
+            self.state = State.RESOLVE
+        elif have < want:
+            self._fail(pb.INSUFFICIENT_JOURNAL_BROKERS)
+        elif not res.is_local:
+            self.state = State.PROXY
+        else:
+            self.state = State.VALIDATE_PRECONDITIONS
+
+    async def state_validate_preconditions(self) -> None:
+        """Registers, the append offset, and suspension, against the synchronized spool."""
+        res, spec, spool = self._res, self._spec, self._pln.spool
+        assert res.replica is not None
+        index_max = res.replica.index.end_offset()
+        max_offset = max(spool.fragment.end, index_max)
+        check = self.req.check_registers if self.req.HasField("check_registers") else None
+        if (
+            check is not None
+            and self.registers.labels
+            and not labels.matches(check, self.registers)
+        ):
+            self._fail(pb.REGISTER_MISMATCH)
+            return
+        if spool.fragment.end < spec.suspend.offset:
+            self.roll_to_offset = spec.suspend.offset
+            self.state = State.SEND_PIPELINE_SYNC
+            return
+        if spool.fragment.end != max_offset and self.req.offset == 0 and may_write(spec):
+            self._fail(pb.INDEX_HAS_GREATER_OFFSET)
+            return
+        if self.req.offset != 0 and self.req.offset != max_offset:
+            self._fail(pb.WRONG_APPEND_OFFSET)
+            return
+        if self.req.offset != 0 and spool.fragment.end != max_offset:
+            self.roll_to_offset = max_offset  # An explicit offset confirms the larger head.
+            self.state = State.SEND_PIPELINE_SYNC
+            return
+        level = spec.suspend.level
+        if (
+            self.req.suspend == pb.AppendRequest.SUSPEND_RESUME
+            and level != pb.JournalSpec.Suspend.NONE
+        ):
+            self.next_suspend = pb.JournalSpec.Suspend(
+                level=pb.JournalSpec.Suspend.NONE, offset=spool.fragment.end
+            )
+            self.state = State.UPDATE_SUSPEND
+            return
+        if (
+            self.req.suspend == pb.AppendRequest.SUSPEND_NO_RESUME
+            and level != pb.JournalSpec.Suspend.NONE
+        ):
+            self._fail(pb.SUSPENDED)
+            return
+        self.state = State.STREAM_CONTENT
+
+    async def state_update_suspend(self) -> None:
+        """Write the journal's new suspension into its spec, then resolve again."""
+        res = self._res
+        assert res.item is not None and self.next_suspend is not None
+        update = pb.JournalSpec()
+        update.CopyFrom(self._spec)
+        update.suspend.CopyFrom(self.next_suspend)
+        key = res.item.key.encode()
+        result = await etcdx.txn(
+            self.svc.etcd,
+            [transactions.Mod(key) == res.item.mod_revision],
+            [transactions.Put(key, update.SerializeToString())],
+        )
+        self.read_through_rev = result.revision
+        log.info("journal %s suspension is now %s", update.name, update.suspend)
+        self.state = State.RESOLVE
+
+    async def state_stream_content(self, chunk: Chunk) -> None:
+        """Forward one client chunk to every replica; on the client's commit (an empty chunk,
+        then EOF) propose the extended fragment, on any error propose a rollback."""
+        pln, spec = self._pln, self._spec
+        if self.client_fragment is None:
+            proposal = maybe_roll_fragment(pln.spool, self.roll_to_offset, spec.fragment)
+            if proposal != pln.spool.fragment:
+                await pln.scatter(
+                    pb.ReplicateRequest(
+                        proposal=proposal, registers=self.registers, acknowledge=False
+                    )
+                )
+            self.client_fragment = pb.Fragment(
+                journal=pln.spool.fragment.journal,
+                begin=pln.spool.fragment.end,
+                end=pln.spool.fragment.end,
+                compression_codec=pln.spool.fragment.compression_codec,
+            )
+            self.client_summer = hashlib.sha1()
+
+        error = chunk.error
+        req = chunk.request
+        if error is None and req is not None and req.journal:
+            error = ClientError("expected a content chunk, not another append request")
+        if error is None and req is None and not self.client_commit:
+            error = ClientError(
+                "append stream ended without a commit (an empty chunk); rolled back"
+            )
+        elif error is None and req is not None and self.client_commit:
+            error = ClientError("expected EOF after the empty commit chunk")
+        elif error is None and req is not None and not req.content:
+            self.client_commit = True
+            return
+        elif (error is None and req is not None and not may_write(spec)) or (
+            error is None
+            and req is not None
+            and self.req.suspend
+            in (
+                pb.AppendRequest.SUSPEND_IF_FLUSHED,
+                pb.AppendRequest.SUSPEND_NOW,
+                pb.AppendRequest.SUSPEND_KEEP,
+            )
+        ):
+            self.status = pb.NOT_ALLOWED
+        elif error is None and req is not None:
+            self.total_chunks += 1
+            content = req.content
+            await pln.scatter(
+                pb.ReplicateRequest(
+                    content=content,
+                    content_delta=self.client_fragment.end - self.client_fragment.begin,
+                )
+            )
+            assert self.client_summer is not None
+            self.client_summer.update(content)
+            self.client_fragment.end += len(content)
+            if pln.send_err() is None:
+                return
+
+        # Here: EOF after a commit (req is None, no error), a client error, or a refusal.
+        assert self.client_summer is not None
+        length = self.client_fragment.end - self.client_fragment.begin
+        self.client_fragment.sum.CopyFrom(
+            frag.sum_from_digest(self.client_summer.digest()) if length else pb.SHA1Sum()
+        )
+        if (
+            error is None
+            and req is None
+            and length == 0
+            and (self.req.HasField("union_registers") or self.req.HasField("subtract_registers"))
+        ):
+            error = ClientError("register updates need a non-empty append")
+
+        if error is None and req is None and pln.send_err() is None and self.status == pb.OK:
+            proposal = pln.spool.next_proposal()
+            if self.req.HasField("subtract_registers"):
+                self.registers = labels.subtract(self.registers, self.req.subtract_registers)
+            if self.req.HasField("union_registers"):
+                self.registers = labels.union(self.req.union_registers, self.registers)
+        else:
+            proposal = pb.Fragment()
+            proposal.CopyFrom(pln.spool.fragment)  # Roll back.
+            if error is not None:
+                self.error = error
+        await pln.scatter(
+            pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=True)
+        )
+        self.state = State.READ_ACKNOWLEDGEMENTS
+
+    async def state_read_acknowledgements(self) -> None:
+        """Release the send side, then, in turn, read every peer's acknowledgement."""
+        pln = self._pln
+        send_err = pln.send_err()
+        wait_for, close_after = pln.barrier()
+        assert self.pln_return is not None
+        if send_err is None:
+            self.pln_return.put_nowait(pln)  # The next append may send already.
+        else:
+            await pln.close_send()
+            self.pln_return.put_nowait(None)  # A new pipeline must be built.
+        self.pln_return = None
+        try:
+            await wait_for
+            await pln.gather_ok()
+            if send_err is not None:
+                await pln.gather_eof()
+        finally:
+            close_after.set_result(None)
+        if self.error is not None or self.status != pb.OK:
+            self.state = State.ERROR
+        elif (error := pln.recv_err() or send_err) is not None:
+            self._fail(error=error)
+        else:
+            self.state = State.FINISHED
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def may_write(spec: pb.JournalSpec) -> bool:
+    return spec.flags in (0, pb.JournalSpec.O_WRONLY, pb.JournalSpec.O_RDWR) or bool(
+        spec.flags & (pb.JournalSpec.O_WRONLY | pb.JournalSpec.O_RDWR)
+    )
+
+
+def maybe_roll_fragment(
+    spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.Fragment
+) -> pb.Fragment:
+    """The proposal to sync on: the spool's fragment, or a new empty one if it should roll
+    (it is empty, over the target length, or a larger offset must be adopted)."""
+    current = spool.fragment
+    length = current.end - current.begin
+    roll = (
+        length == 0
+        or length > spec.length
+        or (roll_to_offset != 0 and roll_to_offset != current.begin)
+    )
+    out = pb.Fragment()
+    out.CopyFrom(current)
+    if not roll:
+        return out
+    if roll_to_offset:
+        if current.end > roll_to_offset:
+            raise AssertionError(
+                f"roll to {roll_to_offset} is behind the spool's end {current.end}"
+            )
+        out.end = roll_to_offset
+    out.begin = out.end
+    out.ClearField("sum")
+    out.compression_codec = spec.compression_codec or pb.NONE
+    return out
+
+
+def route_value(route: pb.Route) -> pb.Route:
+    """The route as stored in assignment values: members and primary, no endpoints."""
+    return pb.Route(members=route.members, primary=route.primary)
+
+
+def route_matches_assignments(route: pb.Route, assignments: tuple[object, ...]) -> bool:
+    for kv in assignments:
+        a = kv.decoded  # type: ignore[attr-defined]
+        if not isinstance(a, aks.Assignment) or a.value is None:
+            return False
+        if not isinstance(a.value, pb.Route) or not route_equivalent(a.value, route):
+            return False
+    return True
+
+
+async def update_assignments(etcd: object, route: pb.Route, assignments: tuple[object, ...]) -> int:
+    """Write `route` into every assignment whose value differs, keeping each key's lease and
+    guarding on every assignment's mod revision. Returns the etcd revision, or 0 if no-op."""
+    value = route_value(route).SerializeToString()
+    compare, ops = [], []
+    for kv in assignments:
+        key = kv.key.encode()  # type: ignore[attr-defined]
+        a = kv.decoded  # type: ignore[attr-defined]
+        if not (
+            isinstance(a, aks.Assignment)
+            and isinstance(a.value, pb.Route)
+            and route_equivalent(a.value, route)
+        ):
+            ops.append(etcdx.put_keeping_lease(key, value))
+        compare.append(transactions.Mod(key) == kv.mod_revision)  # type: ignore[attr-defined]
+    if not ops:
+        return 0
+    result = await etcdx.txn(etcd, compare, ops)
+    return result.revision

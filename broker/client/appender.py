@@ -1,0 +1,80 @@
+"""Appending to a journal: one all-or-nothing Append RPC streaming its content in chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Iterable
+
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+# Content chunk size of appends: large enough to amortize per-message costs, small enough to
+# keep gRPC's buffers and a replica's memory modest.
+CHUNK = 1 << 17
+
+
+class AppendError(RuntimeError):
+    """An append the broker refused (a status other than OK); nothing was appended."""
+
+    def __init__(self, journal: str, response: pb.AppendResponse) -> None:
+        self.response = response
+        self.status = response.status
+        super().__init__(f"append to {journal}: {pb.Status.Name(response.status)}")
+
+
+def _chunks(data: bytes) -> Iterable[bytes]:
+    view = memoryview(data)
+    for start in range(0, len(view), CHUNK):
+        yield bytes(view[start : start + CHUNK])
+
+
+async def append(
+    stub: pb_grpc.JournalStub,
+    journal: str,
+    content: bytes | Iterable[bytes] | AsyncIterable[bytes],
+    *,
+    offset: int = 0,
+    check_registers: pb.LabelSelector | None = None,
+    union_registers: pb.LabelSet | None = None,
+    subtract_registers: pb.LabelSet | None = None,
+    do_not_proxy: bool = False,
+    suspend: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_RESUME,
+    timeout: float | None = None,
+    check: bool = True,
+) -> pb.AppendResponse:
+    """Append `content` to `journal` as one transaction, and return the broker's response.
+
+    With `check` (the default), a non-OK status raises AppendError. Content is streamed in
+    chunks; the append commits only once all of it is sent (with the final empty chunk).
+    """
+    first = pb.AppendRequest(
+        journal=journal, offset=offset, do_not_proxy=do_not_proxy, suspend=suspend
+    )
+    if check_registers is not None:
+        first.check_registers.CopyFrom(check_registers)
+    if union_registers is not None:
+        first.union_registers.CopyFrom(union_registers)
+    if subtract_registers is not None:
+        first.subtract_registers.CopyFrom(subtract_registers)
+    call = stub.Append(timeout=timeout)
+    try:
+        await call.write(first)
+        if isinstance(content, bytes | bytearray | memoryview):
+            for chunk in _chunks(bytes(content)):
+                await call.write(pb.AppendRequest(content=chunk))
+        elif isinstance(content, AsyncIterable):
+            async for piece in content:
+                for chunk in _chunks(piece):
+                    await call.write(pb.AppendRequest(content=chunk))
+        else:
+            for piece in content:
+                for chunk in _chunks(piece):
+                    await call.write(pb.AppendRequest(content=chunk))
+        await call.write(pb.AppendRequest())  # Commit.
+        await call.done_writing()
+        response: pb.AppendResponse = await call
+    except BaseException:
+        call.cancel()  # Without its commit chunk, the append rolls back everywhere.
+        raise
+    if check and response.status != pb.OK:
+        raise AppendError(journal, response)
+    return response

@@ -1,0 +1,221 @@
+"""The replication pipeline: a journal primary's long-lived Replicate streams to each peer.
+
+Full duplex, as the seed describes: the *send* side (scatter of content and proposals) and the
+*receive* side (gathering acknowledgements) are owned separately. An append releases the send
+side as soon as its proposal is out, then waits at a read barrier for its turn to read its
+acknowledgements in order, so many appends are in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import grpc
+
+from broker.dialer import Dialer
+from broker.fragment.spool import Spool
+from broker.protocol import protocol_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # (missing from grpc-stubs)
+
+
+SHUTDOWN_TIMEOUT = 10.0
+
+
+class PipelineError(RuntimeError):
+    pass
+
+
+class Pipeline:
+    def __init__(
+        self,
+        header: pb.Header,
+        spool: Spool,
+        spool_queue: asyncio.Queue[Spool],
+        dialer: Dialer,
+    ) -> None:
+        if header.route.primary == -1:
+            raise ValueError("a pipeline needs a Route with a primary")
+        self.header = header
+        self.spool = spool
+        self._spool_queue = spool_queue
+        members = list(header.route.members)
+        self.members = members
+        size = len(members)
+        self.streams: list[Any | None] = [None] * size
+        self.send_errs: list[BaseException | None] = [None] * size
+        self.recv_errs: list[BaseException | None] = [None] * size
+        self.recv_resp: list[pb.ReplicateResponse | None] = [None] * size
+        loop = asyncio.get_running_loop()
+        self._read_barrier: asyncio.Future[None] = loop.create_future()
+        self._read_barrier.set_result(None)
+        primary = header.route.primary
+        for i, member in enumerate(members):
+            if i == primary:
+                continue
+            endpoint = header.route.endpoints[i] if i < len(header.route.endpoints) else ""
+            if not endpoint:
+                self.send_errs[i] = PipelineError(f"peer {member.suffix} has no endpoint")
+                continue
+            self.streams[i] = dialer.journal_stub(endpoint).Replicate()
+
+    @property
+    def route(self) -> pb.Route:
+        return self.header.route
+
+    async def scatter(self, request: pb.ReplicateRequest) -> None:
+        """Send `request` to every healthy peer and apply it to the local spool."""
+        for i, stream in enumerate(self.streams):
+            if stream is None or self.send_errs[i] is not None:
+                continue
+            out = request
+            if request.HasField("header"):
+                # Each peer verifies that the request is addressed to it.
+                out = pb.ReplicateRequest()
+                out.CopyFrom(request)
+                out.header.process_id.CopyFrom(self.members[i])
+            try:
+                await stream.write(out)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
+                self.send_errs[i] = exc
+        primary = self.header.route.primary
+        if self.send_errs[primary] is None:
+            response = self.spool.apply(request, primary=True)
+            if response.status != pb.OK:
+                # The primary built this request from its own spool: a mismatch is a bug.
+                raise AssertionError(f"primary spool refused its own proposal: {response}")
+
+    async def close_send(self) -> None:
+        """Roll back anything uncommitted, release the spool, and half-close every stream."""
+        self.spool.rollback()
+        self._spool_queue.put_nowait(self.spool)
+        for i, stream in enumerate(self.streams):
+            if stream is not None and self.send_errs[i] is None:
+                try:
+                    await stream.done_writing()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
+                    self.send_errs[i] = exc
+
+    def send_err(self) -> BaseException | None:
+        for i, err in enumerate(self.send_errs):
+            if err is not None:
+                return PipelineError(f"send to {self.members[i].suffix}: {err}")
+        return None
+
+    def barrier(self) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+        """(wait_for, close_after): await `wait_for` before reading acknowledgements, and
+        resolve `close_after` once done, handing the receive side to the next append."""
+        wait_for = self._read_barrier
+        self._read_barrier = asyncio.get_running_loop().create_future()
+        return wait_for, self._read_barrier
+
+    async def gather(self) -> None:
+        for i, stream in enumerate(self.streams):
+            if stream is None or self.recv_errs[i] is not None:
+                continue
+            try:
+                response = await stream.read()
+            except grpc.aio.AioRpcError as exc:
+                self.recv_errs[i] = exc
+                continue
+            if response is EOF:
+                self.recv_errs[i] = PipelineError("unexpected EOF")
+            else:
+                self.recv_resp[i] = response
+
+    async def gather_ok(self) -> None:
+        await self.gather()
+        for i, stream in enumerate(self.streams):
+            if stream is None or self.recv_errs[i] is not None:
+                continue
+            response = self.recv_resp[i]
+            if response is None or response.status != pb.OK:
+                self.recv_errs[i] = PipelineError(f"unexpected response: {response}")
+
+    async def gather_sync(self) -> tuple[int, pb.LabelSet | None, int]:
+        """Read synchronization acknowledgements: (roll_to_offset, registers to take,
+        etcd revision to read through), each zero / None when not called for."""
+        await self.gather()
+        roll_to, roll_registers, read_through = 0, None, 0
+        spool_end = self.spool.fragment.end
+        for i, stream in enumerate(self.streams):
+            if stream is None or self.recv_errs[i] is not None:
+                continue
+            response = self.recv_resp[i]
+            assert response is not None
+            if response.status == pb.OK:
+                continue
+            if response.status == pb.WRONG_ROUTE:
+                newer = response.header.etcd.revision > self.header.etcd.revision
+                if newer and not _equivalent(response.header.route, self.header.route):
+                    read_through = max(read_through, response.header.etcd.revision)
+                else:
+                    self.recv_errs[i] = PipelineError(f"unexpected WRONG_ROUTE: {response.header}")
+            elif response.status == pb.PROPOSAL_MISMATCH:
+                fragment = response.fragment
+                if fragment.end > spool_end:
+                    # A peer knows a larger offset: everyone rolls forward to it.
+                    if fragment.end > roll_to:
+                        roll_to, roll_registers = fragment.end, response.registers
+                elif fragment.end == spool_end and fragment.begin == fragment.end:
+                    # The peer cannot extend our fragment (it holds none): roll to a new one.
+                    roll_to = max(roll_to, fragment.end)
+                else:
+                    self.recv_errs[i] = PipelineError(
+                        f"unexpected PROPOSAL_MISMATCH: {fragment} {response.registers}"
+                    )
+            else:
+                self.recv_errs[i] = PipelineError(f"unexpected status: {response}")
+        return roll_to, roll_registers, read_through
+
+    async def gather_eof(self) -> None:
+        for i, stream in enumerate(self.streams):
+            if stream is None or self.recv_errs[i] is not None:
+                continue
+            try:
+                response = await stream.read()
+            except grpc.aio.AioRpcError as exc:
+                self.recv_errs[i] = exc
+                continue
+            if response is not EOF:
+                self.recv_errs[i] = PipelineError(f"unexpected response: {response}")
+
+    def recv_err(self) -> BaseException | None:
+        for i, err in enumerate(self.recv_errs):
+            if err is not None:
+                return PipelineError(f"recv from {self.members[i].suffix}: {err}")
+        return None
+
+    async def shutdown(self, expect_err: bool) -> None:
+        """Tear down: release the spool and close every stream in turn with other readers."""
+        wait_for, close_after = self.barrier()
+        try:
+            await self.close_send()
+            if not expect_err and (err := self.send_err()) is not None:
+                log.warning("tearing down pipeline: close_send failed: %s", err)
+            await wait_for
+            # A peer that never answers must not wedge the replica's shutdown.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SHUTDOWN_TIMEOUT):
+                    await self.gather_eof()
+            if not expect_err and (err := self.recv_err()) is not None:
+                log.warning("tearing down pipeline: gather_eof failed: %s", err)
+        finally:
+            if not close_after.done():
+                close_after.set_result(None)
+            self.cancel()
+
+    def cancel(self) -> None:
+        for stream in self.streams:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.cancel()
+
+
+def _equivalent(a: pb.Route, b: pb.Route) -> bool:
+    return a.primary == b.primary and list(a.members) == list(b.members)

@@ -1,0 +1,128 @@
+"""The Read RPC: journal content from a replica's local fragments, from an offset (or the write
+head at -1), blocking at the head until new content commits. Non-replicas proxy to a replica.
+
+Only committed content is ever read: the spool serves committed bytes, never pending ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import validate
+from broker.resolver import ResolveError
+
+if TYPE_CHECKING:
+    from broker.service import JournalService
+
+log = logging.getLogger(__name__)
+
+# Content chunk size of Read responses, as upstream: fits gRPC's 32 KiB buffer tier.
+CHUNK = (1 << 15) - 32
+
+
+async def serve_read(
+    svc: JournalService, req: pb.ReadRequest, context: Any
+) -> AsyncIterator[pb.ReadResponse]:
+    try:
+        validate.validate_read_request(req)
+    except validate.ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    try:
+        res = await svc.resolver.resolve(
+            req.journal,
+            may_proxy=not req.do_not_proxy,
+            require_primary=False,
+            min_etcd_revision=req.min_etcd_revision,
+            proxy_header=req.header if req.HasField("header") else None,
+        )
+    except ResolveError as exc:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return
+    if res.status != pb.OK:
+        yield pb.ReadResponse(status=res.status, header=res.header)
+        return
+    if not res.is_local:
+        async for response in proxy_read(svc, req, res.header):
+            yield response
+        return
+
+    assert res.replica is not None
+    index = res.replica.index
+    offset = req.offset if req.offset != -1 else index.write_head
+    header: pb.Header | None = res.header
+    while True:
+        if req.end_offset and offset >= req.end_offset:
+            return
+        found = index.query(offset)
+        if found is None:
+            head = index.write_head
+            skip_to = index.next_offset(offset) if offset < head else None
+            if skip_to is not None:
+                offset = skip_to  # Nothing is left before it: skip the gap, as upstream.
+                continue
+            if not req.block:
+                response = pb.ReadResponse(
+                    status=pb.OFFSET_NOT_YET_AVAILABLE, offset=offset, write_head=head
+                )
+                if header is not None:
+                    response.header.CopyFrom(header)
+                yield response
+                return
+            changed = asyncio.ensure_future(index.wait_for_change())
+            invalidated = asyncio.ensure_future(res.invalidated.wait())
+            try:
+                await asyncio.wait({changed, invalidated}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                invalidated.cancel()
+            if res.invalidated.is_set() and res.replica.stopped:
+                return  # No longer a replica here: the client re-resolves and reads elsewhere.
+            continue
+
+        fragment = found.fragment
+        metadata = pb.ReadResponse(
+            status=pb.OK, offset=offset, write_head=index.write_head, fragment=fragment
+        )
+        if header is not None:
+            metadata.header.CopyFrom(header)
+            header = None
+        yield metadata
+        if req.metadata_only:
+            return
+        end = fragment.end if not req.end_offset else min(fragment.end, req.end_offset)
+        while offset < end:
+            try:
+                content = found.read(offset, min(CHUNK, end - offset))
+            except (OSError, ValueError):
+                break  # The spool rolled under us: query the index again.
+            if not content:
+                break
+            yield pb.ReadResponse(offset=offset, content=content)
+            offset += len(content)
+
+
+async def proxy_read(
+    svc: JournalService, req: pb.ReadRequest, header: pb.Header
+) -> AsyncIterator[pb.ReadResponse]:
+    route = header.route
+    target = header.process_id
+    index = list(route.members).index(target)
+    endpoint = route.endpoints[index] if index < len(route.endpoints) else ""
+    if not endpoint:
+        yield pb.ReadResponse(status=pb.NOT_JOURNAL_BROKER, header=header)
+        return
+    out = pb.ReadRequest()
+    out.CopyFrom(req)
+    out.header.CopyFrom(header)
+    call = svc.dialer.journal_stub(endpoint).Read(out)
+    try:
+        async for response in call:
+            yield response
+    finally:
+        call.cancel()

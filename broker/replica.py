@@ -1,0 +1,114 @@
+"""A journal replica on this broker: its spool, its replication pipeline and its index.
+
+Ownership follows the seed: exactly one RPC owns the spool at a time, and exactly one append
+owns the pipeline's send side; each sits in a one-slot queue, taken to own and put back to
+release. The primary's replica also runs the pulse daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from broker.fragment.index import Index
+from broker.fragment.spool import CompletedFragment, Spool
+from broker.keyspace import KeyValue
+from broker.protocol import protocol_pb2 as pb
+
+if TYPE_CHECKING:
+    from broker.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+# The pulse re-synchronizes the pipeline at least this often, as upstream's health check.
+PULSE_INTERVAL = 60.0
+PULSE_STOP_TIMEOUT = 10.0
+
+
+class Replica:
+    def __init__(
+        self,
+        journal: str,
+        spool_dir: Path,
+        pulse: Callable[[Replica], Awaitable[None]] | None = None,
+    ) -> None:
+        self.journal = journal
+        self.spool_dir = spool_dir
+        self.index = Index(journal)
+        self.spool_queue: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
+        spool = Spool(journal, observer=_IndexObserver(self.index), directory=spool_dir)
+        self.index.attach_head(spool, spool.fragment)
+        self.spool_queue.put_nowait(spool)
+        self.pipeline_queue: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
+        self.pipeline_queue.put_nowait(None)
+        self.primary = False
+        self.create_revision = 0
+        self.assignments: tuple[KeyValue, ...] = ()
+        self.invalidated = asyncio.Event()
+        self._pulse = pulse
+        self._pulse_task: asyncio.Task[None] | None = None
+        self._pulse_now = asyncio.Event()
+        self.stopped = False
+
+    def signal(self) -> None:
+        """Invalidate resolutions of this journal: its assignments changed."""
+        self.invalidated.set()
+        self.invalidated = asyncio.Event()
+
+    def on_route_change(self) -> None:
+        if not self.primary or self._pulse is None or self.stopped:
+            return
+        if self._pulse_task is None:
+            self._pulse_task = asyncio.ensure_future(self._pulse_loop())
+        self._pulse_now.set()
+
+    async def _pulse_loop(self) -> None:
+        assert self._pulse is not None
+        while not self.stopped:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(PULSE_INTERVAL):
+                    await self._pulse_now.wait()
+            self._pulse_now.clear()
+            if self.stopped:
+                return
+            try:
+                await self._pulse(self)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("pulse of %s failed: %r", self.journal, exc)
+                await asyncio.sleep(1.0)  # Retried: the route may still be settling.
+
+    async def shutdown(self) -> None:
+        """Stop the pulse, tear down the pipeline, and release the spool's files."""
+        self.stopped = True
+        if self._pulse_task is not None:
+            # Let a pulse in flight finish (it is bounded), then the loop sees `stopped`.
+            self._pulse_now.set()
+            done, _ = await asyncio.wait({self._pulse_task}, timeout=PULSE_STOP_TIMEOUT)
+            if not done:
+                self._pulse_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._pulse_task
+        pipeline = await self.pipeline_queue.get()
+        if pipeline is not None:
+            await pipeline.shutdown(expect_err=False)
+        spool = await self.spool_queue.get()
+        spool.close()
+
+
+class _IndexObserver:
+    """Feeds spool commits and completions to the index readers query."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+
+    def on_commit(self, fragment: pb.Fragment) -> None:
+        self.index.on_commit(fragment)
+
+    def on_complete(self, completed: CompletedFragment) -> None:
+        self.index.on_complete(completed.fragment, completed)

@@ -1,0 +1,98 @@
+"""The Replicate RPC, served by a journal's non-primary replicas.
+
+The first request carries the primary's Header (route and etcd revision). Once the route
+matches ours, the RPC owns the replica's spool until the primary closes the stream, applying
+each request to the spool and acknowledging where asked. Whatever ends the stream, anything
+uncommitted is rolled back before the spool is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from broker.fragment.spool import Spool, SpoolError
+from broker.protocol import protocol_pb2 as pb
+from broker.resolver import ResolveError, route_equivalent
+
+if TYPE_CHECKING:
+    from broker.service import JournalService
+
+log = logging.getLogger(__name__)
+
+
+async def serve_replicate(
+    svc: JournalService, requests: AsyncIterator[pb.ReplicateRequest], context: Any
+) -> AsyncIterator[pb.ReplicateResponse]:
+    iterator = requests.__aiter__()
+    try:
+        first = await anext(iterator)
+    except StopAsyncIteration:
+        return
+    if not first.HasField("header") or not first.HasField("proposal"):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "the first ReplicateRequest needs a header and a proposal",
+        )
+    spool: Spool | None = None
+    while spool is None:
+        try:
+            res = await svc.resolver.resolve(
+                first.proposal.journal,
+                may_proxy=False,
+                require_primary=False,
+                proxy_header=first.header,
+            )
+        except ResolveError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return
+        if res.status != pb.OK:
+            yield pb.ReplicateResponse(status=res.status, header=res.header)
+            return
+        if not route_equivalent(res.route, first.header.route):
+            yield pb.ReplicateResponse(status=pb.WRONG_ROUTE, header=res.header)
+            return
+        assert res.replica is not None
+        get = asyncio.ensure_future(res.replica.spool_queue.get())
+        invalidated = asyncio.ensure_future(res.invalidated.wait())
+        try:
+            await asyncio.wait({get, invalidated}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            invalidated.cancel()
+            if not get.done():
+                get.cancel()
+        if get.done() and not get.cancelled():
+            spool = get.result()
+            spool_queue = res.replica.spool_queue
+    header: pb.Header | None = res.header
+    try:
+        request: pb.ReplicateRequest | None = first
+        while request is not None:
+            try:
+                response = spool.apply(request, primary=False)
+            except SpoolError as exc:
+                # An invalid transition: the stream is unusable, the primary must rebuild.
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replicate: {exc}")
+                return
+            if request.acknowledge:
+                if header is not None:
+                    response.header.CopyFrom(header)
+                    header = None
+                yield response
+            elif response.status != pb.OK:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"replicate: {pb.Status.Name(response.status)} without an acknowledgement",
+                )
+                return
+            try:
+                request = await anext(iterator)
+            except StopAsyncIteration:
+                request = None
+    finally:
+        spool.rollback()  # Whatever ended the stream, nothing uncommitted survives it.
+        spool_queue.put_nowait(spool)
