@@ -22,6 +22,7 @@ from aetcd import exceptions as etcd_errors
 from aetcd import transactions
 
 from broker import etcd as etcdx
+from broker.allocator import allocate, broker_rules
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
@@ -58,6 +59,10 @@ class BrokerConfig:
     etcd_prefix: str = "/gazette/cluster"
     etcd_lease: float = 20.0
     max_grpc_recv_size: int = 4 * 1024 * 1024
+    # How long a stopping broker waits for the allocator to move its journals elsewhere.
+    drain_timeout: float = 60.0
+    # Tests of the broker core turn the allocator off and write assignments themselves.
+    run_allocator: bool = True
 
     def bind_host(self) -> str:
         """Where to listen: as given, else loopback when the advertised host is loopback (it
@@ -91,6 +96,7 @@ class Broker:
         self.port = 0
         self.lease_id = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._allocator: asyncio.Task[None] | None = None
         self.done = asyncio.Event()
         self.failure: BaseException | None = None
 
@@ -139,16 +145,28 @@ class Broker:
             self._spawn(self._keep_lease_alive(), "lease keep-alive")
             await self._announce()
             await self.server.start()
+            if self.config.run_allocator:
+                self._allocator = self._spawn(
+                    allocate(
+                        self.ks,
+                        self.etcd,
+                        self.config.etcd_prefix,
+                        self.member_key,
+                        rules=broker_rules(self.config.max_replication),
+                    ),
+                    "allocator",
+                )
         except BaseException:
             await self.stop()
             raise
         log.info("broker %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         task.add_done_callback(self._on_task_done)
         self._tasks.append(task)
+        return task
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -223,6 +241,16 @@ class Broker:
                     ),
                     bound,
                 )
+            # Marked exiting, the allocator moves our journals elsewhere (when the cluster has
+            # room for them); it returns once we hold none. Wait for that, within a bound.
+            if self._allocator is not None and not self._allocator.done():
+                await asyncio.wait({self._allocator}, timeout=self.config.drain_timeout)
+                if not self._allocator.done():
+                    log.warning(
+                        "journals not drained from %s within %gs; stopping anyway",
+                        self.member_key,
+                        self.config.drain_timeout,
+                    )
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None

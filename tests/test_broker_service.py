@@ -81,7 +81,6 @@ async def test_apply_create_then_list(
         assert listed.journals[1].spec == spec("a/two", team="x")
         assert listed.header.process_id.suffix == "broker-0"
         assert listed.header.etcd.revision >= revision
-        assert listed.journals[0].route.primary == -1  # Not yet assigned.
 
         # Specs are stored protobuf-encoded under {prefix}/items/{journal}, as upstream.
         raw = await etcd.get(aks.item_key(etcd_prefix, "a/one").encode())

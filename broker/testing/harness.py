@@ -22,6 +22,8 @@ class BrokerHarness:
         lease: float = 5.0,
         watch_delay: float = 0.0,
         file_root: str = "",
+        drain_timeout: float = 2.0,
+        run_allocator: bool = True,
     ) -> None:
         self.config = BrokerConfig(
             zone=zone,
@@ -33,6 +35,8 @@ class BrokerHarness:
             etcd_prefix=etcd_prefix,
             etcd_lease=lease,
             watch_delay=watch_delay,
+            drain_timeout=drain_timeout,
+            run_allocator=run_allocator,
         )
         self.broker = Broker(self.config)
 
