@@ -98,6 +98,11 @@ def cli(ctx: click.Context) -> None:
     type=int,
     help="Maximum gRPC message size the broker accepts",
 )
+@cfg.option(
+    "--broker.drain-timeout",
+    default="30s",
+    help="On SIGTERM, how long to wait for the allocator to move this broker's journals away",
+)
 @cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address")
 @cfg.option(
     "--etcd.prefix",
@@ -134,6 +139,7 @@ def serve(**opts: Any) -> None:
         min_append_rate=opts["broker_min_append_rate"],
         max_append_rate=opts["broker_max_append_rate"],
         watch_delay=_duration("--broker.watch-delay", opts["broker_watch_delay"]),
+        drain_timeout=_duration("--broker.drain-timeout", opts["broker_drain_timeout"]),
         max_grpc_recv_size=opts["broker_max_grpc_recv_size"],
         etcd_address=opts["etcd_address"],
         etcd_prefix=opts["etcd_prefix"].rstrip("/"),

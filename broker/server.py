@@ -60,7 +60,7 @@ class BrokerConfig:
     etcd_lease: float = 20.0
     max_grpc_recv_size: int = 4 * 1024 * 1024
     # How long a stopping broker waits for the allocator to move its journals elsewhere.
-    drain_timeout: float = 60.0
+    drain_timeout: float = 30.0
     # Tests of the broker core turn the allocator off and write assignments themselves.
     run_allocator: bool = True
 
@@ -227,6 +227,25 @@ class Broker:
                 raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
             last_ok = loop.time()
 
+    async def _await_drain(self) -> None:
+        """Until the allocator returns (drained), the timeout passes, or no live member is left
+        that could take our journals (then waiting cannot help)."""
+        assert self._allocator is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        while not self._allocator.done() and loop.time() < deadline:
+            others = [
+                kv
+                for kv in self.ks.prefixed(self.config.etcd_prefix + aks.MEMBERS)
+                if kv.key != self.member_key
+                and isinstance(kv.decoded, aks.Member)
+                and isinstance(kv.decoded.spec, pb.BrokerSpec)
+                and not kv.decoded.spec.exiting
+            ]
+            if not others:
+                return
+            await asyncio.wait({self._allocator}, timeout=min(0.25, deadline - loop.time()))
+
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful exit: mark the member exiting, drain gRPC, revoke the lease, close etcd."""
         # etcd may be the reason we are stopping: bound every call to it.
@@ -244,7 +263,7 @@ class Broker:
             # Marked exiting, the allocator moves our journals elsewhere (when the cluster has
             # room for them); it returns once we hold none. Wait for that, within a bound.
             if self._allocator is not None and not self._allocator.done():
-                await asyncio.wait({self._allocator}, timeout=self.config.drain_timeout)
+                await self._await_drain()
                 if not self._allocator.done():
                     log.warning(
                         "journals not drained from %s within %gs; stopping anyway",

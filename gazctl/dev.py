@@ -169,6 +169,7 @@ def broker_command(i: int, port: int, etcd: str, file_root: Path) -> list[str]:
         "--etcd.address", etcd,
         "--etcd.prefix", ETCD_PREFIX,
         "--etcd.lease", "10s",
+        "--broker.drain-timeout", "5s",
     ]  # fmt: skip
 
 

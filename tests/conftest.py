@@ -53,7 +53,11 @@ class BrokerProcess:
 
 
 def start_broker_process(
-    etcd_server: EtcdServer, prefix: str, log: Path, broker_id: str = "broker-0"
+    etcd_server: EtcdServer,
+    prefix: str,
+    log: Path,
+    broker_id: str = "broker-0",
+    lease: str = "5s",
 ) -> BrokerProcess:
     port = free_port()
     with log.open("wb") as out:
@@ -61,7 +65,8 @@ def start_broker_process(
             [
                 sys.executable, "-m", "broker.main", "serve",
                 "--broker.id", broker_id, "--broker.host", "127.0.0.1", "--broker.port", str(port),
-                "--etcd.address", etcd_server.endpoint, "--etcd.prefix", prefix, "--etcd.lease", "5s",
+                "--etcd.address", etcd_server.endpoint, "--etcd.prefix", prefix, "--etcd.lease", lease,
+                "--broker.drain-timeout", "2s",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

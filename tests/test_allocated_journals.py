@@ -40,7 +40,9 @@ async def wait_consistent(etcd: aetcd.Client, root: str, journal: str, route: pb
             kvs = await etcd.get_prefix(f"{root}{aks.ASSIGNMENTS}{journal}{aks.SEP}".encode())
             values = [pb.Route.FromString(kv.value) if kv.value else None for kv in kvs]
             if len(values) == len(route.members) and all(
-                v is not None and list(v.members) == list(route.members) and v.primary == route.primary
+                v is not None
+                and list(v.members) == list(route.members)
+                and v.primary == route.primary
                 for v in values
             ):
                 return
@@ -48,11 +50,15 @@ async def wait_consistent(etcd: aetcd.Client, root: str, journal: str, route: pb
 
 
 @pytest.fixture
-async def cluster(etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client) -> AsyncIterator[list[BrokerHarness]]:
+async def cluster(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client
+) -> AsyncIterator[list[BrokerHarness]]:
     started: list[BrokerHarness] = []
     try:
         for i in range(3):
-            h = BrokerHarness(etcd_server.endpoint, etcd_prefix, id=f"broker-{i}", drain_timeout=1.0)
+            h = BrokerHarness(
+                etcd_server.endpoint, etcd_prefix, id=f"broker-{i}", drain_timeout=1.0
+            )
             await h.__aenter__()
             started.append(h)
         yield started
@@ -81,7 +87,9 @@ async def test_allocated_journal_accepts_appends_and_becomes_consistent(
     await wait_route(cluster[0] if cluster[0] is not leaving else cluster[2], "alloc/j", 2)
     survivor = next(h for h in cluster if h is not leaving)
     with pytest.raises(AppendError) as info:
-        await append(survivor.broker.service.dialer.journal_stub(survivor.endpoint), "alloc/j", b"x")
+        await append(
+            survivor.broker.service.dialer.journal_stub(survivor.endpoint), "alloc/j", b"x"
+        )
     assert info.value.status == pb.INSUFFICIENT_JOURNAL_BROKERS
 
     # A new broker joins: the allocator adds it, the pipeline re-synchronizes, appends resume
@@ -92,10 +100,17 @@ async def test_allocated_journal_accepts_appends_and_becomes_consistent(
         async with asyncio.timeout(20):
             while True:
                 try:
-                    response = await append(newcomer.broker.service.dialer.journal_stub(newcomer.endpoint), "alloc/j", b"second")
+                    response = await append(
+                        newcomer.broker.service.dialer.journal_stub(newcomer.endpoint),
+                        "alloc/j",
+                        b"second",
+                    )
                     break
                 except AppendError as exc:
-                    assert exc.status in (pb.INSUFFICIENT_JOURNAL_BROKERS, pb.NO_JOURNAL_PRIMARY_BROKER)
+                    assert exc.status in (
+                        pb.INSUFFICIENT_JOURNAL_BROKERS,
+                        pb.NO_JOURNAL_PRIMARY_BROKER,
+                    )
                     await asyncio.sleep(0.1)
         assert response.commit.begin == 5
         await wait_consistent(etcd, etcd_prefix, "alloc/j", route)
