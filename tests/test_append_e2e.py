@@ -142,3 +142,36 @@ async def test_registers_and_offsets_check_and_set(
     r = await append(s, "e2e/cas", b"e", offset=2)
     assert (r.commit.begin, r.commit.end) == (2, 3)
     assert await read_all(brokers[2], "e2e/cas") == b"ace"
+
+
+class _Bytes:
+    def __init__(self, data: bytes, begin: int) -> None:
+        self.data, self.begin = data, begin
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self.data[offset - self.begin : offset - self.begin + size]
+
+
+async def test_index_with_a_greater_offset_refuses_appends_until_reset_head(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    from broker.client.appender import reset_head
+
+    await set_journal(etcd, etcd_prefix, journal_spec("e2e/lost"), [("local", i) for i in IDS])
+    s = stub(brokers[0])
+    await append(s, "e2e/lost", b"0123456789")
+    # The primary's index learns of a fragment beyond what the replicas synchronized on, as
+    # when consistency was lost (another broker wrote [10, 20) and persisted it elsewhere).
+    replica = brokers[0].broker.service.resolver.replicas["e2e/lost"]  # type: ignore[index]
+    lost = pb.Fragment(journal="e2e/lost", begin=10, end=20)
+    replica.index.on_complete(lost, _Bytes(b"abcdefghij", 10))
+    with pytest.raises(AppendError) as info:
+        await append(s, "e2e/lost", b"x")
+    assert info.value.status == pb.INDEX_HAS_GREATER_OFFSET
+
+    response = await reset_head(s, "e2e/lost")  # The operator confirms: continue at 20.
+    assert response.commit.end == 20
+    response = await append(s, "e2e/lost", b"after")
+    assert (response.commit.begin, response.commit.end) == (20, 25)
+    # Offsets [10, 20) were never written twice: the replicas skipped them.
+    assert await read_all(brokers[1], "e2e/lost", 20) == b"after"

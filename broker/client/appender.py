@@ -78,3 +78,13 @@ async def append(
     if check and response.status != pb.OK:
         raise AppendError(journal, response)
     return response
+
+
+async def reset_head(stub: pb_grpc.JournalStub, journal: str) -> pb.AppendResponse:
+    """Disaster recovery (`gazctl journals reset-head`): a zero-byte append at the journal's
+    largest known offset. It tells the brokers that appends may continue there, which clears
+    INDEX_HAS_GREATER_OFFSET: the operator confirms every earlier writer is gone."""
+    from broker.client.reader import write_head
+
+    head = await write_head(stub, journal)
+    return await append(stub, journal, b"", offset=head, suspend=pb.AppendRequest.SUSPEND_KEEP)

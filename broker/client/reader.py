@@ -1,0 +1,66 @@
+"""Reading a journal: a Read RPC from an offset, yielding content with its journal offset."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+
+class ReadError(RuntimeError):
+    def __init__(self, journal: str, status: int) -> None:
+        self.status = status
+        super().__init__(f"read of {journal}: {pb.Status.Name(status)}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offset: int
+    content: bytes
+    fragment: pb.Fragment | None = None
+    write_head: int = 0
+
+
+async def read(
+    stub: pb_grpc.JournalStub,
+    journal: str,
+    offset: int = 0,
+    *,
+    block: bool = False,
+    end_offset: int = 0,
+) -> AsyncIterator[Chunk]:
+    """Content of `journal` from `offset` (-1: the write head). Non-blocking reads end at the
+    write head; blocking reads wait for new commits until cancelled. Offsets may jump forward
+    where the broker holds nothing for a span (each chunk carries its own offset)."""
+    request = pb.ReadRequest(journal=journal, offset=offset, block=block, end_offset=end_offset)
+    call = stub.Read(request)
+    fragment: pb.Fragment | None = None
+    head = 0
+    try:
+        async for response in call:
+            if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
+                return
+            if response.status != pb.OK:
+                raise ReadError(journal, response.status)
+            if response.HasField("fragment"):
+                fragment, head = response.fragment, response.write_head
+                continue
+            yield Chunk(response.offset, response.content, fragment, head)
+    finally:
+        call.cancel()
+
+
+async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:
+    """The journal's write head: the offset the next append will begin at."""
+    request = pb.ReadRequest(journal=journal, offset=-1, block=False, metadata_only=True)
+    call = stub.Read(request)
+    try:
+        async for response in call:
+            if response.status not in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE):
+                raise ReadError(journal, response.status)
+            return int(response.write_head)
+    finally:
+        call.cancel()
+    raise ReadError(journal, pb.OFFSET_NOT_YET_AVAILABLE)

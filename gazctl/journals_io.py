@@ -1,0 +1,192 @@
+"""`gazctl journals append|read|reset-head`: content in and out of journals."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO
+
+import click
+
+from broker.client.appender import AppendError, append, reset_head
+from broker.client.reader import ReadError, read
+from broker.dialer import Dialer
+from broker.protocol import labels
+from broker.protocol import protocol_pb2 as pb
+from gazctl.journals import broker_options, client_of, journals
+from gazctl.render import err_console
+
+# An append of stdin is cut at this many bytes (at a line end with --framing lines), so an
+# endless input streams as a sequence of bounded transactions.
+APPEND_BATCH = 4 << 20
+
+
+async def matching(opts: dict[str, Any], selector: str) -> list[pb.ListResponse.Journal]:
+    async with client_of(opts) as client:
+        snapshot = await client.list(labels.parse_selector(selector))
+    if not snapshot.journals:
+        raise click.ClickException(f"no journals match the selector {selector!r}")
+    return list(snapshot.journals)
+
+
+def _read_some(stream: BinaryIO) -> bytes:
+    read1 = getattr(stream, "read1", None)
+    return read1(APPEND_BATCH) if read1 is not None else stream.read(APPEND_BATCH)
+
+
+async def _input_batches(stream: BinaryIO, framing: str) -> AsyncIterator[bytes]:
+    """The input as append-sized batches; with `lines`, each batch ends at a line end."""
+    loop = asyncio.get_running_loop()
+    pending = b""
+    while data := await loop.run_in_executor(None, _read_some, stream):
+        pending += data
+        if framing == "none":
+            yield pending
+            pending = b""
+        elif (cut := pending.rfind(b"\n") + 1) > 0:
+            yield pending[:cut]
+            pending = pending[cut:]
+        elif len(pending) >= APPEND_BATCH:
+            yield pending  # A single line longer than a batch.
+            pending = b""
+    if pending:
+        if framing == "lines" and not pending.endswith(b"\n"):
+            pending += b"\n"  # A final unterminated line is still one whole record.
+        yield pending
+
+
+async def _append(
+    opts: dict[str, Any], selector: str, source: BinaryIO, framing: str
+) -> tuple[str, int, int, int]:
+    journals_ = await matching(opts, selector)
+    if len(journals_) != 1:
+        names = ", ".join(j.spec.name for j in journals_[:5])
+        raise click.ClickException(
+            f"the selector {selector!r} matches {len(journals_)} journals ({names}...): "
+            "appending needs exactly one (partitioned appends come with --mapping)"
+        )
+    name = journals_[0].spec.name
+    dialer = Dialer()
+    stub = dialer.journal_stub(opts["broker_address"])
+    first, last, total = -1, -1, 0
+    try:
+        async for batch in _input_batches(source, framing):
+            response = await append(stub, name, batch)
+            if first < 0:
+                first = response.commit.begin
+            last = response.commit.end
+            total += len(batch)
+    except AppendError as exc:
+        raise click.ClickException(f"{exc}; {total} bytes were appended before it") from None
+    finally:
+        await dialer.close()
+    return name, first, last, total
+
+
+@journals.command("append")
+@broker_options
+@click.option("-l", "--selector", required=True, help="Label selector of the journal to append to")
+@click.option(
+    "-i", "--input", "input_path", default="-", show_default=True, help="Input file (- for stdin)"
+)
+@click.option("-f", "--framing", type=click.Choice(["none", "lines"]), default="none", show_default=True,
+              help="none: bytes as they come; lines: appends end at line boundaries")  # fmt: skip
+def append_cmd(selector: str, input_path: str, framing: str, **opts: Any) -> None:
+    """Append the input to a journal: each batch of up to 4 MiB is one all-or-nothing append."""
+    from gazctl.cli import run
+
+    try:
+        source: BinaryIO = sys.stdin.buffer if input_path == "-" else open(input_path, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise click.ClickException(f"--input {input_path}: {exc.strerror or exc}") from None
+    with source:
+        name, first, last, total = run(_append(opts, selector, source, framing))
+    if total:
+        err_console.print(f"appended {total} bytes to {name} at [{first}, {last})")
+    else:
+        err_console.print(f"nothing to append to {name}: the input was empty")
+
+
+async def _read(
+    opts: dict[str, Any], selector: str, block: bool, tail: bool, out: BinaryIO
+) -> None:
+    journals_ = await matching(opts, selector)
+    dialer = Dialer()
+    stub = dialer.journal_stub(opts["broker_address"])
+    lock = asyncio.Lock()
+
+    async def one(name: str) -> None:
+        async for chunk in read(stub, name, -1 if tail else 0, block=block):
+            async with lock:  # Whole chunks from one journal at a time.
+                out.write(chunk.content)
+                out.flush()
+
+    try:
+        await asyncio.gather(*(one(j.spec.name) for j in journals_))
+    except ReadError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        await dialer.close()
+
+
+@journals.command("read")
+@broker_options
+@click.option("-l", "--selector", required=True, help="Label selector of journals to read")
+@click.option("-b", "--block", is_flag=True, help="Keep reading as new content commits")
+@click.option("--tail", is_flag=True, help="Start at the write head instead of the beginning")
+@click.option("-o", "--output", default="-", show_default=True, help="Output file (- for stdout)")
+def read_cmd(selector: str, block: bool, tail: bool, output: str, **opts: Any) -> None:
+    """Read the selected journals' content to the output (several journals: interleaved by
+    chunk). Without --block, stops at each journal's current write head."""
+    from gazctl.cli import run
+
+    try:
+        out: BinaryIO = sys.stdout.buffer if output == "-" else open(output, "wb")  # noqa: SIM115
+    except OSError as exc:
+        raise click.ClickException(f"--output {output}: {exc.strerror or exc}") from None
+    try:
+        run(_read(opts, selector, block, tail, out))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+
+
+async def _reset_head(opts: dict[str, Any], selector: str) -> list[tuple[str, int]]:
+    journals_ = await matching(opts, selector)
+    dialer = Dialer()
+    stub = dialer.journal_stub(opts["broker_address"])
+    done: list[tuple[str, int]] = []
+    try:
+        for journal in journals_:
+            if journal.spec.suspend.level == pb.JournalSpec.Suspend.FULL:
+                continue  # Fully suspended journals have no head to reset.
+            try:
+                response = await reset_head(stub, journal.spec.name)
+            except (AppendError, ReadError) as exc:
+                raise click.ClickException(
+                    f"{exc} (journals reset before it: {len(done)})"
+                ) from None
+            done.append((journal.spec.name, response.commit.end))
+    finally:
+        await dialer.close()
+    return done
+
+
+@journals.command("reset-head")
+@broker_options
+@click.option("-l", "--selector", required=True, help="Label selector of journals to reset")
+def reset_head_cmd(selector: str, **opts: Any) -> None:
+    """Disaster recovery: let appends continue at each journal's largest known offset.
+
+    When journal consistency was lost (too many broker or etcd failures), brokers refuse
+    appends with INDEX_HAS_GREATER_OFFSET rather than risk writing an offset twice. After
+    confirming every earlier broker has exited, run this to append zero bytes at the largest
+    offset the fragment index knows, which clears the condition.
+    """
+    from gazctl.cli import run
+
+    for name, offset in run(_reset_head(opts, selector)):
+        err_console.print(f"reset the head of {name} to {offset}")
