@@ -1,0 +1,115 @@
+"""A benchmark cluster: etcd and three `gazette serve` processes on loopback, and one journal
+at replication 3 placed by the allocator. Every process is stopped by its pid on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from broker.client import BrokerUnavailable, JournalsClient
+from broker.client.appender import AppendError, append
+from broker.dialer import Dialer
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer, free_port
+
+PREFIX = "/bench"
+
+
+def _journal(name: str) -> pb.JournalSpec:
+    spec = pb.JournalSpec(name=name, replication=3)
+    spec.fragment.length = 1 << 30  # No rolls mid-run: we measure the append path.
+    spec.fragment.compression_codec = pb.NONE
+    spec.fragment.refresh_interval.seconds = 60
+    return spec
+
+
+@contextlib.asynccontextmanager
+async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[str], Dialer]]:
+    """Yields the brokers' addresses (primary of `journal` first) and a dialer."""
+    procs: list[subprocess.Popen[bytes]] = []
+    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
+        addresses = []
+        try:
+            for i in range(brokers):
+                port = free_port()
+                log = open(Path(tmp) / f"broker-{i}.log", "wb")  # noqa: SIM115
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "broker.main",
+                            "serve",
+                            "--broker.id",
+                            f"broker-{i}",
+                            "--broker.host",
+                            "127.0.0.1",
+                            "--broker.port",
+                            str(port),
+                            "--etcd.address",
+                            etcd.endpoint,
+                            "--etcd.prefix",
+                            PREFIX,
+                            "--log.level",
+                            "warn",
+                            "--broker.drain-timeout",
+                            "1s",
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                )
+                log.close()
+                addresses.append(f"http://127.0.0.1:{port}")
+            deadline = time.monotonic() + 30
+            for address in addresses:
+                async with JournalsClient(address, timeout=1) as client:
+                    while True:
+                        try:
+                            await client.list()
+                            break
+                        except BrokerUnavailable:
+                            if time.monotonic() > deadline:
+                                raise
+                            await asyncio.sleep(0.1)
+            async with JournalsClient(addresses[0]) as client:
+                await client.apply([pb.ApplyRequest.Change(upsert=_journal(journal))])
+                while True:
+                    snapshot = await client.list(
+                        pb.LabelSelector(
+                            include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)])
+                        )
+                    )
+                    route = snapshot.journals[0].route
+                    if len(route.members) == 3 and route.primary != -1:
+                        break
+                    await asyncio.sleep(0.05)
+            primary = route.endpoints[route.primary]
+            ordered = [primary, *(a for a in addresses if a != primary)]
+            dialer = Dialer()
+            try:
+                # Until the first append succeeds, the pipeline is still synchronizing.
+                while True:
+                    try:
+                        await append(dialer.journal_stub(primary), journal, b"")
+                        break
+                    except AppendError:
+                        await asyncio.sleep(0.05)
+                yield ordered, dialer
+            finally:
+                await dialer.close()
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -1,0 +1,64 @@
+"""append_small: 256-byte appends from 64 concurrent appenders to a journal replicated on three
+broker processes, appends/s with p50/p99 latency; baseline: the same chain of plain unary RPCs
+(client -> relay -> two sinks) at the same concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from benchmarks._cluster import cluster
+from benchmarks.baselines.unary_chain import unary_chain
+from broker.client.appender import append
+
+CONCURRENCY = 64
+PAYLOAD = 256
+JOURNAL = "bench/small"
+
+
+async def measure(duration: float) -> dict[str, Any]:
+    payload = b"x" * (PAYLOAD - 1) + b"\n"
+    async with cluster(JOURNAL) as (addresses, dialer):
+        stub = dialer.journal_stub(addresses[0])
+        latencies: list[float] = []
+        stop = time.perf_counter() + duration
+
+        async def appender() -> None:
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                await append(stub, JOURNAL, payload)
+                latencies.append(time.perf_counter() - t)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(appender() for _ in range(CONCURRENCY)))
+        elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "value": len(latencies) / elapsed,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    duration = 1.0 if quick else 5.0
+    ours = asyncio.run(measure(duration))
+    base = asyncio.run(unary_chain(CONCURRENCY, PAYLOAD, duration))
+    return {
+        "value": round(ours["value"], 1),
+        "unit": "appends/s",
+        "baseline": round(base["value"], 1),
+        "ratio": round(ours["value"] / base["value"], 2),
+        "target": 0.5,
+        "p50_ms": round(ours["p50_ms"], 2),
+        "p99_ms": round(ours["p99_ms"], 2),
+        "baseline_p50_ms": round(base["p50_ms"], 2),
+        "baseline_p99_ms": round(base["p99_ms"], 2),
+        "concurrency": CONCURRENCY,
+    }
+
+
+if __name__ == "__main__":
+    print(run())

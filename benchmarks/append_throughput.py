@@ -1,0 +1,64 @@
+"""append_throughput: 3 brokers (separate processes), replication 3, one journal, 1 MiB appends
+streamed in 128 KiB chunks to the primary, in MB/s; baseline: the bare relay chain (client ->
+relay -> two sinks, each hashing and writing) with the same chunk and append sizes."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from benchmarks._cluster import cluster
+from benchmarks.baselines.relay import relay_throughput
+from broker.client.appender import CHUNK, append
+
+APPEND = 1 << 20
+JOURNAL = "bench/throughput"
+
+
+async def measure(duration: float, concurrency: int = 1) -> dict[str, Any]:
+    payload = bytes(range(256)) * (APPEND // 256)
+    async with cluster(JOURNAL) as (addresses, dialer):
+        stub = dialer.journal_stub(addresses[0])
+        latencies: list[float] = []
+        stop = time.perf_counter() + duration
+
+        async def appender() -> None:
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                await append(stub, JOURNAL, payload)
+                latencies.append(time.perf_counter() - t)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(appender() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    latencies.sort()
+    return {
+        "value": len(latencies) * APPEND / elapsed / 1e6,
+        "appends": len(latencies),
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    duration = 1.0 if quick else 5.0
+    ours = asyncio.run(measure(duration))
+    base = asyncio.run(relay_throughput(duration, chunk_size=CHUNK, append_size=APPEND))
+    return {
+        "value": round(ours["value"], 1),
+        "unit": "MB/s",
+        "baseline": round(base["value"], 1),
+        "ratio": round(ours["value"] / base["value"], 2),
+        "target": 0.6,
+        "appends": ours["appends"],
+        "p50_ms": round(ours["p50_ms"], 2),
+        "p99_ms": round(ours["p99_ms"], 2),
+        "chunk_size": CHUNK,
+        "append_size": APPEND,
+    }
+
+
+if __name__ == "__main__":
+    print(run())
