@@ -38,34 +38,15 @@ async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[st
         try:
             for i in range(brokers):
                 port = free_port()
-                log = open(Path(tmp) / f"broker-{i}.log", "wb")  # noqa: SIM115
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "broker.main",
-                            "serve",
-                            "--broker.id",
-                            f"broker-{i}",
-                            "--broker.host",
-                            "127.0.0.1",
-                            "--broker.port",
-                            str(port),
-                            "--etcd.address",
-                            etcd.endpoint,
-                            "--etcd.prefix",
-                            PREFIX,
-                            "--log.level",
-                            "warn",
-                            "--broker.drain-timeout",
-                            "1s",
-                        ],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )  # fmt: skip
-                )
-                log.close()
+                command = [
+                    sys.executable, "-m", "broker.main", "serve",
+                    "--broker.id", f"broker-{i}", "--broker.host", "127.0.0.1",
+                    "--broker.port", str(port), "--etcd.address", etcd.endpoint,
+                    "--etcd.prefix", PREFIX, "--log.level", "warn",
+                    "--broker.drain-timeout", "1s",
+                ]  # fmt: skip
+                with open(Path(tmp) / f"broker-{i}.log", "wb") as log:
+                    procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
                 addresses.append(f"http://127.0.0.1:{port}")
             deadline = time.monotonic() + 30
             for address in addresses:
