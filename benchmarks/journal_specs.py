@@ -48,7 +48,9 @@ def journal(i: int, tag: str) -> pb.JournalSpec:
 async def measure(etcd: EtcdServer, journals: int, rounds: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"apply": [], "apply_base": [], "list": [], "list_base": []}
     root = "/bench"
-    async with BrokerHarness(etcd.endpoint, root, watch_delay=0.03) as harness:
+    # Spec management alone: no allocator, so the journals are not made live (allocator_round
+    # and the append benchmarks measure that side).
+    async with BrokerHarness(etcd.endpoint, root, watch_delay=0.03, run_allocator=False) as harness:
         client = harness.client()
         raw = etcdx.connect(etcd.endpoint)
         try:

@@ -6,6 +6,7 @@ with the oldest key) solves for a desired assignment and converges etcd toward i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -60,6 +61,7 @@ async def allocate(
     max_txn_ops: int = MAX_TXN_OPS,
     retry_delay: float = 1.0,
     on_round: Callable[[Round], None] | None = None,
+    settle: float = 0.05,
 ) -> None:
     """Allocate the items under `root` for as long as the member `member_key` is needed.
 
@@ -71,7 +73,8 @@ async def allocate(
     `rules` reads specs (default: brokers' JournalSpec / BrokerSpec / Route, with upstream's
     max replication of 9); `max_txn_ops` bounds each transaction's operations and comparisons
     (etcd's --max-txn-ops); after an etcd error a round is retried within `retry_delay` seconds;
-    `on_round`, if given, is called after every pass with what it did (tests wait on it).
+    `on_round`, if given, is called after every pass with what it did (tests wait on it);
+    after each change the loop waits `settle` seconds, so a burst of changes costs one round.
 
     The leader caches its solution while items, members and effective limits are unchanged, and
     keeps converging toward it: re-solving on every assignment change would chase a target
@@ -94,7 +97,9 @@ async def allocate(
             if state.should_exit:
                 break
             if state.network_key != desired_for:
-                desired = _solve(state)
+                # Solving is pure CPU on an immutable snapshot: a worker thread keeps the
+                # broker's event loop (and its RPCs) responsive meanwhile.
+                desired = await asyncio.get_running_loop().run_in_executor(None, _solve, state)
                 desired_for = state.network_key
             applied, applied_at, error = await _converge(state, desired, client, max_txn_ops)
             wait_for = max(wait_for, applied_at)
@@ -112,6 +117,10 @@ async def allocate(
         # After an etcd failure, retry even if nothing changes meanwhile.
         with contextlib.suppress(TimeoutError):
             await ks.wait_for_revision(wait_for, timeout)
+        if settle > 0:
+            # Changes come in bursts (an apply of many journals, a rolling restart): one
+            # round after the burst beats a round per change.
+            await asyncio.sleep(settle)
     log.info("allocator: %s is exiting and holds no assignments; done", member_key)
 
 
@@ -137,6 +146,10 @@ def _role(
     return "done"
 
 
+# The last count of unplaceable replicas warned about: repeat the warning only when it changes.
+_last_unplaced = [0]
+
+
 def _solve(state: State) -> Sequence[Sequence[int]]:
     problem = state.problem()
     started = time.perf_counter()
@@ -152,7 +165,8 @@ def _solve(state: State) -> Sequence[Sequence[int]]:
         len(state.items), len(state.members), state.revision, elapsed,
         solution.placed, solution.wanted, added, removed,
     )  # fmt: skip
-    if solution.placed < solution.wanted:
+    if solution.placed < solution.wanted and solution.wanted - solution.placed != _last_unplaced[0]:
+        _last_unplaced[0] = solution.wanted - solution.placed
         log.warning(
             "allocator: %d replicas cannot be placed (too few members, zones or slots)",
             solution.wanted - solution.placed,
