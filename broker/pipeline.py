@@ -69,7 +69,12 @@ class Pipeline:
         return self.header.route
 
     async def scatter(self, request: pb.ReplicateRequest) -> None:
-        """Send `request` to every healthy peer and apply it to the local spool."""
+        """Send `request` to every healthy peer and apply it to the local spool.
+
+        Peer writes proceed concurrently, and the local spool applies the request meanwhile
+        (it hashes and writes the same bytes): the send side is held for one write's time.
+        """
+        writes = []
         for i, stream in enumerate(self.streams):
             if stream is None or self.send_errs[i] is not None:
                 continue
@@ -79,16 +84,20 @@ class Pipeline:
                 out = pb.ReplicateRequest()
                 out.CopyFrom(request)
                 out.header.process_id.CopyFrom(self.members[i])
-            try:
-                await stream.write(out)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
-                self.send_errs[i] = exc
+            writes.append((i, asyncio.ensure_future(stream.write(out))))
         primary = self.header.route.primary
-        if self.send_errs[primary] is None:
-            response = self.spool.apply(request, primary=True)
-            if response.status != pb.OK:
-                # The primary built this request from its own spool: a mismatch is a bug.
-                raise AssertionError(f"primary spool refused its own proposal: {response}")
+        try:
+            if self.send_errs[primary] is None:
+                response = self.spool.apply(request, primary=True)
+                if response.status != pb.OK:
+                    # The primary built this request from its own spool: a mismatch is a bug.
+                    raise AssertionError(f"primary spool refused its own proposal: {response}")
+        finally:
+            if writes:
+                results = await asyncio.gather(*(w for _, w in writes), return_exceptions=True)
+                for (i, _), result in zip(writes, results, strict=True):
+                    if isinstance(result, BaseException):
+                        self.send_errs[i] = result
 
     async def close_send(self) -> None:
         """Roll back anything uncommitted, release the spool, and half-close every stream."""
