@@ -21,10 +21,15 @@ class AppendError(RuntimeError):
         super().__init__(f"append to {journal}: {pb.Status.Name(response.status)}")
 
 
-def _chunks(data: bytes) -> Iterable[bytes]:
+def _chunks(data: bytes, size: int) -> Iterable[bytes]:
+    if not data:
+        return  # An empty message would be read as the commit.
+    if len(data) <= size:
+        yield data
+        return
     view = memoryview(data)
-    for start in range(0, len(view), CHUNK):
-        yield bytes(view[start : start + CHUNK])
+    for start in range(0, len(view), size):
+        yield bytes(view[start : start + size])
 
 
 async def append(
@@ -40,11 +45,13 @@ async def append(
     suspend: pb.AppendRequest.Suspend = pb.AppendRequest.SUSPEND_RESUME,
     timeout: float | None = None,
     check: bool = True,
+    chunk_size: int = CHUNK,
 ) -> pb.AppendResponse:
     """Append `content` to `journal` as one transaction, and return the broker's response.
 
     With `check` (the default), a non-OK status raises AppendError. Content is streamed in
-    chunks; the append commits only once all of it is sent (with the final empty chunk).
+    messages of at most `chunk_size` bytes; the append commits only once all of it is sent
+    (with the final empty chunk).
     """
     first = pb.AppendRequest(
         journal=journal, offset=offset, do_not_proxy=do_not_proxy, suspend=suspend
@@ -59,15 +66,15 @@ async def append(
     try:
         await call.write(first)
         if isinstance(content, bytes | bytearray | memoryview):
-            for chunk in _chunks(bytes(content)):
+            for chunk in _chunks(bytes(content), chunk_size):
                 await call.write(pb.AppendRequest(content=chunk))
         elif isinstance(content, AsyncIterable):
             async for piece in content:
-                for chunk in _chunks(piece):
+                for chunk in _chunks(piece, chunk_size):
                     await call.write(pb.AppendRequest(content=chunk))
         else:
             for piece in content:
-                for chunk in _chunks(piece):
+                for chunk in _chunks(piece, chunk_size):
                     await call.write(pb.AppendRequest(content=chunk))
         await call.write(pb.AppendRequest())  # Commit.
         await call.done_writing()

@@ -1,0 +1,242 @@
+"""AppendService: many small, asynchronous appends become few large ones.
+
+Records written to a journal are buffered in a local temporary file (not memory) and sent as one
+Append RPC per batch, in order: while one batch is in flight, the next accumulates. Each write
+returns a future resolved with the record's own span once its batch commits. Writers wait when a
+journal has too much pending (back-pressure); transient failures are retried, so a record is
+appended at least once and, once acknowledged, exactly where its future says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import IO
+
+import grpc
+
+from broker.client.appender import AppendError, append
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# Batches stream in larger chunks than interactive appends: per-message costs dominate in
+# Python, and a batch is all there is to send (no client waits on each chunk).
+BATCH_CHUNK = 1 << 20
+
+# Statuses after which a retry can succeed: the route is changing or replicas are missing.
+RETRYABLE = {
+    pb.NO_JOURNAL_PRIMARY_BROKER,
+    pb.NOT_JOURNAL_PRIMARY_BROKER,
+    pb.NOT_JOURNAL_BROKER,
+    pb.INSUFFICIENT_JOURNAL_BROKERS,
+    pb.FRAGMENT_STORE_UNHEALTHY,
+}
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a record landed: [begin, end) of `journal`."""
+
+    journal: str
+    begin: int
+    end: int
+
+
+@dataclass
+class _Batch:
+    file: IO[bytes] = field(
+        default_factory=lambda: tempfile.TemporaryFile(prefix="gazette-append-")  # noqa: SIM115 (closed by the sender)
+    )
+    size: int = 0
+    records: list[tuple[asyncio.Future[Span], int, int]] = field(default_factory=list)
+
+    def add(self, data: bytes, future: asyncio.Future[Span]) -> None:
+        self.file.write(data)
+        self.records.append((future, self.size, len(data)))
+        self.size += len(data)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        self.file.flush()
+        self.file.seek(0)
+        while chunk := self.file.read(BATCH_CHUNK):
+            yield chunk
+
+
+class _Journal:
+    """The ordered queue of batches of one journal, and the task sending them."""
+
+    def __init__(self, service: AppendService, name: str) -> None:
+        self.service = service
+        self.name = name
+        self.open = _Batch()
+        self.closed: list[_Batch] = []
+        self.sending: _Batch | None = None
+        self.pending = 0  # Bytes written and not yet committed (or failed).
+        self.room = asyncio.Event()
+        self.room.set()
+        self.wake = asyncio.Event()
+        self.task = asyncio.ensure_future(self._serve())
+
+    def write(self, data: bytes) -> asyncio.Future[Span]:
+        future: asyncio.Future[Span] = asyncio.get_running_loop().create_future()
+        self.open.add(data, future)
+        self.pending += len(data)
+        if self.open.size >= self.service.max_batch:
+            self.closed.append(self.open)
+            self.open = _Batch()
+        if self.pending >= self.service.max_pending:
+            self.room.clear()
+        self.wake.set()
+        return future
+
+    def _next(self) -> _Batch | None:
+        if self.closed:
+            return self.closed.pop(0)
+        if self.open.size:
+            batch, self.open = self.open, _Batch()
+            return batch
+        return None
+
+    async def _serve(self) -> None:
+        while True:
+            batch = self._next()
+            if batch is None:
+                if self.service.closing:
+                    return
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            self.sending = batch
+            try:
+                await self._send(batch)
+            finally:
+                self.sending = None
+                batch.file.close()
+                self.pending -= batch.size
+                if self.pending < self.service.max_pending:
+                    self.room.set()
+
+    async def _send(self, batch: _Batch) -> None:
+        delay = 0.05
+        while True:
+            try:
+                response = await append(
+                    self.service.stub_for(self.name),
+                    self.name,
+                    batch.chunks(),
+                    chunk_size=BATCH_CHUNK,
+                )
+            except AppendError as exc:
+                if exc.status not in RETRYABLE:
+                    self._fail(batch, exc)
+                    return
+                error: BaseException = exc
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.ABORTED,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    self._fail(batch, exc)
+                    return
+                error = exc
+            else:
+                self.service.appends += 1
+                begin = response.commit.begin
+                for future, offset, length in batch.records:
+                    if not future.done():
+                        future.set_result(Span(self.name, begin + offset, begin + offset + length))
+                return
+            log.warning("append to %s failed (retrying in %.2fs): %s", self.name, delay, error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.service.max_retry_delay)
+
+    @staticmethod
+    def _fail(batch: _Batch, error: BaseException) -> None:
+        for future, _, _ in batch.records:
+            if not future.done():
+                future.set_exception(error)
+
+
+class AppendService:
+    """Asynchronous, batched appends across journals (one ordered stream per journal)."""
+
+    def __init__(
+        self,
+        stub_for: Callable[[str], pb_grpc.JournalStub] | pb_grpc.JournalStub,
+        *,
+        max_batch: int = 8 << 20,
+        max_pending: int = 64 << 20,
+        max_retry_delay: float = 2.0,
+    ) -> None:
+        if isinstance(stub_for, pb_grpc.JournalStub):
+            stub = stub_for
+            self.stub_for: Callable[[str], pb_grpc.JournalStub] = lambda _journal: stub
+        else:
+            self.stub_for = stub_for
+        self.max_batch = max_batch
+        self.max_pending = max_pending
+        self.max_retry_delay = max_retry_delay
+        self.closing = False
+        self.appends = 0  # Append RPCs committed: records / appends is the batching factor.
+        self._journals: dict[str, _Journal] = {}
+
+    def _journal(self, name: str) -> _Journal:
+        if self.closing:
+            raise RuntimeError("the AppendService is closed")
+        journal = self._journals.get(name)
+        if journal is None:
+            journal = self._journals[name] = _Journal(self, name)
+        return journal
+
+    async def write(self, journal: str, data: bytes) -> asyncio.Future[Span]:
+        """Queue `data` as one record of `journal`, waiting while too much is pending; the
+        future resolves with where the record was committed."""
+        j = self._journal(journal)
+        if not j.room.is_set():
+            await j.room.wait()
+        return j.write(data)
+
+    def write_nowait(self, journal: str, data: bytes) -> asyncio.Future[Span]:
+        """As `write`, without back-pressure (for callers that bound their own pending)."""
+        return self._journal(journal).write(data)
+
+    async def append(self, journal: str, data: bytes) -> Span:
+        """Queue and wait for the commit."""
+        return await (await self.write(journal, data))
+
+    async def flush(self) -> None:
+        """Wait until everything written so far has committed (or failed)."""
+        futures = [
+            f
+            for j in self._journals.values()
+            for batch in [j.sending, *j.closed, j.open]
+            if batch is not None
+            for f, _, _ in batch.records
+        ]
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Send everything written, then stop."""
+        self.closing = True
+        for j in self._journals.values():
+            j.wake.set()
+        tasks = [j.task for j in self._journals.values()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for j in self._journals.values():
+            with contextlib.suppress(Exception):
+                j.open.file.close()
+
+    async def __aenter__(self) -> AppendService:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

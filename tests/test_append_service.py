@@ -1,0 +1,100 @@
+"""AppendService against real in-process brokers: batching, order, spans, back-pressure,
+retries while a journal is not yet placed, and failures that are not retried."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aetcd
+import pytest
+
+from broker.client.append_service import AppendService, Span
+from broker.client.appender import AppendError
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import BrokerHarness, EtcdServer
+from tests.journals_testing import journal_spec, set_journal
+from tests.test_append_e2e import read_all
+
+IDS = ["broker-a", "broker-b"]
+
+
+@pytest.fixture
+async def brokers(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client
+) -> AsyncIterator[list[BrokerHarness]]:
+    hs = [BrokerHarness(etcd_server.endpoint, etcd_prefix, id=i, run_allocator=False) for i in IDS]
+    for h in hs:
+        await h.__aenter__()
+    try:
+        yield hs
+    finally:
+        for h in reversed(hs):
+            await h.__aexit__(None, None, None)
+
+
+def stub(h: BrokerHarness):  # type: ignore[no-untyped-def]
+    return h.broker.service.dialer.journal_stub(h.endpoint)
+
+
+async def test_records_batch_in_order_with_exact_spans(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    for name in ("svc/a", "svc/b"):
+        await set_journal(
+            etcd, etcd_prefix, journal_spec(name, replication=2), [("local", i) for i in IDS]
+        )
+    records = {
+        name: [f"{name}:{i:04d}\n".encode() for i in range(500)] for name in ("svc/a", "svc/b")
+    }
+    async with AppendService(stub(brokers[1]), max_batch=2048) as service:
+        futures = {name: [await service.write(name, r) for r in rs] for name, rs in records.items()}
+        spans = {name: await asyncio.gather(*fs) for name, fs in futures.items()}
+    for name, rs in records.items():
+        content = await read_all(brokers[0], name)
+        assert content == b"".join(rs)  # Order preserved, each record once.
+        offsets = [(s.begin, s.end) for s in spans[name]]
+        assert offsets == sorted(offsets)
+        for record, span in zip(rs, spans[name], strict=True):
+            assert span.journal == name and content[span.begin : span.end] == record
+    # Batched: far fewer appends than the 1,000 records.
+    assert 2 <= service.appends < 100
+
+
+async def test_back_pressure_bounds_pending_bytes(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    await set_journal(
+        etcd, etcd_prefix, journal_spec("svc/bp", replication=2), [("local", i) for i in IDS]
+    )
+    async with AppendService(stub(brokers[0]), max_batch=1000, max_pending=4000) as service:
+        highest = 0
+        futures = []
+        for _ in range(100):
+            futures.append(await service.write("svc/bp", b"x" * 500))
+            highest = max(highest, service._journals["svc/bp"].pending)
+        await asyncio.gather(*futures)
+    assert highest <= 4000 + 500
+
+
+async def test_retries_until_the_journal_is_placed_and_fails_on_permanent_errors(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    # Replication 2, but only one broker assigned: INSUFFICIENT_JOURNAL_BROKERS is retried.
+    await set_journal(
+        etcd, etcd_prefix, journal_spec("svc/later", replication=2), [("local", "broker-a")]
+    )
+    async with AppendService(stub(brokers[0]), max_retry_delay=0.1) as service:
+        future = await service.write("svc/later", b"eventually\n")
+        await asyncio.sleep(0.3)
+        assert not future.done()
+        await set_journal(
+            etcd, etcd_prefix, journal_spec("svc/later", replication=2), [("local", i) for i in IDS]
+        )
+        span = await asyncio.wait_for(future, 10)
+        assert span == Span("svc/later", 0, 11)
+
+        missing = await service.write("svc/absent", b"x")
+        with pytest.raises(AppendError) as info:
+            await missing
+        assert info.value.status == pb.JOURNAL_NOT_FOUND
