@@ -407,6 +407,12 @@ class AppendFSM:
         elif error is None and req is not None:
             self.total_chunks += 1
             content = req.content
+            replica = self._res.replica
+            assert replica is not None
+            replica.append_limiter.set_rate(spec.max_append_rate)
+            delayed = await replica.append_limiter.take(len(content))
+            delayed = await self.svc.append_limiter.take(len(content)) or delayed
+            self.delayed_chunks += int(delayed)
             await pln.scatter(
                 pb.ReplicateRequest(
                     content=content,

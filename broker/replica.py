@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from broker.flow_control import RateLimiter
 from broker.fragment.index import Index
 from broker.fragment.spool import CompletedFragment, Spool
 from broker.keyspace import KeyValue
@@ -45,6 +46,7 @@ class Replica:
         self.spool_queue.put_nowait(spool)
         self.pipeline_queue: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
         self.pipeline_queue.put_nowait(None)
+        self.append_limiter = RateLimiter(0)  # The spec's max_append_rate (0: unlimited).
         self.primary = False
         self.create_revision = 0
         self.assignments: tuple[KeyValue, ...] = ()

@@ -130,6 +130,7 @@ class Broker:
             self.process_id,
             spool_dir=Path(self._spool_dir.name),
             min_append_rate=self.config.min_append_rate,
+            max_append_rate=self.config.max_append_rate,
             max_replication=self.config.max_replication,
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)  # type: ignore[no-untyped-call]

@@ -22,6 +22,7 @@ from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import AppendFSM, Chunk
 from broker.dialer import Dialer
+from broker.flow_control import RateLimiter
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels, validate
 from broker.protocol import protocol_pb2 as pb
@@ -50,6 +51,7 @@ class JournalService(pb_grpc.JournalServicer):
         dialer: Dialer | None = None,
         spool_dir: Path | None = None,
         min_append_rate: int = 0,
+        max_append_rate: int = 0,
         max_replication: int = 9,
     ) -> None:
         self.ks = ks
@@ -59,6 +61,7 @@ class JournalService(pb_grpc.JournalServicer):
         self.dialer = dialer or Dialer()
         self.spool_dir = spool_dir or Path(tempfile.gettempdir())
         self.min_append_rate = min_append_rate
+        self.append_limiter = RateLimiter(max_append_rate)  # Across all of this broker's journals.
         self.max_replication = max_replication
         self.resolver = Resolver(
             ks, root, process_id, self.new_replica, max_replication=max_replication

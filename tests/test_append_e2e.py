@@ -175,3 +175,18 @@ async def test_index_with_a_greater_offset_refuses_appends_until_reset_head(
     assert (response.commit.begin, response.commit.end) == (20, 25)
     # Offsets [10, 20) were never written twice: the replicas skipped them.
     assert await read_all(brokers[1], "e2e/lost", 20) == b"after"
+
+
+async def test_max_append_rate_delays_chunks(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    spec = journal_spec("e2e/rate")
+    spec.max_append_rate = 64 * 1024
+    await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+    s = stub(brokers[0])
+    # The first second's worth passes at once; what exceeds it is delayed, not refused.
+    first = await append(s, "e2e/rate", b"a" * 32 * 1024)
+    assert first.delayed_chunks == 0
+    second = await append(s, "e2e/rate", [b"b" * 32 * 1024] * 4)
+    assert second.total_chunks == 4 and second.delayed_chunks >= 1
+    assert second.commit.end == 5 * 32 * 1024
