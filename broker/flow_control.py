@@ -15,9 +15,14 @@ class RateLimiter:
         self._last = time.monotonic()
 
     def set_rate(self, rate: int) -> None:
-        if rate != self.rate:
-            self.rate = rate
+        if rate == self.rate:
+            return
+        if self.rate <= 0:
+            # From unlimited: start with a full bucket, as a new limiter does.
+            self._tokens, self._last = float(rate), time.monotonic()
+        else:
             self._tokens = min(self._tokens, float(rate))
+        self.rate = rate
 
     async def take(self, size: int) -> bool:
         """Spend `size` bytes of budget, sleeping until it accrues. Returns whether it waited.
