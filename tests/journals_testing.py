@@ -4,7 +4,9 @@ for tests of the broker core that must not depend on the allocator."""
 from __future__ import annotations
 
 import aetcd
+from aetcd import transactions
 
+from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 
@@ -21,11 +23,21 @@ async def set_journal(
     etcd: aetcd.Client, root: str, spec: pb.JournalSpec, members: list[tuple[str, str]]
 ) -> None:
     """Upsert `spec` and assign it to `members` (the first is primary), each assignment under
-    its member's lease, replacing any earlier assignments of the journal."""
-    await etcd.put(aks.item_key(root, spec.name).encode(), spec.SerializeToString())
-    await etcd.delete_prefix(f"{root}{aks.ASSIGNMENTS}{spec.name}{aks.SEP}".encode())
+    its member's lease, replacing earlier assignments of the journal in the same transaction,
+    so a broker that stays assigned never sees itself unassigned (its replica keeps its spool,
+    as with the allocator, which never drops every replica of a journal at once)."""
+    prefix = f"{root}{aks.ASSIGNMENTS}{spec.name}{aks.SEP}"
+    existing = {kv.key for kv in await etcd.get_prefix(prefix.encode())}
+    ops: list[object] = [
+        transactions.Put(aks.item_key(root, spec.name).encode(), spec.SerializeToString())
+    ]
+    wanted = set()
     for slot, (zone, suffix) in enumerate(members):
         member = await etcd.get(aks.member_key(root, zone, suffix).encode())
         assert member is not None, f"no member {zone}/{suffix}"
         key = aks.assignment_key(root, spec.name, zone, suffix, slot).encode()
-        await etcd.put(key, b"", lease=member.lease)
+        wanted.add(key)
+        if key not in existing:
+            ops.append(transactions.Put(key, b"", lease=member.lease))
+    ops.extend(transactions.Delete(key) for key in existing - wanted)
+    await etcdx.txn(etcd, [], ops)

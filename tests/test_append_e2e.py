@@ -190,3 +190,38 @@ async def test_max_append_rate_delays_chunks(
     second = await append(s, "e2e/rate", [b"b" * 32 * 1024] * 4)
     assert second.total_chunks == 4 and second.delayed_chunks >= 1
     assert second.commit.end == 5 * 32 * 1024
+
+
+async def test_router_learns_the_primary_and_recovers_from_a_stale_route(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    from broker.client.routes import Router, append_routed
+
+    await set_journal(
+        etcd,
+        etcd_prefix,
+        journal_spec("e2e/routed", replication=2),
+        [("local", "broker-a"), ("local", "broker-b")],
+    )
+    router = Router(brokers[2].endpoint)  # Knows only broker-c, which is not a replica.
+    try:
+        first = await append_routed(router, "e2e/routed", b"one;")
+        route = router.cache.get("e2e/routed")
+        assert route is not None and route.endpoints[route.primary] == brokers[0].endpoint
+        # Now straight to the primary; then the journal moves away from broker-a, which
+        # stops: the cached route fails, is forgotten, and the append goes through broker-c.
+        await append_routed(router, "e2e/routed", b"two;")
+        await set_journal(
+            etcd,
+            etcd_prefix,
+            journal_spec("e2e/routed", replication=2),
+            [("local", "broker-b"), ("local", "broker-c")],
+        )
+        await brokers[0].__aexit__(None, None, None)
+        third = await append_routed(router, "e2e/routed", b"three;")
+        assert third.header.process_id.suffix == "broker-b"
+        assert first.commit.begin == 0 and third.commit.begin >= 8
+        route = router.cache.get("e2e/routed")
+        assert route is not None and route.endpoints[route.primary] == brokers[1].endpoint
+    finally:
+        await router.close()

@@ -20,7 +20,7 @@ from typing import IO
 import grpc
 
 from broker.client.appender import AppendError, append
-from broker.protocol import protocol_pb2 as pb
+from broker.client.routes import RETRYABLE, Router
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -28,15 +28,6 @@ log = logging.getLogger(__name__)
 # Batches stream in larger chunks than interactive appends: per-message costs dominate in
 # Python, and a batch is all there is to send (no client waits on each chunk).
 BATCH_CHUNK = 1 << 20
-
-# Statuses after which a retry can succeed: the route is changing or replicas are missing.
-RETRYABLE = {
-    pb.NO_JOURNAL_PRIMARY_BROKER,
-    pb.NOT_JOURNAL_PRIMARY_BROKER,
-    pb.NOT_JOURNAL_BROKER,
-    pb.INSUFFICIENT_JOURNAL_BROKERS,
-    pb.FRAGMENT_STORE_UNHEALTHY,
-}
 
 
 @dataclass(frozen=True)
@@ -133,6 +124,8 @@ class _Journal:
                     chunk_size=BATCH_CHUNK,
                 )
             except AppendError as exc:
+                if self.service.router is not None:
+                    self.service.router.cache.drop(self.name)
                 if exc.status not in RETRYABLE:
                     self._fail(batch, exc)
                     return
@@ -148,6 +141,8 @@ class _Journal:
                 error = exc
             else:
                 self.service.appends += 1
+                if self.service.router is not None:
+                    self.service.router.observe(self.name, response.header)
                 begin = response.commit.begin
                 for future, offset, length in batch.records:
                     if not future.done():
@@ -169,15 +164,18 @@ class AppendService:
 
     def __init__(
         self,
-        stub_for: Callable[[str], pb_grpc.JournalStub] | pb_grpc.JournalStub,
+        stub_for: Router | Callable[[str], pb_grpc.JournalStub] | pb_grpc.JournalStub,
         *,
         max_batch: int = 8 << 20,
         max_pending: int = 64 << 20,
         max_retry_delay: float = 2.0,
     ) -> None:
-        if isinstance(stub_for, pb_grpc.JournalStub):
+        self.router = stub_for if isinstance(stub_for, Router) else None
+        if isinstance(stub_for, Router):
+            self.stub_for: Callable[[str], pb_grpc.JournalStub] = stub_for.stub_for
+        elif isinstance(stub_for, pb_grpc.JournalStub):
             stub = stub_for
-            self.stub_for: Callable[[str], pb_grpc.JournalStub] = lambda _journal: stub
+            self.stub_for = lambda _journal: stub
         else:
             self.stub_for = stub_for
         self.max_batch = max_batch
