@@ -70,20 +70,39 @@ class Replica:
 
     async def _pulse_loop(self) -> None:
         assert self._pulse is not None
-        while not self.stopped:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(PULSE_INTERVAL):
-                    await self._pulse_now.wait()
-            self._pulse_now.clear()
-            if self.stopped:
-                return
-            try:
-                await self._pulse(self)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("pulse of %s failed: %r", self.journal, exc)
-                await asyncio.sleep(1.0)  # Retried: the route may still be settling.
+        try:
+            while self.primary and not self.stopped:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(PULSE_INTERVAL):
+                        await self._pulse_now.wait()
+                self._pulse_now.clear()
+                if not self.primary or self.stopped:
+                    return
+                try:
+                    await self._pulse(self)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("pulse of %s failed: %r", self.journal, exc)
+                    await asyncio.sleep(1.0)  # Retried: the route may still be settling.
+        finally:
+            if self._pulse_task is asyncio.current_task():
+                self._pulse_task = None
+
+    async def demote(self) -> None:
+        """No longer the primary: stop pulsing and tear down the pipeline, which releases the
+        spool for the new primary's Replicate stream. The spool and the index stay: this
+        replica's content remains readable here."""
+        self.primary = False
+        self._pulse_now.set()
+        if self._pulse_task is not None:
+            await asyncio.wait({self._pulse_task}, timeout=PULSE_STOP_TIMEOUT)
+        pipeline = await self.pipeline_queue.get()
+        try:
+            if pipeline is not None:
+                await pipeline.shutdown(expect_err=False)
+        finally:
+            self.pipeline_queue.put_nowait(None)
 
     async def shutdown(self) -> None:
         """Stop the pulse, tear down the pipeline, and release the spool's files."""

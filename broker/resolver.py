@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace, KeyValue, Update
@@ -200,13 +201,14 @@ class Resolver:
             primary = assignment.slot == 0
             assignments = self.assignments_of(journal)
             replica = current.pop(journal, None)
-            if replica is not None and (
-                (replica.primary and not primary)
-                or replica.create_revision != item_kv.create_revision
-            ):
-                # A demoted primary, or a journal deleted and re-created: start afresh.
+            if replica is not None and replica.create_revision != item_kv.create_revision:
+                # The journal was deleted and re-created: start afresh.
                 self._stop(replica)
                 replica = None
+            if replica is not None and replica.primary and not primary:
+                # Demoted: the pipeline goes (the new primary builds its own); the spool and
+                # index stay, so content committed here remains readable here.
+                self._track(replica.demote())
             if replica is None:
                 replica = self.new_replica(journal)
                 replica.create_revision = item_kv.create_revision
@@ -225,8 +227,10 @@ class Resolver:
     def _stop(self, replica: Replica) -> None:
         log.info("stopping local replica of %s", replica.journal)
         replica.signal()
-        task = asyncio.ensure_future(replica.shutdown())
+        self._track(replica.shutdown())
 
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable
 
+import grpc
+
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
@@ -79,6 +81,12 @@ async def append(
         await call.write(pb.AppendRequest())  # Commit.
         await call.done_writing()
         response: pb.AppendResponse = await call
+    except grpc.aio.AioRpcError as exc:
+        if call.done() and exc.code() == grpc.StatusCode.INTERNAL:
+            # A write failed because the broker already ended the RPC: its status says why.
+            await call  # Raises the broker's own error.
+        call.cancel()
+        raise
     except BaseException:
         call.cancel()  # Without its commit chunk, the append rolls back everywhere.
         raise

@@ -1,0 +1,189 @@
+"""Bad input to a broker: a clear status or error, the broker keeps serving, nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aetcd
+import grpc
+import pytest
+
+from broker.client.appender import append
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import BrokerHarness, EtcdServer
+from tests.journals_testing import journal_spec, set_journal
+from tests.test_append_e2e import read_all
+
+IDS = ["broker-a", "broker-b"]
+
+
+@pytest.fixture
+async def brokers(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client
+) -> AsyncIterator[list[BrokerHarness]]:
+    hs = [BrokerHarness(etcd_server.endpoint, etcd_prefix, id=i, run_allocator=False) for i in IDS]
+    for h in hs:
+        await h.__aenter__()
+    try:
+        await set_journal(
+            etcd, etcd_prefix, journal_spec("bad/j", replication=2), [("local", i) for i in IDS]
+        )
+        yield hs
+    finally:
+        for h in reversed(hs):
+            await h.__aexit__(None, None, None)
+
+
+def stub(h: BrokerHarness):  # type: ignore[no-untyped-def]
+    return h.broker.service.dialer.journal_stub(h.endpoint)
+
+
+async def test_invalid_requests_are_refused_and_the_broker_keeps_serving(
+    brokers: list[BrokerHarness],
+) -> None:
+    s = stub(brokers[0])
+    await append(s, "bad/j", b"kept")
+    for journal in ("/leading/slash", "no", "bad//double", "x" * 600):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await append(s, journal, b"x")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "journal" in (info.value.details() or "")
+    # Content in the first message, and a negative offset.
+    call = s.Append()
+    await call.write(pb.AppendRequest(journal="bad/j", content=b"sneaky"))
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await append(s, "bad/j", b"x", offset=-5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in s.Read(pb.ReadRequest(journal="bad j", offset=0)):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Oversized messages are refused by gRPC itself (4 MiB by default): the broker answers
+    # RESOURCE_EXHAUSTED, which the client may see as its own send failing.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await append(s, "bad/j", b"y" * (5 << 20), chunk_size=5 << 20)
+    assert info.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL)
+    # Still serving, and nothing was lost or half-applied.
+    await append(s, "bad/j", b";after")
+    for h in brokers:
+        assert await read_all(h, "bad/j") == b"kept;after"
+
+
+async def replicate_header(h: BrokerHarness, journal: str) -> pb.Header:
+    """The header a primary would send `h`, once `h` has seen the journal's assignments."""
+    resolver = h.broker.service.resolver
+    async with asyncio.timeout(10):
+        while len(resolver.assignments_of(journal)) != len(IDS):
+            await h.broker.ks.wait_for_update()
+    return pb.Header(
+        process_id=pb.ProcessSpec.ID(zone="local", suffix=h.broker.config.id),
+        route=resolver.route_of(resolver.assignments_of(journal)),
+        etcd=resolver.etcd_header(),
+    )
+
+
+async def test_a_rogue_replication_stream_cannot_corrupt_a_replica(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    # The rogue claims to be the primary of a journal whose primary is a member that runs no
+    # broker, so the replica's spool is free for it (a live primary's pipeline would own it).
+    from broker.allocator import keyspace as aks
+
+    lease = await etcd.lease(30)
+    ghost = pb.BrokerSpec(
+        process_spec=pb.ProcessSpec(
+            id=pb.ProcessSpec.ID(zone="local", suffix="ghost-broker"), endpoint="http://127.0.0.1:1"
+        )
+    )
+    await etcd.put(
+        aks.member_key(etcd_prefix, "local", "ghost-broker").encode(),
+        ghost.SerializeToString(),
+        lease=lease.id,
+    )
+    await set_journal(
+        etcd,
+        etcd_prefix,
+        journal_spec("bad/k", replication=2),
+        [("local", "ghost-broker"), ("local", "broker-b")],
+    )
+    replica = stub(brokers[1])
+    call = replica.Replicate()
+    # A proposal that does not match the replica's spool is answered PROPOSAL_MISMATCH.
+    bogus = pb.Fragment(journal="bad/k", begin=0, end=4)
+    await call.write(
+        pb.ReplicateRequest(
+            header=await replicate_header(brokers[1], "bad/k"), proposal=bogus, acknowledge=True
+        )
+    )
+    response = await asyncio.wait_for(call.read(), 10)
+    assert response.status == pb.PROPOSAL_MISMATCH
+    # A content chunk at the wrong delta is an invalid transition: the stream is aborted.
+    await call.write(pb.ReplicateRequest(content=b"junk", content_delta=99))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(call.read(), 10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The journal carries on under a real primary (offsets only ever move forward), and the
+    # junk is nowhere.
+    await set_journal(
+        etcd, etcd_prefix, journal_spec("bad/k", replication=2), [("local", i) for i in IDS]
+    )
+    await lease.revoke()
+    response = await append(stub(brokers[0]), "bad/k", b"ABC")
+    for h in brokers:
+        content = await read_all(h, "bad/k", response.commit.begin)
+        assert content == b"ABC"
+
+
+async def test_a_replicate_stream_waits_while_the_primary_owns_the_spool(
+    brokers: list[BrokerHarness],
+) -> None:
+    await append(stub(brokers[0]), "bad/j", b"first")  # The primary's pipeline now owns b's spool.
+    call = stub(brokers[1]).Replicate()
+    proposal = pb.Fragment(journal="bad/j", begin=0, end=0)
+    await call.write(
+        pb.ReplicateRequest(
+            header=await replicate_header(brokers[1], "bad/j"), proposal=proposal, acknowledge=True
+        )
+    )
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(call.read()), 0.5)
+    call.cancel()
+    await append(stub(brokers[0]), "bad/j", b";second")
+    for h in brokers:
+        assert await read_all(h, "bad/j") == b"first;second"
+
+
+async def test_route_change_mid_append(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    s = stub(brokers[0])
+    await append(s, "bad/j", b"one;")
+    call = s.Append()
+    await call.write(pb.AppendRequest(journal="bad/j"))
+    await call.write(pb.AppendRequest(content=b"two;"))
+    await asyncio.sleep(0.1)
+    # The primary and replica swap while the append streams.
+    await set_journal(
+        etcd,
+        etcd_prefix,
+        journal_spec("bad/j", replication=2),
+        [("local", "broker-b"), ("local", "broker-a")],
+    )
+    await call.write(pb.AppendRequest())
+    await call.done_writing()
+    try:
+        response = await call
+        in_flight_ok = response.status == pb.OK
+    except grpc.aio.AioRpcError:
+        in_flight_ok = False
+    # Either the in-flight append committed or it rolled back; the next lands after it.
+    after = await append(stub(brokers[1]), "bad/j", b"three;")
+    expected = b"one;two;three;" if in_flight_ok else b"one;three;"
+    assert after.commit.end == len(expected)
+    for h in brokers:
+        assert await read_all(h, "bad/j") == expected
