@@ -94,3 +94,28 @@ async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[st
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+async def appenders(
+    stub: object, journal: str, payload: bytes, *, concurrency: int, duration: float
+) -> tuple[list[float], float]:
+    """`concurrency` appenders appending `payload` until `duration` passes: each append's
+    latency (sorted), and the elapsed time."""
+    latencies: list[float] = []
+    stop = time.perf_counter() + duration
+
+    async def one() -> None:
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            await append(stub, journal, payload)  # type: ignore[arg-type]
+            latencies.append(time.perf_counter() - t)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    return latencies, elapsed
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]

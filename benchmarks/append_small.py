@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 from typing import Any
 
-from benchmarks._cluster import cluster
+from benchmarks._cluster import appenders, cluster, percentile
 from benchmarks.baselines.unary_chain import unary_chain
-from broker.client.appender import append
 
 CONCURRENCY = 64
 PAYLOAD = 256
@@ -22,23 +20,13 @@ async def measure(duration: float) -> dict[str, Any]:
     payload = b"x" * (PAYLOAD - 1) + b"\n"
     async with cluster(JOURNAL) as (addresses, dialer):
         stub = dialer.journal_stub(addresses[0])
-        latencies: list[float] = []
-        stop = time.perf_counter() + duration
-
-        async def appender() -> None:
-            while time.perf_counter() < stop:
-                t = time.perf_counter()
-                await append(stub, JOURNAL, payload)
-                latencies.append(time.perf_counter() - t)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(appender() for _ in range(CONCURRENCY)))
-        elapsed = time.perf_counter() - start
-    latencies.sort()
+        latencies, elapsed = await appenders(
+            stub, JOURNAL, payload, concurrency=CONCURRENCY, duration=duration
+        )
     return {
         "value": len(latencies) / elapsed,
         "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
     }
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import time
 from typing import Any
 
-from benchmarks._cluster import cluster
+from benchmarks._cluster import appenders, cluster, percentile
 from benchmarks.baselines.relay import relay_throughput
-from broker.client.appender import CHUNK, append
+from broker.client.appender import CHUNK
 
 APPEND = 1 << 20
 JOURNAL = "bench/throughput"
@@ -21,24 +20,14 @@ async def measure(duration: float, concurrency: int = 1) -> dict[str, Any]:
     payload = bytes(range(256)) * (APPEND // 256)
     async with cluster(JOURNAL) as (addresses, dialer):
         stub = dialer.journal_stub(addresses[0])
-        latencies: list[float] = []
-        stop = time.perf_counter() + duration
-
-        async def appender() -> None:
-            while time.perf_counter() < stop:
-                t = time.perf_counter()
-                await append(stub, JOURNAL, payload)
-                latencies.append(time.perf_counter() - t)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(appender() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    latencies.sort()
+        latencies, elapsed = await appenders(
+            stub, JOURNAL, payload, concurrency=concurrency, duration=duration
+        )
     return {
         "value": len(latencies) * APPEND / elapsed / 1e6,
         "appends": len(latencies),
         "p50_ms": statistics.median(latencies) * 1e3,
-        "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
     }
 
 

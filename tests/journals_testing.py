@@ -3,12 +3,17 @@ for tests of the broker core that must not depend on the allocator."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
 import aetcd
 from aetcd import transactions
 
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
+from broker.testing import BrokerHarness
 
 
 def journal_spec(name: str, replication: int = 3, length: int = 1 << 20) -> pb.JournalSpec:
@@ -41,3 +46,23 @@ async def set_journal(
             ops.append(transactions.Put(key, b"", lease=member.lease))
     ops.extend(transactions.Delete(key) for key in existing - wanted)
     await etcdx.txn(etcd, [], ops)
+
+
+@contextlib.asynccontextmanager
+async def started_brokers(
+    etcd_endpoint: str, root: str, ids: list[str], **options: Any
+) -> AsyncIterator[list[BrokerHarness]]:
+    """In-process brokers with these ids, stopped (in reverse) on exit. By default without the
+    allocator: tests of the broker core place journals with `set_journal`."""
+    options.setdefault("run_allocator", False)
+    started: list[BrokerHarness] = []
+    try:
+        for broker_id in ids:
+            harness = BrokerHarness(etcd_endpoint, root, id=broker_id, **options)
+            await harness.__aenter__()
+            started.append(harness)
+        yield started
+    finally:
+        for harness in reversed(started):
+            if harness.broker.server is not None:
+                await harness.__aexit__(None, None, None)

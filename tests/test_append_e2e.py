@@ -12,7 +12,7 @@ import pytest
 from broker.client.appender import AppendError, append
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal
+from tests.journals_testing import journal_spec, set_journal, started_brokers
 
 IDS = ["broker-a", "broker-b", "broker-c"]
 
@@ -22,18 +22,8 @@ async def brokers(
     etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client
 ) -> AsyncIterator[list[BrokerHarness]]:
     # Assignments are written by the tests themselves (set_journal), so no allocator runs.
-    harnesses = [
-        BrokerHarness(etcd_server.endpoint, etcd_prefix, id=i, run_allocator=False) for i in IDS
-    ]
-    started: list[BrokerHarness] = []
-    try:
-        for h in harnesses:
-            await h.__aenter__()
-            started.append(h)
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as harnesses:
         yield harnesses
-    finally:
-        for h in reversed(started):
-            await h.__aexit__(None, None, None)
 
 
 def stub(h: BrokerHarness):  # type: ignore[no-untyped-def]

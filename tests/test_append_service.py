@@ -13,7 +13,7 @@ from broker.client.append_service import AppendService, Span
 from broker.client.appender import AppendError
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal
+from tests.journals_testing import journal_spec, set_journal, started_brokers
 from tests.test_append_e2e import read_all
 
 IDS = ["broker-a", "broker-b"]
@@ -23,14 +23,8 @@ IDS = ["broker-a", "broker-b"]
 async def brokers(
     etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client
 ) -> AsyncIterator[list[BrokerHarness]]:
-    hs = [BrokerHarness(etcd_server.endpoint, etcd_prefix, id=i, run_allocator=False) for i in IDS]
-    for h in hs:
-        await h.__aenter__()
-    try:
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as hs:
         yield hs
-    finally:
-        for h in reversed(hs):
-            await h.__aexit__(None, None, None)
 
 
 def stub(h: BrokerHarness):  # type: ignore[no-untyped-def]
