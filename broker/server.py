@@ -22,7 +22,7 @@ from aetcd import exceptions as etcd_errors
 from aetcd import transactions
 
 from broker import etcd as etcdx
-from broker.allocator import allocate, broker_rules
+from broker.allocator import MemberKeyMissing, allocate, broker_rules
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
@@ -174,6 +174,11 @@ class Broker:
             return
         exc = task.exception()
         if exc is not None:
+            if isinstance(exc, MemberKeyMissing):
+                # The allocator noticed first: the key went with our lease.
+                exc = LeaseLost(
+                    f"member key {self.member_key} vanished: its etcd lease expired or was revoked"
+                )
             log.error("broker task %r failed: %s", task.get_name(), exc)
             self.failure = self.failure or exc
             self.done.set()
