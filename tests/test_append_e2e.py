@@ -215,3 +215,42 @@ async def test_router_learns_the_primary_and_recovers_from_a_stale_route(
         assert route is not None and route.endpoints[route.primary] == brokers[1].endpoint
     finally:
         await router.close()
+
+
+async def test_retrying_reader_resumes_on_another_broker(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    from broker.client.reader import read_retrying
+    from broker.dialer import Dialer
+
+    await set_journal(
+        etcd,
+        etcd_prefix,
+        journal_spec("e2e/tail", replication=2),
+        [("local", "broker-a"), ("local", "broker-b")],
+    )
+    await append(stub(brokers[0]), "e2e/tail", b"one;")
+    # Read through broker-c (which proxies) first; once it is gone, through broker-a.
+    dialer = Dialer()  # The reader's own channels (a broker's dialer closes with it).
+    targets = [dialer.journal_stub(brokers[2].endpoint), dialer.journal_stub(brokers[0].endpoint)]
+    calls = 0
+
+    def next_stub():  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return targets[0] if calls == 1 else targets[1]
+
+    received = bytearray()
+    reader = read_retrying(next_stub, "e2e/tail", 0)
+    async with asyncio.timeout(20):
+        async for chunk in reader:
+            assert chunk.offset == len(received)  # Resumed exactly where it left off.
+            received += chunk.content
+            if received == b"one;":
+                await brokers[2].__aexit__(None, None, None)  # The broker read through dies.
+                await append(stub(brokers[0]), "e2e/tail", b"two;")
+            if received == b"one;two;":
+                break
+    await reader.aclose()
+    await dialer.close()
+    assert calls >= 2

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+import grpc
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -64,3 +67,42 @@ async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:
     finally:
         call.cancel()
     raise ReadError(journal, pb.OFFSET_NOT_YET_AVAILABLE)
+
+
+async def read_retrying(
+    stubs: Callable[[], pb_grpc.JournalStub],
+    journal: str,
+    offset: int = 0,
+    *,
+    block: bool = True,
+    max_delay: float = 2.0,
+) -> AsyncIterator[Chunk]:
+    """`read`, resumed at the next offset whenever the broker goes away or a blocking read's
+    stream ends (its replica moved): a RetryReader. `stubs()` names a broker to try each time
+    (for example, a Router's default, or a rotation over several addresses). Statuses other
+    than transient ones end the read with ReadError."""
+    delay = 0.05
+    while True:
+        try:
+            async for chunk in read(stubs(), journal, offset, block=block):
+                offset = chunk.offset + len(chunk.content)
+                delay = 0.05
+                yield chunk
+            if not block:
+                return
+        except ReadError as exc:
+            if exc.status not in (
+                pb.NOT_JOURNAL_BROKER,
+                pb.NO_JOURNAL_PRIMARY_BROKER,
+                pb.INSUFFICIENT_JOURNAL_BROKERS,
+            ):
+                raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.UNKNOWN,
+            ):
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)
