@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,8 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aetcd
+import grpc
 import pytest
 
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, free_port
 
 
@@ -72,18 +74,21 @@ def start_broker_process(
             stderr=subprocess.STDOUT,
         )  # fmt: skip
     address = f"http://127.0.0.1:{port}"
+    # Ready once it answers List: the gRPC server starts only after the member key is written.
     deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gazette serve exited {proc.returncode}: {log.read_text()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gazette serve exited {proc.returncode}: {log.read_text()}")
+            try:
+                list(stub.List(pb.ListRequest(), timeout=1))
                 break
-        except OSError:
-            if time.monotonic() > deadline:
-                stop_process(proc)
-                raise TimeoutError("gazette serve did not start listening") from None
-            time.sleep(0.05)
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    stop_process(proc)
+                    raise TimeoutError("gazette serve did not become ready") from None
+                time.sleep(0.05)
     return BrokerProcess(proc, address, prefix, log)
 
 

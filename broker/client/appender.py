@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterable, Iterable
 
 import grpc
@@ -32,6 +33,29 @@ def _chunks(data: bytes, size: int) -> Iterable[bytes]:
     view = memoryview(data)
     for start in range(0, len(view), size):
         yield bytes(view[start : start + size])
+
+
+async def _send(
+    call: object,
+    first: pb.AppendRequest,
+    content: bytes | Iterable[bytes] | AsyncIterable[bytes],
+    chunk_size: int,
+) -> None:
+    write = call.write  # type: ignore[attr-defined]
+    await write(first)
+    if isinstance(content, bytes | bytearray | memoryview):
+        for chunk in _chunks(bytes(content), chunk_size):
+            await write(pb.AppendRequest(content=chunk))
+    elif isinstance(content, AsyncIterable):
+        async for piece in content:
+            for chunk in _chunks(piece, chunk_size):
+                await write(pb.AppendRequest(content=chunk))
+    else:
+        for piece in content:
+            for chunk in _chunks(piece, chunk_size):
+                await write(pb.AppendRequest(content=chunk))
+    await write(pb.AppendRequest())  # Commit.
+    await call.done_writing()  # type: ignore[attr-defined]
 
 
 async def append(
@@ -66,27 +90,11 @@ async def append(
         first.subtract_registers.CopyFrom(subtract_registers)
     call = stub.Append(timeout=timeout)
     try:
-        await call.write(first)
-        if isinstance(content, bytes | bytearray | memoryview):
-            for chunk in _chunks(bytes(content), chunk_size):
-                await call.write(pb.AppendRequest(content=chunk))
-        elif isinstance(content, AsyncIterable):
-            async for piece in content:
-                for chunk in _chunks(piece, chunk_size):
-                    await call.write(pb.AppendRequest(content=chunk))
-        else:
-            for piece in content:
-                for chunk in _chunks(piece, chunk_size):
-                    await call.write(pb.AppendRequest(content=chunk))
-        await call.write(pb.AppendRequest())  # Commit.
-        await call.done_writing()
+        # A write fails when the broker already answered (a refusal before the content, or an
+        # abort): its answer, or its error, is the call's outcome, awaited just below.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await _send(call, first, content, chunk_size)
         response: pb.AppendResponse = await call
-    except grpc.aio.AioRpcError as exc:
-        if call.done() and exc.code() == grpc.StatusCode.INTERNAL:
-            # A write failed because the broker already ended the RPC: its status says why.
-            await call  # Raises the broker's own error.
-        call.cancel()
-        raise
     except BaseException:
         call.cancel()  # Without its commit chunk, the append rolls back everywhere.
         raise
