@@ -19,11 +19,12 @@ from aetcd import transactions
 
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
+from broker.allocator.keyspace import route_equivalent
 from broker.fragment import fragments as frag
 from broker.pipeline import Pipeline
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from broker.resolver import Resolution, desired_replication, route_equivalent
+from broker.resolver import Resolution, desired_replication
 
 if TYPE_CHECKING:
     from broker.fragment.spool import Spool
@@ -270,7 +271,7 @@ class AppendFSM:
     async def state_update_assignments(self) -> None:
         """Advertise in etcd that the replicas synchronized on this route (consistency)."""
         res = self._res
-        if route_matches_assignments(res.route, res.assignments):
+        if aks.route_matches_assignments(res.route, res.assignments):
             self.state = State.AWAIT_DESIRED_REPLICAS
             return
         try:
@@ -486,9 +487,8 @@ class AppendFSM:
 
 
 def may_write(spec: pb.JournalSpec) -> bool:
-    return spec.flags in (0, pb.JournalSpec.O_WRONLY, pb.JournalSpec.O_RDWR) or bool(
-        spec.flags & (pb.JournalSpec.O_WRONLY | pb.JournalSpec.O_RDWR)
-    )
+    # NOT_SPECIFIED (0) means read-write.
+    return spec.flags == 0 or bool(spec.flags & (pb.JournalSpec.O_WRONLY | pb.JournalSpec.O_RDWR))
 
 
 def maybe_roll_fragment(
@@ -524,16 +524,6 @@ def route_value(route: pb.Route) -> pb.Route:
     return pb.Route(members=route.members, primary=route.primary)
 
 
-def route_matches_assignments(route: pb.Route, assignments: tuple[object, ...]) -> bool:
-    for kv in assignments:
-        a = kv.decoded  # type: ignore[attr-defined]
-        if not isinstance(a, aks.Assignment) or a.value is None:
-            return False
-        if not isinstance(a.value, pb.Route) or not route_equivalent(a.value, route):
-            return False
-    return True
-
-
 async def update_assignments(etcd: object, route: pb.Route, assignments: tuple[object, ...]) -> int:
     """Write `route` into every assignment whose value differs, keeping each key's lease and
     guarding on every assignment's mod revision. Returns the etcd revision, or 0 if no-op."""
@@ -541,12 +531,7 @@ async def update_assignments(etcd: object, route: pb.Route, assignments: tuple[o
     compare, ops = [], []
     for kv in assignments:
         key = kv.key.encode()  # type: ignore[attr-defined]
-        a = kv.decoded  # type: ignore[attr-defined]
-        if not (
-            isinstance(a, aks.Assignment)
-            and isinstance(a.value, pb.Route)
-            and route_equivalent(a.value, route)
-        ):
+        if not aks.assignment_holds(kv.decoded, route):  # type: ignore[attr-defined]
             ops.append(etcdx.put_keeping_lease(key, value))
         compare.append(transactions.Mod(key) == kv.mod_revision)  # type: ignore[attr-defined]
     if not ops:

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from broker.allocator.keyspace import route_equivalent
 from broker.dialer import Dialer
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
@@ -161,7 +162,7 @@ class Pipeline:
                 continue
             if response.status == pb.WRONG_ROUTE:
                 newer = response.header.etcd.revision > self.header.etcd.revision
-                if newer and not _equivalent(response.header.route, self.header.route):
+                if newer and not route_equivalent(response.header.route, self.header.route):
                     read_through = max(read_through, response.header.etcd.revision)
                 else:
                     self.recv_errs[i] = PipelineError(f"unexpected WRONG_ROUTE: {response.header}")
@@ -224,7 +225,3 @@ class Pipeline:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.cancel()
-
-
-def _equivalent(a: pb.Route, b: pb.Route) -> bool:
-    return a.primary == b.primary and list(a.members) == list(b.members)

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker.allocator.keyspace import route_equivalent
 from broker.fragment.spool import Spool, SpoolError
 from broker.protocol import protocol_pb2 as pb
-from broker.resolver import ResolveError, route_equivalent
+from broker.resolver import ResolveError
 
 if TYPE_CHECKING:
     from broker.service import JournalService

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +27,6 @@ class ResolveError(RuntimeError):
 def strip_meta(journal: str) -> str:
     """Journal names in Read and Append may carry a `;meta` suffix, which routing ignores."""
     return journal.split(";", 1)[0]
-
-
-def route_equivalent(a: pb.Route, b: pb.Route) -> bool:
-    """Same members and primary (endpoints are presentation, not topology)."""
-    return a.primary == b.primary and list(a.members) == list(b.members)
 
 
 def desired_replication(spec: pb.JournalSpec, max_replication: int = 9) -> int:
@@ -90,7 +85,7 @@ class Resolver:
     def assignments_of(self, journal: str) -> tuple[KeyValue, ...]:
         return tuple(self.ks.prefixed(f"{self.root}{aks.ASSIGNMENTS}{journal}{aks.SEP}"))
 
-    def route_of(self, assignments: tuple[KeyValue, ...]) -> pb.Route:
+    def route_of(self, assignments: Sequence[KeyValue]) -> pb.Route:
         return aks.build_route(assignments, self._member)
 
     def etcd_header(self) -> pb.Header.Etcd:

@@ -112,21 +112,11 @@ class JournalService(pb_grpc.JournalServicer):
             log.debug("pulse of %s: %s", replica.journal, pb.Status.Name(fsm.status))
 
     def unrouted_header(self) -> pb.Header:
-        h = self.ks.header
         return pb.Header(
             process_id=self.process_id,
             route=pb.Route(primary=-1),
-            etcd=pb.Header.Etcd(
-                cluster_id=h.cluster_id,
-                member_id=h.member_id,
-                revision=self.ks.revision,
-                raft_term=h.raft_term,
-            ),
+            etcd=self.resolver.etcd_header(),
         )
-
-    def _member(self, zone: str, suffix: str) -> aks.Member | None:
-        kv = self.ks.get(aks.member_key(self.root, zone, suffix))
-        return kv.decoded if kv is not None and isinstance(kv.decoded, aks.Member) else None
 
     def snapshot(self, selector: pb.LabelSelector) -> tuple[list[pb.ListResponse.Journal], int]:
         """Journals matching `selector` with their routes, and the max mod revision among them."""
@@ -154,7 +144,7 @@ class JournalService(pb_grpc.JournalServicer):
                 spec=item.spec,
                 mod_revision=kv.mod_revision,
                 create_revision=kv.create_revision,
-                route=aks.build_route(assignments.get(item.id, ()), self._member),
+                route=self.resolver.route_of(assignments.get(item.id, ())),
             )
             out.append(journal)
             max_mod = max(max_mod, kv.mod_revision)

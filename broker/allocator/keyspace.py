@@ -119,3 +119,22 @@ def build_route(
     if any(endpoints):
         route.endpoints.extend(endpoints)
     return route
+
+
+def route_equivalent(a: pb.Route, b: pb.Route) -> bool:
+    """Same members and primary (endpoints are presentation, not topology)."""
+    return a.primary == b.primary and list(a.members) == list(b.members)
+
+
+def assignment_holds(assignment: object, route: pb.Route) -> bool:
+    """Whether an assignment's value advertises `route` (its replica synchronized on it)."""
+    return (
+        isinstance(assignment, Assignment)
+        and isinstance(assignment.value, pb.Route)
+        and route_equivalent(assignment.value, route)
+    )
+
+
+def route_matches_assignments(route: pb.Route, assignments: Sequence[_DecodedKV]) -> bool:
+    """A journal is consistent when every assignment holds the route they imply."""
+    return all(assignment_holds(kv.decoded, route) for kv in assignments)

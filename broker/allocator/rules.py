@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from broker.allocator.keyspace import Assignment, Item, Member
+from broker.allocator import keyspace as aks
+from broker.allocator.keyspace import Item, Member
 from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2 as pb
 
@@ -52,22 +53,8 @@ def journal_is_consistent(
 
     The journal is consistent as a whole, so the answer is the same for each of its assignments.
     """
-    decoded = [kv.decoded for kv in assignments]
-    ordered = sorted(
-        (a for a in decoded if isinstance(a, Assignment)),
-        key=lambda a: (a.member_zone, a.member_suffix),
-    )
-    primary = next((i for i, a in enumerate(ordered) if a.slot == 0), -1)
-    for a in ordered:
-        route = a.value
-        if not isinstance(route, pb.Route):
-            return False  # An empty value: this replica has not synchronized yet.
-        if route.primary != primary or len(route.members) != len(ordered):
-            return False
-        for member, expect in zip(route.members, ordered, strict=True):
-            if member.zone != expect.member_zone or member.suffix != expect.member_suffix:
-                return False
-    return len(ordered) == len(assignments)
+    implied = aks.build_route(assignments, lambda _zone, _suffix: None)
+    return aks.route_matches_assignments(implied, assignments)
 
 
 def broker_rules(max_replication: int = DEFAULT_MAX_REPLICATION) -> Rules:
