@@ -414,11 +414,8 @@ class AppendFSM:
             delayed = await replica.append_limiter.take(len(content))
             delayed = await self.svc.append_limiter.take(len(content)) or delayed
             self.delayed_chunks += int(delayed)
-            await pln.scatter(
-                pb.ReplicateRequest(
-                    content=content,
-                    content_delta=self.client_fragment.end - self.client_fragment.begin,
-                )
+            await pln.scatter_content(
+                content, self.client_fragment.end - self.client_fragment.begin
             )
             assert self.client_summer is not None
             self.client_summer.update(content)

@@ -6,10 +6,15 @@ gRPC multiplexes every stream of a channel over one HTTP/2 connection.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from broker.client.journals import grpc_target
+from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+REPLICATE_METHOD = "/protocol.Journal/Replicate"
 
 # Append and Read chunks stay well below this; replication carries the same chunks.
 MAX_MESSAGE = 64 * 1024 * 1024
@@ -37,6 +42,16 @@ class Dialer:
 
     def journal_stub(self, endpoint: str) -> pb_grpc.JournalStub:
         return pb_grpc.JournalStub(self.channel(endpoint))  # type: ignore[no-untyped-call]
+
+    def replicate_stream(self, endpoint: str) -> Any:
+        """A Replicate stream whose requests are written already serialized (bytes), so that
+        a primary encodes each content chunk once for all of its peers."""
+        call = self.channel(endpoint).stream_stream(
+            REPLICATE_METHOD,
+            request_serializer=None,  # Identity: the pipeline writes wire bytes.
+            response_deserializer=pb.ReplicateResponse.FromString,
+        )
+        return call()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

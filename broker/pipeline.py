@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -30,6 +31,32 @@ SHUTDOWN_TIMEOUT = 10.0
 
 class PipelineError(RuntimeError):
     pass
+
+
+# Wire tags of ReplicateRequest.content (field 4, length-delimited) and content_delta (field 5,
+# varint).
+_CONTENT_TAG = b"\x22"
+_DELTA_TAG = b"\x28"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_content(content: bytes, content_delta: int) -> bytes:
+    """The wire bytes of ReplicateRequest(content=content, content_delta=content_delta), as
+    protobuf serializes them (fields in number order, a zero delta omitted)."""
+    if content_delta < 0:
+        raise ValueError(f"negative content_delta {content_delta}")
+    parts = [_CONTENT_TAG, _varint(len(content)), content] if content else []
+    if content_delta:
+        parts += [_DELTA_TAG, _varint(content_delta)]
+    return b"".join(parts)
 
 
 class Pipeline:
@@ -63,7 +90,7 @@ class Pipeline:
             if not endpoint:
                 self.send_errs[i] = PipelineError(f"peer {member.suffix} has no endpoint")
                 continue
-            self.streams[i] = dialer.journal_stub(endpoint).Replicate()
+            self.streams[i] = dialer.replicate_stream(endpoint)
 
     @property
     def route(self) -> pb.Route:
@@ -75,21 +102,39 @@ class Pipeline:
         Peer writes proceed concurrently, and the local spool applies the request meanwhile
         (it hashes and writes the same bytes): the send side is held for one write's time.
         """
+        encoded = None if request.HasField("header") else request.SerializeToString()
+
+        def encode(i: int) -> bytes:
+            if encoded is not None:
+                return encoded
+            # Each peer verifies that the request is addressed to it.
+            out = pb.ReplicateRequest()
+            out.CopyFrom(request)
+            out.header.process_id.CopyFrom(self.members[i])
+            return out.SerializeToString()
+
+        await self._scatter(encode, lambda: self.spool.apply(request, primary=True))
+
+    async def scatter_content(self, content: bytes, content_delta: int) -> None:
+        """`scatter` of a content chunk, encoded once for every peer without building a
+        message (the chunk is the bulk of what a pipeline carries)."""
+        encoded = encode_content(content, content_delta)
+        await self._scatter(
+            lambda _: encoded, lambda: self.spool.apply_content(content, content_delta)
+        )
+
+    async def _scatter(
+        self, encode: Callable[[int], bytes], apply: Callable[[], pb.ReplicateResponse]
+    ) -> None:
         writes = []
         for i, stream in enumerate(self.streams):
             if stream is None or self.send_errs[i] is not None:
                 continue
-            out = request
-            if request.HasField("header"):
-                # Each peer verifies that the request is addressed to it.
-                out = pb.ReplicateRequest()
-                out.CopyFrom(request)
-                out.header.process_id.CopyFrom(self.members[i])
-            writes.append((i, asyncio.ensure_future(stream.write(out))))
+            writes.append((i, asyncio.ensure_future(stream.write(encode(i)))))
         primary = self.header.route.primary
         try:
             if self.send_errs[primary] is None:
-                response = self.spool.apply(request, primary=True)
+                response = apply()
                 if response.status != pb.OK:
                     # The primary built this request from its own spool: a mismatch is a bug.
                     raise AssertionError(f"primary spool refused its own proposal: {response}")

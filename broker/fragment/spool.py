@@ -334,6 +334,13 @@ class Spool:
         self._apply_content(request.content, request.content_delta)
         return pb.ReplicateResponse()
 
+    def apply_content(self, content: bytes, content_delta: int) -> pb.ReplicateResponse:
+        """`apply` of a content chunk, without its message."""
+        if self._closed:
+            raise SpoolError(f"the spool of {self._journal} is closed")
+        self._apply_content(content, content_delta)
+        return pb.ReplicateResponse()
+
     def rollback(self) -> None:
         """Discard pending content (what a replica does when its replication stream ends)."""
         self._delta = 0
