@@ -121,6 +121,7 @@ def response_of(fsm: AppendFSM) -> pb.AppendResponse:
         status=fsm.status,
         total_chunks=fsm.total_chunks,
         delayed_chunks=fsm.delayed_chunks,
+        store_health_error=fsm.store_health_error,
     )
     if fsm.resolved is not None:
         response.header.CopyFrom(fsm.resolved.header)

@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from aetcd import transactions
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     from broker.service import JournalService
 
 log = logging.getLogger(__name__)
+
+# How long an append waits for the first listing of the journal's fragment stores before it
+# fails with FRAGMENT_STORE_UNHEALTHY (upstream waits for up to five health checks).
+FIRST_REFRESH_TIMEOUT = 10.0
 
 
 class State(enum.Enum):
@@ -85,6 +90,7 @@ class AppendFSM:
         self.client_summer: hashlib._Hash | None = None
         self.total_chunks = 0
         self.delayed_chunks = 0
+        self.store_health_error = ""
         self.status: pb.Status = pb.OK
         self.error: BaseException | None = None
 
@@ -302,7 +308,28 @@ class AppendFSM:
         """Registers, the append offset, and suspension, against the synchronized spool."""
         res, spec, spool = self._res, self._spec, self._pln.spool
         assert res.replica is not None
-        index_max = res.replica.index.end_offset()
+        index = res.replica.index
+        if not index.first_refresh.is_set():
+            # Only once the stores were listed is the index's end offset known.
+            refreshed = asyncio.ensure_future(index.first_refresh.wait())
+            invalidated = asyncio.ensure_future(res.invalidated.wait())
+            try:
+                await asyncio.wait(
+                    {refreshed, invalidated},
+                    timeout=FIRST_REFRESH_TIMEOUT,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                refreshed.cancel()
+                invalidated.cancel()
+            if res.invalidated.is_set():
+                self.state = State.RESOLVE
+                return
+            if not index.first_refresh.is_set():
+                self.store_health_error = index.refresh_error or "fragment stores not yet listed"
+                self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
+                return
+        index_max = index.end_offset()
         max_offset = max(spool.fragment.end, index_max)
         check = self.req.check_registers if self.req.HasField("check_registers") else None
         if (
@@ -489,16 +516,33 @@ def may_write(spec: pb.JournalSpec) -> bool:
 
 
 def maybe_roll_fragment(
-    spool: Spool, roll_to_offset: int, spec: pb.JournalSpec.Fragment
+    spool: Spool,
+    roll_to_offset: int,
+    spec: pb.JournalSpec.Fragment,
+    now: datetime | None = None,
 ) -> pb.Fragment:
-    """The proposal to sync on: the spool's fragment, or a new empty one if it should roll
-    (it is empty, over the target length, or a larger offset must be adopted)."""
+    """The proposal to sync on: the spool's fragment, or a new empty one if it should roll.
+
+    It rolls when it is empty, over the spec's target length, written with another codec than
+    the spec's, in an earlier `flush_interval` bucket of UTC time than `now` (buckets are
+    uniform from the Unix epoch, as upstream), or when a larger offset must be adopted. Rolls
+    happen between appends, so a fragment never splits one."""
     current = spool.fragment
     length = current.end - current.begin
+    codec = spec.compression_codec or pb.NONE
+    flush = spec.flush_interval.seconds
+    first = spool.first_append_time
     roll = (
         length == 0
         or length > spec.length
+        or current.compression_codec != codec
         or (roll_to_offset != 0 and roll_to_offset != current.begin)
+        or (
+            flush > 0
+            and first is not None
+            and int(first.timestamp()) // flush
+            != int((now or datetime.now(UTC)).timestamp()) // flush
+        )
     )
     out = pb.Fragment()
     out.CopyFrom(current)
@@ -512,7 +556,7 @@ def maybe_roll_fragment(
         out.end = roll_to_offset
     out.begin = out.end
     out.ClearField("sum")
-    out.compression_codec = spec.compression_codec or pb.NONE
+    out.compression_codec = codec
     return out
 
 

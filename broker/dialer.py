@@ -51,7 +51,7 @@ class Dialer:
             request_serializer=None,  # Identity: the pipeline writes wire bytes.
             response_deserializer=pb.ReplicateResponse.FromString,
         )
-        return call()
+        return call()  # type: ignore[call-arg]  # (grpc-stubs: the iterator is optional)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

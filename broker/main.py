@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -103,6 +104,11 @@ def cli(ctx: click.Context) -> None:
     default="30s",
     help="On SIGTERM, how long to wait for the allocator to move this broker's journals away",
 )
+@cfg.option(
+    "--broker.persist-interval",
+    default="1m",
+    help="How long a replica waits before checking that a completed fragment was persisted",
+)
 @cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address")
 @cfg.option(
     "--etcd.prefix",
@@ -140,6 +146,7 @@ def serve(**opts: Any) -> None:
         max_append_rate=opts["broker_max_append_rate"],
         watch_delay=_duration("--broker.watch-delay", opts["broker_watch_delay"]),
         drain_timeout=_duration("--broker.drain-timeout", opts["broker_drain_timeout"]),
+        persist_interval=_duration("--broker.persist-interval", opts["broker_persist_interval"]),
         max_grpc_recv_size=opts["broker_max_grpc_recv_size"],
         etcd_address=opts["etcd_address"],
         etcd_prefix=opts["etcd_prefix"].rstrip("/"),
@@ -178,6 +185,11 @@ def _check(config: BrokerConfig) -> None:
         raise click.ClickException(str(exc)) from None
     if not config.etcd_prefix.startswith("/"):
         raise click.ClickException(f"--etcd.prefix {config.etcd_prefix!r}: must start with '/'")
+    if config.file_root and not Path(config.file_root).is_dir():
+        raise click.ClickException(
+            f"--broker.file-root {config.file_root!r}: not a directory (create it, or give an "
+            "existing one)"
+        )
     if config.etcd_lease < 1:
         raise click.ClickException(f"--etcd.lease: {config.etcd_lease:g}s is below 1s")
 

@@ -9,21 +9,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker.fragment.content import FragmentCorrupt, describe, open_in_store
+from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
 
 if TYPE_CHECKING:
+    from broker.fragment.persister import Persister
     from broker.service import JournalService
 
 log = logging.getLogger(__name__)
 
 # Content chunk size of Read responses, as upstream: fits gRPC's 32 KiB buffer tier.
 CHUNK = (1 << 15) - 32
+# Lifetime of the fragment URLs returned with persisted fragments, as upstream.
+SIGNED_URL_TTL = timedelta(minutes=1)
 
 
 async def serve_read(
@@ -59,16 +65,13 @@ async def serve_read(
     while True:
         if req.end_offset and offset >= req.end_offset:
             return
-        found = index.query(offset)
-        if found is None:
-            head = index.write_head
-            skip_to = index.next_offset(offset) if offset < head else None
-            if skip_to is not None:
-                offset = skip_to  # Nothing is left before it: skip the gap, as upstream.
-                continue
+        found = index.query(offset, req.begin_mod_time)
+        offset = found.offset
+        entry = found.fragment
+        if entry is None:
             if not req.block:
                 response = pb.ReadResponse(
-                    status=pb.OFFSET_NOT_YET_AVAILABLE, offset=offset, write_head=head
+                    status=pb.OFFSET_NOT_YET_AVAILABLE, offset=offset, write_head=index.write_head
                 )
                 if header is not None:
                     response.header.CopyFrom(header)
@@ -85,26 +88,66 @@ async def serve_read(
                 return  # No longer a replica here: the client re-resolves and reads elsewhere.
             continue
 
-        fragment = found.fragment
+        fragment = entry.spec
         metadata = pb.ReadResponse(
             status=pb.OK, offset=offset, write_head=index.write_head, fragment=fragment
         )
+        if fragment.backing_store and fragment.mod_time and svc.persister is not None:
+            try:
+                metadata.fragment_url = await asyncio.to_thread(
+                    svc.persister.sign, fragment, SIGNED_URL_TTL
+                )
+            except Exception as exc:  # The broker still serves the content itself.
+                log.warning("signing a URL for %s failed: %s", describe(fragment), exc)
         if header is not None:
             metadata.header.CopyFrom(header)
             header = None
         yield metadata
-        if req.metadata_only:
-            return
+        if req.metadata_only or (entry.file is None and req.do_not_proxy):
+            return  # The client reads a persisted fragment through its URL.
         end = fragment.end if not req.end_offset else min(fragment.end, req.end_offset)
+        if entry.file is not None:
+            while offset < end:
+                try:
+                    content = entry.file.read(offset, min(CHUNK, end - offset))
+                except (OSError, ValueError):
+                    break  # The spool rolled, or the fragment was dropped: query again.
+                if not content:
+                    break
+                yield pb.ReadResponse(offset=offset, content=content)
+                offset += len(content)
+            continue
+        assert svc.persister is not None
+        try:
+            async for content in read_persisted(svc.persister, fragment, offset, end):
+                for at in range(0, len(content), CHUNK):
+                    piece = content[at : at + CHUNK]
+                    yield pb.ReadResponse(offset=offset, content=piece)
+                    offset += len(piece)
+        except FragmentCorrupt as exc:
+            log.error("%s", exc)
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading {describe(fragment)}: {exc}")
+
+
+async def read_persisted(
+    persister: Persister, fragment: pb.Fragment, offset: int, end: int
+) -> AsyncIterator[bytes]:
+    """Content of a persisted fragment from `offset` to `end`, read from its store on a worker
+    thread a block at a time."""
+    store = persister.store(fragment.backing_store)
+    blocks = await asyncio.to_thread(open_in_store, store, fragment, offset)
+    try:
         while offset < end:
-            try:
-                content = found.read(offset, min(CHUNK, end - offset))
-            except (OSError, ValueError):
-                break  # The spool rolled under us: query the index again.
-            if not content:
-                break
-            yield pb.ReadResponse(offset=offset, content=content)
-            offset += len(content)
+            block = await asyncio.to_thread(next, blocks, None)
+            if block is None:
+                return
+            block = block[: end - offset]
+            offset += len(block)
+            yield block
+    finally:
+        await asyncio.to_thread(blocks.close)
 
 
 async def proxy_read(

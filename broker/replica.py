@@ -21,6 +21,7 @@ from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2 as pb
 
 if TYPE_CHECKING:
+    from broker.fragment.persister import Persister
     from broker.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,24 @@ class Replica:
         journal: str,
         spool_dir: Path,
         pulse: Callable[[Replica], Awaitable[None]] | None = None,
+        persister: Persister | None = None,
     ) -> None:
         self.journal = journal
         self.spool_dir = spool_dir
         self.index = Index(journal)
+        self.spec: pb.JournalSpec | None = None
+        self._spec_changed = asyncio.Event()
+        self.persister = persister
         self.spool_queue: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
-        spool = Spool(journal, observer=_IndexObserver(self.index), directory=spool_dir)
-        self.index.attach_head(spool, spool.fragment)
+        observer = _IndexObserver(self)
+        spool = Spool(journal, observer=observer, directory=spool_dir)
+        observer.spool = spool
         self.spool_queue.put_nowait(spool)
+        self._refresh_task: asyncio.Task[None] | None = None
+        if persister is not None:
+            self._refresh_task = asyncio.ensure_future(persister.refresh_loop(self))
+        else:
+            self.index.first_refresh.set()  # No stores to list.
         self.pipeline_queue: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
         self.pipeline_queue.put_nowait(None)
         self.append_limiter = RateLimiter(0)  # The spec's max_append_rate (0: unlimited).
@@ -55,6 +66,17 @@ class Replica:
         self._pulse_task: asyncio.Task[None] | None = None
         self._pulse_now = asyncio.Event()
         self.stopped = False
+
+    def set_spec(self, spec: pb.JournalSpec) -> None:
+        """The journal's current specification (the fragment refresh daemon and the persister
+        read its stores and intervals)."""
+        if self.spec is None or self.spec != spec:
+            self.spec = spec
+            self._spec_changed.set()
+            self._spec_changed = asyncio.Event()
+
+    async def spec_changed(self) -> None:
+        await self._spec_changed.wait()
 
     def signal(self) -> None:
         """Invalidate resolutions of this journal: its assignments changed."""
@@ -105,8 +127,14 @@ class Replica:
             self.pipeline_queue.put_nowait(None)
 
     async def shutdown(self) -> None:
-        """Stop the pulse, tear down the pipeline, and release the spool's files."""
+        """Stop the pulse and the refresh daemon, tear down the pipeline, and release the
+        spool's files (completed fragments still being persisted stay with the persister)."""
         self.stopped = True
+        self._spec_changed.set()
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refresh_task
         if self._pulse_task is not None:
             # Let a pulse in flight finish (it is bounded), then the loop sees `stopped`.
             self._pulse_now.set()
@@ -120,16 +148,22 @@ class Replica:
             await pipeline.shutdown(expect_err=False)
         spool = await self.spool_queue.get()
         spool.close()
+        self.index.close()
 
 
 class _IndexObserver:
-    """Feeds spool commits and completions to the index readers query."""
+    """Feeds spool commits and completions to the index readers query, and completed fragments
+    to the persister."""
 
-    def __init__(self, index: Index) -> None:
-        self.index = index
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.spool: Spool | None = None
 
     def on_commit(self, fragment: pb.Fragment) -> None:
-        self.index.on_commit(fragment)
+        assert self.spool is not None
+        self.replica.index.on_commit(fragment, self.spool)
 
     def on_complete(self, completed: CompletedFragment) -> None:
-        self.index.on_complete(completed.fragment, completed)
+        self.replica.index.on_complete(completed.fragment, completed)
+        if self.replica.persister is not None:
+            self.replica.persister.on_complete(self.replica, completed)

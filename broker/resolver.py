@@ -213,6 +213,9 @@ class Resolver:
                 replica.assignments = assignments
                 replica.signal()
             replica.primary = primary
+            item = item_kv.decoded
+            if isinstance(item, aks.Item) and isinstance(item.spec, pb.JournalSpec):
+                replica.set_spec(item.spec)
             replica.on_route_change()
             nxt[journal] = replica
         for replica in current.values():

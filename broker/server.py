@@ -24,6 +24,7 @@ from aetcd import transactions
 from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate, broker_rules
 from broker.allocator import keyspace as aks
+from broker.fragment.persister import Persister
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -61,6 +62,8 @@ class BrokerConfig:
     max_grpc_recv_size: int = 4 * 1024 * 1024
     # How long a stopping broker waits for the allocator to move its journals elsewhere.
     drain_timeout: float = 30.0
+    # How long a replica waits before checking that a completed fragment was persisted.
+    persist_interval: float = 60.0
     # Tests of the broker core turn the allocator off and write assignments themselves.
     run_allocator: bool = True
 
@@ -132,6 +135,11 @@ class Broker:
             min_append_rate=self.config.min_append_rate,
             max_append_rate=self.config.max_append_rate,
             max_replication=self.config.max_replication,
+            persister=Persister(
+                file_root=Path(self.config.file_root) if self.config.file_root else None,
+                spool_dir=Path(self._spool_dir.name),
+                persist_interval=self.config.persist_interval,
+            ),
         )
         pb_grpc.add_JournalServicer_to_server(self.service, self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.bind_host()}:{self.config.port}"

@@ -1,7 +1,6 @@
-"""The broker's Journal gRPC service: List and Apply over the etcd keyspace; Append, Replicate
-and Read over the local replicas (see append_api, replicate_api, read_api).
-
-ListFragments and FragmentStoreHealth come with fragment stores and answer UNIMPLEMENTED until then.
+"""The broker's Journal gRPC service: List and Apply over the etcd keyspace; Append, Replicate,
+Read and ListFragments over the local replicas (see append_api, replicate_api, read_api,
+fragments_api); FragmentStoreHealth over the fragment stores.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import AppendFSM, Chunk
 from broker.dialer import Dialer
 from broker.flow_control import RateLimiter
+from broker.fragment.persister import Persister, check_spec_supported
+from broker.fragments_api import serve_list_fragments, serve_store_health
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels, validate
 from broker.protocol import protocol_pb2 as pb
@@ -53,6 +54,7 @@ class JournalService(pb_grpc.JournalServicer):
         min_append_rate: int = 0,
         max_append_rate: int = 0,
         max_replication: int = 9,
+        persister: Persister | None = None,
     ) -> None:
         self.ks = ks
         self.etcd = client
@@ -63,13 +65,14 @@ class JournalService(pb_grpc.JournalServicer):
         self.min_append_rate = min_append_rate
         self.append_limiter = RateLimiter(max_append_rate)  # Across all of this broker's journals.
         self.max_replication = max_replication
+        self.persister = persister
         self.resolver = Resolver(
             ks, root, process_id, self.new_replica, max_replication=max_replication
         )
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def new_replica(self, journal: str) -> Replica:
-        return Replica(journal, self.spool_dir, pulse=self.pulse)
+        return Replica(journal, self.spool_dir, pulse=self.pulse, persister=self.persister)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` in the background, owned by the service (awaited on stop)."""
@@ -87,6 +90,8 @@ class JournalService(pb_grpc.JournalServicer):
         await self.resolver.stop_serving()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self.persister is not None:
+            await self.persister.stop()
         await self.dialer.close()
 
     async def pulse(self, replica: Replica) -> None:
@@ -188,6 +193,12 @@ class JournalService(pb_grpc.JournalServicer):
             validate.validate_apply_request(request)
         except validate.ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        for change in request.changes:
+            if change.HasField("upsert"):
+                try:
+                    check_spec_supported(change.upsert)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         compare = []
         ops: list[object] = []
@@ -234,12 +245,12 @@ class JournalService(pb_grpc.JournalServicer):
         async for response in serve_replicate(self, request_iterator, context):
             yield response
 
-    async def ListFragments(self, request: pb.FragmentsRequest, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ListFragments is not implemented yet")
+    async def ListFragments(
+        self, request: pb.FragmentsRequest, context: Context
+    ) -> pb.FragmentsResponse:
+        return await serve_list_fragments(self, request, context)
 
     async def FragmentStoreHealth(
         self, request: pb.FragmentStoreHealthRequest, context: Context
-    ) -> None:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "FragmentStoreHealth is not implemented yet"
-        )
+    ) -> pb.FragmentStoreHealthResponse:
+        return await serve_store_health(self, request, context)

@@ -60,6 +60,7 @@ def start_broker_process(
     log: Path,
     broker_id: str = "broker-0",
     lease: str = "5s",
+    extra: tuple[str, ...] = (),
 ) -> BrokerProcess:
     port = free_port()
     with log.open("wb") as out:
@@ -68,7 +69,7 @@ def start_broker_process(
                 sys.executable, "-m", "broker.main", "serve",
                 "--broker.id", broker_id, "--broker.host", "127.0.0.1", "--broker.port", str(port),
                 "--etcd.address", etcd_server.endpoint, "--etcd.prefix", prefix, "--etcd.lease", lease,
-                "--broker.drain-timeout", "2s",
+                "--broker.drain-timeout", "2s", *extra,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -140,3 +141,6 @@ def run_cli(
         input=input, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout,
     )  # fmt: skip
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+from tests.store_servers import gcs_server, s3_server  # noqa: E402,F401

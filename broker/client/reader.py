@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
+from broker.fragment.content import open_signed_url
+from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 
 class ReadError(RuntimeError):
@@ -33,26 +39,89 @@ async def read(
     *,
     block: bool = False,
     end_offset: int = 0,
+    direct: bool = False,
+    file_root: Path | None = None,
+    begin_mod_time: int = 0,
 ) -> AsyncIterator[Chunk]:
     """Content of `journal` from `offset` (-1: the write head). Non-blocking reads end at the
     write head; blocking reads wait for new commits until cancelled. Offsets may jump forward
-    where the broker holds nothing for a span (each chunk carries its own offset)."""
-    request = pb.ReadRequest(journal=journal, offset=offset, block=block, end_offset=end_offset)
-    call = stub.Read(request)
-    fragment: pb.Fragment | None = None
-    head = 0
+    where the journal holds nothing for a span (each chunk carries its own offset).
+
+    With `direct`, persisted fragments are read straight from their store through the signed
+    URL the broker returns (file:// URLs under `file_root`), verified against their SHA-1 when
+    read whole; a URL that cannot be read falls back to the broker. `begin_mod_time` skips
+    fragments persisted before it (unix seconds)."""
+    use_urls = direct
+    while True:
+        request = pb.ReadRequest(
+            journal=journal,
+            offset=offset,
+            block=block,
+            end_offset=end_offset,
+            do_not_proxy=use_urls,
+            begin_mod_time=begin_mod_time,
+        )
+        call = stub.Read(request)
+        fragment: pb.Fragment | None = None
+        head = 0
+        follow: tuple[str, pb.Fragment, int] | None = None
+        try:
+            async for response in call:
+                if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
+                    return
+                if response.status == pb.NOT_JOURNAL_BROKER and use_urls:
+                    break  # Not a replica, and told not to proxy: ask again, proxied.
+                if response.status != pb.OK:
+                    raise ReadError(journal, response.status)
+                if response.HasField("fragment"):
+                    fragment, head = response.fragment, response.write_head
+                    offset = response.offset
+                    if use_urls and response.fragment_url:
+                        follow = (response.fragment_url, response.fragment, response.offset)
+                        break
+                    continue
+                offset = response.offset + len(response.content)
+                yield Chunk(response.offset, response.content, fragment, head)
+            else:
+                return  # The broker ended the stream: a non-blocking read reached the head.
+        finally:
+            call.cancel()
+        if follow is None:
+            use_urls = False  # Proxied from here on (the broker was not a replica).
+            continue
+        url, fragment, offset = follow
+        try:
+            async for chunk in _read_url(url, fragment, offset, end_offset, file_root, head):
+                offset = chunk.offset + len(chunk.content)
+                yield chunk
+        except StoreError as exc:
+            log.warning("reading %s directly failed (%s): reading through the broker", url, exc)
+            use_urls = False
+            continue
+        if end_offset and offset >= end_offset:
+            return
+
+
+async def _read_url(
+    url: str,
+    fragment: pb.Fragment,
+    offset: int,
+    end_offset: int,
+    file_root: Path | None,
+    head: int,
+) -> AsyncIterator[Chunk]:
+    blocks = await asyncio.to_thread(open_signed_url, url, fragment, offset, file_root)
+    end = min(fragment.end, end_offset) if end_offset else fragment.end
     try:
-        async for response in call:
-            if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
+        while offset < end:
+            block = await asyncio.to_thread(next, blocks, None)
+            if block is None:
                 return
-            if response.status != pb.OK:
-                raise ReadError(journal, response.status)
-            if response.HasField("fragment"):
-                fragment, head = response.fragment, response.write_head
-                continue
-            yield Chunk(response.offset, response.content, fragment, head)
+            block = block[: end - offset]
+            yield Chunk(offset, block, fragment, head)
+            offset += len(block)
     finally:
-        call.cancel()
+        await asyncio.to_thread(blocks.close)
 
 
 async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:

@@ -1,117 +1,181 @@
-"""The fragments of one journal that a replica can serve reads from.
+"""The fragment index of one journal replica: what a broker can serve reads from.
 
-Today: fragments completed by the spool (still local, not yet persisted) and the spool's committed
-head. The stores issue adds persisted fragments listed from fragment stores. Readers query by
-offset and wait here for commits at the write head.
+It is the union of *local* fragments (the spool's committed head, and fragments the spool completed
+that are not yet known to be persisted) and *remote* fragments listed from the journal's fragment
+stores, kept as a CoverSet (larger fragments are preferred; no fragment is covered by another).
+Readers query it by offset and wait here for commits at the write head; appends wait for the first
+listing of the stores before they trust the index's end offset.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-from collections.abc import Callable
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
+from broker.fragment.cover_set import CoverSet, IndexedFragment, Readable
+from broker.fragment.spool import CompletedFragment
 from broker.protocol import protocol_pb2 as pb
 
+# A read of an offset no fragment covers may jump forward to the next *persisted* fragment only
+# if the read starts before every fragment, or that fragment was persisted this long ago: a
+# younger gap may be a fragment still being persisted by another broker.
+OFFSET_JUMP_AGE = 6 * 3600
 
-class Readable(Protocol):
-    """Something holding a fragment's committed bytes."""
 
-    def read(self, offset: int, size: int) -> bytes: ...
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Found:
-    """A fragment covering a read offset, and how to read its bytes."""
+    """The outcome of a query: the read offset (moved forward over a gap or a skipped old
+    fragment), and the fragment with the most content at it, if any."""
 
-    fragment: pb.Fragment
-    read: Callable[[int, int], bytes]
+    offset: int
+    fragment: IndexedFragment | None
 
 
 class Index:
     def __init__(self, journal: str) -> None:
         self.journal = journal
-        # Completed local fragments, ordered on begin; each with what reads its bytes.
-        self._fragments: list[tuple[pb.Fragment, Readable]] = []
-        self._head = pb.Fragment(journal=journal)
-        self._head_source: Readable | None = None
+        self._set = CoverSet()  # Local and remote.
+        self._local = CoverSet()  # Local only: each has a `file`.
         self._changed = asyncio.Event()
+        self.first_refresh = asyncio.Event()
+        self.refresh_error = ""  # Of the last failed listing of the stores.
+        self._closed = False
 
-    # ---- spool observer -------------------------------------------------------------------
+    # ---- spool observer -----------------------------------------------------------------------
 
-    def attach_head(self, source: Readable, fragment: pb.Fragment) -> None:
-        self._head_source = source
-        self._head = _copy(fragment)
-        self._signal()
-
-    def on_commit(self, fragment: pb.Fragment) -> None:
-        self._head = _copy(fragment)
-        self._signal()
+    def on_commit(self, fragment: pb.Fragment, source: Readable) -> None:
+        """The spool committed: its fragment, readable from the spool, covers the last one."""
+        self._add_local(IndexedFragment(_copy(fragment), source))
 
     def on_complete(self, fragment: pb.Fragment, source: Readable) -> None:
-        if fragment.end > fragment.begin:
-            keys = [f.begin for f, _ in self._fragments]
-            at = bisect.bisect_right(keys, fragment.begin)
-            self._fragments.insert(at, (_copy(fragment), source))
+        """The spool rolled: the completed fragment's content is now read from `source` (the
+        spool's head entry for the same span is replaced)."""
+        entry = IndexedFragment(_copy(fragment), source)
+        if entry.begin == entry.end:
+            return
+        if self._closed:
+            _close(entry)
+            return
+        self._local = _replace(self._local, entry)
+        self._set = _replace(self._set, entry)
         self._signal()
+
+    def _add_local(self, entry: IndexedFragment) -> None:
+        if entry.begin == entry.end:
+            return
+        self._local.add(entry)
+        self._set.add(entry)
+        self._signal()
+
+    # ---- remote fragments ---------------------------------------------------------------------
+
+    def replace_remote(self, remote: Iterable[pb.Fragment]) -> None:
+        """Take a fresh listing of the stores: it replaces every remote fragment, and local
+        fragments it covers are dropped (their files closed once reads in flight finish)."""
+        self._install_remote(remote)
+        self.first_refresh.set()
+
+    def add_remote(self, fragment: pb.Fragment) -> None:
+        """A fragment this broker just persisted: serve it from the store from now on."""
+        self._install_remote([*(f.spec for f in self._set if f.file is None), fragment])
+
+    def _install_remote(self, remote: Iterable[pb.Fragment]) -> None:
+        listed = CoverSet()
+        for fragment in remote:
+            listed.add(IndexedFragment(_copy(fragment)))
+        kept = self._local.difference(listed)
+        for entry in self._local:
+            if not _member(kept, entry):
+                _close(entry)
+        self._local = kept
+        for entry in kept:
+            listed.add(entry)
+        self._set = listed
+        self._signal()
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def write_head(self) -> int:
+        return self._set.end_offset()
+
+    def end_offset(self) -> int:
+        """The largest offset any fragment reaches (the index's max offset)."""
+        return self._set.end_offset()
+
+    def begin_offset(self) -> int:
+        return self._set.begin_offset()
+
+    def summary(self) -> tuple[int, int, int]:
+        """(begin, end, mod_time of the last fragment: 0 if it is local)."""
+        if not len(self._set):
+            return 0, 0, 0
+        last = self._set[len(self._set) - 1]
+        return self._set.begin_offset(), self._set.end_offset(), last.mod_time
+
+    def fragments(self) -> list[IndexedFragment]:
+        return list(self._set)
+
+    def local_fragments(self) -> list[IndexedFragment]:
+        return list(self._local)
+
+    def query(self, offset: int, begin_mod_time: int = 0, now: float | None = None) -> Found:
+        """The fragment to read `offset` from, as upstream: the covering fragment with the most
+        content after it; else a jump forward to the next persisted fragment when the read
+        starts before every fragment or that fragment is older than OFFSET_JUMP_AGE; fragments
+        persisted before `begin_mod_time` are skipped over."""
+        while True:
+            at, found = self._set.longest_overlapping(offset)
+            if not found and at < len(self._set):
+                following = self._set[at]
+                jump_before = (now if now is not None else time.time()) - OFFSET_JUMP_AGE
+                if following.mod_time != 0 and (at == 0 or following.mod_time < jump_before):
+                    offset, found = following.begin, True
+            if not found:
+                return Found(offset, None)
+            entry = self._set[at]
+            if entry.mod_time != 0 and entry.mod_time < begin_mod_time:
+                offset = entry.end  # Persisted before the requested bound: skip its content.
+                continue
+            return Found(offset, entry)
+
+    async def wait_for_change(self) -> None:
+        await self._changed.wait()
 
     def _signal(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    # ---- queries --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release local fragment files (the replica is going away)."""
+        self._closed = True
+        for entry in self._local:
+            _close(entry)
+        self._local = CoverSet()
+        self._signal()
 
-    @property
-    def write_head(self) -> int:
-        return max(self._head.end, self.end_offset())
 
-    def end_offset(self) -> int:
-        """The largest offset any fragment reaches (the index's max offset)."""
-        end = self._head.end
-        if self._fragments:
-            end = max(end, max(f.end for f, _ in self._fragments))
-        return end
+def _member(cover: CoverSet, entry: IndexedFragment) -> bool:
+    return any(f is entry for f in cover)
 
-    def begin_offset(self) -> int:
-        if self._fragments:
-            return self._fragments[0][0].begin
-        return self._head.begin
 
-    def query(self, offset: int) -> Found | None:
-        """The fragment with the most content at `offset`, or None if nothing covers it yet."""
-        best: tuple[pb.Fragment, Readable] | None = None
-        for fragment, source in self._fragments:
-            if fragment.begin <= offset < fragment.end and (
-                best is None or fragment.end > best[0].end
-            ):
-                best = (fragment, source)
-        head = self._head
-        if (
-            self._head_source is not None
-            and head.begin <= offset < head.end
-            and (best is None or head.end > best[0].end)
-        ):
-            best = (head, self._head_source)
-        if best is None:
-            return None
-        fragment, source = best
-        return Found(fragment, source.read)
+def _replace(cover: CoverSet, entry: IndexedFragment) -> CoverSet:
+    """`cover` with the fragment of `entry`'s exact span replaced by `entry` (or added)."""
+    out = CoverSet()
+    for f in cover:
+        if f.begin == entry.begin and f.end == entry.end:
+            continue
+        out.add(f)
+    out.add(entry)
+    return out
 
-    def next_offset(self, offset: int) -> int | None:
-        """The begin of the first fragment after `offset`, if any (for skipping a gap)."""
-        candidates = [f.begin for f, _ in self._fragments if f.begin > offset]
-        if (
-            self._head_source is not None
-            and self._head.begin > offset
-            and self._head.end > self._head.begin
-        ):
-            candidates.append(self._head.begin)
-        return min(candidates) if candidates else None
 
-    async def wait_for_change(self) -> None:
-        await self._changed.wait()
+def _close(entry: IndexedFragment) -> None:
+    # The spool itself is not closed here (its owner does): only completed fragments are.
+    if isinstance(entry.file, CompletedFragment):
+        entry.file.close()
 
 
 def _copy(fragment: pb.Fragment) -> pb.Fragment:

@@ -7,20 +7,24 @@ journal registers, and uncommitted content that a later proposal either commits 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import tempfile
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
+from broker.fragment import codecs
 from broker.fragment.fragments import ZERO_DIGEST, digest_of, sum_from_digest
 from broker.protocol import protocol_pb2 as pb
 
 if TYPE_CHECKING:
     from hashlib import _Hash
+
 
 __all__ = ["CompletedFragment", "Spool", "SpoolError", "SpoolObserver"]
 
@@ -112,6 +116,84 @@ class _SpoolFile:
         self._finalize()
 
 
+# Compression runs off the event loop: zlib, zstd and snappy release the GIL while they work.
+_COMPRESSORS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="spool-compress")
+
+
+class _Compression:
+    """A fragment's content compressed with its codec into a second unlinked file, built in
+    batches of `codecs.BATCH_SIZE` as content commits (upstream compresses the same way, so a
+    GZIP fragment is a gzip member per batch), and finished when the fragment is persisted.
+
+    Batches run on worker threads, reading committed content from the spool file (which never
+    changes once committed); a lock orders them, so any number may be scheduled."""
+
+    def __init__(self, codec: pb.CompressionCodec, raw: _SpoolFile, directory: str | None) -> None:
+        self.codec = codec
+        self._raw = raw
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._file: BinaryIO | None = None
+        self._compressor: codecs.Compressor | None = None
+        self._through = 0  # Content bytes compressed so far.
+        self._scheduled = 0  # Content length the last scheduled batch compresses through.
+        self._length = -1  # Compressed length, once finished.
+        self._closed = False
+
+    def schedule(self, length: int) -> None:
+        """Compress committed content through `length`, in the background, once a batch of it
+        is pending."""
+        if length - self._scheduled >= codecs.BATCH_SIZE:
+            self._scheduled = length
+            _COMPRESSORS.submit(self._batches, length, False)
+
+    def _batches(self, length: int, final: bool) -> None:
+        with self._lock:
+            if self._closed or self._length >= 0:
+                return
+            try:
+                if self._file is None:
+                    # Owned by this object: closed by `_discard`.
+                    self._file = tempfile.TemporaryFile(  # noqa: SIM115
+                        prefix="spool-z-", dir=self._directory
+                    )
+                    self._compressor = codecs.compressor(self.codec, self._file)
+                assert self._compressor is not None
+                while self._through < length and (
+                    final or length - self._through >= codecs.BATCH_SIZE
+                ):
+                    size = min(codecs.BATCH_SIZE, length - self._through)
+                    self._compressor.write(self._raw.read(self._through, size))
+                    self._compressor.end_batch()
+                    self._through += size
+                if final:
+                    self._compressor.close()
+                    self._file.flush()
+                    self._length = self._file.tell()
+            except BaseException:
+                # Start over on the next call: a partial compressed file is useless.
+                self._discard()
+                if final:
+                    raise
+
+    def finish(self, length: int) -> tuple[BinaryIO, int]:
+        """(file, compressed length) of all `length` bytes of content; blocks while compressing
+        what is left (call it off the event loop). The file stays owned by this object."""
+        self._batches(length, True)
+        assert self._file is not None
+        return self._file, self._length
+
+    def _discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file, self._compressor, self._through, self._length = None, None, 0, -1
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._discard()
+
+
 class CompletedFragment:
     """A fragment which a roll completed: its metadata, and its content still readable from the
     spool file until `close()`. This is what gets persisted to the fragment store.
@@ -121,7 +203,15 @@ class CompletedFragment:
     already persisted.
     """
 
-    __slots__ = ("_file", "_fragment", "_registers", "first_append_time", "primary")
+    __slots__ = (
+        "_compression",
+        "_file",
+        "_fragment",
+        "_refs",
+        "_registers",
+        "first_append_time",
+        "primary",
+    )
 
     def __init__(
         self,
@@ -130,12 +220,15 @@ class CompletedFragment:
         registers: pb.LabelSet,
         first_append_time: datetime | None,
         primary: bool,
+        compression: _Compression | None = None,
     ) -> None:
         self._file = file
         self._fragment = fragment
         self._registers = registers
         self.first_append_time = first_append_time
         self.primary = primary
+        self._compression = compression
+        self._refs = 1
 
     @property
     def fragment(self) -> pb.Fragment:
@@ -158,8 +251,34 @@ class CompletedFragment:
         """Up to `size` bytes of content from journal `offset` (fewer only at the fragment end)."""
         return _read_range(self._file, self._fragment.begin, self._fragment.end, offset, size)
 
+    def compressed(self, directory: str | None = None) -> tuple[BinaryIO, int]:
+        """(file, length) of the content compressed with the fragment's codec: what is
+        persisted. Blocking (call it off the event loop); the file belongs to this fragment.
+        NONE is the content itself: a reader of the spool file."""
+        codec = self._fragment.compression_codec
+        if codec == pb.NONE:
+            reader = cast(BinaryIO, _SpoolFileReader(self._file, self.content_length))
+            return reader, self.content_length
+        if self._compression is None:
+            # A replica does not compress as content commits: it compresses only if it
+            # ever has to persist the fragment itself.
+            self._compression = _Compression(codec, self._file, directory)
+        return self._compression.finish(self.content_length)
+
+    def retain(self) -> None:
+        """Take another reference: `close` releases the files once every holder closed."""
+        self._refs += 1
+
     def close(self) -> None:
-        """Release the content file (reads in flight on other threads finish first)."""
+        """Release this holder's reference; the last one releases the content files (reads in
+        flight on other threads finish first)."""
+        if self._refs <= 0:
+            return
+        self._refs -= 1
+        if self._refs:
+            return
+        if self._compression is not None:
+            self._compression.close()
         self._file.close()
 
     def __enter__(self) -> CompletedFragment:
@@ -176,6 +295,48 @@ class CompletedFragment:
     def __repr__(self) -> str:
         f = self._fragment
         return f"CompletedFragment<{f.journal} [{f.begin}, {f.end})>"
+
+
+class _SpoolFileReader(io.RawIOBase):
+    """A file-like reader of a spool file's first `length` bytes (what stores upload)."""
+
+    def __init__(self, file: _SpoolFile, length: int) -> None:
+        self._spool_file = file
+        self._length = length
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), self._length - self._at)
+        if size <= 0:
+            return 0
+        data = self._spool_file.read(self._at, size)
+        buffer[: len(data)] = data
+        self._at += len(data)
+        return len(data)
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._length - self._at
+        size = min(size, self._length - self._at)
+        if size <= 0:
+            return b""
+        data = self._spool_file.read(self._at, size)
+        self._at += len(data)
+        return data
 
 
 def _read_range(file: _SpoolFile | None, begin: int, end: int, offset: int, size: int) -> bytes:
@@ -253,6 +414,7 @@ class Spool:
         # Pending content is summed on a copy of the committed state, so a rollback is free.
         self._pending_sha: _Hash | None = None
         self._first_append_time: datetime | None = None
+        self._compression: _Compression | None = None
         # What readers on other threads see: replaced as one value, never mutated.
         self._view: tuple[_SpoolFile | None, int, int] = (self._file, offset, offset)
 
@@ -386,7 +548,7 @@ class Spool:
         if self._pending_sha is not None:
             digest = self._pending_sha.digest()
             if self._is_fragment(proposal, self._end + self._delta, digest):
-                self._commit(digest, registers)
+                self._commit(digest, registers, primary)
                 return pb.ReplicateResponse()
         return self._mismatch()
 
@@ -402,7 +564,7 @@ class Spool:
             and not proposal.path_postfix
         )
 
-    def _commit(self, digest: bytes, registers: pb.LabelSet) -> None:
+    def _commit(self, digest: bytes, registers: pb.LabelSet, primary: bool) -> None:
         assert self._pending_sha is not None
         self._end += self._delta
         self._delta = 0
@@ -412,6 +574,13 @@ class Spool:
         if self._first_append_time is None:
             self._first_append_time = self._clock()
         self._view = (self._file, self._begin, self._end)
+        if primary and self._codec != pb.NONE:
+            # The primary persists the fragment when it completes: compress as we go.
+            if self._compression is None:
+                assert self._file is not None
+                directory = None if self._directory is None else os.fspath(self._directory)
+                self._compression = _Compression(self._codec, self._file, directory)
+            self._compression.schedule(self._end - self._begin)
         self._observer.on_commit(self.fragment)
 
     def _roll(self, proposal: pb.Fragment, registers: pb.LabelSet | None, primary: bool) -> None:
@@ -421,9 +590,14 @@ class Spool:
             # Drop discarded pending bytes, so the file holds exactly the fragment's content.
             self._file.truncate(self._end - self._begin)
             completed = CompletedFragment(
-                self._file, self.fragment, self.registers, self._first_append_time, primary
+                self._file,
+                self.fragment,
+                self.registers,
+                self._first_append_time,
+                primary,
+                self._compression,
             )
-            self._file = None
+            self._file, self._compression = None, None
         # Else any file holds only discarded pending bytes: it is reused.
         if registers is not None:
             self._set_registers(registers)
@@ -447,6 +621,9 @@ class Spool:
     def close(self) -> None:
         """Release the spool's file. Completed fragments are unaffected: their owners close them."""
         self._closed = True
+        if self._compression is not None:
+            self._compression.close()
+            self._compression = None
         if self._file is not None:
             self._file.close()
             self._file = None

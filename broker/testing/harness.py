@@ -24,6 +24,7 @@ class BrokerHarness:
         file_root: str = "",
         drain_timeout: float = 2.0,
         run_allocator: bool = True,
+        persist_interval: float = 60.0,
     ) -> None:
         self.config = BrokerConfig(
             zone=zone,
@@ -37,6 +38,7 @@ class BrokerHarness:
             watch_delay=watch_delay,
             drain_timeout=drain_timeout,
             run_allocator=run_allocator,
+            persist_interval=persist_interval,
         )
         self.broker = Broker(self.config)
 

@@ -1,0 +1,96 @@
+"""Reading a persisted fragment's content: from its store (brokers) or its signed URL (clients),
+decompressed, from any offset, verified against the fragment's SHA-1 whenever the whole fragment
+passes through (a mismatch is an error, never silently wrong bytes)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Generator
+from pathlib import Path
+from typing import BinaryIO
+
+from broker.fragment import codecs
+from broker.fragment.fragments import content_name, content_path, digest_of
+from broker.fragment.stores import FragmentStore
+from broker.fragment.stores.urls import open_url
+from broker.protocol import protocol_pb2 as pb
+
+# Bytes decompressed per step: large enough to amortize per-call costs.
+READ_SIZE = 1 << 20
+
+
+class FragmentCorrupt(ValueError):
+    """A fragment's content does not match its name (its length or SHA-1)."""
+
+
+def fragment_path(fragment: pb.Fragment) -> str:
+    """Where the fragment lives under its store's root."""
+    return content_path(fragment.journal, fragment.path_postfix, content_name(fragment))
+
+
+def describe(fragment: pb.Fragment) -> str:
+    return f"{fragment.backing_store}{fragment_path(fragment)}"
+
+
+def open_in_store(
+    store: FragmentStore, fragment: pb.Fragment, offset: int
+) -> Generator[bytes, None, None]:
+    """Content of a persisted fragment from journal `offset`, read from `store`."""
+    path = fragment_path(fragment)
+    if fragment.compression_codec == pb.NONE and offset > fragment.begin:
+        # Uncompressed: start the read at the offset (the skipped part is not verified).
+        source = store.open(path, offset - fragment.begin)
+        return _read(source, fragment, offset, start=offset)
+    return _read(store.open(path, 0), fragment, offset, start=fragment.begin)
+
+
+def open_signed_url(
+    url: str, fragment: pb.Fragment, offset: int, file_root: Path | None = None
+) -> Generator[bytes, None, None]:
+    """Content of a persisted fragment from journal `offset`, read from a signed URL that a
+    broker returned (what clients do to read history without a broker in the path)."""
+    if fragment.compression_codec == pb.NONE and offset > fragment.begin:
+        source = open_url(url, offset=offset - fragment.begin, file_root=file_root)
+        return _read(source, fragment, offset, start=offset)
+    return _read(open_url(url, file_root=file_root), fragment, offset, start=fragment.begin)
+
+
+def _read(
+    source: BinaryIO, fragment: pb.Fragment, offset: int, start: int
+) -> Generator[bytes, None, None]:
+    """Decompress `source` (content from journal offset `start`) and yield what follows
+    `offset`. Verifies the SHA-1 when `start` is the fragment's begin."""
+    codec = fragment.compression_codec if start == fragment.begin else pb.NONE
+    reader = codecs.decompressor(codec, source)
+    summer = hashlib.sha1() if start == fragment.begin else None
+    at = start
+    try:
+        while at < fragment.end:
+            data = reader.read(min(READ_SIZE, fragment.end - at))
+            if not data:
+                raise FragmentCorrupt(
+                    f"fragment {describe(fragment)} ends at offset {at}, before its end "
+                    f"{fragment.end}: the store holds wrong content for its name"
+                )
+            if summer is not None:
+                summer.update(data)
+            begin, at = at, at + len(data)
+            if at <= offset:
+                continue
+            yield data[offset - begin :] if begin < offset else data
+        if summer is not None:
+            if reader.read(1):
+                raise FragmentCorrupt(
+                    f"fragment {describe(fragment)} holds more content than its name says "
+                    f"({fragment.end - fragment.begin} bytes)"
+                )
+            if summer.digest() != digest_of(fragment.sum):
+                raise FragmentCorrupt(
+                    f"fragment {describe(fragment)} does not match its SHA-1 "
+                    f"({summer.hexdigest()} read): the store holds wrong content for its name"
+                )
+    except codecs.CodecError as exc:
+        raise FragmentCorrupt(f"fragment {describe(fragment)}: {exc}") from None
+    finally:
+        reader.close()
+        source.close()

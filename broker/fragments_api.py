@@ -1,0 +1,157 @@
+"""The ListFragments and FragmentStoreHealth RPCs.
+
+ListFragments pages through a replica's fragment index (local and persisted fragments, in offset
+order) within a modification-time range, optionally with signed GET URLs; a broker that is not a
+replica of the journal proxies to one. FragmentStoreHealth checks a store as the persister uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from broker.fragment.content import describe
+from broker.fragment.stores import StoreError, check_store_url
+from broker.protocol import protocol_pb2 as pb
+from broker.resolver import ResolveError
+
+if TYPE_CHECKING:
+    from broker.service import JournalService
+
+DEFAULT_PAGE_LIMIT = 1000
+MAX_PAGE_LIMIT = 10_000
+HEALTH_CHECK_TIMEOUT = 30.0
+
+
+def _validate(req: pb.FragmentsRequest) -> str | None:
+    from broker.protocol import validate
+
+    try:
+        validate.validate_journal_name(req.journal.split(";")[0], field="journal")
+    except validate.ValidationError as exc:
+        return str(exc)
+    if req.end_mod_time and req.end_mod_time < req.begin_mod_time:
+        return (
+            f"end_mod_time {req.end_mod_time} is before begin_mod_time {req.begin_mod_time}: "
+            "give a range that is not empty"
+        )
+    if req.page_limit < 0 or req.page_limit > MAX_PAGE_LIMIT:
+        return f"page_limit {req.page_limit} is outside of 0 to {MAX_PAGE_LIMIT}"
+    if req.next_page_token < 0:
+        return f"next_page_token {req.next_page_token} is negative"
+    if req.HasField("signatureTTL") and req.signatureTTL.seconds < 0:
+        return "signatureTTL is negative"
+    return None
+
+
+async def serve_list_fragments(
+    svc: JournalService, req: pb.FragmentsRequest, context: Any
+) -> pb.FragmentsResponse:
+    problem = _validate(req)
+    if problem is not None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    try:
+        res = await svc.resolver.resolve(
+            req.journal,
+            may_proxy=not req.do_not_proxy,
+            require_primary=False,
+            proxy_header=req.header if req.HasField("header") else None,
+        )
+    except ResolveError as exc:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        raise AssertionError("unreachable") from None
+    if res.status != pb.OK:
+        return pb.FragmentsResponse(status=res.status, header=res.header)
+    if not res.is_local:
+        return await _proxy(svc, req, res.header)
+
+    assert res.replica is not None
+    index = res.replica.index
+    # As appends, listings wait for the first listing of the stores.
+    await index.first_refresh.wait()
+    fragments = index.fragments()
+    limit = req.page_limit or DEFAULT_PAGE_LIMIT
+    ttl = (
+        timedelta(seconds=req.signatureTTL.seconds, microseconds=req.signatureTTL.nanos // 1000)
+        if req.HasField("signatureTTL")
+        else None
+    )
+    response = pb.FragmentsResponse(status=pb.OK, header=res.header)
+    at = bisect.bisect_left([f.begin for f in fragments], req.next_page_token)
+    taken = 0
+    while at < len(fragments) and taken < limit:
+        entry = fragments[at]
+        at += 1
+        mod_time = entry.mod_time
+        # Local fragments (mod_time 0) are listed only when no end bound is given, as upstream.
+        if (mod_time and mod_time < req.begin_mod_time) or (
+            req.end_mod_time and (not mod_time or mod_time > req.end_mod_time)
+        ):
+            continue
+        out = response.fragments.add()
+        out.spec.CopyFrom(entry.spec)
+        if ttl is not None and entry.spec.backing_store and svc.persister is not None:
+            try:
+                out.signed_url = await asyncio.to_thread(svc.persister.sign, entry.spec, ttl)
+            except (StoreError, OSError, ValueError) as exc:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"signing {describe(entry.spec)}: {exc}"
+                )
+        taken += 1
+    if at < len(fragments):
+        response.next_page_token = fragments[at].begin
+    return response
+
+
+async def _proxy(
+    svc: JournalService, req: pb.FragmentsRequest, header: pb.Header
+) -> pb.FragmentsResponse:
+    route = header.route
+    index = list(route.members).index(header.process_id)
+    endpoint = route.endpoints[index] if index < len(route.endpoints) else ""
+    if not endpoint:
+        return pb.FragmentsResponse(status=pb.NOT_JOURNAL_BROKER, header=header)
+    out = pb.FragmentsRequest()
+    out.CopyFrom(req)
+    out.header.CopyFrom(header)
+    response: pb.FragmentsResponse = await svc.dialer.journal_stub(endpoint).ListFragments(out)
+    return response
+
+
+async def serve_store_health(
+    svc: JournalService, req: pb.FragmentStoreHealthRequest, context: Any
+) -> pb.FragmentStoreHealthResponse:
+    try:
+        check_store_url(req.fragment_store)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    prefix = req.check_delete_prefix if req.check_delete else None
+    if prefix and not prefix.endswith("/"):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"check_delete_prefix {prefix!r} must end in '/' (or be empty for the store's root)",
+        )
+    response = pb.FragmentStoreHealthResponse(status=pb.OK, header=svc.unrouted_header())
+    if svc.persister is None:
+        response.status = pb.FRAGMENT_STORE_UNHEALTHY
+        response.store_health_error = "this broker does not persist fragments"
+        return response
+    try:
+        async with asyncio.timeout(HEALTH_CHECK_TIMEOUT):
+            await asyncio.to_thread(_check, svc, req.fragment_store, prefix)
+    except TimeoutError:
+        response.status = pb.FRAGMENT_STORE_UNHEALTHY
+        response.store_health_error = f"no answer within {HEALTH_CHECK_TIMEOUT:.0f}s"
+    except (StoreError, OSError, ValueError) as exc:
+        response.status = pb.FRAGMENT_STORE_UNHEALTHY
+        response.store_health_error = str(exc)
+    return response
+
+
+def _check(svc: JournalService, url: str, prefix: str | None) -> None:
+    assert svc.persister is not None
+    svc.persister.store(url).health_check(prefix)
