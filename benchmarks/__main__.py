@@ -17,6 +17,9 @@ BENCHMARKS: dict[str, str] = {
     "append_throughput": "benchmarks.append_throughput",
     "append_small": "benchmarks.append_small",
     "append_service": "benchmarks.append_service",
+    "read_broker": "benchmarks.read_broker",
+    "read_direct": "benchmarks.read_direct",
+    "persist": "benchmarks.persist",
 }
 
 if __name__ == "__main__":

@@ -30,8 +30,19 @@ def _journal(name: str) -> pb.JournalSpec:
 
 
 @contextlib.asynccontextmanager
-async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[str], Dialer]]:
-    """Yields the brokers' addresses (primary of `journal` first) and a dialer."""
+async def cluster(
+    journal: str,
+    brokers: int = 3,
+    *,
+    spec: pb.JournalSpec | None = None,
+    file_root: Path | None = None,
+    writable: bool = True,
+) -> AsyncIterator[tuple[list[str], Dialer]]:
+    """Yields the brokers' addresses (primary of `journal` first) and a dialer. `spec` replaces
+    the default spec of `journal`; `file_root` roots the brokers' file:// stores. Unless
+    `writable` is false (a journal of existing fragments, to be read), it waits until an
+    append succeeds."""
+    spec = spec if spec is not None else _journal(journal)
     procs: list[subprocess.Popen[bytes]] = []
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
         addresses = []
@@ -45,6 +56,8 @@ async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[st
                     "--etcd.prefix", PREFIX, "--log.level", "warn",
                     "--broker.drain-timeout", "1s",
                 ]  # fmt: skip
+                if file_root is not None:
+                    command += ["--broker.file-root", str(file_root)]
                 with open(Path(tmp) / f"broker-{i}.log", "wb") as log:
                     procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
                 addresses.append(f"http://127.0.0.1:{port}")
@@ -60,7 +73,7 @@ async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[st
                                 raise
                             await asyncio.sleep(0.1)
             async with JournalsClient(addresses[0]) as client:
-                await client.apply([pb.ApplyRequest.Change(upsert=_journal(journal))])
+                await client.apply([pb.ApplyRequest.Change(upsert=spec)])
                 while True:
                     snapshot = await client.list(
                         pb.LabelSelector(
@@ -68,7 +81,7 @@ async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[st
                         )
                     )
                     route = snapshot.journals[0].route
-                    if len(route.members) == 3 and route.primary != -1:
+                    if len(route.members) == spec.replication and route.primary != -1:
                         break
                     await asyncio.sleep(0.05)
             primary = route.endpoints[route.primary]
@@ -76,7 +89,7 @@ async def cluster(journal: str, brokers: int = 3) -> AsyncIterator[tuple[list[st
             dialer = Dialer()
             try:
                 # Until the first append succeeds, the pipeline is still synchronizing.
-                while True:
+                while writable:
                     try:
                         await append(dialer.journal_stub(primary), journal, b"")
                         break

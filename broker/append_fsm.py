@@ -11,6 +11,7 @@ import asyncio
 import enum
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,6 +29,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.resolver import Resolution, desired_replication
 
 if TYPE_CHECKING:
+    from broker.fragment.index import Index
     from broker.fragment.spool import Spool
     from broker.service import JournalService
 
@@ -369,7 +371,51 @@ class AppendFSM:
         ):
             self._fail(pb.SUSPENDED)
             return
+        if self.req.suspend in (pb.AppendRequest.SUSPEND_IF_FLUSHED, pb.AppendRequest.SUSPEND_NOW):
+            if self._validate_suspension(index):
+                return
+        index_min = index.begin_offset()
+        if len(index.fragments()) and spool.fragment.begin == index_min and spool.delta == 0:
+            # The spool holds the journal's first write: roll it, so that it is persisted soon
+            # and a recovering cluster sees the journal was written (not a new, empty one).
+            if spool.fragment.end > spool.fragment.begin:
+                self.roll_to_offset = spool.fragment.end
         self.state = State.STREAM_CONTENT
+
+    def _validate_suspension(self, index: Index) -> bool:
+        """SUSPEND_IF_FLUSHED and SUSPEND_NOW, as upstream: a journal whose index is empty is
+        suspended FULL (no replicas); one whose fragments are all persisted and older than its
+        flush interval (24h if unset) -- or any, with NOW -- is suspended PARTIAL (one replica,
+        which keeps serving reads) after its spool is rolled, so what it holds gets persisted.
+        Returns whether the state was set here."""
+        spec, spool = self._spec, self._pln.spool
+        level = spec.suspend.level
+        begin, end, mod_time = index.summary()
+        flush = spec.fragment.flush_interval.seconds or 24 * 3600
+        dirty = mod_time == 0 or mod_time > time.time() - flush
+        if level != pb.JournalSpec.Suspend.FULL and begin == end:
+            self.next_suspend = pb.JournalSpec.Suspend(
+                level=pb.JournalSpec.Suspend.FULL, offset=spool.fragment.end
+            )
+            self.state = State.UPDATE_SUSPEND
+            return True
+        if level == pb.JournalSpec.Suspend.NONE and (
+            not dirty or self.req.suspend == pb.AppendRequest.SUSPEND_NOW
+        ):
+            self.next_suspend = pb.JournalSpec.Suspend(
+                level=pb.JournalSpec.Suspend.PARTIAL, offset=spool.fragment.end
+            )
+            self.state = State.UPDATE_SUSPEND
+            return True
+        if level == pb.JournalSpec.Suspend.PARTIAL:
+            if spool.fragment.end > spool.fragment.begin:
+                # Roll what the remaining replica holds, so the persister takes it now.
+                self.roll_to_offset = spool.fragment.end
+                self.state = State.SEND_PIPELINE_SYNC
+                return True
+            self._fail(pb.SUSPENDED)
+            return True
+        return False
 
     async def state_update_suspend(self) -> None:
         """Write the journal's new suspension into its spec, then resolve again."""

@@ -343,3 +343,61 @@ async def test_persisting_retries_through_a_store_outage(
             assert read_from_store("file:///fragments/", root) == b"".join(first + second)
         finally:
             await channel.close(None)
+
+
+async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies(
+    etcd_server: EtcdServer, cluster_dir: Path
+) -> None:
+    # Suspending flushes the journal (its spool is rolled and persisted) and records its
+    # offset in etcd: brokers that start afresh resume there, with no operator action.
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    first = start_brokers(etcd_server, prefix, cluster_dir, ["gamma-0", "gamma-1", "gamma-2"])
+    second: list[BrokerProcess] = []
+    try:
+        async with JournalsClient(first[0].address) as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec("file:///fragments/"))])
+            await routed(client, JOURNAL, 3)
+        channel = dial(first[0].address)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        written = [b"one\n" * 50, b"two\n" * 50, b"three\n" * 20]  # Well under a fragment.
+        for content in written:
+            await append_retrying(stub, content)
+        end = sum(len(c) for c in written)
+
+        deadline = time.monotonic() + 30
+        while True:
+            response = await append(
+                stub, JOURNAL, b"", suspend=pb.AppendRequest.SUSPEND_NOW, check=False
+            )
+            if response.status == pb.SUSPENDED:
+                break
+            assert time.monotonic() < deadline, pb.Status.Name(response.status)
+            await asyncio.sleep(0.1)
+        async with JournalsClient(first[0].address) as client:
+            listing = await client.list(pb.LabelSelector())
+            suspend = listing.journals[0].spec.suspend
+            assert (suspend.level, suspend.offset) == (pb.JournalSpec.Suspend.PARTIAL, end)
+            await routed(client, JOURNAL, 1)  # A partially suspended journal keeps one replica.
+        await persisted_through(stub, end)
+        await channel.close(None)
+        for broker in first:
+            os.kill(broker.proc.pid, signal.SIGKILL)
+            broker.proc.wait()
+
+        second = start_brokers(etcd_server, prefix, cluster_dir, ["delta-0", "delta-1", "delta-2"])
+        async with JournalsClient(second[0].address) as client:
+            await routed(client, JOURNAL, 1, members="delta-")
+        channel = dial(second[0].address)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            response = await append_retrying(stub, b"resumed\n")
+            assert (response.commit.begin, response.commit.end) == (end, end + 8)
+            async with JournalsClient(second[0].address) as client:
+                listing = await client.list(pb.LabelSelector())
+                assert listing.journals[0].spec.suspend.level == pb.JournalSpec.Suspend.NONE
+            assert await read_all(stub) == b"".join(written) + b"resumed\n"
+        finally:
+            await channel.close(None)
+    finally:
+        for broker in first + second:
+            stop_process(broker.proc)

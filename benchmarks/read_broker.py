@@ -1,0 +1,65 @@
+"""read_broker: a journal of persisted fragments (1 GiB in 64 MiB NONE fragments, in a file://
+store) read through a broker, MB/s; baseline: a bare grpc.aio server process reading the same
+fragment files and streaming them to this process in messages of the broker's read chunk size."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._cluster import cluster
+from benchmarks._fragments import read_spec, write_fragments
+from benchmarks.baselines.file_stream import stream_files
+from broker.client.reader import read
+from broker.read_api import CHUNK
+
+JOURNAL = "bench/read"
+
+
+async def measure(root: Path, total: int, direct: bool) -> dict[str, Any]:
+    async with cluster(
+        JOURNAL, brokers=1, spec=read_spec(JOURNAL), file_root=root, writable=False
+    ) as (addresses, dialer):
+        stub = dialer.journal_stub(addresses[0])
+        # Wait for the broker's first listing of the store.
+        deadline = time.monotonic() + 30
+        while True:
+            got = 0
+            async for chunk in read(stub, JOURNAL, total - 1, direct=direct, file_root=root):
+                got += len(chunk.content)
+            if got == 1:
+                break
+            assert time.monotonic() < deadline, "the broker never listed the fragments"
+            await asyncio.sleep(0.1)
+        read_bytes = 0
+        start = time.perf_counter()
+        async for chunk in read(stub, JOURNAL, 0, direct=direct, file_root=root):
+            read_bytes += len(chunk.content)
+        elapsed = time.perf_counter() - start
+    assert read_bytes == total, f"read {read_bytes} of {total} bytes"
+    return {"value": total / elapsed / 1e6, "seconds": elapsed}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    total = (64 if quick else 1024) << 20
+    with tempfile.TemporaryDirectory(prefix="gazette-bench-read-") as tmp:
+        root = Path(tmp)
+        directory = write_fragments(root, JOURNAL, total, 64 << 20)
+        ours = asyncio.run(measure(root, total, direct=False))
+        base = asyncio.run(stream_files(directory, CHUNK))
+    return {
+        "value": round(ours["value"], 1),
+        "unit": "MB/s",
+        "baseline": round(base["value"], 1),
+        "ratio": round(ours["value"] / base["value"], 2),
+        "target": 0.7,
+        "bytes": total,
+        "chunk_size": CHUNK,
+    }
+
+
+if __name__ == "__main__":
+    print(run())
