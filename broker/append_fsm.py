@@ -371,15 +371,14 @@ class AppendFSM:
         ):
             self._fail(pb.SUSPENDED)
             return
-        if self.req.suspend in (pb.AppendRequest.SUSPEND_IF_FLUSHED, pb.AppendRequest.SUSPEND_NOW):
-            if self._validate_suspension(index):
-                return
-        index_min = index.begin_offset()
-        if len(index.fragments()) and spool.fragment.begin == index_min and spool.delta == 0:
-            # The spool holds the journal's first write: roll it, so that it is persisted soon
-            # and a recovering cluster sees the journal was written (not a new, empty one).
-            if spool.fragment.end > spool.fragment.begin:
-                self.roll_to_offset = spool.fragment.end
+        suspending = (pb.AppendRequest.SUSPEND_IF_FLUSHED, pb.AppendRequest.SUSPEND_NOW)
+        if self.req.suspend in suspending and self._validate_suspension(index):
+            return
+        # The spool holding the journal's first write is rolled, so that it is persisted soon
+        # and a recovering cluster sees the journal was written (not a new, empty one).
+        first = spool.fragment
+        if len(index.fragments()) and first.begin == index.begin_offset() < first.end:
+            self.roll_to_offset = first.end
         self.state = State.STREAM_CONTENT
 
     def _validate_suspension(self, index: Index) -> bool:

@@ -66,6 +66,8 @@ def print_config(ctx: click.Context) -> None:
 
 
 def _register() -> None:
+    # Registers journals fragments|prune|store-health|suspend.
+    import gazctl.fragments
     import gazctl.journals_io  # noqa: F401  (registers journals append|read|reset-head)
     from gazctl.dev import dev
     from gazctl.journals import journals

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import click
 
 from broker.client.appender import AppendError, append, reset_head
-from broker.client.reader import ReadError, read
+from broker.client.reader import ReadError, read, write_head
 from broker.dialer import Dialer
+from broker.fragment.content import FragmentCorrupt
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.journals import broker_options, client_of, journals
@@ -20,6 +25,7 @@ from gazctl.render import err_console
 # An append of stdin is cut at this many bytes (at a line end with --framing lines), so an
 # endless input streams as a sequence of bounded transactions.
 APPEND_BATCH = 4 << 20
+FULLY_SUSPENDED = pb.JournalSpec.Suspend.FULL
 
 
 async def matching(opts: dict[str, Any], selector: str) -> list[pb.ListResponse.Journal]:
@@ -108,23 +114,89 @@ def append_cmd(selector: str, input_path: str, framing: str, **opts: Any) -> Non
         err_console.print(f"nothing to append to {name}: the input was empty")
 
 
+def load_offsets(path: str) -> dict[str, int]:
+    """The --offsets file: a JSON object of journal name to the offset to read from."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise click.ClickException(f"--offsets {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise click.ClickException(f"--offsets {path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise click.ClickException(
+            f"--offsets {path}: expected a JSON object of journal name to offset"
+        )
+    for name, offset in doc.items():
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise click.ClickException(
+                f"--offsets {path}: the offset of {name} is {json.dumps(offset)}: "
+                "expected an integer >= 0"
+            )
+    return doc
+
+
+def save_offsets(path: str, offsets: dict[str, int]) -> None:
+    """Write --offsets-out atomically (a temporary file renamed into place)."""
+    temp = f"{path}.temp"
+    try:
+        with open(temp, "w") as out:
+            out.write(json.dumps(offsets, sort_keys=True) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except OSError as exc:
+        raise click.ClickException(f"--offsets-out {path}: {exc.strerror or exc}") from None
+
+
+@dataclass
+class ReadOptions:
+    block: bool = False
+    tail: bool = False
+    start: dict[str, int] = field(default_factory=dict)  # From --offsets.
+    begin_mod_time: int = 0
+    file_root: Path | None = None
+
+
 async def _read(
-    opts: dict[str, Any], selector: str, block: bool, tail: bool, out: BinaryIO
-) -> None:
+    opts: dict[str, Any], selector: str, options: ReadOptions, out: BinaryIO,
+    next_offsets: dict[str, int],
+) -> None:  # fmt: skip
+    """Read the selected journals to `out`, keeping `next_offsets` (journal -> the offset
+    after the content written out) current as chunks are written."""
     journals_ = await matching(opts, selector)
     dialer = Dialer()
     stub = dialer.journal_stub(opts["broker_address"])
     lock = asyncio.Lock()
 
-    async def one(name: str) -> None:
-        async for chunk in read(stub, name, -1 if tail else 0, block=block):
+    async def one(spec: pb.JournalSpec) -> None:
+        name = spec.name
+        if name in options.start:
+            offset = options.start[name]
+        elif options.tail:
+            offset = await write_head(stub, name)
+        else:
+            offset = 0
+        next_offsets[name] = offset
+        # Persisted fragments are read from their stores through signed URLs. file:// URLs
+        # need the file root: without it, journals on file stores are read through brokers.
+        direct = options.file_root is not None or not any(
+            store.startswith("file:") for store in spec.fragment.stores
+        )
+        chunks = read(
+            stub, name, offset, block=options.block, direct=direct,
+            file_root=options.file_root, begin_mod_time=options.begin_mod_time,
+        )  # fmt: skip
+        async for chunk in chunks:
             async with lock:  # Whole chunks from one journal at a time.
                 out.write(chunk.content)
                 out.flush()
+                next_offsets[name] = chunk.offset + len(chunk.content)
 
     try:
-        await asyncio.gather(*(one(j.spec.name) for j in journals_))
-    except ReadError as exc:
+        await asyncio.gather(
+            *(one(j.spec) for j in journals_ if j.spec.suspend.level != FULLY_SUSPENDED)
+        )
+    except (ReadError, FragmentCorrupt) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         await dialer.close()
@@ -136,22 +208,61 @@ async def _read(
 @click.option("-b", "--block", is_flag=True, help="Keep reading as new content commits")
 @click.option("--tail", is_flag=True, help="Start at the write head instead of the beginning")
 @click.option("-o", "--output", default="-", show_default=True, help="Output file (- for stdout)")
-def read_cmd(selector: str, block: bool, tail: bool, output: str, **opts: Any) -> None:
+@click.option(
+    "--offsets",
+    "offsets_path",
+    default=None,
+    help="JSON file of journal name to the offset to start reading it from",
+)
+@click.option(
+    "--offsets-out",
+    "offsets_out",
+    default=None,
+    help="JSON file to write each journal's next offset to when the read ends",
+)
+@click.option(
+    "--from",
+    "from_unix",
+    type=int,
+    default=None,
+    help="Skip fragments persisted before this time (unix seconds)",
+)
+@click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory that roots file:// fragment stores, to read them directly")  # fmt: skip
+def read_cmd(
+    selector: str, block: bool, tail: bool, output: str, offsets_path: str | None,
+    offsets_out: str | None, from_unix: int | None, file_root: Path | None, **opts: Any,
+) -> None:  # fmt: skip
     """Read the selected journals' content to the output (several journals: interleaved by
-    chunk). Without --block, stops at each journal's current write head."""
+    chunk). Without --block, stops at each journal's current write head.
+
+    Reads start at offset 0, or at the write head with --tail, or where --offsets says
+    (journals it does not name start as without it). --offsets-out records where each
+    journal's read ended, also on Ctrl-C: pass it back as --offsets (the same file may be
+    both) to continue with new content only. Persisted fragments are read directly from
+    their stores through signed URLs; for file:// stores give --file-root.
+    """
     from gazctl.cli import run
 
+    if from_unix is not None and from_unix < 0:
+        raise click.ClickException(f"--from {from_unix}: give unix seconds since the epoch")
+    start = load_offsets(offsets_path) if offsets_path else {}
+    options = ReadOptions(block, tail, start, from_unix or 0, file_root)
     try:
         out: BinaryIO = sys.stdout.buffer if output == "-" else open(output, "wb")  # noqa: SIM115
     except OSError as exc:
         raise click.ClickException(f"--output {output}: {exc.strerror or exc}") from None
+    # Journals read here are updated as their content is written; the others keep theirs.
+    next_offsets = dict(start)
     try:
-        run(_read(opts, selector, block, tail, out))
+        run(_read(opts, selector, options, out, next_offsets))
     except KeyboardInterrupt:
         pass
     finally:
         if out is not sys.stdout.buffer:
             out.close()
+        if offsets_out:
+            save_offsets(offsets_out, next_offsets)
 
 
 async def _reset_head(opts: dict[str, Any], selector: str) -> list[tuple[str, int]]:
