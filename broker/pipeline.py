@@ -20,6 +20,7 @@ from broker.allocator.keyspace import route_equivalent
 from broker.dialer import Dialer
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import wire
 
 log = logging.getLogger(__name__)
 
@@ -31,32 +32,6 @@ SHUTDOWN_TIMEOUT = 10.0
 
 class PipelineError(RuntimeError):
     pass
-
-
-# Wire tags of ReplicateRequest.content (field 4, length-delimited) and content_delta (field 5,
-# varint).
-_CONTENT_TAG = b"\x22"
-_DELTA_TAG = b"\x28"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_content(content: bytes, content_delta: int) -> bytes:
-    """The wire bytes of ReplicateRequest(content=content, content_delta=content_delta), as
-    protobuf serializes them (fields in number order, a zero delta omitted)."""
-    if content_delta < 0:
-        raise ValueError(f"negative content_delta {content_delta}")
-    parts = [_CONTENT_TAG, _varint(len(content)), content] if content else []
-    if content_delta:
-        parts += [_DELTA_TAG, _varint(content_delta)]
-    return b"".join(parts)
 
 
 class Pipeline:
@@ -118,7 +93,7 @@ class Pipeline:
     async def scatter_content(self, content: bytes, content_delta: int) -> None:
         """`scatter` of a content chunk, encoded once for every peer without building a
         message (the chunk is the bulk of what a pipeline carries)."""
-        encoded = encode_content(content, content_delta)
+        encoded = wire.replicate_content(content, content_delta)
         await self._scatter(
             lambda _: encoded, lambda: self.spool.apply_content(content, content_delta)
         )

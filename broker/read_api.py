@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker.fragment.content import FragmentCorrupt, describe, open_in_store
+from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
-from broker.protocol import validate
+from broker.protocol import validate, wire
 from broker.resolver import ResolveError
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ async def serve_read(
                     break  # The spool rolled, or the fragment was dropped: query again.
                 if not content:
                     break
-                yield pb.ReadResponse(offset=offset, content=content)
+                yield wire.read_content(offset, content)  # type: ignore[misc]
                 offset += len(content)
             continue
         assert svc.persister is not None
@@ -122,12 +122,12 @@ async def serve_read(
             async for content in read_persisted(svc.persister, fragment, offset, end):
                 for at in range(0, len(content), CHUNK):
                     piece = content[at : at + CHUNK]
-                    yield pb.ReadResponse(offset=offset, content=piece)
+                    yield wire.read_content(offset, piece)  # type: ignore[misc]
                     offset += len(piece)
         except FragmentCorrupt as exc:
             log.error("%s", exc)
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        except StoreError as exc:
+        except (StoreError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading {describe(fragment)}: {exc}")
 
 
@@ -137,17 +137,16 @@ async def read_persisted(
     """Content of a persisted fragment from `offset` to `end`, read from its store on a worker
     thread a block at a time."""
     store = persister.store(fragment.backing_store)
-    blocks = await asyncio.to_thread(open_in_store, store, fragment, offset)
+    blocks = stream_blocks(lambda: open_in_store(store, fragment, offset))
     try:
-        while offset < end:
-            block = await asyncio.to_thread(next, blocks, None)
-            if block is None:
-                return
+        async for block in blocks:
             block = block[: end - offset]
             offset += len(block)
             yield block
+            if offset >= end:
+                return
     finally:
-        await asyncio.to_thread(blocks.close)
+        await blocks.aclose()
 
 
 async def proxy_read(

@@ -27,8 +27,7 @@ from broker.allocator import keyspace as aks
 from broker.fragment.persister import Persister
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
-from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.service import JournalService
+from broker.service import JournalService, add_journal_service
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class Broker:
                 persist_interval=self.config.persist_interval,
             ),
         )
-        pb_grpc.add_JournalServicer_to_server(self.service, self.server)  # type: ignore[no-untyped-call]
+        add_journal_service(self.service, self.server)
         bind = f"{self.config.bind_host()}:{self.config.port}"
         self.port = self.server.add_insecure_port(bind)
         if self.port == 0:

@@ -25,7 +25,7 @@ from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister, check_spec_supported
 from broker.fragments_api import serve_list_fragments, serve_store_health
 from broker.keyspace import KeySpace, KeyValue
-from broker.protocol import labels, validate
+from broker.protocol import labels, validate, wire
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.read_api import serve_read
@@ -254,3 +254,43 @@ class JournalService(pb_grpc.JournalServicer):
         self, request: pb.FragmentStoreHealthRequest, context: Context
     ) -> pb.FragmentStoreHealthResponse:
         return await serve_store_health(self, request, context)
+
+
+def add_journal_service(service: JournalService, server: grpc.aio.Server) -> None:
+    """Register the Journal service as the generated code does, except that Read's content
+    responses may be yielded already encoded (see `broker.protocol.wire`)."""
+    rpc = grpc
+    handlers = {
+        "List": rpc.unary_stream_rpc_method_handler(
+            service.List, pb.ListRequest.FromString, pb.ListResponse.SerializeToString
+        ),
+        "Apply": rpc.unary_unary_rpc_method_handler(
+            service.Apply, pb.ApplyRequest.FromString, pb.ApplyResponse.SerializeToString
+        ),
+        "Read": rpc.unary_stream_rpc_method_handler(
+            service.Read,
+            pb.ReadRequest.FromString,
+            wire.passing_bytes(pb.ReadResponse.SerializeToString),
+        ),
+        "Append": rpc.stream_unary_rpc_method_handler(
+            service.Append, pb.AppendRequest.FromString, pb.AppendResponse.SerializeToString
+        ),
+        "Replicate": rpc.stream_stream_rpc_method_handler(
+            service.Replicate,
+            pb.ReplicateRequest.FromString,
+            pb.ReplicateResponse.SerializeToString,
+        ),
+        "ListFragments": rpc.unary_unary_rpc_method_handler(
+            service.ListFragments,
+            pb.FragmentsRequest.FromString,
+            pb.FragmentsResponse.SerializeToString,
+        ),
+        "FragmentStoreHealth": rpc.unary_unary_rpc_method_handler(
+            service.FragmentStoreHealth,
+            pb.FragmentStoreHealthRequest.FromString,
+            pb.FragmentStoreHealthResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("protocol.Journal", handlers),)
+    )

@@ -41,8 +41,8 @@ from broker.fragment import (
     sum_of,
     zero_sum,
 )
-from broker.pipeline import encode_content
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import wire
 from broker.protocol.labels import label_set, parse_selector
 from broker.protocol.validate import ValidationError
 
@@ -908,14 +908,22 @@ def test_apply_register_updates() -> None:
 def test_encoded_content_is_what_protobuf_serializes(content: bytes, delta: int) -> None:
     # The pipeline writes content chunks pre-encoded; peers parse them as ReplicateRequests.
     expected = pb.ReplicateRequest(content=content, content_delta=delta).SerializeToString()
-    assert encode_content(content, delta) == expected
-    parsed = pb.ReplicateRequest.FromString(encode_content(content, delta))
+    assert wire.replicate_content(content, delta) == expected
+    parsed = pb.ReplicateRequest.FromString(wire.replicate_content(content, delta))
     assert (parsed.content, parsed.content_delta) == (content, delta)
+
+
+@given(offset=st.integers(min_value=0, max_value=2**62), content=st.binary(max_size=300))
+def test_encoded_read_content_is_what_protobuf_serializes(offset: int, content: bytes) -> None:
+    expected = pb.ReadResponse(offset=offset, content=content).SerializeToString()
+    assert wire.read_content(offset, content) == expected
+    with pytest.raises(ValueError, match="negative"):
+        wire.read_content(-1, b"x")
 
 
 def test_encoded_content_of_a_large_chunk() -> None:
     content = bytes(range(256)) * 512  # 128 KiB: a three-byte length varint.
     expected = pb.ReplicateRequest(content=content, content_delta=1 << 40).SerializeToString()
-    assert encode_content(content, 1 << 40) == expected
+    assert wire.replicate_content(content, 1 << 40) == expected
     with pytest.raises(ValueError, match="negative"):
-        encode_content(b"x", -1)
+        wire.replicate_content(b"x", -1)

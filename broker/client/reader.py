@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from broker.fragment.content import open_signed_url
+from broker.fragment.content import open_signed_url, stream_blocks
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -110,18 +110,17 @@ async def _read_url(
     file_root: Path | None,
     head: int,
 ) -> AsyncIterator[Chunk]:
-    blocks = await asyncio.to_thread(open_signed_url, url, fragment, offset, file_root)
     end = min(fragment.end, end_offset) if end_offset else fragment.end
+    blocks = stream_blocks(lambda: open_signed_url(url, fragment, offset, file_root))
     try:
-        while offset < end:
-            block = await asyncio.to_thread(next, blocks, None)
-            if block is None:
-                return
+        async for block in blocks:
             block = block[: end - offset]
             yield Chunk(offset, block, fragment, head)
             offset += len(block)
+            if offset >= end:
+                return
     finally:
-        await asyncio.to_thread(blocks.close)
+        await blocks.aclose()
 
 
 async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:

@@ -4,8 +4,10 @@ passes through (a mismatch is an error, never silently wrong bytes)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Generator
+import threading
+from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -15,8 +17,9 @@ from broker.fragment.stores import FragmentStore
 from broker.fragment.stores.urls import open_url
 from broker.protocol import protocol_pb2 as pb
 
-# Bytes decompressed per step: large enough to amortize per-call costs.
-READ_SIZE = 1 << 20
+# Bytes read (and decompressed, and hashed) per step: large enough to amortize handing each
+# block from the worker thread to the event loop.
+READ_SIZE = 4 << 20
 
 
 class FragmentCorrupt(ValueError):
@@ -61,7 +64,8 @@ def _read(
     """Decompress `source` (content from journal offset `start`) and yield what follows
     `offset`. Verifies the SHA-1 when `start` is the fragment's begin."""
     codec = fragment.compression_codec if start == fragment.begin else pb.NONE
-    reader = codecs.decompressor(codec, source)
+    # Uncompressed content is read as it is: the source already reads whole blocks.
+    reader = source if codec == pb.NONE else codecs.decompressor(codec, source)
     summer = hashlib.sha1() if start == fragment.begin else None
     at = start
     try:
@@ -92,5 +96,57 @@ def _read(
     except codecs.CodecError as exc:
         raise FragmentCorrupt(f"fragment {describe(fragment)}: {exc}") from None
     finally:
-        reader.close()
+        if reader is not source:
+            reader.close()
         source.close()
+
+
+_END = object()
+
+
+async def stream_blocks(
+    open_blocks: Callable[[], Generator[bytes, None, None]], depth: int = 4
+) -> AsyncGenerator[bytes, None]:
+    """The blocks of a blocking generator, produced on a worker thread up to `depth` blocks
+    ahead of the consumer (reading, decompressing and hashing overlap with sending), without
+    blocking the event loop. Leaving early stops the worker and closes the generator."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[object] = asyncio.Queue(depth)
+    stop = threading.Event()
+
+    def put(item: object) -> None:
+        asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
+
+    def produce() -> None:
+        item: object = _END
+        try:
+            blocks = open_blocks()
+            try:
+                for block in blocks:
+                    if stop.is_set():
+                        return
+                    put(block)
+            finally:
+                blocks.close()
+        except BaseException as exc:  # Handed to the consumer, raised there.
+            item = exc
+        if not stop.is_set():
+            put(item)
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            item = await queue.get()
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, bytes)
+            yield item
+    finally:
+        stop.set()
+        while not worker.done():
+            while not queue.empty():
+                queue.get_nowait()  # Unblock a worker waiting to put.
+            await asyncio.wait({worker}, timeout=0.01)
+        await worker

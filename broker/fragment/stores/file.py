@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 from urllib.parse import quote
 
 from broker.fragment.stores.base import (
@@ -25,7 +25,6 @@ from broker.fragment.stores.base import (
     StoreURL,
     os_error_summary,
     resolve_under,
-    stream,
 )
 
 __all__ = ["FileStore"]
@@ -107,13 +106,15 @@ class FileStore(FragmentStore):
         return self._path(key).is_file()
 
     def _open(self, key: str, offset: int) -> BinaryIO:
-        f = self._path(key).open("rb")
+        # The file itself, unbuffered: each read is one copy, straight into the caller's buffer
+        # (reads of whole fragments are large). A failing read raises OSError.
+        f = self._path(key).open("rb", buffering=0)
         try:
             f.seek(offset)
         except BaseException:
             f.close()
             raise
-        return stream(f.read, f.close, self._reader_errors("read", key))
+        return cast(BinaryIO, f)
 
     def _get(self, key: str, offset: int, length: int | None) -> bytes:
         with self._path(key).open("rb") as f:

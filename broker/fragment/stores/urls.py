@@ -211,7 +211,7 @@ def _open_file(url: str, offset: int, length: int | None, file_root: Path | None
         )
     path = resolve_under(file_root, unquote(parts.path), what=f"fragment URL {shown}")
     try:
-        f = path.open("rb")
+        f = path.open("rb", buffering=0)
     except FileNotFoundError:
         raise ObjectNotFoundError(f"read {shown}: no such file {path}") from None
     except OSError as exc:
@@ -219,6 +219,9 @@ def _open_file(url: str, offset: int, length: int | None, file_root: Path | None
             f"read {shown}: {os_error_summary(exc)}", is_auth_error=isinstance(exc, PermissionError)
         ) from None
     f.seek(offset)
+    if length is None:
+        # The file itself: one copy per read, straight into the caller's buffer.
+        return URLStream(f)
     body = _Body(
         f.read,
         f.close,
