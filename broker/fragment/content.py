@@ -62,12 +62,16 @@ def _read(
     source: BinaryIO, fragment: pb.Fragment, offset: int, start: int
 ) -> Generator[bytes, None, None]:
     """Decompress `source` (content from journal offset `start`) and yield what follows
-    `offset`. Verifies the SHA-1 when `start` is the fragment's begin."""
+    `offset`. Verifies the SHA-1 when `start` is the fragment's begin, and then holds each
+    block back until the next one is read, so the last block comes only once the whole
+    fragment checked out: a fragment smaller than a block is never handed out unverified, and
+    a larger one fails before its end."""
     codec = fragment.compression_codec if start == fragment.begin else pb.NONE
     # Uncompressed content is read as it is: the source already reads whole blocks.
     reader = source if codec == pb.NONE else codecs.decompressor(codec, source)
     summer = hashlib.sha1() if start == fragment.begin else None
     at = start
+    held: bytes | None = None
     try:
         while at < fragment.end:
             data = reader.read(min(READ_SIZE, fragment.end - at))
@@ -81,7 +85,12 @@ def _read(
             begin, at = at, at + len(data)
             if at <= offset:
                 continue
-            yield data[offset - begin :] if begin < offset else data
+            if held is not None:
+                yield held
+            held = data[offset - begin :] if begin < offset else data
+            if summer is None:
+                yield held
+                held = None
         if summer is not None:
             if reader.read(1):
                 raise FragmentCorrupt(
@@ -93,6 +102,8 @@ def _read(
                     f"fragment {describe(fragment)} does not match its SHA-1 "
                     f"({summer.hexdigest()} read): the store holds wrong content for its name"
                 )
+        if held is not None:
+            yield held
     except codecs.CodecError as exc:
         raise FragmentCorrupt(f"fragment {describe(fragment)}: {exc}") from None
     finally:

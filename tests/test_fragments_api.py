@@ -1,0 +1,171 @@
+"""ListFragments paging and time bounds, FragmentStoreHealth, specs with stores or templates the
+broker cannot persist to (refused when applied), and corrupt fragments in a store (reported,
+never served as content)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from broker.client import JournalsClient
+from broker.client.journals import dial
+from broker.client.reader import read
+from broker.fragment.content import FragmentCorrupt, fragment_path
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import BrokerHarness, EtcdServer
+from tests.journals_testing import started_brokers
+from tests.test_persistence import (
+    JOURNAL,
+    append_retrying,
+    payloads,
+    persisted_through,
+    routed,
+    spec,
+)
+
+STORE = "file:///fragments/"
+
+
+@pytest.fixture
+async def broker(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> AsyncIterator[tuple[BrokerHarness, Path]]:
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root)
+    ) as brokers:
+        yield brokers[0], root
+
+
+async def written_journal(broker: BrokerHarness, count: int = 8) -> tuple[pb_grpc.JournalStub, int]:
+    """A journal on the file store with `count` appends, all but nothing persisted."""
+    async with broker.client() as client:
+        await client.apply([pb.ApplyRequest.Change(upsert=spec(STORE, pb.NONE, 1))])
+        await routed(client, JOURNAL, 1)
+    stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+    written = payloads(count, seed=9)
+    for content in written:
+        await append_retrying(stub, content)
+    await append_retrying(stub, b"")
+    end = sum(len(c) for c in written)
+    await persisted_through(stub, end)
+    return stub, end
+
+
+async def test_list_fragments_pages_and_bounds(broker: tuple[BrokerHarness, Path]) -> None:
+    stub, end = await written_journal(broker[0])
+    await append_retrying(stub, b"local only\n")  # Committed to the spool, not persisted.
+
+    everything = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
+    specs = [f.spec for f in everything.fragments]
+    assert everything.next_page_token == 0
+    assert [f.begin for f in specs] == sorted(f.begin for f in specs)
+    assert specs[0].begin == 0 and specs[-1].end == end + 11
+    assert all(a.end == b.begin for a, b in zip(specs, specs[1:], strict=False))
+    assert not specs[-1].backing_store and all(f.backing_store == STORE for f in specs[:-1])
+
+    # Pages of two, following next_page_token, give the same fragments.
+    paged, token = [], 0
+    while True:
+        page = await stub.ListFragments(
+            pb.FragmentsRequest(journal=JOURNAL, page_limit=2, next_page_token=token)
+        )
+        assert len(page.fragments) <= 2
+        paged.extend(f.spec for f in page.fragments)
+        token = page.next_page_token
+        if not token:
+            break
+    assert paged == specs
+
+    # An end bound leaves out local fragments; a begin bound in the future leaves out the
+    # persisted ones (a local one has no persist time to compare).
+    now = int(time.time())
+    bounded = await stub.ListFragments(
+        pb.FragmentsRequest(journal=JOURNAL, begin_mod_time=0, end_mod_time=now + 60)
+    )
+    assert [f.spec for f in bounded.fragments] == specs[:-1]
+    later = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL, begin_mod_time=now + 60))
+    assert [f.spec for f in later.fragments] == specs[-1:]
+
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await stub.ListFragments(
+            pb.FragmentsRequest(journal=JOURNAL, begin_mod_time=10, end_mod_time=5)
+        )
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "end_mod_time" in (bad.value.details() or "")
+
+
+async def test_store_health(broker: tuple[BrokerHarness, Path]) -> None:
+    harness, root = broker
+    stub = pb_grpc.JournalStub(dial(harness.endpoint))  # type: ignore[no-untyped-call]
+    ok = await stub.FragmentStoreHealth(pb.FragmentStoreHealthRequest(fragment_store=STORE))
+    assert ok.status == pb.OK and not ok.store_health_error
+    missing = await stub.FragmentStoreHealth(
+        pb.FragmentStoreHealthRequest(fragment_store="file:///missing/")
+    )
+    assert missing.status == pb.FRAGMENT_STORE_UNHEALTHY
+    assert "missing" in missing.store_health_error
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await stub.FragmentStoreHealth(
+            pb.FragmentStoreHealthRequest(fragment_store="ftp://host/path/")
+        )
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda s: s.fragment.stores.__setitem__(0, "s3://bucket/p/?bogus=1"), "bogus"),
+        (lambda s: s.fragment.stores.__setitem__(0, "azure://container/p/"), "not supported"),
+        (
+            lambda s: setattr(s.fragment, "path_postfix_template", "{{ .Spool.Sum }}"),
+            "path_postfix_template",
+        ),
+    ],
+)
+async def test_specs_the_broker_cannot_persist_are_refused(
+    broker: tuple[BrokerHarness, Path], change: object, expected: str
+) -> None:
+    bad = spec(STORE)
+    change(bad)  # type: ignore[operator]
+    async with broker[0].client() as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.apply([pb.ApplyRequest.Change(upsert=bad)])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = refused.value.details() or ""
+        assert expected in details and JOURNAL in details and "\n" not in details
+        assert not (await client.list(pb.LabelSelector())).journals  # Nothing was applied.
+
+
+async def test_a_corrupt_fragment_is_reported_not_served(
+    broker: tuple[BrokerHarness, Path],
+) -> None:
+    harness, root = broker
+    stub, end = await written_journal(harness)
+    listing = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
+    victim = listing.fragments[0].spec
+    path = root / "fragments" / fragment_path(victim)
+    content = path.read_bytes()
+    path.write_bytes(bytes(b ^ 0x20 for b in content))  # Same length, wrong bytes.
+
+    with pytest.raises(grpc.aio.AioRpcError) as through_broker:
+        async for _ in read(stub, JOURNAL, 0):
+            pass
+    assert through_broker.value.code() == grpc.StatusCode.DATA_LOSS
+    assert fragment_path(victim) in (through_broker.value.details() or "")
+
+    with pytest.raises(FragmentCorrupt, match="SHA-1"):
+        async for _ in read(stub, JOURNAL, 0, direct=True, file_root=root):
+            pass
+
+    # Fragments after it still read back.
+    tail = b""
+    async for chunk in read(stub, JOURNAL, victim.end):
+        tail += chunk.content
+    assert len(tail) == end - victim.end
