@@ -4,6 +4,7 @@ never served as content)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,7 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from broker.client import JournalsClient
 from broker.client.journals import dial
 from broker.client.reader import read
 from broker.fragment.content import FragmentCorrupt, fragment_path
@@ -67,7 +67,7 @@ async def test_list_fragments_pages_and_bounds(broker: tuple[BrokerHarness, Path
     assert everything.next_page_token == 0
     assert [f.begin for f in specs] == sorted(f.begin for f in specs)
     assert specs[0].begin == 0 and specs[-1].end == end + 11
-    assert all(a.end == b.begin for a, b in zip(specs, specs[1:], strict=False))
+    assert all(a.end == b.begin for a, b in itertools.pairwise(specs))
     assert not specs[-1].backing_store and all(f.backing_store == STORE for f in specs[:-1])
 
     # Pages of two, following next_page_token, give the same fragments.
@@ -102,7 +102,7 @@ async def test_list_fragments_pages_and_bounds(broker: tuple[BrokerHarness, Path
 
 
 async def test_store_health(broker: tuple[BrokerHarness, Path]) -> None:
-    harness, root = broker
+    harness, _ = broker
     stub = pb_grpc.JournalStub(dial(harness.endpoint))  # type: ignore[no-untyped-call]
     ok = await stub.FragmentStoreHealth(pb.FragmentStoreHealthRequest(fragment_store=STORE))
     assert ok.status == pb.OK and not ok.store_health_error
