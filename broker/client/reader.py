@@ -144,15 +144,19 @@ async def read_retrying(
     *,
     block: bool = True,
     max_delay: float = 2.0,
+    direct: bool = False,
+    file_root: Path | None = None,
 ) -> AsyncIterator[Chunk]:
     """`read`, resumed at the next offset whenever the broker goes away or a blocking read's
     stream ends (its replica moved): a RetryReader. `stubs()` names a broker to try each time
     (for example, a Router's default, or a rotation over several addresses). Statuses other
-    than transient ones end the read with ReadError."""
+    than transient ones end the read with ReadError. `direct` and `file_root` are `read`'s."""
     delay = 0.05
     while True:
         try:
-            async for chunk in read(stubs(), journal, offset, block=block):
+            async for chunk in read(
+                stubs(), journal, offset, block=block, direct=direct, file_root=file_root
+            ):
                 offset = chunk.offset + len(chunk.content)
                 delay = 0.05
                 yield chunk
