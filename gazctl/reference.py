@@ -3,6 +3,8 @@ reference cannot drift from the code: `python -m gazctl.reference > docs/gazctl.
 
 from __future__ import annotations
 
+import inspect
+
 import click
 
 from gazctl.cli import cli
@@ -32,6 +34,7 @@ def _option_row(param: click.Parameter) -> str:
         isinstance(param, click.Option)
         and not param.is_flag
         and param.default not in (None, "", ())
+        and "UNSET" not in str(param.default)  # click >= 8.3's marker for "no default".
     ):
         default = f"`{param.default}`"
     help_ = (param.help or "") if isinstance(param, click.Option) else ""
@@ -48,7 +51,7 @@ def render(command: click.Command = cli, path: tuple[str, ...] = ("gazctl",)) ->
         out.append(HEADER)
     else:
         out.append(f"\n{'#' * min(len(path), 4)} `{title}`\n")
-    doc = (command.help or "").strip()
+    doc = inspect.cleandoc(command.help or "")
     if doc and len(path) > 1:
         out.append(doc.replace("\b\n", "") + "\n")
     usage = command.collect_usage_pieces(ctx)
