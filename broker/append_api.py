@@ -44,26 +44,32 @@ class ClientStream:
         self.gone = asyncio.Event()
         self._start = time.monotonic()
         self._bytes = 0
+        self._reading: asyncio.Future[pb.AppendRequest] | None = None
 
     def _deadline(self) -> float | None:
         if self.min_rate <= 0:
             return None
         return self._start + FLOW_GRACE + self._bytes / self.min_rate
 
+    def leave(self) -> None:
+        """The client went away: a read in flight ends, and so does every later one."""
+        self.gone.set()
+        if self._reading is not None:
+            self._reading.cancel()
+
     async def receive(self) -> Chunk:
         if self.gone.is_set():
             return Chunk(None, ClientError("client went away; rolled back"))
-        read = asyncio.ensure_future(anext(self._it))
-        gone = asyncio.ensure_future(self.gone.wait())
+        # One task per message: `leave` cancels it (cancelling the FSM's own task instead
+        # would interrupt the machinery this class exists to protect).
+        read = self._reading = asyncio.ensure_future(anext(self._it))
         deadline = self._deadline()
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            done, _ = await asyncio.wait(
-                {read, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait((read,), timeout=timeout)
         finally:
-            gone.cancel()
-        if read not in done:
+            self._reading = None
+        if not read.done() or self.gone.is_set():
             read.cancel()
             with contextlib.suppress(BaseException):
                 await read
@@ -106,7 +112,7 @@ async def serve_append(
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
-        stream.gone.set()
+        stream.leave()
         with contextlib.suppress(Exception):
             await task
         raise
