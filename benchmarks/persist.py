@@ -1,7 +1,7 @@
 """persist: MB/s of fragments persisted to a file:// store while one client appends at full speed
 to a journal replicated on three broker processes (1 MiB appends, 16 MiB fragments). Timed from the
 first append until every completed fragment is in the store; also reports the append rate of the
-same run (persisting competes with appending for the same two cores)."""
+same run (persisting competes with appending for the same cores)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ async def measure(root: Path, duration: float, codec: pb.CompressionCodec) -> di
             stub, JOURNAL, payload, concurrency=1, duration=duration
         )
         appended = len(latencies) * APPEND
-        # Fragments roll once over their length: everything but the spool's last one completes.
-        completed = (appended // (FRAGMENT + APPEND)) * (FRAGMENT + APPEND)
+        # Every fragment before the spool's current one is complete, and is to be persisted.
+        listing = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
+        completed = max(f.spec.begin for f in listing.fragments)
         store = open_store(STORE, file_root=root)
         deadline = time.monotonic() + 120
         while True:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from broker.fragment.content import open_signed_url, stream_blocks
+from broker.fragment.content import FragmentCorrupt, describe, open_signed_url, stream_blocks
+from broker.fragment.fragments import digest_of
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -42,14 +45,18 @@ async def read(
     direct: bool = False,
     file_root: Path | None = None,
     begin_mod_time: int = 0,
+    verify: bool = True,
 ) -> AsyncIterator[Chunk]:
     """Content of `journal` from `offset` (-1: the write head). Non-blocking reads end at the
     write head; blocking reads wait for new commits until cancelled. Offsets may jump forward
     where the journal holds nothing for a span (each chunk carries its own offset).
 
-    With `direct`, persisted fragments are read straight from their store through the signed
-    URL the broker returns (file:// URLs under `file_root`), verified against their SHA-1 when
-    read whole; a URL that cannot be read falls back to the broker. `begin_mod_time` skips
+    Persisted fragments read whole are verified against their SHA-1, whether streamed by the
+    broker or, with `direct`, read straight from their store through the signed URL the broker
+    returns (file:// URLs under `file_root`; a URL that cannot be read falls back to the
+    broker); a fragment's last chunk comes only once it checked out (FragmentCorrupt if not).
+    `verify=False` skips the check of fragments the broker streams (it costs a CPU-second per
+    GiB; the read_broker benchmark reports both). `begin_mod_time` skips
     fragments persisted before it (unix seconds)."""
     use_urls = direct
     while True:
@@ -65,6 +72,8 @@ async def read(
         fragment: pb.Fragment | None = None
         head = 0
         follow: tuple[str, pb.Fragment, int] | None = None
+        summer: Any = None
+        held: Chunk | None = None
         try:
             async for response in call:
                 if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
@@ -74,18 +83,48 @@ async def read(
                 if response.status != pb.OK:
                     raise ReadError(journal, response.status)
                 if response.HasField("fragment"):
+                    if held is not None:  # A fragment not read to its end: nothing to check.
+                        yield held
+                        held = None
                     fragment, head = response.fragment, response.write_head
                     offset = response.offset
                     if use_urls and response.fragment_url:
                         follow = (response.fragment_url, response.fragment, response.offset)
                         break
+                    # A persisted fragment streamed from its begin is checked against its
+                    # SHA-1 when it ends, its last chunk held back until it checks out.
+                    persisted = fragment.mod_time and fragment.backing_store
+                    whole = persisted and offset == fragment.begin
+                    summer = hashlib.sha1() if verify and whole else None
                     continue
                 offset = response.offset + len(response.content)
-                yield Chunk(response.offset, response.content, fragment, head)
+                chunk = Chunk(response.offset, response.content, fragment, head)
+                if summer is None:
+                    yield chunk
+                    continue
+                assert fragment is not None
+                summer.update(response.content)
+                if held is not None:
+                    yield held
+                held = chunk
+                if offset >= fragment.end:
+                    digest = summer.digest()
+                    summer, held = None, None
+                    if offset > fragment.end or digest != digest_of(fragment.sum):
+                        raise FragmentCorrupt(
+                            f"fragment {describe(fragment)}, read through the broker, does not "
+                            "match its SHA-1: the store holds wrong content for its name"
+                        )
+                    yield chunk
             else:
+                if held is not None:
+                    yield held
                 return  # The broker ended the stream: a non-blocking read reached the head.
         finally:
             call.cancel()
+        if held is not None:
+            yield held
+            held = None
         if follow is None:
             use_urls = False  # Proxied from here on (the broker was not a replica).
             continue
