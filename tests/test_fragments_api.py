@@ -172,3 +172,16 @@ async def test_a_corrupt_fragment_is_reported_not_served(
     async for chunk in read(stub, JOURNAL, victim.end):
         tail += chunk.content
     assert len(tail) == end - victim.end
+
+
+async def test_direct_reads_fall_back_to_the_broker(
+    broker: tuple[BrokerHarness, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    harness, _ = broker
+    stub, end = await written_journal(harness)
+    # No file root: the client cannot open file:// URLs, and reads through the broker instead.
+    content = b""
+    async for chunk in read(stub, JOURNAL, 0, direct=True, file_root=None):
+        content += chunk.content
+    assert content == b"".join(payloads(8, seed=9)) and len(content) == end
+    assert "reading through the broker" in caplog.text

@@ -1,0 +1,105 @@
+"""The fragment index: local and remote fragments, upstream's query rules (longest overlap, offset
+jumps over gaps only to old or leading persisted fragments, begin_mod_time skips), and listings
+that replace remote fragments and drop the local ones they cover."""
+
+from __future__ import annotations
+
+from broker.fragment.index import OFFSET_JUMP_AGE, Index
+from broker.protocol import protocol_pb2 as pb
+
+JOURNAL = "a/journal"
+NOW = 1_800_000_000.0
+
+
+class Content:
+    """A local fragment's content source that remembers being closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def read(self, offset: int, size: int) -> bytes:
+        return b"x" * size
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fragment(begin: int, end: int, mod_time: int = 0) -> pb.Fragment:
+    out = pb.Fragment(journal=JOURNAL, begin=begin, end=end, mod_time=mod_time)
+    if mod_time:
+        out.backing_store = "file:///store/"
+    return out
+
+
+def test_queries_take_the_fragment_with_most_content_after_the_offset() -> None:
+    index = Index(JOURNAL)
+    index.replace_remote([fragment(0, 100, 5), fragment(50, 300, 5), fragment(300, 400, 5)])
+    found = index.query(60, now=NOW)
+    assert found.fragment is not None and (found.fragment.begin, found.fragment.end) == (50, 300)
+    assert found.offset == 60
+    assert index.query(400, now=NOW).fragment is None  # The write head: nothing yet.
+    assert index.write_head == 400 and index.begin_offset() == 0
+
+
+def test_offsets_jump_gaps_only_to_leading_or_old_persisted_fragments() -> None:
+    old = int(NOW - OFFSET_JUMP_AGE - 10)
+    young = int(NOW - 60)
+    index = Index(JOURNAL)
+    # A read before every fragment jumps to the first one, whatever its age.
+    index.replace_remote([fragment(100, 200, young), fragment(300, 400, young)])
+    assert index.query(0, now=NOW).offset == 100
+    # A young gap in the middle may be a fragment still being persisted: no jump.
+    assert index.query(250, now=NOW).fragment is None
+    # An old one is a hole (e.g. pruned): the read skips it.
+    index.replace_remote([fragment(100, 200, young), fragment(300, 400, old)])
+    found = index.query(250, now=NOW)
+    assert found.offset == 300 and found.fragment is not None
+    # Only persisted fragments are jumped to: a local one after a gap is not.
+    index = Index(JOURNAL)
+    index.on_commit(fragment(500, 600), Content())
+    assert index.query(0, now=NOW).fragment is None
+
+
+def test_begin_mod_time_skips_older_fragments() -> None:
+    index = Index(JOURNAL)
+    index.replace_remote([fragment(0, 100, 10), fragment(100, 200, 20), fragment(200, 300, 30)])
+    found = index.query(0, begin_mod_time=20, now=NOW)
+    assert found.offset == 100 and found.fragment is not None and found.fragment.end == 200
+
+
+def test_listings_replace_remote_fragments_and_drop_covered_local_ones() -> None:
+    from broker.fragment.spool import CompletedFragment
+
+    index = Index(JOURNAL)
+    assert not index.first_refresh.is_set()
+    index.replace_remote([])
+    assert index.first_refresh.is_set()
+
+    closed: list[int] = []
+
+    class Completed(CompletedFragment):
+        def __init__(self, begin: int) -> None:  # A stand-in holding no file.
+            self.begin_ = begin
+
+        def read(self, offset: int, size: int) -> bytes:
+            return b""
+
+        def close(self) -> None:
+            closed.append(self.begin_)
+
+    index.on_complete(fragment(0, 100), Completed(0))
+    index.on_complete(fragment(100, 200), Completed(100))
+    assert [f.file is not None for f in index.fragments()] == [True, True]
+    # The store now lists the first one: its local copy is dropped and closed.
+    index.replace_remote([fragment(0, 100, 5)])
+    assert closed == [0]
+    assert [(f.begin, f.end, f.file is None) for f in index.fragments()] == [
+        (0, 100, True),
+        (100, 200, False),
+    ]
+    # A listing that misses a fragment this broker persisted keeps nothing stale: remote
+    # fragments are exactly the last listing.
+    index.add_remote(fragment(100, 200, 6))
+    assert closed == [0, 100]
+    index.replace_remote([fragment(0, 200, 7)])
+    assert [(f.begin, f.end) for f in index.fragments()] == [(0, 200)]
