@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer, free_port
+from broker.testing import EtcdServer, free_port, stop_process
 
 
 @pytest.fixture(scope="session")
@@ -91,17 +90,6 @@ def start_broker_process(
                     raise TimeoutError("gazette serve did not become ready") from None
                 time.sleep(0.05)
     return BrokerProcess(proc, address, prefix, log)
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ afterwards. Each server's `create_bucket()` makes a fresh bucket, so tests do no
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,22 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from broker.testing import free_port
+from broker.testing import free_port, stop_process
 
 __all__ = ["GCSServer", "S3Server", "gcs_server", "s3_server"]
 
 S3_PROFILE = "gazette-test"
 S3_REGION = "us-east-1"
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 5) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _wait_http(proc: subprocess.Popen[bytes], url: str, log: Path, what: str) -> None:
@@ -54,7 +43,7 @@ def _wait_http(proc: subprocess.Popen[bytes], url: str, log: Path, what: str) ->
             return
         except OSError:
             if time.monotonic() > deadline:
-                _stop(proc)
+                stop_process(proc)
                 raise TimeoutError(f"{what} did not answer at {url}") from None
             time.sleep(0.05)
 
@@ -138,7 +127,7 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSServer]:
         yield GCSServer(endpoint, proc)
     finally:
         env.undo()
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="session")
@@ -173,4 +162,4 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield S3Server(endpoint, proc)
     finally:
         env.undo()
-        _stop(proc)
+        stop_process(proc)

@@ -28,8 +28,8 @@ from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer
-from tests.conftest import BrokerProcess, start_broker_process, stop_process
+from broker.testing import EtcdServer, stop_process
+from tests.conftest import BrokerProcess, start_broker_process
 from tests.journals_testing import started_brokers
 
 JOURNAL = "persist/journal"

@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from broker.testing.procs import stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 PORT_LINE = b"PORT "
 # Large enough for any chunk size a benchmark asks for; gRPC's default is 4 MiB.
@@ -80,13 +82,7 @@ def _await_port(proc: subprocess.Popen[bytes], module: str, deadline: float) -> 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> None:
     """Stop one process by its pid: SIGTERM, then SIGKILL if it lingers."""
     try:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, timeout)
     finally:
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:

@@ -3,5 +3,6 @@ a real etcd child process (`EtcdServer`) and in-process brokers (`BrokerHarness`
 
 from broker.testing.etcd import EtcdServer, find_etcd_binary, free_port
 from broker.testing.harness import BrokerHarness
+from broker.testing.procs import stop_process
 
-__all__ = ["BrokerHarness", "EtcdServer", "find_etcd_binary", "free_port"]
+__all__ = ["BrokerHarness", "EtcdServer", "find_etcd_binary", "free_port", "stop_process"]
