@@ -1,0 +1,256 @@
+"""Message UUIDs: RFC 4122 version 1 UUIDs laid out exactly as upstream Gazette lays them out.
+
+A message UUID packs three things (all big-endian, `message/uuid.go` upstream):
+
+- bytes 0-8: a `Clock`, the 60-bit v1 timestamp (100 ns ticks since 1582-10-15) in the usual
+  time_low / time_mid / time_hi fields, with the version nibble (1) in the top of byte 6;
+- bytes 8-10: the RFC 4122 variant (bits 15-14 = ``10``), then the clock's 4-bit sequence
+  counter (bits 13-10), then 10 bits of `Flags` (bits 9-0);
+- bytes 10-16: the 6-byte `ProducerID` (the v1 "node"), random per publisher with the
+  multicast bit set so it can never be mistaken for a MAC address.
+
+A Clock value is a plain int: ``ticks << 4 | counter``. Clocks of one producer only ever grow,
+so a reader de-duplicates by keeping the largest clock seen per producer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from enum import IntFlag
+
+__all__ = [
+    "GREGORIAN_OFFSET",
+    "MAX_CLOCK",
+    "MAX_FLAGS",
+    "PRODUCER_ID_LENGTH",
+    "TICK",
+    "Clock",
+    "Flags",
+    "build",
+    "clock_of",
+    "flags_of",
+    "from_time",
+    "from_unix_ns",
+    "is_message_uuid",
+    "new_producer_id",
+    "parse",
+    "producer_of",
+    "to_time",
+    "to_unix_ns",
+]
+
+
+class Flags(IntFlag):
+    """Transaction semantics carried in the 10 low bits of a message UUID's clock sequence."""
+
+    OUTSIDE_TXN = 0x0
+    """Not part of a transaction: process immediately."""
+    CONTINUE_TXN = 0x1
+    """Begins or continues a transaction: process only once an ACK_TXN with a larger clock is read."""
+    ACK_TXN = 0x2
+    """Commits this producer's pending CONTINUE_TXN messages having smaller clocks; pending
+    messages with larger clocks than the ACK are rolled back."""
+
+
+MAX_FLAGS = 0x3FF
+PRODUCER_ID_LENGTH = 6
+MAX_CLOCK = (1 << 64) - 1
+"""Clocks are 64-bit: 60 bits of timestamp, 4 bits of sequence counter."""
+GREGORIAN_OFFSET = 122_192_928_000_000_000
+"""100 ns ticks from 1582-10-15 (the RFC 4122 epoch) to 1970-01-01 (the Unix epoch)."""
+TICK = 160
+"""What `Clock.tick` adds: one microsecond (10 ticks of 100 ns, shifted past the 4 counter bits).
+
+Upstream ticked by 1 (the sequence counter) until 2025-09-14 (commit 5af7417, "change
+Clock.Tick() to increment by 1 microsecond"); we follow current upstream. Either way clocks of a
+producer strictly increase, which is all readers rely on."""
+
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_VERSION_1 = 0x1000
+_VARIANT_RFC4122 = 0x8000
+_FLAGS_BY_VALUE = tuple(Flags(i) for i in range(MAX_FLAGS + 1))
+
+
+def new_producer_id() -> bytes:
+    """A random 6-byte ProducerID with the multicast bit (bit 0 of byte 0) set, as upstream."""
+    raw = bytearray(os.urandom(PRODUCER_ID_LENGTH))
+    raw[0] |= 0x01
+    return bytes(raw)
+
+
+def _trunc_div(n: int, d: int) -> int:
+    """Integer division rounding toward zero, as Go's `/` on integers."""
+    return n // d if n >= 0 else -(-n // d)
+
+
+def from_unix_ns(unix_ns: int) -> int:
+    """The Clock (counter 0) of a time given as nanoseconds since the Unix epoch."""
+    ticks = _trunc_div(unix_ns, 100) + GREGORIAN_OFFSET
+    if not 0 <= ticks < 1 << 60:
+        raise ValueError(
+            f"time {unix_ns} ns since the Unix epoch is outside the UUID clock range "
+            "(1582-10-15 to year 5236)"
+        )
+    return ticks << 4
+
+
+def _unix_ns(t: datetime | float) -> int:
+    if isinstance(t, datetime):
+        if t.tzinfo is None:
+            raise ValueError(f"datetime {t.isoformat()} is naive: pass a timezone-aware datetime")
+        delta = t - _UNIX_EPOCH
+        return ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
+    if not math.isfinite(t):
+        raise ValueError(f"time {t} is not a finite number of Unix seconds")
+    seconds = int(t // 1)
+    # The fractional part is exact in floating point; scaling it alone keeps nanosecond detail.
+    return seconds * 1_000_000_000 + round((t - seconds) * 1_000_000_000)
+
+
+def from_time(t: datetime | float) -> int:
+    """The Clock (counter 0) of a timezone-aware datetime or of Unix seconds (float)."""
+    return from_unix_ns(_unix_ns(t))
+
+
+def to_unix_ns(clock: int) -> int:
+    """Nanoseconds since the Unix epoch of a Clock (exact to its 100 ns resolution)."""
+    return ((clock >> 4) - GREGORIAN_OFFSET) * 100
+
+
+def to_time(clock: int) -> datetime:
+    """The UTC datetime of a Clock (datetime resolution: the 100 ns digit is truncated)."""
+    return _UNIX_EPOCH + timedelta(microseconds=to_unix_ns(clock) // 1000)
+
+
+class Clock:
+    """A producer's monotonic clock (safe for use from several threads).
+
+    `tick` advances it by `TICK` and returns the new value (one per generated UUID); `update`
+    moves it forward to a wall-clock observation and never backward, so when UUIDs are generated
+    faster than one per microsecond the clock runs ahead of wall time until time catches up.
+    """
+
+    __slots__ = ("_lock", "_value")
+
+    def __init__(self, value: int = 0) -> None:
+        _check_clock(value)
+        self._value = value
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> int:
+        """The current Clock value."""
+        return self._value
+
+    def update(self, t: datetime | float | None = None) -> None:
+        """Move forward to time `t` (aware datetime or Unix seconds; default now), never back.
+
+        Moving forward resets the sequence counter to 0.
+        """
+        self.update_ns(_unix_ns(t) if t is not None else time.time_ns())
+
+    def update_ns(self, unix_ns: int) -> None:
+        """As `update`, with nanoseconds since the Unix epoch (full 100 ns precision)."""
+        nxt = from_unix_ns(unix_ns)
+        with self._lock:
+            if nxt > self._value:
+                self._value = nxt
+
+    def tick(self) -> int:
+        """Advance by one microsecond (`TICK`) and return the new value."""
+        with self._lock:
+            self._value += TICK
+            return self._value
+
+    def __repr__(self) -> str:
+        return f"Clock({self._value})"
+
+
+def _check_clock(clock: int) -> None:
+    if not 0 <= clock <= MAX_CLOCK:
+        raise ValueError(f"clock {clock} is out of range: it must be within [0, 2**64)")
+
+
+def build(producer: bytes, clock: int, flags: int) -> uuid.UUID:
+    """The v1 message UUID of a 6-byte producer, a Clock and Flags (at most 0x3ff)."""
+    if not isinstance(producer, bytes | bytearray) or len(producer) != PRODUCER_ID_LENGTH:
+        raise ValueError(f"producer {producer!r} must be {PRODUCER_ID_LENGTH} bytes")
+    if not 0 <= flags <= MAX_FLAGS:
+        raise ValueError(
+            f"flags {flags:#x} are out of range: only the 10 low bits (0x3ff) are usable"
+        )
+    _check_clock(clock)
+    value = (
+        ((clock >> 4) & 0xFFFF_FFFF) << 96  # time_low
+        | ((clock >> 36) & 0xFFFF) << 80  # time_mid
+        | (((clock >> 52) & 0x0FFF) | _VERSION_1) << 64  # time_hi and version
+        | (((clock << 10) & 0x3C00) | flags | _VARIANT_RFC4122) << 48  # counter, flags, variant
+        | int.from_bytes(producer, "big")
+    )
+    return _uuid_of_int(value)
+
+
+def _uuid_of_int(value: int) -> uuid.UUID:
+    # uuid.UUID(int=...) re-validates what is valid by construction, and costs more than the
+    # packing itself on the publish path; set its two slots as its own __init__ does.
+    u = _object_new(uuid.UUID)
+    _object_setattr(u, "int", value)
+    _object_setattr(u, "is_safe", uuid.SafeUUID.unknown)
+    return u
+
+
+_object_new = object.__new__
+_object_setattr = object.__setattr__
+
+
+def is_message_uuid(u: uuid.UUID) -> bool:
+    """Whether `u` is a version 1, RFC 4122 variant UUID (so has a producer, clock and flags)."""
+    n = u.int
+    return (n >> 76) & 0xF == 1 and (n >> 62) & 0x3 == 0b10
+
+
+def _require(u: uuid.UUID) -> int:
+    if not is_message_uuid(u):
+        raise ValueError(
+            f"UUID {u} is not a message UUID: it must be version 1 with the RFC 4122 variant"
+        )
+    return u.int
+
+
+def _clock(n: int) -> int:
+    return (
+        ((n >> 96) & 0xFFFF_FFFF) << 4
+        | ((n >> 80) & 0xFFFF) << 36
+        | ((n >> 64) & 0x0FFF) << 52  # the version nibble is not part of the clock
+        | (n >> 58) & 0xF
+    )
+
+
+def producer_of(u: uuid.UUID) -> bytes:
+    """The 6-byte ProducerID of a message UUID."""
+    return (_require(u) & 0xFFFF_FFFF_FFFF).to_bytes(PRODUCER_ID_LENGTH, "big")
+
+
+def clock_of(u: uuid.UUID) -> int:
+    """The Clock (timestamp and sequence counter) of a message UUID."""
+    return _clock(_require(u))
+
+
+def flags_of(u: uuid.UUID) -> Flags:
+    """The Flags of a message UUID."""
+    return _FLAGS_BY_VALUE[(_require(u) >> 48) & MAX_FLAGS]
+
+
+def parse(u: uuid.UUID) -> tuple[bytes, int, Flags]:
+    """(producer, clock, flags) of a message UUID, checking it once."""
+    n = _require(u)
+    return (
+        (n & 0xFFFF_FFFF_FFFF).to_bytes(PRODUCER_ID_LENGTH, "big"),
+        _clock(n),
+        _FLAGS_BY_VALUE[(n >> 48) & MAX_FLAGS],
+    )
