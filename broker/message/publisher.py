@@ -1,0 +1,188 @@
+"""Publishing messages with UUIDs, and reading them back uncommitted or read-committed.
+
+A `Publisher` has one random ProducerID and one Clock. `publish_committed` stamps a message
+OUTSIDE_TXN (committed as it is written); `publish_uncommitted` stamps it CONTINUE_TXN (pending)
+and remembers its journal; `build_ack_intents` makes the ACK_TXN acknowledgements that commit
+everything pending (the exactly-once seed's "intents", which a transaction writes atomically with
+its checkpoint); `commit` writes them itself. Writes go through AppendService, so many small
+messages become few appends. A message type that cannot carry a UUID is published as it is:
+at-least-once.
+
+`read_uncommitted` iterates a journal's messages with their UUID fields as Envelopes;
+`read_committed` passes them through a Sequencer, so each committed message comes once and rolled
+back ones never (ACKs themselves are delivered too, with `is_ack`, as upstream: skip them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
+
+from broker.client.append_service import AppendService, Span
+from broker.client.reader import read
+from broker.message.framing import Frame, FrameError, FrameReader, Framing, MessageType
+from broker.message.mapping import Partition
+from broker.message.sequencer import Envelope, Sequencer
+from broker.message.uuid import Clock, Flags, build, new_producer_id, parse
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+M = TypeVar("M")
+log = logging.getLogger(__name__)
+
+
+class Publisher(Generic[M]):
+    def __init__(
+        self,
+        service: AppendService,
+        messages: MessageType[M],
+        framing: Framing,
+        *,
+        producer: bytes | None = None,
+    ) -> None:
+        self.service = service
+        self.messages = messages
+        self.framing = framing
+        self.producer = producer or new_producer_id()
+        self.clock = Clock()
+        self._pending: set[str] = set()  # Journals with uncommitted messages.
+
+    def _stamp(self, msg: M, flags: Flags) -> None:
+        self.clock.update()  # Never backwards; then a tick makes each message's clock unique.
+        self.clock.tick()
+        # A message that cannot carry a UUID is published as it is: at-least-once.
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            self.messages.set_uuid(msg, build(self.producer, self.clock.value, flags))
+
+    async def _write(self, journal: str, msg: M) -> asyncio.Future[Span]:
+        out = bytearray()
+        self.framing.marshal(self.messages.encode(msg), out)
+        return await self.service.write(journal, bytes(out))
+
+    async def publish_committed(
+        self, mapping: Callable[[M], Partition], msg: M
+    ) -> asyncio.Future[Span]:
+        """Write `msg`, committed at once (OUTSIDE_TXN), to the journal `mapping` picks."""
+        journal = mapping(msg).journal
+        self._stamp(msg, Flags.OUTSIDE_TXN)
+        return await self._write(journal, msg)
+
+    async def publish_uncommitted(
+        self, mapping: Callable[[M], Partition], msg: M
+    ) -> asyncio.Future[Span]:
+        """Write `msg` pending (CONTINUE_TXN), until an ACK of this publisher commits it."""
+        journal = mapping(msg).journal
+        self._stamp(msg, Flags.CONTINUE_TXN)
+        self._pending.add(journal)
+        return await self._write(journal, msg)
+
+    def build_ack_intents(self) -> list[tuple[str, bytes]]:
+        """The framed ACK_TXN acknowledgement for each journal with pending messages, at the
+        current clock (committing every pending message before it); pending is then reset."""
+        self.clock.tick()
+        ack = build(self.producer, self.clock.value, Flags.ACK_TXN)
+        intents = []
+        for journal in sorted(self._pending):
+            msg = self.messages.new_acknowledgement(journal)
+            self.messages.set_uuid(msg, ack)
+            out = bytearray()
+            self.framing.marshal(self.messages.encode(msg), out)
+            intents.append((journal, bytes(out)))
+        self._pending.clear()
+        return intents
+
+    async def commit(self) -> list[Span]:
+        """Write the ACK intents and wait for them (and so for every earlier write)."""
+        futures = [await self.service.write(j, data) for j, data in self.build_ack_intents()]
+        return [await f for f in futures]
+
+
+class Reader(Generic[M]):
+    """Messages of one journal as Envelopes: framed, decoded, with their UUID fields."""
+
+    def __init__(self, messages: MessageType[M], framing: Framing) -> None:
+        self.messages = messages
+        self.framing = framing
+        self.errors: list[FrameError] = []  # Reported frames skipped (corrupt or truncated).
+
+    def envelope(self, journal: str, frame: Frame) -> Envelope | None:
+        if frame.error is not None:
+            self._skip(FrameError(frame.offset, frame.error))
+            return None
+        try:
+            msg = self.messages.decode(self.framing.unmarshal(frame))
+            uuid = self.messages.get_uuid(msg)
+            producer, clock, flags = parse(uuid) if uuid is not None else (b"\0" * 6, 0, 0)
+        except (ValueError, TypeError, KeyError) as exc:
+            self._skip(FrameError(frame.offset, f"cannot decode the message: {exc}"))
+            return None
+        return Envelope(journal, frame.offset, frame.end, producer, clock, int(flags), msg)
+
+    def _skip(self, error: FrameError) -> None:
+        # The documented policy: a bad frame is reported (logged and kept in `errors`) with its
+        # offset and skipped; framing resumes after it, never mis-framing what follows.
+        log.error("%s", error)
+        self.errors.append(error)
+
+
+async def read_uncommitted(
+    stub: pb_grpc.JournalStub,
+    journal: str,
+    reader: Reader[M],
+    offset: int = 0,
+    *,
+    block: bool = False,
+    **read_options: Any,
+) -> AsyncIterator[Envelope]:
+    frames = FrameReader(reader.framing)
+    async for chunk in read(stub, journal, offset, block=block, **read_options):
+        for frame in frames.feed(chunk.offset, chunk.content):
+            envelope = reader.envelope(journal, frame)
+            if envelope is not None:
+                yield envelope
+    for frame in frames.finish():
+        envelope = reader.envelope(journal, frame)
+        if envelope is not None:
+            yield envelope
+
+
+async def read_committed(
+    stub: pb_grpc.JournalStub,
+    journal: str,
+    reader: Reader[M],
+    sequencer: Sequencer | None = None,
+    offset: int = 0,
+    *,
+    block: bool = False,
+    **read_options: Any,
+) -> AsyncIterator[Envelope]:
+    """Committed messages of `journal`, each once, in order per producer (ACKs included, with
+    `is_ack`). Messages a commit needs that left the sequencer's ring are re-read from the
+    journal."""
+    seq = sequencer or Sequencer()
+    async for envelope in read_uncommitted(
+        stub, journal, reader, offset, block=block, **read_options
+    ):
+        seq.queue_uncommitted(envelope)
+        replay = seq.replay_range()
+        if replay is not None:
+            _, begin, end = replay
+            seq.start_replay(_replayed(stub, journal, reader, begin, end, read_options))
+        while (committed := await seq.astep()) is not None:
+            yield committed
+
+
+async def _replayed(
+    stub: pb_grpc.JournalStub,
+    journal: str,
+    reader: Reader[M],
+    begin: int,
+    end: int,
+    read_options: dict[str, Any],
+) -> AsyncIterator[Envelope]:
+    async for envelope in read_uncommitted(
+        stub, journal, reader, begin, end_offset=end, **read_options
+    ):
+        yield envelope

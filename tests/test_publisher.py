@@ -1,0 +1,115 @@
+"""Publishing and reading messages on a real broker: committed and transactional messages, an
+aborted transaction, duplicates from re-written appends, and corrupt frames, through the
+read-uncommitted and read-committed iterators."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from broker.client.append_service import AppendService
+from broker.client.appender import append
+from broker.client.journals import dial
+from broker.message.framing import DictMessages, JSONLines
+from broker.message.mapping import Partition, modulo_mapping
+from broker.message.publisher import Publisher, Reader, read_committed, read_uncommitted
+from broker.message.sequencer import Sequencer
+from broker.message.uuid import Clock
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import EtcdServer
+from tests.journals_testing import started_brokers
+from tests.test_persistence import routed
+
+JOURNALS = ["events/part-000", "events/part-001"]
+
+
+def spec(name: str) -> pb.JournalSpec:
+    out = pb.JournalSpec(name=name, replication=1)
+    out.fragment.length = 1 << 20
+    out.fragment.compression_codec = pb.NONE
+    out.fragment.refresh_interval.seconds = 60
+    return out
+
+
+async def test_read_committed_sees_each_committed_message_once(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True) as (
+        broker,
+    ):
+        async with broker.client() as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec(j)) for j in JOURNALS])
+            for journal in JOURNALS:
+                await routed(client, journal, 1)
+        stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+        partitions = [Partition(j, "application/x-ndjson") for j in JOURNALS]
+        mapping = modulo_mapping(lambda m: str(m["key"]).encode(), lambda: partitions)
+        messages = DictMessages()
+
+        async with AppendService(stub) as service:
+            committed = Publisher(service, messages, JSONLines())
+            for i in range(6):
+                await committed.publish_committed(mapping, {"key": i, "kind": "committed"})
+            txn = Publisher(service, messages, JSONLines())
+            for i in range(6):
+                await txn.publish_uncommitted(mapping, {"key": i, "kind": "txn"})
+            await txn.commit()
+            aborted = Publisher(service, messages, JSONLines())
+            for i in range(4):
+                await aborted.publish_uncommitted(mapping, {"key": i, "kind": "aborted"})
+            await service.flush()
+            # The aborted publisher restarts (same producer) and acknowledges an earlier clock:
+            # what it had pending is rolled back.
+            restarted = Publisher(service, messages, JSONLines(), producer=aborted.producer)
+            restarted._pending.update(JOURNALS)
+            restarted.clock = Clock(1)
+            await restarted.commit()
+            await service.flush()
+
+        # A retried append re-writes the transaction's bytes: duplicates in the journal.
+        reader = Reader(messages, JSONLines())
+        uncommitted: dict[str, list[Any]] = {}
+        for journal in JOURNALS:
+            uncommitted[journal] = [e async for e in read_uncommitted(stub, journal, reader)]
+            txn_bytes = b"".join(
+                (json.dumps(e.message) + "\n").encode()
+                for e in uncommitted[journal]
+                if e.message.get("kind") == "txn"
+            )
+            await append(stub, journal, txn_bytes)
+
+        seen = []
+        for journal in JOURNALS:
+            async for env in read_committed(stub, journal, reader, Sequencer()):
+                if not env.is_ack:
+                    seen.append((env.message["kind"], env.message["key"]))
+        assert sorted(seen) == sorted(
+            [("committed", i) for i in range(6)] + [("txn", i) for i in range(6)]
+        )
+        # Read uncommitted shows what is really in the journals: pending, aborted, duplicates.
+        kinds = [e.message.get("kind") for e in itertools.chain(*uncommitted.values())]
+        assert kinds.count("aborted") == 4 and kinds.count("txn") == 6
+        assert not reader.errors
+
+
+async def test_corrupt_frames_are_reported_and_skipped(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True) as (
+        broker,
+    ):
+        async with broker.client() as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec(JOURNALS[0]))])
+            await routed(client, JOURNALS[0], 1)
+        stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+        good = b'{"n": 1}\n'
+        bad = b"{not json\n"
+        await append(stub, JOURNALS[0], good + bad + good)
+        reader = Reader(DictMessages(), JSONLines())
+        envelopes = [e async for e in read_uncommitted(stub, JOURNALS[0], reader)]
+        assert [e.message for e in envelopes] == [{"n": 1}, {"n": 1}]
+        assert [e.begin for e in envelopes] == [0, len(good) + len(bad)]
+        (error,) = reader.errors
+        assert error.offset == len(good)
