@@ -69,11 +69,13 @@ def _register() -> None:
     # Registers journals fragments|prune|store-health|suspend.
     import gazctl.fragments
     import gazctl.journals_io  # noqa: F401  (registers journals append|read|reset-head)
+    from gazctl.attach_uuids import attach_uuids
     from gazctl.dev import dev
     from gazctl.journals import journals
 
     cli.add_command(journals)
     cli.add_command(dev)
+    cli.add_command(attach_uuids)
 
 
 _register()
