@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -90,6 +90,76 @@ async def _append(
     return name, first, last, total
 
 
+async def _append_mapped(
+    opts: dict[str, Any], selector: str, source: BinaryIO, mapping: str, base64_keys: bool
+) -> dict[str, int]:
+    """Records (lines) mapped to the selected journals: for modulo and rendezvous each record
+    follows its partition-key line, for direct its journal-name line (as upstream). Records of
+    one journal keep their order; returns the records appended per journal."""
+    import base64
+    import binascii
+
+    from broker.client.append_service import AppendService
+    from broker.message import mapping as maps
+
+    partitions = maps.partitions_of(await matching(opts, selector))
+    names = {p.journal for p in partitions}
+    route: Callable[[bytes], maps.Partition] = maps.random_mapping(lambda: partitions)
+    if mapping == "modulo":
+        route = maps.modulo_mapping(bytes, lambda: partitions)
+    elif mapping == "rendezvous":
+        route = maps.rendezvous_mapping(bytes, lambda: partitions)
+    counts: dict[str, int] = {}
+    dialer = Dialer()
+    stub = dialer.journal_stub(opts["broker_address"])
+    loop = asyncio.get_running_loop()
+    try:
+        async with AppendService(stub) as service:
+            number = 0
+            while True:
+                key_line = b""
+                if mapping != "random":
+                    key_line = await loop.run_in_executor(None, source.readline)
+                    number += 1
+                    if not key_line:
+                        break
+                record = await loop.run_in_executor(None, source.readline)
+                number += 1
+                if not record:
+                    if key_line:
+                        raise click.ClickException(
+                            f"input line {number - 1}: a partition key with no record after it"
+                        )
+                    break
+                if not record.endswith(b"\n"):
+                    record += b"\n"
+                key = key_line.rstrip(b"\r\n")
+                if mapping == "direct":
+                    journal = key.decode("utf-8", "replace")
+                    if journal not in names:
+                        raise click.ClickException(
+                            f"input line {number - 1}: journal {journal!r} is not one the "
+                            f"selector {selector!r} matches"
+                        )
+                else:
+                    if base64_keys:
+                        try:
+                            key = base64.b64decode(key, validate=True)
+                        except binascii.Error:
+                            raise click.ClickException(
+                                f"input line {number - 1}: the partition key is not base64"
+                            ) from None
+                    journal = route(key).journal
+                await service.write(journal, record)
+                counts[journal] = counts.get(journal, 0) + 1
+            await service.flush()
+    except AppendError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        await dialer.close()
+    return counts
+
+
 @journals.command("append")
 @broker_options
 @click.option("-l", "--selector", required=True, help="Label selector of the journal to append to")
@@ -98,14 +168,46 @@ async def _append(
 )
 @click.option("-f", "--framing", type=click.Choice(["none", "lines"]), default="none", show_default=True,
               help="none: bytes as they come; lines: appends end at line boundaries")  # fmt: skip
-def append_cmd(selector: str, input_path: str, framing: str, **opts: Any) -> None:
-    """Append the input to a journal: each batch of up to 4 MiB is one all-or-nothing append."""
+@click.option("-m", "--mapping", type=click.Choice(["random", "modulo", "rendezvous", "direct"]),
+              default=None, help="Map each record (line) to one of the selected journals: by a "
+              "partition-key line before it (modulo, rendezvous), a journal-name line (direct), "
+              "or at random")  # fmt: skip
+@click.option("--base64", "base64_keys", is_flag=True,
+              help="Partition keys are base64 (modulo and rendezvous)")  # fmt: skip
+def append_cmd(
+    selector: str,
+    input_path: str,
+    framing: str,
+    mapping: str | None,
+    base64_keys: bool,
+    **opts: Any,
+) -> None:
+    """Append the input to a journal: each batch of up to 4 MiB is one all-or-nothing append.
+
+    With --mapping (and --framing lines), records are appended to the journals the selector
+    matches (a partitioned topic): each record is a line, preceded by its partition-key line for
+    modulo and rendezvous, or its journal-name line for direct. Records mapped to one journal keep
+    their order.
+    """
     from gazctl.cli import run
+
+    if mapping is not None and framing != "lines":
+        raise click.UsageError("--mapping needs --framing lines (each record is a line)")
+    if base64_keys and mapping not in ("modulo", "rendezvous"):
+        raise click.UsageError("--base64 needs --mapping modulo or rendezvous")
 
     try:
         source: BinaryIO = sys.stdin.buffer if input_path == "-" else open(input_path, "rb")  # noqa: SIM115
     except OSError as exc:
         raise click.ClickException(f"--input {input_path}: {exc.strerror or exc}") from None
+    if mapping is not None:
+        with source:
+            counts = run(_append_mapped(opts, selector, source, mapping, base64_keys))
+        for journal, count in sorted(counts.items()):
+            err_console.print(f"appended {count} records to {journal}")
+        if not counts:
+            err_console.print("nothing to append: the input was empty")
+        return
     with source:
         name, first, last, total = run(_append(opts, selector, source, framing))
     if total:

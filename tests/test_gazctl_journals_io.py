@@ -82,3 +82,44 @@ def test_append_errors(broker_process: BrokerProcess, tmp_path: Path) -> None:
         "gazctl", "journals", "read", "-l", "name=x", env={"BROKER_ADDRESS": "http://127.0.0.1:1"}
     )
     assert_one_line_error(r, "cannot reach broker")
+
+
+def test_mapped_appends_to_a_partitioned_topic(
+    broker_process: BrokerProcess, tmp_path: Path
+) -> None:
+    from broker.message.mapping import fnv1a32
+
+    names = [f"topic/part-{i}" for i in range(3)]
+    for name in names:
+        create(broker_process, tmp_path, name)
+    keys = [f"user-{i}" for i in range(12)]
+    lines = "".join(f"{key}\nrecord of {key}\n" for key in keys)
+    r = append_retrying(
+        broker_process, "-l", "prefix=topic/", "--framing", "lines", "--mapping", "modulo",
+        input=lines,
+    )  # fmt: skip
+    assert r.code == 0, r.err  # type: ignore[attr-defined]
+    for index, name in enumerate(names):
+        expected = "".join(
+            f"record of {key}\n" for key in keys if fnv1a32(key.encode()) % 3 == index
+        )
+        assert gazctl(broker_process, "journals", "read", "-l", f"name={name}").out == expected
+
+    # direct: each record after its journal's name; a name outside the topic is refused.
+    r = gazctl(
+        broker_process, "journals", "append", "-l", "prefix=topic/", "-f", "lines", "-m", "direct",
+        input="topic/part-2\nhello\n",
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    assert gazctl(broker_process, "journals", "read", "-l", "name=topic/part-2").out.endswith(
+        "hello\n"
+    )
+    r = gazctl(
+        broker_process, "journals", "append", "-l", "prefix=topic/", "-f", "lines", "-m", "direct",
+        input="elsewhere/journal\nhello\n",
+    )  # fmt: skip
+    assert_one_line_error(r, "elsewhere/journal")
+    r = gazctl(
+        broker_process, "journals", "append", "-l", "prefix=topic/", "-m", "modulo", input="k\nv\n"
+    )
+    assert r.code != 0 and "--framing lines" in r.err
