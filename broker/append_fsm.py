@@ -375,9 +375,10 @@ class AppendFSM:
         if self.req.suspend in suspending and self._validate_suspension(index):
             return
         # The spool holding the journal's first write is rolled, so that it is persisted soon
-        # and a recovering cluster sees the journal was written (not a new, empty one).
+        # and a recovering cluster sees the journal was written (not a new, empty one). (A spool
+        # with content is in the index, so the index is not empty here.)
         first = spool.fragment
-        if len(index.fragments()) and first.begin == index.begin_offset() < first.end:
+        if first.begin == index.begin_offset() < first.end:
             self.roll_to_offset = first.end
         self.state = State.STREAM_CONTENT
 

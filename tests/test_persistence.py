@@ -174,6 +174,19 @@ def start_brokers(
     return brokers
 
 
+def kill_all(brokers: list[BrokerProcess]) -> None:
+    for broker in brokers:
+        os.kill(broker.proc.pid, signal.SIGKILL)
+        broker.proc.wait()
+
+
+async def create_journal(address: str) -> None:
+    """The journal on the file store, replicated on three brokers."""
+    async with JournalsClient(address) as client:
+        await client.apply([pb.ApplyRequest.Change(upsert=spec("file:///fragments/"))])
+        await routed(client, JOURNAL, 3)
+
+
 async def test_acknowledged_bytes_survive_killing_every_broker(
     etcd_server: EtcdServer, cluster_dir: Path
 ) -> None:
@@ -181,9 +194,7 @@ async def test_acknowledged_bytes_survive_killing_every_broker(
     first = start_brokers(etcd_server, prefix, cluster_dir, ["alpha-0", "alpha-1", "alpha-2"])
     second: list[BrokerProcess] = []
     try:
-        async with JournalsClient(first[0].address) as client:
-            await client.apply([pb.ApplyRequest.Change(upsert=spec("file:///fragments/"))])
-            await routed(client, JOURNAL, 3)
+        await create_journal(first[0].address)
         channel = dial(first[0].address)
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         written = payloads(12)
@@ -200,9 +211,7 @@ async def test_acknowledged_bytes_survive_killing_every_broker(
         assert all(f.backing_store == "file:///fragments/" and f.mod_time for f in persisted)
         await channel.close(None)
 
-        for broker in first:
-            os.kill(broker.proc.pid, signal.SIGKILL)
-            broker.proc.wait()
+        kill_all(first)
 
         # History is readable from the store with no broker running.
         assert read_from_store("file:///fragments/", cluster_dir / "store") == b"".join(written)
@@ -354,9 +363,7 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
     first = start_brokers(etcd_server, prefix, cluster_dir, ["gamma-0", "gamma-1", "gamma-2"])
     second: list[BrokerProcess] = []
     try:
-        async with JournalsClient(first[0].address) as client:
-            await client.apply([pb.ApplyRequest.Change(upsert=spec("file:///fragments/"))])
-            await routed(client, JOURNAL, 3)
+        await create_journal(first[0].address)
         channel = dial(first[0].address)
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         written = [b"one\n" * 50, b"two\n" * 50, b"three\n" * 20]  # Well under a fragment.
@@ -380,9 +387,7 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
             await routed(client, JOURNAL, 1)  # A partially suspended journal keeps one replica.
         await persisted_through(stub, end)
         await channel.close(None)
-        for broker in first:
-            os.kill(broker.proc.pid, signal.SIGKILL)
-            broker.proc.wait()
+        kill_all(first)
 
         second = start_brokers(etcd_server, prefix, cluster_dir, ["delta-0", "delta-1", "delta-2"])
         async with JournalsClient(second[0].address) as client:

@@ -86,8 +86,9 @@ class Index:
         for fragment in remote:
             listed.add(IndexedFragment(_copy(fragment)))
         kept = self._local.difference(listed)
+        kept_ids = {id(entry) for entry in kept}
         for entry in self._local:
-            if not _member(kept, entry):
+            if id(entry) not in kept_ids:
                 _close(entry)
         self._local = kept
         for entry in kept:
@@ -155,10 +156,6 @@ class Index:
             _close(entry)
         self._local = CoverSet()
         self._signal()
-
-
-def _member(cover: CoverSet, entry: IndexedFragment) -> bool:
-    return any(f is entry for f in cover)
 
 
 def _replace(cover: CoverSet, entry: IndexedFragment) -> CoverSet:

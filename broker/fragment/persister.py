@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from broker.fragment import codecs
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import content_name, content_path
-from broker.fragment.postfix import compile_template, validate_template
+from broker.fragment.postfix import PostfixTemplate, compile_template, validate_template
 from broker.fragment.spool import CompletedFragment
 from broker.fragment.stores import FragmentStore, check_store_url, open_store
 from broker.protocol import protocol_pb2 as pb
@@ -37,6 +38,12 @@ PERSIST_INTERVAL = 60.0
 BACKOFF = (0.1, 1.0, 5.0, 10.0, 30.0, 60.0)
 # How long a stopping broker keeps trying to persist what it still holds.
 FINAL_ATTEMPT_TIMEOUT = 30.0
+
+
+@functools.lru_cache(maxsize=256)
+def _template(template: str) -> PostfixTemplate:
+    """A compiled path postfix template (a cluster has few distinct ones)."""
+    return compile_template(template)
 
 
 def check_spec_supported(spec: pb.JournalSpec) -> None:
@@ -125,7 +132,7 @@ class Persister:
         fragment = completed.fragment
         url = spec.fragment.stores[0]
         store = self.store(url)
-        postfix = compile_template(spec.fragment.path_postfix_template).render(
+        postfix = _template(spec.fragment.path_postfix_template).render(
             spec=spec,
             fragment=fragment,
             first_append_time=completed.first_append_time,

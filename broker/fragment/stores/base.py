@@ -277,30 +277,47 @@ class _Section(io.RawIOBase):
         return len(data)
 
 
-class _StreamReader(io.RawIOBase):
-    """A raw reader over `read(n)`, turning failures into StoreError via `on_error`."""
+class StreamReader(io.RawIOBase):
+    """A raw reader over `read(n)`: optionally discarding the first `skip` bytes (a server that
+    ignored a Range) and stopping after `limit` bytes; failures become StoreError via
+    `on_error`."""
 
     def __init__(
         self,
         read: Callable[[int], bytes],
         close: Callable[[], None],
         on_error: Callable[[Exception], StoreError],
+        *,
+        skip: int = 0,
+        limit: int | None = None,
     ) -> None:
         super().__init__()
         self._read = read
         self._close = close
         self._on_error = on_error
+        self._skip = skip
+        self._left = limit
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
         try:
-            data = self._read(len(buffer))
+            while self._skip > 0:
+                dropped = self._read(min(self._skip, 1 << 20))
+                if not dropped:
+                    return 0
+                self._skip -= len(dropped)
+            want = len(buffer) if self._left is None else min(len(buffer), self._left)
+            if want <= 0:
+                return 0
+            data = self._read(want)
         except StoreError:
             raise
         except Exception as exc:
             raise self._on_error(exc) from exc
+        if self._left is not None:
+            self._left -= len(data)
         buffer[: len(data)] = data
         return len(data)
 
@@ -349,7 +366,7 @@ def stream(
     buffer_size: int = 1 << 20,
 ) -> BinaryIO:
     """A buffered binary stream over `read(n)` whose failures raise StoreError."""
-    return cast(BinaryIO, io.BufferedReader(_StreamReader(read, close, on_error), buffer_size))
+    return cast(BinaryIO, io.BufferedReader(StreamReader(read, close, on_error), buffer_size))
 
 
 # --- The store interface -------------------------------------------------------------------------

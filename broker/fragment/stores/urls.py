@@ -13,13 +13,13 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from broker.fragment.stores.base import (
     ObjectNotFoundError,
     StoreError,
+    StreamReader,
     one_line,
     os_error_summary,
     resolve_under,
@@ -39,57 +39,6 @@ class URLStream(io.BufferedReader):
     def __init__(self, raw: io.RawIOBase, content_encoding: str = "") -> None:
         super().__init__(raw, _READ_SIZE)
         self.content_encoding = content_encoding
-
-
-class _Body(io.RawIOBase):
-    """Reads of `read(n)` after discarding `skip` bytes, at most `limit` of them, with failures
-    turned into StoreError by `on_error`."""
-
-    def __init__(
-        self,
-        read: Callable[[int], bytes],
-        close: Callable[[], None],
-        on_error: Callable[[Exception], StoreError],
-        *,
-        skip: int = 0,
-        limit: int | None = None,
-    ) -> None:
-        super().__init__()
-        self._read = read
-        self._close = close
-        self._on_error = on_error
-        self._skip = skip
-        self._left = limit
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        try:
-            while self._skip > 0:  # The server ignored our Range: drop what precedes offset.
-                dropped = self._read(min(self._skip, _READ_SIZE))
-                if not dropped:
-                    return 0
-                self._skip -= len(dropped)
-            want = len(buffer) if self._left is None else min(len(buffer), self._left)
-            if want <= 0:
-                return 0
-            data = self._read(want)
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise self._on_error(exc) from exc
-        if self._left is not None:
-            self._left -= len(data)
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            try:
-                self._close()
-            finally:
-                super().close()
 
 
 def redact_url(url: str) -> str:
@@ -154,7 +103,7 @@ def read_url(
 
 
 def _empty() -> URLStream:
-    return URLStream(_Body(lambda _: b"", lambda: None, lambda exc: StoreError(str(exc))))
+    return URLStream(StreamReader(lambda _: b"", lambda: None, lambda exc: StoreError(str(exc))))
 
 
 def _open_http(
@@ -189,7 +138,7 @@ def _open_http(
 
     # 206 carries the range asked for; 200 is the whole object (the server ignored Range).
     skip = offset if response.status == 200 else 0
-    body = _Body(
+    body = StreamReader(
         response.read,
         response.close,
         lambda exc: StoreError(f"GET {shown}: reading the response failed: {_reason(exc)}"),
@@ -222,7 +171,7 @@ def _open_file(url: str, offset: int, length: int | None, file_root: Path | None
     if length is None:
         # The file itself: one copy per read, straight into the caller's buffer.
         return URLStream(f)
-    body = _Body(
+    body = StreamReader(
         f.read,
         f.close,
         lambda exc: StoreError(f"read {shown}: {_reason(exc)}"),
