@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, str] = {
     "read_broker": "benchmarks.read_broker",
     "read_direct": "benchmarks.read_direct",
     "persist": "benchmarks.persist",
+    "publish": "benchmarks.publish",
+    "read_committed": "benchmarks.read_committed",
 }
 
 if __name__ == "__main__":

@@ -558,3 +558,86 @@ def test_csv_messages() -> None:
         m.get_uuid(["zz"])
     with pytest.raises(ValueError, match="at least one field"):
         m.encode([])
+
+
+# --- The JSON reading fast path ------------------------------------------------------------------
+
+
+def _slow_fields(messages: DictMessages, doc: dict[str, Any]) -> tuple[bytes, int, int] | None:
+    u = messages.get_uuid(doc)
+    if u is None:
+        return None
+    producer, clock, flags = mu.parse(u)
+    return producer, clock, int(flags)
+
+
+_V1 = mu.build(b"\x03\x01\x02\x03\x04\x05", 0x1234_5678_9ABC_DEF0, mu.Flags.ACK_TXN)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"a": 1, "_meta": {"uuid": str(_V1)}},
+        {"_meta": {"uuid": str(_V1).upper()}},  # Not canonical: the slow path, same answer.
+        {"_meta": {"uuid": "{" + str(_V1) + "}"}},
+        {"_meta": {"uuid": _V1.hex}},
+        {"_meta": {"uuid": ""}},
+        {"_meta": {"uuid": None}},
+        {"_meta": {"uuid": str(uuid.UUID(int=0))}},
+        {"_meta": {}},
+        {"_meta": ["uuid"]},
+        {"_meta": "uuid"},
+        {"other": True},
+        {"big": 2**70, "_meta": {"uuid": str(_V1)}},  # Past msgspec's integers: the json module.
+        {"f": 1.5e300, "nested": [{"_meta": {"uuid": "x"}}], "_meta": {"uuid": str(_V1)}},
+    ],
+)
+def test_fused_json_decode_equals_decode_then_uuid(doc: dict[str, Any]) -> None:
+    messages = DictMessages()
+    line = json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    decoded, fields = messages.decode_frame(line)
+    assert decoded == doc == messages.decode(line[:-1])
+    assert fields == messages.uuid_fields(decoded) == _slow_fields(messages, decoded)
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        (b'{"_meta":{"uuid":"' + str(uuid.uuid4()).encode() + b'"}}\n', "not a message UUID"),
+        (b'{"_meta":{"uuid":"nonsense"}}\n', "not a UUID"),
+        (b'{"_meta":{"uuid":7}}\n', "not a UUID string"),
+        (b"[1, 2]\n", "not an object"),
+        (b'{"a": }\n', "invalid JSON"),
+    ],
+)
+def test_fused_json_decode_errors_are_worded_as_the_slow_path(line: bytes, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as err:
+        DictMessages().decode_frame(line)
+    assert "\n" not in str(err.value)
+
+
+@settings(max_examples=75)
+@given(json_docs, st.one_of(st.none(), st.builds(mu.build, st.binary(min_size=6, max_size=6),
+       st.integers(0, 2**64 - 1), st.integers(0, 0x3FF))))  # fmt: skip
+def test_fused_json_decode_equals_the_slow_path_on_any_document(
+    doc: dict[str, Any], u: uuid.UUID | None
+) -> None:
+    messages = DictMessages()
+    if u is not None:
+        messages.set_uuid(doc, u)
+    line = messages.encode(doc) + b"\n"
+    decoded, fields = messages.decode_frame(line)
+    assert decoded == json.loads(line)
+    assert fields == _slow_fields(messages, decoded)
+
+
+def test_json_encoding_falls_back_for_what_msgspec_refuses() -> None:
+    messages = DictMessages()
+    doc = {"big": -(2**80), "u": uuid.UUID(int=5), "s": "caf\u00e9 \u2028"}
+    encoded = messages.encode(doc)
+    assert json.loads(encoded) == {
+        "big": -(2**80),
+        "u": str(uuid.UUID(int=5)),
+        "s": "caf\u00e9 \u2028",
+    }
+    assert b"\n" not in encoded and "caf\u00e9".encode() in encoded  # UTF-8, not \\u escapes

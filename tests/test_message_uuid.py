@@ -275,3 +275,30 @@ def test_time_range_and_naive_datetimes_are_rejected() -> None:
         mu.from_time(float("nan"))
     with pytest.raises(ValueError, match="out of range"):
         Clock(-1)
+
+
+@given(producers, clocks, flag_values)
+def test_parse_text_agrees_with_parse(producer: bytes, clock: int, flags: int) -> None:
+    u = mu.build(producer, clock, flags)
+    assert mu.parse_text(str(u)) == (producer, clock, flags)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        str(uuid.uuid4()),  # not version 1
+        "00000000-0000-1000-c000-000000000000",  # v1, Microsoft variant
+        " 0075bcd-0000-1000-9402-010203040507",  # int() would take the space
+        "0075bcd1-0000-1000-9402-0102030405_7",  # and the underscore
+        "+075bcd1-0000-1000-9402-010203040507",  # and a sign
+        "0075bcd1-0000-1000-9402-01020304050\u0663",  # and an Arabic-Indic digit
+        "0075bcd1-0000-1000-9402-01020304050g",
+        "0075bcd1-0000-1000-9402-0102030405070",  # 37 characters
+        "0075bcd100001000940201020304050700000",  # no hyphens
+        "0075bcd1-0000-1000-9402-01020304-507",  # a hyphen out of place
+    ],
+)
+def test_parse_text_rejects_what_is_not_a_canonical_message_uuid(text: str) -> None:
+    with pytest.raises(ValueError) as err:
+        mu.parse_text(text)
+    assert "\n" not in str(err.value)

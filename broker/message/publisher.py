@@ -23,13 +23,23 @@ from typing import Any, Generic, TypeVar
 
 from broker.client.append_service import AppendService, Span
 from broker.client.reader import read
-from broker.message.framing import Frame, FrameError, FrameReader, Framing, MessageType
+from broker.message.framing import (
+    Frame,
+    FrameError,
+    FrameReader,
+    Framing,
+    JSONLines,
+    MessageType,
+    uuid_fields_of,
+)
 from broker.message.mapping import Partition
-from broker.message.sequencer import Envelope, Sequencer
-from broker.message.uuid import Clock, Flags, build, new_producer_id, parse
+from broker.message.sequencer import Envelope, QueueOutcome, Sequencer
+from broker.message.uuid import Clock, Flags, build, new_producer_id
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
+_NO_PRODUCER = bytes(6)
+_new_tuple = tuple.__new__
 log = logging.getLogger(__name__)
 
 
@@ -106,19 +116,55 @@ class Reader(Generic[M]):
         self.messages = messages
         self.framing = framing
         self.errors: list[FrameError] = []  # Reported frames skipped (corrupt or truncated).
+        self._decode = messages.decode
+        self._unmarshal = framing.unmarshal
+        self._uuid_fields = uuid_fields_of(messages)
+        # JSON lines of dicts: decoding and UUID parsing fused (msgspec takes the newline).
+        fused = getattr(messages, "decode_frame", None)
+        self._fused = fused if isinstance(framing, JSONLines) else None
 
     def envelope(self, journal: str, frame: Frame) -> Envelope | None:
         if frame.error is not None:
             self._skip(FrameError(frame.offset, frame.error))
             return None
         try:
-            msg = self.messages.decode(self.framing.unmarshal(frame))
-            uuid = self.messages.get_uuid(msg)
-            producer, clock, flags = parse(uuid) if uuid is not None else (b"\0" * 6, 0, 0)
+            msg = self._decode(self._unmarshal(frame))
+            fields = self._uuid_fields(msg)
         except (ValueError, TypeError, KeyError) as exc:
             self._skip(FrameError(frame.offset, f"cannot decode the message: {exc}"))
             return None
-        return Envelope(journal, frame.offset, frame.end, producer, clock, int(flags), msg)
+        if fields is None:
+            return Envelope(journal, frame.offset, frame.end, _NO_PRODUCER, 0, 0, msg)
+        return Envelope(journal, frame.offset, frame.end, fields[0], fields[1], fields[2], msg)
+
+    def envelopes(self, journal: str, frames: list[Frame]) -> list[Envelope]:
+        """The envelopes of `frames`, bad ones reported and skipped (as `envelope`)."""
+        decode, unmarshal, uuid_fields = self._decode, self._unmarshal, self._uuid_fields
+        fused = self._fused
+        out: list[Envelope] = []
+        append = out.append
+        new = _new_tuple
+        for frame in frames:
+            offset, end, data, error = frame
+            if error is None:
+                try:
+                    if fused is not None:
+                        msg, fields = fused(data)
+                    else:
+                        msg = decode(unmarshal(frame))
+                        fields = uuid_fields(msg)
+                except (ValueError, TypeError, KeyError):
+                    pass  # envelope() below words the error.
+                else:
+                    if fields is None:
+                        fields = (_NO_PRODUCER, 0, 0)
+                    # tuple.__new__ skips NamedTuple's Python-level __new__ (per message).
+                    append(new(Envelope, (journal, offset, end, *fields, msg)))
+                    continue
+            envelope = self.envelope(journal, frame)
+            if envelope is not None:
+                append(envelope)
+        return out
 
     def _skip(self, error: FrameError) -> None:
         # The documented policy: a bad frame is reported (logged and kept in `errors`) with its
@@ -136,16 +182,37 @@ async def read_uncommitted(
     block: bool = False,
     **read_options: Any,
 ) -> AsyncIterator[Envelope]:
+    async for batch in _envelope_batches(
+        stub, journal, reader, offset, block=block, **read_options
+    ):
+        for envelope in batch:
+            yield envelope
+
+
+async def _envelope_batches(
+    stub: pb_grpc.JournalStub,
+    journal: str,
+    reader: Reader[M],
+    offset: int = 0,
+    *,
+    block: bool = False,
+    **read_options: Any,
+) -> AsyncIterator[list[Envelope]]:
     frames = FrameReader(reader.framing)
     async for chunk in read(stub, journal, offset, block=block, **read_options):
-        for frame in frames.feed(chunk.offset, chunk.content):
-            envelope = reader.envelope(journal, frame)
-            if envelope is not None:
-                yield envelope
-    for frame in frames.finish():
-        envelope = reader.envelope(journal, frame)
-        if envelope is not None:
-            yield envelope
+        yield reader.envelopes(journal, frames.feed(chunk.offset, chunk.content))
+    yield reader.envelopes(journal, frames.finish())
+
+
+# Outcomes after which committed envelopes are to be dequeued.
+_COMMITTING = frozenset(
+    {
+        QueueOutcome.OUTSIDE_COMMIT,
+        QueueOutcome.ACK_EMPTY,
+        QueueOutcome.ACK_COMMIT_RING,
+        QueueOutcome.ACK_COMMIT_REPLAY,
+    }
+)
 
 
 async def read_committed(
@@ -162,16 +229,22 @@ async def read_committed(
     `is_ack`). Messages a commit needs that left the sequencer's ring are re-read from the
     journal."""
     seq = sequencer or Sequencer()
-    async for envelope in read_uncommitted(
+    queue, step = seq.queue_uncommitted, seq.step
+    async for batch in _envelope_batches(
         stub, journal, reader, offset, block=block, **read_options
     ):
-        seq.queue_uncommitted(envelope)
-        replay = seq.replay_range()
-        if replay is not None:
-            _, begin, end = replay
-            seq.start_replay(_replayed(stub, journal, reader, begin, end, read_options))
-        while (committed := await seq.astep()) is not None:
-            yield committed
+        for envelope in batch:
+            if queue(envelope) not in _COMMITTING:
+                continue
+            replay = seq.replay_range()
+            if replay is None:
+                while (committed := step()) is not None:
+                    yield committed
+            else:
+                _, begin, end = replay
+                seq.start_replay(_replayed(stub, journal, reader, begin, end, read_options))
+                while (committed := await seq.astep()) is not None:
+                    yield committed
 
 
 async def _replayed(

@@ -57,11 +57,11 @@ _ACK_TXN = 0x2
 DEFAULT_RING_SIZE = 8192  # As upstream's ShardSpec ring_buffer_size default.
 
 
-@dataclass(frozen=True, slots=True)
-class Envelope:
+class Envelope(NamedTuple):
     """A message read from a journal, with its frame's [begin, end) offsets and UUID parts.
 
     A zero `clock` marks a message without a UUID: it is always delivered, never de-duplicated.
+    (A NamedTuple: a reader builds one per message, and a tuple is the cheapest to build.)
     """
 
     journal: str
@@ -222,7 +222,8 @@ class Sequencer:
             raise RuntimeError(
                 "committed messages remain to dequeue: call step() until it returns None"
             )
-        self._evict_at_head()
+        if self._ring[self._head] is not None:
+            self._evict_at_head()
 
         clock, flags = env.clock, env.flags
         if clock == 0:
@@ -345,10 +346,17 @@ class Sequencer:
         emit = self._begin_step()
         if emit is None:
             return None
-        while emit.ring_start != -1:
+        # The hot path of every reader: kept inline (ring entries are taken as _take_from_ring
+        # does, and delivered as _deliver does).
+        ring, links = self._ring, self._next
+        while (index := emit.ring_start) != -1:
             replay = self._replay
             if replay is None:
-                env = self._take_from_ring(emit)
+                env = ring[index]
+                assert env is not None, "span ring entries are present until dequeued"
+                emit.ring_start = links[index]
+                ring[index] = None  # Consumed: release it.
+                links[index] = -1
             elif isinstance(replay, AsyncIterator):
                 raise TypeError("the replay source is asynchronous: dequeue with astep()")
             else:
@@ -359,13 +367,22 @@ class Sequencer:
                     continue
                 if not self._accept_replayed(emit, env):
                     continue
-            if self._deliver(emit, env):
-                return env
+            clock = env.clock
+            if clock != 0 and clock <= emit.min_clock:
+                continue  # A duplicate (see _deliver).
+            if clock > emit.max_clock:
+                continue  # Above the committing ACK: rolled back.
+            emit.begin = env.begin  # A restart resumes from here.
+            self._dequeued = env
+            self._dequeued_clock = clock
+            return env
         self._finish_sequence(emit)
         return None
 
     async def astep(self) -> Envelope | None:
         """As `step()`, reading a replay source that may be asynchronous."""
+        if not isinstance(self._replay, AsyncIterator):
+            return self.step()
         emit = self._begin_step()
         if emit is None:
             return None
