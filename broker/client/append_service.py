@@ -2,9 +2,9 @@
 
 Records written to a journal are buffered in a local temporary file (not memory) and sent as one
 Append RPC per batch, in order: while one batch is in flight, the next accumulates. Each write
-returns a future resolved with the record's own span once its batch commits. Writers wait when a
+returns a `PendingSpan`, awaited for the record's own span once its batch commits. Writers wait when a
 journal has too much pending (back-pressure); transient failures are retried, so a record is
-appended at least once and, once acknowledged, exactly where its future says.
+appended at least once and, once acknowledged, exactly where its PendingSpan says.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import IO
+from collections.abc import AsyncIterator, Callable, Generator
+from dataclasses import dataclass
+from typing import IO, Any, NamedTuple
 
 import grpc
 
@@ -39,24 +39,52 @@ class Span:
     end: int
 
 
-@dataclass
 class _Batch:
-    file: IO[bytes] = field(
-        default_factory=lambda: tempfile.TemporaryFile(prefix="gazette-append-")  # noqa: SIM115 (closed by the sender)
-    )
-    size: int = 0
-    records: list[tuple[asyncio.Future[Span], int, int]] = field(default_factory=list)
+    """Records buffered for one Append RPC; `done` resolves with the offset where the batch
+    began once it commits (one future per batch, not per record: the publish path's cost)."""
 
-    def add(self, data: bytes, future: asyncio.Future[Span]) -> None:
+    __slots__ = ("count", "done", "file", "size")
+
+    def __init__(self) -> None:
+        self.file: IO[bytes] = tempfile.TemporaryFile(prefix="gazette-append-")  # noqa: SIM115 (closed by the sender)
+        self.size = 0
+        self.count = 0
+        self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def add(self, journal: str, data: bytes) -> PendingSpan:
         self.file.write(data)
-        self.records.append((future, self.size, len(data)))
-        self.size += len(data)
+        size = self.size
+        self.size = size + len(data)
+        self.count += 1
+        return _new_tuple(PendingSpan, (journal, self.done, size, len(data)))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         self.file.flush()
         self.file.seek(0)
         while chunk := self.file.read(BATCH_CHUNK):
             yield chunk
+
+
+class PendingSpan(NamedTuple):
+    """Where a written record will land: await it for its `Span` once its batch commits (or
+    for the batch's error). `done()` says whether it is settled. It is awaitable any number of
+    times, and `asyncio.gather` and `asyncio.wait_for` take it."""
+
+    journal: str
+    batch: asyncio.Future[int]
+    offset: int  # Within the batch.
+    length: int
+
+    def __await__(self) -> Generator[Any, None, Span]:
+        begin = yield from self.batch.__await__()
+        at = begin + self.offset
+        return Span(self.journal, at, at + self.length)
+
+    def done(self) -> bool:
+        return self.batch.done()
+
+
+_new_tuple = tuple.__new__
 
 
 class _Journal:
@@ -74,9 +102,8 @@ class _Journal:
         self.wake = asyncio.Event()
         self.task = asyncio.ensure_future(self._serve())
 
-    def write(self, data: bytes) -> asyncio.Future[Span]:
-        future: asyncio.Future[Span] = asyncio.get_running_loop().create_future()
-        self.open.add(data, future)
+    def write(self, data: bytes) -> PendingSpan:
+        pending = self.open.add(self.name, data)
         self.pending += len(data)
         if self.open.size >= self.service.max_batch:
             self.closed.append(self.open)
@@ -84,7 +111,7 @@ class _Journal:
         if self.pending >= self.service.max_pending:
             self.room.clear()
         self.wake.set()
-        return future
+        return pending
 
     def _next(self) -> _Batch | None:
         if self.closed:
@@ -143,10 +170,8 @@ class _Journal:
                 self.service.appends += 1
                 if self.service.router is not None:
                     self.service.router.observe(self.name, response.header)
-                begin = response.commit.begin
-                for future, offset, length in batch.records:
-                    if not future.done():
-                        future.set_result(Span(self.name, begin + offset, begin + offset + length))
+                if not batch.done.done():
+                    batch.done.set_result(response.commit.begin)
                 return
             log.warning("append to %s failed (retrying in %.2fs): %s", self.name, delay, error)
             await asyncio.sleep(delay)
@@ -154,9 +179,8 @@ class _Journal:
 
     @staticmethod
     def _fail(batch: _Batch, error: BaseException) -> None:
-        for future, _, _ in batch.records:
-            if not future.done():
-                future.set_exception(error)
+        if not batch.done.done():
+            batch.done.set_exception(error)
 
 
 class AppendService:
@@ -193,7 +217,7 @@ class AppendService:
             journal = self._journals[name] = _Journal(self, name)
         return journal
 
-    async def write(self, journal: str, data: bytes) -> asyncio.Future[Span]:
+    async def write(self, journal: str, data: bytes) -> PendingSpan:
         """Queue `data` as one record of `journal`, waiting while too much is pending; the
         future resolves with where the record was committed."""
         j = self._journal(journal)
@@ -201,7 +225,7 @@ class AppendService:
             await j.room.wait()
         return j.write(data)
 
-    def write_nowait(self, journal: str, data: bytes) -> asyncio.Future[Span]:
+    def write_nowait(self, journal: str, data: bytes) -> PendingSpan:
         """As `write`, without back-pressure (for callers that bound their own pending)."""
         return self._journal(journal).write(data)
 
@@ -212,11 +236,10 @@ class AppendService:
     async def flush(self) -> None:
         """Wait until everything written so far has committed (or failed)."""
         futures = [
-            f
+            batch.done
             for j in self._journals.values()
             for batch in [j.sending, *j.closed, j.open]
-            if batch is not None
-            for f, _, _ in batch.records
+            if batch is not None and batch.count
         ]
         if futures:
             await asyncio.gather(*futures, return_exceptions=True)

@@ -749,6 +749,10 @@ class DictMessages:
         return producer, clock, int(flags)
 
     def set_uuid(self, msg: dict[str, Any], u: uuid.UUID) -> None:
+        self.set_uuid_text(msg, str(u))
+
+    def set_uuid_text(self, msg: dict[str, Any], text: str) -> None:
+        """Set the UUID, given as its canonical text (the publisher's fast path)."""
         node = msg
         for key in self.uuid_path[:-1]:
             child = node.setdefault(key, {})
@@ -757,7 +761,7 @@ class DictMessages:
                     f"cannot set {self._where}: {key!r} holds a {type(child).__name__}, not an object"
                 )
             node = child
-        node[self.uuid_path[-1]] = str(u)
+        node[self.uuid_path[-1]] = text
 
     def new_acknowledgement(self, journal: str) -> dict[str, Any]:
         if self._ack_template is not None:

@@ -15,13 +15,11 @@ back ones never (ACKs themselves are delivered too, with `is_ack`, as upstream: 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
-from broker.client.append_service import AppendService, Span
+from broker.client.append_service import AppendService, PendingSpan, Span
 from broker.client.reader import read
 from broker.message.framing import (
     Frame,
@@ -34,12 +32,13 @@ from broker.message.framing import (
 )
 from broker.message.mapping import Partition
 from broker.message.sequencer import Envelope, QueueOutcome, Sequencer
-from broker.message.uuid import Clock, Flags, build, new_producer_id
+from broker.message.uuid import Clock, Flags, build, new_producer_id, text_of
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
 _NO_PRODUCER = bytes(6)
 _new_tuple = tuple.__new__
+_OUTSIDE_TXN, _CONTINUE_TXN = int(Flags.OUTSIDE_TXN), int(Flags.CONTINUE_TXN)  # Not IntFlag: fast
 log = logging.getLogger(__name__)
 
 
@@ -52,39 +51,50 @@ class Publisher(Generic[M]):
         *,
         producer: bytes | None = None,
     ) -> None:
+        if producer is not None and (not isinstance(producer, bytes) or len(producer) != 6):
+            raise ValueError(f"producer {producer!r} must be 6 bytes")
         self.service = service
         self.messages = messages
         self.framing = framing
         self.producer = producer or new_producer_id()
         self.clock = Clock()
         self._pending: set[str] = set()  # Journals with uncommitted messages.
+        # Per-message hot path: bound once. A type that takes UUID text (DictMessages) skips
+        # building a uuid.UUID only to format it.
+        self._producer_hex = self.producer.hex()
+        self._set_uuid_text: Callable[[M, str], None] | None = getattr(
+            messages, "set_uuid_text", None
+        )
+        self._encode = messages.encode
+        self._marshal = framing.marshal
+        self._service_write = service.write
 
-    def _stamp(self, msg: M, flags: Flags) -> None:
-        self.clock.update()  # Never backwards; then a tick makes each message's clock unique.
-        self.clock.tick()
-        # A message that cannot carry a UUID is published as it is: at-least-once.
-        with contextlib.suppress(TypeError, ValueError, AttributeError):
-            self.messages.set_uuid(msg, build(self.producer, self.clock.value, flags))
+    def _stamp(self, msg: M, flags: int) -> None:
+        # The clock follows wall time, never backwards; a tick makes each message's unique.
+        clock = self.clock.advance()
+        try:
+            if self._set_uuid_text is not None:
+                self._set_uuid_text(msg, text_of(self._producer_hex, clock, flags))
+            else:
+                self.messages.set_uuid(msg, build(self.producer, clock, flags))
+        except (TypeError, ValueError, AttributeError):
+            pass  # A message that cannot carry a UUID is published as it is: at-least-once.
 
-    async def _write(self, journal: str, msg: M) -> asyncio.Future[Span]:
+    async def _write(self, journal: str, msg: M) -> PendingSpan:
         out = bytearray()
-        self.framing.marshal(self.messages.encode(msg), out)
-        return await self.service.write(journal, bytes(out))
+        self._marshal(self._encode(msg), out)
+        return await self._service_write(journal, bytes(out))
 
-    async def publish_committed(
-        self, mapping: Callable[[M], Partition], msg: M
-    ) -> asyncio.Future[Span]:
+    async def publish_committed(self, mapping: Callable[[M], Partition], msg: M) -> PendingSpan:
         """Write `msg`, committed at once (OUTSIDE_TXN), to the journal `mapping` picks."""
         journal = mapping(msg).journal
-        self._stamp(msg, Flags.OUTSIDE_TXN)
+        self._stamp(msg, _OUTSIDE_TXN)
         return await self._write(journal, msg)
 
-    async def publish_uncommitted(
-        self, mapping: Callable[[M], Partition], msg: M
-    ) -> asyncio.Future[Span]:
+    async def publish_uncommitted(self, mapping: Callable[[M], Partition], msg: M) -> PendingSpan:
         """Write `msg` pending (CONTINUE_TXN), until an ACK of this publisher commits it."""
         journal = mapping(msg).journal
-        self._stamp(msg, Flags.CONTINUE_TXN)
+        self._stamp(msg, _CONTINUE_TXN)
         self._pending.add(journal)
         return await self._write(journal, msg)
 

@@ -41,6 +41,7 @@ __all__ = [
     "parse",
     "parse_text",
     "producer_of",
+    "text_of",
     "to_time",
     "to_unix_ns",
 ]
@@ -162,6 +163,16 @@ class Clock:
             if nxt > self._value:
                 self._value = nxt
 
+    def advance(self) -> int:
+        """`update()` to now then `tick()`, under one lock: a publisher's clock per message."""
+        now = (time.time_ns() // 100 + GREGORIAN_OFFSET) << 4
+        with self._lock:
+            value = self._value
+            if now > value:
+                value = now
+            self._value = value = value + TICK
+            return value
+
     def tick(self) -> int:
         """Advance by one microsecond (`TICK`) and return the new value."""
         with self._lock:
@@ -194,6 +205,19 @@ def build(producer: bytes, clock: int, flags: int) -> uuid.UUID:
         | int.from_bytes(producer, "big")
     )
     return _uuid_of_int(value)
+
+
+def text_of(producer_hex: str, clock: int, flags: int) -> str:
+    """The canonical text of `build(bytes.fromhex(producer_hex), clock, flags)`, formatted
+    directly: the publish path's hot spot. The caller vouches for its arguments (a producer's
+    own 12-digit hex ProducerID, a clock within range and flags within 0x3ff)."""
+    return "%08x-%04x-%04x-%04x-%s" % (  # noqa: UP031 (%-formatting is the fastest here)
+        (clock >> 4) & 0xFFFF_FFFF,
+        (clock >> 36) & 0xFFFF,
+        ((clock >> 52) & 0x0FFF) | _VERSION_1,
+        ((clock << 10) & 0x3C00) | flags | _VARIANT_RFC4122,
+        producer_hex,
+    )
 
 
 def _uuid_of_int(value: int) -> uuid.UUID:
