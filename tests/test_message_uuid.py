@@ -302,3 +302,16 @@ def test_parse_text_rejects_what_is_not_a_canonical_message_uuid(text: str) -> N
     with pytest.raises(ValueError) as err:
         mu.parse_text(text)
     assert "\n" not in str(err.value)
+
+
+@given(producers, st.lists(st.tuples(clocks, flag_values), min_size=1, max_size=20))
+def test_text_formatting_equals_the_uuid_text(
+    producer: bytes, stamps: list[tuple[int, int]]
+) -> None:
+    formatter = mu.TextFormatter(producer)
+    # Runs of ticks from each clock, as a publisher stamps them (the cached part then repeats).
+    for start, flags in stamps:
+        for clock in range(start, min(start + 5 * mu.TICK, mu.MAX_CLOCK + 1), mu.TICK):
+            text = str(mu.build(producer, clock, flags))
+            assert mu.text_of(producer.hex(), clock, flags) == text
+            assert formatter.text(clock, flags) == text

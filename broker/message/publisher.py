@@ -32,7 +32,7 @@ from broker.message.framing import (
 )
 from broker.message.mapping import Partition
 from broker.message.sequencer import Envelope, QueueOutcome, Sequencer
-from broker.message.uuid import Clock, Flags, build, new_producer_id, text_of
+from broker.message.uuid import Clock, Flags, TextFormatter, build, new_producer_id
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
@@ -61,7 +61,7 @@ class Publisher(Generic[M]):
         self._pending: set[str] = set()  # Journals with uncommitted messages.
         # Per-message hot path: bound once. A type that takes UUID text (DictMessages) skips
         # building a uuid.UUID only to format it.
-        self._producer_hex = self.producer.hex()
+        self._uuid_text = TextFormatter(self.producer).text
         self._set_uuid_text: Callable[[M, str], None] | None = getattr(
             messages, "set_uuid_text", None
         )
@@ -74,29 +74,29 @@ class Publisher(Generic[M]):
         clock = self.clock.advance()
         try:
             if self._set_uuid_text is not None:
-                self._set_uuid_text(msg, text_of(self._producer_hex, clock, flags))
+                self._set_uuid_text(msg, self._uuid_text(clock, flags))
             else:
                 self.messages.set_uuid(msg, build(self.producer, clock, flags))
         except (TypeError, ValueError, AttributeError):
             pass  # A message that cannot carry a UUID is published as it is: at-least-once.
 
-    async def _write(self, journal: str, msg: M) -> PendingSpan:
+    def _framed(self, msg: M) -> bytes:
         out = bytearray()
         self._marshal(self._encode(msg), out)
-        return await self._service_write(journal, bytes(out))
+        return bytes(out)
 
     async def publish_committed(self, mapping: Callable[[M], Partition], msg: M) -> PendingSpan:
         """Write `msg`, committed at once (OUTSIDE_TXN), to the journal `mapping` picks."""
         journal = mapping(msg).journal
         self._stamp(msg, _OUTSIDE_TXN)
-        return await self._write(journal, msg)
+        return await self._service_write(journal, self._framed(msg))
 
     async def publish_uncommitted(self, mapping: Callable[[M], Partition], msg: M) -> PendingSpan:
         """Write `msg` pending (CONTINUE_TXN), until an ACK of this publisher commits it."""
         journal = mapping(msg).journal
         self._stamp(msg, _CONTINUE_TXN)
         self._pending.add(journal)
-        return await self._write(journal, msg)
+        return await self._service_write(journal, self._framed(msg))
 
     def build_ack_intents(self) -> list[tuple[str, bytes]]:
         """The framed ACK_TXN acknowledgement for each journal with pending messages, at the

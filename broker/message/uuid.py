@@ -31,6 +31,7 @@ __all__ = [
     "TICK",
     "Clock",
     "Flags",
+    "TextFormatter",
     "build",
     "clock_of",
     "flags_of",
@@ -218,6 +219,28 @@ def text_of(producer_hex: str, clock: int, flags: int) -> str:
         ((clock << 10) & 0x3C00) | flags | _VARIANT_RFC4122,
         producer_hex,
     )
+
+
+class TextFormatter:
+    """`text_of` for one producer, faster: only the first 8 hex digits (the clock's low 32
+    bits of 100 ns ticks) change from one message to the next; the rest is formatted again only
+    when the clock's high bits, counter or the flags change (every seven minutes or so)."""
+
+    __slots__ = ("_key", "_producer_hex", "_rest")
+
+    def __init__(self, producer: bytes) -> None:
+        if len(producer) != PRODUCER_ID_LENGTH:
+            raise ValueError(f"producer {producer!r} must be {PRODUCER_ID_LENGTH} bytes")
+        self._producer_hex = producer.hex()
+        self._key = -1
+        self._rest = ""
+
+    def text(self, clock: int, flags: int) -> str:
+        key = (clock >> 36) << 14 | (clock & 0xF) << 10 | flags
+        if key != self._key:
+            self._rest = text_of(self._producer_hex, clock, flags)[8:]
+            self._key = key
+        return "%08x" % ((clock >> 4) & 0xFFFF_FFFF) + self._rest
 
 
 def _uuid_of_int(value: int) -> uuid.UUID:
