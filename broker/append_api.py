@@ -151,6 +151,11 @@ def raise_error(error: BaseException) -> None:
     raise AppendFailed(f"append failed: {error}")
 
 
+def peer_error(member: pb.ProcessSpec.ID, exc: grpc.aio.AioRpcError) -> str:
+    """One line for a proxied call that failed at its peer."""
+    return f"proxying to broker {member.zone}/{member.suffix}: {exc.code().name}: {exc.details()}"
+
+
 async def proxy_append(
     svc: JournalService,
     fsm: AppendFSM,
@@ -176,6 +181,12 @@ async def proxy_append(
         await call.done_writing()
         response: pb.AppendResponse = await call
         return response
-    except BaseException:
+    except grpc.aio.AioRpcError as exc:
         call.cancel()  # The primary rolls back a stream that ends without its commit.
+        # The client sees the primary's own status (UNAVAILABLE when it is down), which it
+        # knows to retry, rather than UNKNOWN.
+        await context.abort(exc.code(), peer_error(route.members[route.primary], exc))
+        raise  # (abort raises)
+    except BaseException:
+        call.cancel()
         raise

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker.append_api import peer_error
 from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
@@ -56,8 +57,12 @@ async def serve_read(
         yield pb.ReadResponse(status=res.status, header=res.header)
         return
     if not res.is_local:
-        async for response in proxy_read(svc, req, res.header):
-            yield response
+        try:
+            async for response in proxy_read(svc, req, res.header):
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            # The replica's own status (UNAVAILABLE when it is down), not UNKNOWN.
+            await context.abort(exc.code(), peer_error(res.header.process_id, exc))
         return
 
     assert res.replica is not None

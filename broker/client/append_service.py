@@ -173,7 +173,12 @@ class _Journal:
                 if not batch.done.done():
                     batch.done.set_result(response.commit.begin)
                 return
-            log.warning("append to %s failed (retrying in %.2fs): %s", self.name, delay, error)
+            reason = (
+                f"{error.code().name}: {error.details()}"  # Its str() is a multi-line dump.
+                if isinstance(error, grpc.aio.AioRpcError)
+                else str(error)
+            )
+            log.warning("append to %s failed (retrying in %.2fs): %s", self.name, delay, reason)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.service.max_retry_delay)
 

@@ -46,6 +46,7 @@ async def read(
     file_root: Path | None = None,
     begin_mod_time: int = 0,
     verify: bool = True,
+    do_not_proxy: bool = False,
 ) -> AsyncIterator[Chunk]:
     """Content of `journal` from `offset` (-1: the write head). Non-blocking reads end at the
     write head; blocking reads wait for new commits until cancelled. Offsets may jump forward
@@ -57,7 +58,8 @@ async def read(
     broker); a fragment's last chunk comes only once it checked out (FragmentCorrupt if not).
     `verify=False` skips the check of fragments the broker streams (it costs a CPU-second per
     GiB; the read_broker benchmark reports both). `begin_mod_time` skips
-    fragments persisted before it (unix seconds)."""
+    fragments persisted before it (unix seconds). `do_not_proxy` reads what the broker dialed
+    holds itself, as upstream's flag (it must be a replica of the journal)."""
     use_urls = direct
     while True:
         request = pb.ReadRequest(
@@ -65,7 +67,7 @@ async def read(
             offset=offset,
             block=block,
             end_offset=end_offset,
-            do_not_proxy=use_urls,
+            do_not_proxy=use_urls or do_not_proxy,
             begin_mod_time=begin_mod_time,
         )
         call = stub.Read(request)
