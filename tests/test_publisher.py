@@ -63,9 +63,17 @@ async def test_read_committed_sees_each_committed_message_once(
             # The aborted publisher restarts (same producer) and acknowledges an earlier clock:
             # what it had pending is rolled back.
             restarted = Publisher(service, messages, JSONLines(), producer=aborted.producer)
-            restarted._pending.update(JOURNALS)
+            restarted._pending.update(dict.fromkeys(JOURNALS, 1))
             restarted.clock = Clock(1)
             await restarted.commit()
+            # A publisher aborts a transaction itself, then carries on with a committed one.
+            quitter = Publisher(service, messages, JSONLines())
+            for i in range(5):
+                await quitter.publish_uncommitted(mapping, {"key": i, "kind": "aborted"})
+            await quitter.abort()
+            for i in range(3):
+                await quitter.publish_uncommitted(mapping, {"key": i, "kind": "after-abort"})
+            await quitter.commit()
             await service.flush()
 
         # A retried append re-writes the transaction's bytes: duplicates in the journal.
@@ -86,11 +94,13 @@ async def test_read_committed_sees_each_committed_message_once(
                 if not env.is_ack:
                     seen.append((env.message["kind"], env.message["key"]))
         assert sorted(seen) == sorted(
-            [("committed", i) for i in range(6)] + [("txn", i) for i in range(6)]
+            [("committed", i) for i in range(6)]
+            + [("txn", i) for i in range(6)]
+            + [("after-abort", i) for i in range(3)]
         )
         # Read uncommitted shows what is really in the journals: pending, aborted, duplicates.
         kinds = [e.message.get("kind") for e in itertools.chain(*uncommitted.values())]
-        assert kinds.count("aborted") == 4 and kinds.count("txn") == 6
+        assert kinds.count("aborted") == 4 + 5 and kinds.count("txn") == 6
         assert not reader.errors
 
 

@@ -58,7 +58,8 @@ class Publisher(Generic[M]):
         self.framing = framing
         self.producer = producer or new_producer_id()
         self.clock = Clock()
-        self._pending: set[str] = set()  # Journals with uncommitted messages.
+        # Journals with uncommitted messages, and the Clock of the first of them in each.
+        self._pending: dict[str, int] = {}
         # Per-message hot path: bound once. A type that takes UUID text (DictMessages) skips
         # building a uuid.UUID only to format it.
         self._uuid_text = TextFormatter(self.producer).text
@@ -69,7 +70,7 @@ class Publisher(Generic[M]):
         self._marshal = framing.marshal
         self._service_write = service.write
 
-    def _stamp(self, msg: M, flags: int) -> None:
+    def _stamp(self, msg: M, flags: int) -> int:
         # The clock follows wall time, never backwards; a tick makes each message's unique.
         clock = self.clock.advance()
         try:
@@ -79,6 +80,7 @@ class Publisher(Generic[M]):
                 self.messages.set_uuid(msg, build(self.producer, clock, flags))
         except (TypeError, ValueError, AttributeError):
             pass  # A message that cannot carry a UUID is published as it is: at-least-once.
+        return clock
 
     def _framed(self, msg: M) -> bytes:
         out = bytearray()
@@ -94,19 +96,28 @@ class Publisher(Generic[M]):
     async def publish_uncommitted(self, mapping: Callable[[M], Partition], msg: M) -> PendingSpan:
         """Write `msg` pending (CONTINUE_TXN), until an ACK of this publisher commits it."""
         journal = mapping(msg).journal
-        self._stamp(msg, _CONTINUE_TXN)
-        self._pending.add(journal)
+        clock = self._stamp(msg, _CONTINUE_TXN)
+        if journal not in self._pending:
+            self._pending[journal] = clock
         return await self._service_write(journal, self._framed(msg))
 
     def build_ack_intents(self) -> list[tuple[str, bytes]]:
         """The framed ACK_TXN acknowledgement for each journal with pending messages, at the
         current clock (committing every pending message before it); pending is then reset."""
-        self.clock.tick()
-        ack = build(self.producer, self.clock.value, Flags.ACK_TXN)
+        clock = self.clock.tick()
+        return self._acks({journal: clock for journal in self._pending})
+
+    def build_abort_intents(self) -> list[tuple[str, bytes]]:
+        """Acknowledgements that roll back what is pending: in each journal, an ACK_TXN whose
+        Clock is just below the first pending message's, so readers commit nothing of the span
+        (its messages are all above the ACK) and drop it. Pending is then reset."""
+        return self._acks({journal: first - 1 for journal, first in self._pending.items()})
+
+    def _acks(self, clocks: dict[str, int]) -> list[tuple[str, bytes]]:
         intents = []
-        for journal in sorted(self._pending):
+        for journal in sorted(clocks):
             msg = self.messages.new_acknowledgement(journal)
-            self.messages.set_uuid(msg, ack)
+            self.messages.set_uuid(msg, build(self.producer, clocks[journal], Flags.ACK_TXN))
             out = bytearray()
             self.framing.marshal(self.messages.encode(msg), out)
             intents.append((journal, bytes(out)))
@@ -115,7 +126,14 @@ class Publisher(Generic[M]):
 
     async def commit(self) -> list[Span]:
         """Write the ACK intents and wait for them (and so for every earlier write)."""
-        futures = [await self.service.write(j, data) for j, data in self.build_ack_intents()]
+        return await self._write_intents(self.build_ack_intents())
+
+    async def abort(self) -> list[Span]:
+        """Roll back every pending message (`build_abort_intents`), and wait for it."""
+        return await self._write_intents(self.build_abort_intents())
+
+    async def _write_intents(self, intents: list[tuple[str, bytes]]) -> list[Span]:
+        futures = [await self.service.write(j, data) for j, data in intents]
         return [await f for f in futures]
 
 
