@@ -641,3 +641,33 @@ def test_json_encoding_falls_back_for_what_msgspec_refuses() -> None:
         "s": "caf\u00e9 \u2028",
     }
     assert b"\n" not in encoded and "caf\u00e9".encode() in encoded  # UTF-8, not \\u escapes
+
+
+@settings(max_examples=75)
+@given(st.lists(st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"")), max_size=12),
+       st.binary(max_size=5).map(lambda b: b.replace(b"\n", b"")), cuts_st, bases)  # fmt: skip
+def test_feed_lines_cuts_the_same_lines_as_feed(
+    lines: list[bytes], tail: bytes, cuts: list[int], base: int
+) -> None:
+    stream = b"".join(line + b"\n" for line in lines) + tail
+    by_frames, by_lines = FrameReader(JSONLines()), FrameReader(JSONLines())
+    frames: list[Frame] = []
+    cut: list[tuple[int, int, bytes]] = []
+    for offset, content in chunk(stream, cuts, base):
+        frames += by_frames.feed(offset, content)
+        errors, begin, got = by_lines.feed_lines(offset, content)
+        assert errors == []
+        for line in got:
+            cut.append((begin, begin + len(line) + 1, line + b"\n"))
+            begin += len(line) + 1
+    assert cut == [(f.offset, f.end, f.data) for f in frames]
+    assert by_lines.finish() == by_frames.finish()  # The tail: one truncated-frame error.
+
+
+def test_feed_lines_reports_a_partial_line_cut_by_an_offset_jump() -> None:
+    reader = FrameReader(JSONLines())
+    assert reader.feed_lines(100, b'{"a":1}\n{"b"') == ([], 100, [b'{"a":1}'])
+    errors, begin, lines = reader.feed_lines(500, b'{"c":3}\n')
+    (error,) = errors
+    assert (error.offset, error.data) == (108, b'{"b"') and "jumps to offset 500" in error.error
+    assert (begin, lines) == (500, [b'{"c":3}'])

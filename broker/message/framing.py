@@ -208,6 +208,44 @@ class FrameReader:
             return out
         return frames
 
+    def feed_lines(self, offset: int, content: bytes) -> tuple[list[Frame], int, list[bytes]]:
+        """As `feed`, for newline-delimited framings only (JSON lines), without building a
+        Frame per line: the error frames of a jump (as `feed`), the offset of the first line,
+        and the complete lines without their newlines, each line's end one byte past it."""
+        errors: list[Frame] = []
+        if self._offset is None:
+            self._offset = offset
+        expected = self._offset + len(self._buf)
+        if offset > expected:
+            errors = [
+                f._replace(error=f"{f.error}; content then jumps to offset {offset}")
+                if f.error
+                else f
+                for f in self._flush()
+            ]
+            self._offset = offset
+        elif offset < expected:
+            raise ValueError(
+                f"chunk at offset {offset} overlaps content already read through {expected}: "
+                "feed contiguous chunks in offset order"
+            )
+        base = self._offset
+        if self._buf:
+            self._buf += content
+            data = bytes(self._buf)
+        else:
+            data = content
+        last = data.rfind(b"\n")
+        if last < 0:
+            if data is content:
+                self._buf = bytearray(content)
+            return errors, base, []
+        lines = data[:last].split(b"\n")
+        self._buf = bytearray(data[last + 1 :])
+        self._offset = base + last + 1
+        self._splitter = self._framing.splitter()  # (feed() may follow: it searches afresh.)
+        return errors, base, lines
+
     def finish(self) -> list[Frame]:
         """No more content follows: return what is pending as error frames and reset.
 
