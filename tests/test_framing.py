@@ -671,3 +671,35 @@ def test_feed_lines_reports_a_partial_line_cut_by_an_offset_jump() -> None:
     (error,) = errors
     assert (error.offset, error.data) == (108, b'{"b"') and "jumps to offset 500" in error.error
     assert (begin, lines) == (500, [b'{"c":3}'])
+
+
+def test_fused_json_decode_memo_across_messages_of_producers() -> None:
+    # Consecutive messages share all but the first 8 hex digits of their UUID text; the memo of
+    # that tail must never leak into a message whose tail differs.
+    messages = DictMessages()
+    a, b = b"\x01\x02\x03\x04\x05\x06", b"\x07\x08\x09\x0a\x0b\x0c"
+    start = (0xFFFF_FFFF - 3) << 4  # Ticks cross a time_low wrap (time_mid changes).
+    stamps = [
+        (producer, start + i * mu.TICK, flags)
+        for i in range(8)
+        for producer, flags in ((a, 1), (a, 1), (b, 1), (a, 2), (a, 0))
+    ]
+    for producer, clock, flags in stamps:
+        line = b'{"_meta":{"uuid":"%s"}}\n' % str(mu.build(producer, clock, flags)).encode()
+        assert messages.decode_frame(line)[1] == (producer, clock, flags)
+    # With the memo primed, odd first parts get what the slow path (uuid.UUID) makes of them:
+    # it takes signs, spaces, underscores and non-ASCII digits, and refuses other letters.
+    text = str(mu.build(a, start, 1))
+    messages.decode_frame(b'{"_meta":{"uuid":"%s"}}' % text.encode())
+    for head in ("+0000001", " 0000001", "0000_001", "zzzzzzzz", "\u0663" * 8):
+        doc = {"_meta": {"uuid": head + text[8:]}}
+        line = json.dumps(doc).encode()
+        try:
+            expected: object = _slow_fields(DictMessages(), doc)
+        except ValueError:
+            expected = ValueError
+        try:
+            got: object = messages.decode_frame(line)[1]
+        except ValueError:
+            got = ValueError
+        assert got == expected, head
