@@ -72,10 +72,12 @@ def _register() -> None:
     from gazctl.attach_uuids import attach_uuids
     from gazctl.dev import dev
     from gazctl.journals import journals
+    from gazctl.spark.cli import spark
 
     cli.add_command(journals)
     cli.add_command(dev)
     cli.add_command(attach_uuids)
+    cli.add_command(spark)
 
 
 _register()

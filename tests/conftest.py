@@ -132,3 +132,14 @@ def run_cli(
 
 
 from tests.store_servers import gcs_server, s3_server  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def spark(gcs_server: object, s3_server: object) -> Iterator[object]:  # noqa: F811
+    """One real Spark (local[2]) for every test that needs it, started after the storage
+    emulators so that its Python workers inherit their environment; stopped by pid."""
+    from gazctl.spark.session import spark_session, stop_spark
+
+    session = spark_session("local[2]", "gazette-py tests")
+    yield session
+    stop_spark(session)

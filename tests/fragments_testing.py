@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 from collections.abc import Sequence
 
 from broker.fragment import codecs
@@ -54,6 +55,6 @@ def put_pieces(
     points = [0, *cuts, len(content)]
     return [
         put_fragment(store, journal, a, content[a:b], codec, postfix)
-        for a, b in zip(points, points[1:], strict=False)
+        for a, b in itertools.pairwise(points)
         if b > a
     ]

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.fragment import codecs
 from broker.fragment.content import FragmentCorrupt, describe, fragment_path, open_in_store
 from broker.fragment.fragments import sum_from_digest
-from broker.fragment.stores import StoreError, open_store
+from broker.fragment.stores import FragmentStore, StoreError, open_store
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError, covering
 
@@ -41,7 +41,7 @@ class Run:
     journal: str
     store: str
     postfix: str
-    codec: int
+    codec: pb.CompressionCodec
     fragments: list[pb.Fragment]
 
     @property
@@ -75,7 +75,7 @@ def plan_journal(
     fragments: Sequence[pb.Fragment],
     *,
     target_size: int,
-    codec: int | None,
+    codec: pb.CompressionCodec | None,
     min_age: float,
     now: float,
 ) -> Plan:
@@ -135,7 +135,7 @@ def write_merged(run: Run, file_root: Path | None) -> Merged:
     store = _store(run.store, file_root)
     summer = hashlib.sha1()
     with tempfile.TemporaryFile(prefix="gazette-compact-") as tmp:
-        with codecs.compressor(pb.CompressionCodec.ValueType(run.codec), tmp) as out:
+        with codecs.compressor(run.codec, tmp) as out:
             at = run.begin
             for fragment in run.fragments:
                 if fragment.begin != at:
@@ -157,7 +157,7 @@ def write_merged(run: Run, file_root: Path | None) -> Merged:
             begin=run.begin,
             end=run.end,
             sum=sum_from_digest(summer.digest()),
-            compression_codec=pb.CompressionCodec.ValueType(run.codec),
+            compression_codec=run.codec,
             backing_store=run.store,
             path_postfix=run.postfix,
         )
@@ -187,16 +187,17 @@ def remove_covered(fragments: Sequence[pb.Fragment], file_root: Path | None) -> 
     return len(fragments)
 
 
-def _store(url: str, file_root: Path | None) -> object:
+def _store(url: str, file_root: Path | None) -> FragmentStore:
     try:
         return open_store(url, file_root=file_root)
     except (StoreError, ValueError) as exc:
         raise JobError(f"cannot open the fragment store {url}: {exc}") from None
 
 
-def _read(store: object, fragment: pb.Fragment) -> object:
+def _read(store: FragmentStore, fragment: pb.Fragment) -> Iterator[bytes]:
+    """The fragment's content, verified; failures as JobError naming the fragment."""
     try:
-        yield from open_in_store(store, fragment, fragment.begin, verify=True)  # type: ignore[arg-type]
+        yield from open_in_store(store, fragment, fragment.begin, verify=True)
     except FragmentCorrupt as exc:
         raise JobError(str(exc)) from None
     except StoreError as exc:

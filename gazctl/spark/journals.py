@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from broker.client import JournalsClient
+from broker.client import JournalsClient, ListSnapshot
 from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import FragmentStore, StoreError, open_store
 from broker.protocol import labels
@@ -40,14 +40,16 @@ def select_journals(
     elif broker is not None:
         found = [j.spec for j in asyncio.run(_list(broker, sel)).journals]
     else:
-        raise JobError("name a broker (--broker.address) or a specs file (--specs) to find journals")
+        raise JobError(
+            "name a broker (--broker.address) or a specs file (--specs) to find journals"
+        )
     if not found:
         where = f"the specs in {specs}" if specs is not None else f"broker {broker}"
         raise JobError(f"no journals match the selector {selector!r} (asked {where})")
     return sorted(found, key=lambda s: s.name)
 
 
-async def _list(broker: str, sel: pb.LabelSelector) -> object:
+async def _list(broker: str, sel: pb.LabelSelector) -> ListSnapshot:
     async with JournalsClient(broker) as client:
         return await client.list(sel)
 

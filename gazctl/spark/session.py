@@ -64,3 +64,23 @@ def spark_session(master: str | None = None, app: str = "gazctl") -> SparkSessio
     spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(GazetteDataSource)
     return spark
+
+
+def stop_spark(spark: SparkSession) -> None:
+    """Stop the session and the JVM it runs in, by its pid (a later session starts a new one)."""
+    from pyspark import SparkContext
+
+    spark.stop()
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if gateway is not None:
+        gateway.shutdown()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    if proc is not None:
+        from broker.testing import stop_process
+
+        stop_process(proc)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()

@@ -59,7 +59,9 @@ from gazctl.spark.journals import JobError, covering, listed_fragments, select_j
 log = logging.getLogger(__name__)
 
 RAW_SCHEMA = "journal STRING, begin LONG, end LONG, offset LONG, content BINARY"
-MESSAGE_COLUMNS = "journal STRING, offset LONG, end LONG, producer STRING, clock LONG, flags INT, uuid STRING"
+MESSAGE_COLUMNS = (
+    "journal STRING, offset LONG, end LONG, producer STRING, clock LONG, flags INT, uuid STRING"
+)
 FRAMINGS = ("none", "lines", "csv", "fixed", "auto")
 BATCH_ROWS = 8192
 
@@ -69,7 +71,7 @@ def message_schema(binary: bool) -> str:
 
 
 @dataclass
-class FragmentPartition(InputPartition):  # type: ignore[misc]
+class FragmentPartition(InputPartition):
     """One fragment to read, with what reading it needs (pickled to the executor)."""
 
     fragment: bytes  # A serialized pb.Fragment.
@@ -115,7 +117,7 @@ def _framing_of_journal(spec: pb.JournalSpec) -> str:
     return {JSONLines: "lines", CSV: "csv", FixedProtobuf: "fixed"}[type(framing)]
 
 
-class GazetteDataSource(DataSource):  # type: ignore[misc]
+class GazetteDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
         return "gazette"
@@ -130,7 +132,7 @@ class GazetteDataSource(DataSource):  # type: ignore[misc]
         return GazetteReader(self.options)
 
 
-class GazetteReader(DataSourceReader):  # type: ignore[misc]
+class GazetteReader(DataSourceReader):
     def __init__(self, options: Any) -> None:
         self.options = dict(options)
 
@@ -171,9 +173,10 @@ class GazetteReader(DataSourceReader):  # type: ignore[misc]
                 )
         return out
 
-    def read(self, partition: FragmentPartition) -> Iterator[Any]:
-        import pyarrow as pa
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        import pyarrow as pa  # type: ignore[import-untyped]
 
+        assert isinstance(partition, FragmentPartition)
         fragment = pb.Fragment.FromString(partition.fragment)
         root = Path(partition.file_root) if partition.file_root else None
         store = _store(fragment.backing_store, root)
@@ -213,7 +216,8 @@ def _message_batches(
     import pyarrow as pa
 
     kind = partition.framing
-    framing: Framing = {"lines": JSONLines(), "csv": CSV(), "fixed": FixedProtobuf()}[kind]
+    framings: dict[str, Framing] = {"lines": JSONLines(), "csv": CSV(), "fixed": FixedProtobuf()}
+    framing = framings[kind]
     binary = kind == "fixed"
     schema = _arrow_schema(message_schema(binary))
     messages: Any = (

@@ -1,0 +1,268 @@
+"""`gazctl spark compact` and `gazctl spark replay`: Spark jobs over journals' fragment stores."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from broker.client import BrokerUnavailable, JournalsClient
+from broker.fragment.content import describe
+from broker.protocol import protocol_pb2 as pb
+from gazctl.journals import broker_options
+from gazctl.render import console, err_console
+from gazctl.spark.compaction import Plan, Run, plan_journal
+from gazctl.spark.journals import JobError, listed_fragments, select_journals
+from spec.durations import DurationError, parse_duration, seconds_from_duration
+
+T = TypeVar("T")
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+CODECS = ("NONE", "GZIP", "ZSTANDARD", "SNAPPY", "GZIP_OFFLOAD_DECOMPRESSION")
+
+
+def parse_size(text: str) -> int:
+    match = _SIZE.match(text)
+    if not match or int(match.group(1)) <= 0:
+        raise click.BadParameter(f"{text!r} is not a size: give e.g. 512MiB, 1GiB or 1048576")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+
+
+def _seconds(text: str, flag: str) -> float:
+    try:
+        return seconds_from_duration(parse_duration(text))
+    except DurationError as exc:
+        raise click.BadParameter(f"{flag} {text!r}: {exc}") from None
+
+
+def job(fn: Callable[..., T]) -> Callable[..., T]:
+    """Run a job command, turning JobError into one line (exit 1)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except JobError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+def journal_source_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for decorator in reversed(
+        [
+            click.option("-l", "--selector", required=True, help="Label selector of journals"),
+            click.option("--specs", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                         help="Journal specs (as `journals list -o yaml` writes them) to use "
+                              "instead of asking a broker: no broker needed"),
+            click.option("--file-root", type=click.Path(file_okay=False, path_type=Path),
+                         default=None, help="Directory that roots file:// fragment stores "
+                                            "(as brokers' --broker.file-root)"),
+            click.option("--master", default=None,
+                         help="Spark master URL (default: local[*], the embedded engine)"),
+            broker_options,
+        ]
+    ):  # fmt: skip
+        f = decorator(f)
+    return f
+
+
+@click.group()
+def spark() -> None:
+    """Spark jobs over journal fragment stores (needs `pip install 'gazette-py[spark]'`)."""
+
+
+# ---- compact ------------------------------------------------------------------------------------
+
+
+def _plans(
+    selector: str,
+    opts: dict[str, Any],
+    specs: Path | None,
+    file_root: Path | None,
+    target: int,
+    codec: pb.CompressionCodec | None,
+    min_age: float | None,
+) -> tuple[list[pb.JournalSpec], list[Plan]]:
+    journals = select_journals(
+        selector, broker=None if specs else opts["broker_address"], specs=specs
+    )
+    now = time.time()
+    plans = []
+    for spec in journals:
+        if not spec.fragment.stores:
+            continue
+        age = min_age
+        if age is None:  # The journal's flush interval: fragments older than it are settled.
+            age = seconds_from_duration(spec.fragment.flush_interval) or 3600.0
+        plans.append(
+            plan_journal(
+                spec,
+                listed_fragments(spec, file_root),
+                target_size=target,
+                codec=codec,
+                min_age=age,
+                now=now,
+            )
+        )
+    if not plans:
+        raise JobError(f"none of the journals {selector!r} selects has a fragment store")
+    return journals, plans
+
+
+def _plan_table(runs: Sequence[Run]) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("Journal", "Begin", "End", "Bytes", "Fragments", "Codec", "Postfix"):
+        right = name in ("Begin", "End", "Bytes", "Fragments")
+        table.add_column(name, justify="right" if right else "left")
+    for run in runs:
+        table.add_row(
+            run.journal, str(run.begin), str(run.end), str(run.size), str(len(run.fragments)),
+            pb.CompressionCodec.Name(run.codec), run.postfix or "-",
+        )  # fmt: skip
+    return table
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+@spark.command("compact")
+@journal_source_options
+@click.option(
+    "--target-size",
+    default="512MiB",
+    show_default=True,
+    help="Content size that merged fragments approach (and never pass)",
+)
+@click.option(
+    "--codec",
+    type=click.Choice(CODECS, case_sensitive=False),
+    default=None,
+    help="Codec of merged fragments (default: each journal's)",
+)
+@click.option(
+    "--min-age",
+    default=None,
+    help="Only fragments persisted at least this long ago (default: the journal's "
+    "flush interval, or 1h if it has none)",
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan as a table; change nothing")
+@job
+def compact_cmd(
+    selector: str,
+    specs: Path | None,
+    file_root: Path | None,
+    master: str | None,
+    target_size: str,
+    codec: str | None,
+    min_age: str | None,
+    dry_run: bool,
+    **opts: Any,
+) -> None:
+    """Merge runs of adjacent persisted fragments into fewer, larger ones.
+
+    Each run of adjacent fragments (same store and path postfix, persisted at least --min-age
+    ago) is merged into one fragment covering exactly the same offsets, under its
+    content-addressed name, written with a no-overwrite precondition and verified (read back
+    whole: length and SHA-1). Only then, once brokers list it (their index prefers the larger
+    fragment), are the fragments it covers removed. Re-running finishes an interrupted run;
+    killing it at any step leaves the journal readable, with identical bytes.
+    """
+    target = parse_size(target_size)
+    age = _seconds(min_age, "--min-age") if min_age is not None else None
+    chosen = pb.CompressionCodec.Value(codec.upper()) if codec else None
+    journals, plans = _plans(selector, opts, specs, file_root, target, chosen, age)
+    runs = [run for plan in plans for run in plan.runs]
+    redundant = [f for plan in plans for f in plan.redundant]
+    merging = sum(len(run.fragments) for run in runs)
+    size = sum(run.size for run in runs)
+    untouched = sum(plan.untouched for plan in plans)
+    young = sum(plan.too_young for plan in plans)
+    summary = (
+        f"{_count(len(plans), 'journal')}: {_count(merging, 'fragment')} ({size} bytes) into "
+        f"{_count(len(runs), 'fragment')}; {_count(len(redundant), 'redundant fragment')} "
+        f"to remove; {untouched} left as they are, {young} too young"
+    )
+    if dry_run:
+        if runs:
+            console.print(_plan_table(runs))
+        err_console.print(f"dry run, nothing changed: would merge {summary}", soft_wrap=True)
+        return
+    if not runs and not redundant:
+        err_console.print(f"nothing to compact: {summary}", soft_wrap=True)
+        return
+
+    from gazctl.spark.jobs import merge_runs, remove_fragments
+    from gazctl.spark.session import spark_session
+
+    session = spark_session(master, "gazctl spark compact")
+    root = str(file_root) if file_root is not None else None
+    with _progress() as progress:
+        merged = merge_runs(session, runs, root, progress)
+        if not specs:
+            _wait_listed(opts["broker_address"], journals, [m.fragment for m in merged])
+        covered = [f for run in runs for f in run.fragments] + redundant
+        remove_fragments(session, covered, root, progress)
+    existed = sum(m.existed for m in merged)
+    err_console.print(
+        f"compacted {summary.replace(' to remove', ' removed')}"
+        + (f" ({existed} already written by an earlier run)" if existed else ""),
+        soft_wrap=True,
+    )
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), DownloadColumn(),
+        console=err_console, transient=False, disable=not err_console.is_terminal,
+    )  # fmt: skip
+
+
+def _wait_listed(
+    broker: str, journals: Sequence[pb.JournalSpec], merged: Sequence[pb.Fragment]
+) -> None:
+    """Wait until the brokers' indexes list each merged fragment (reads then use it), for at
+    most a few of the journal's refresh intervals."""
+    from gazctl.fragments import list_fragments
+
+    specs = {s.name: s for s in journals}
+
+    async def wait() -> None:
+        async with JournalsClient(broker) as client:
+            for fragment in merged:
+                spec = specs[fragment.journal]
+                if spec.suspend.level == pb.JournalSpec.Suspend.FULL:
+                    continue  # No replica serves it: nothing reads through an index.
+                refresh = seconds_from_duration(spec.fragment.refresh_interval) or 300.0
+                deadline = time.monotonic() + 3 * refresh + 30
+                while True:
+                    listed = await list_fragments(client.stub, fragment.journal)
+                    if any(
+                        f.spec.begin == fragment.begin
+                        and f.spec.end == fragment.end
+                        and f.spec.backing_store
+                        for f in listed
+                    ):
+                        break
+                    if time.monotonic() > deadline:
+                        raise JobError(
+                            f"brokers have not listed {describe(fragment)} yet, so the fragments "
+                            "it covers were not removed: re-run once they have"
+                        )
+                    await asyncio.sleep(min(1.0, refresh / 4))
+
+    try:
+        asyncio.run(wait())
+    except BrokerUnavailable as exc:
+        raise JobError(f"{exc} (to compact without brokers, give --specs)") from None

@@ -1,0 +1,112 @@
+"""The Spark side of gazctl's jobs: tasks over runs and fragments, their progress (accumulators
+polled while the job runs), and executor failures brought back as one line."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from rich.progress import Progress
+
+from broker.protocol import protocol_pb2 as pb
+from gazctl.spark.compaction import Merged, Run, remove_covered, write_merged
+from gazctl.spark.journals import JobError
+
+T = TypeVar("T")
+
+_JOB_ERROR = re.compile(r"JobError: (.+)")
+
+
+def executor_error(exc: BaseException) -> JobError:
+    """The JobError an executor raised (its message), or the failure's first line."""
+    text = str(exc)
+    found = _JOB_ERROR.findall(text)
+    if found:
+        return JobError(found[-1].strip())
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return JobError(f"the Spark job failed: {first}")
+
+
+def run_with_progress(
+    action: Callable[[], T], progress: Progress, meters: Sequence[tuple[Any, Any]]
+) -> T:
+    """Run a Spark action while showing accumulator values: `meters` pairs a progress task id
+    with the accumulator feeding it."""
+    done = threading.Event()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(action())
+        except BaseException as exc:  # Re-raised on the calling thread.
+            failure.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=target, name="spark-action", daemon=True)
+    thread.start()
+    while not done.wait(0.2):
+        for task, accumulator in meters:
+            progress.update(task, completed=accumulator.value)
+    thread.join()
+    for task, accumulator in meters:
+        progress.update(task, completed=accumulator.value)
+    if failure:
+        if isinstance(failure[0], JobError):
+            raise failure[0]
+        raise executor_error(failure[0]) from None
+    return result[0]
+
+
+def merge_runs(
+    session: Any, runs: Sequence[Run], file_root: str | None, progress: Progress
+) -> list[Merged]:
+    """Write and verify every run's merged fragment, one Spark task per run."""
+    from pathlib import Path
+
+    sc = session.sparkContext
+    fragments, content = sc.accumulator(0), sc.accumulator(0)
+    root = Path(file_root) if file_root is not None else None
+
+    def merge(run: Run) -> Merged:
+        merged = write_merged(run, root)
+        fragments.add(len(run.fragments))
+        content.add(run.size)
+        return merged
+
+    meters = [
+        (
+            progress.add_task("fragments merged", total=sum(len(r.fragments) for r in runs)),
+            fragments,
+        ),
+        (progress.add_task("bytes merged", total=sum(r.size for r in runs)), content),
+    ]
+    rdd = sc.parallelize(list(runs), max(1, len(runs)))
+    return run_with_progress(lambda: rdd.map(merge).collect(), progress, meters)
+
+
+def remove_fragments(
+    session: Any, fragments: Sequence[pb.Fragment], file_root: str | None, progress: Progress
+) -> int:
+    """Remove covered fragments from their stores, in parallel."""
+    from pathlib import Path
+
+    if not fragments:
+        return 0
+    sc = session.sparkContext
+    removed = sc.accumulator(0)
+    root = Path(file_root) if file_root is not None else None
+
+    def remove(batch: list[pb.Fragment]) -> int:
+        n = remove_covered(batch, root)
+        removed.add(n)
+        return n
+
+    slices = max(1, min(len(fragments), sc.defaultParallelism * 4))
+    batches = [list(fragments[i::slices]) for i in range(slices)]
+    meters = [(progress.add_task("fragments removed", total=len(fragments)), removed)]
+    rdd = sc.parallelize(batches, slices)
+    return sum(run_with_progress(lambda: rdd.map(remove).collect(), progress, meters))

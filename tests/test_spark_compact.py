@@ -1,0 +1,201 @@
+"""`gazctl spark compact` on real Spark (local[2]) over file, gs (fake-gcs-server) and s3 (moto)
+stores: identical bytes before and after, fewer and larger fragments, safe to interrupt between
+writing a merged fragment and removing what it covers, idempotent, and refusing corrupt input."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from broker.fragment.content import fragment_path, open_in_store
+from broker.fragment.stores import FragmentStore, open_store
+from broker.protocol import protocol_pb2 as pb
+from gazctl.cli import cli
+from gazctl.spark.compaction import plan_journal, write_merged
+from gazctl.spark.journals import covering
+from tests.fragments_testing import put_pieces
+from tests.store_servers import GCSServer, S3Server
+
+JOURNAL = "compact/events"
+
+
+def journal_bytes(store: FragmentStore, journal: str) -> bytes:
+    """The journal's whole content as a reader gets it from the store: covering fragments."""
+    kept, _ = covering(store.list_fragments(journal))
+    out = bytearray()
+    for fragment in kept:
+        assert fragment.begin <= len(out), f"a gap before {fragment.begin}"
+        for block in open_in_store(store, fragment, len(out)):
+            out += block
+    return bytes(out)
+
+
+def specs_file(tmp_path: Path, store_url: str, codec: str = "ZSTANDARD") -> Path:
+    path = tmp_path / "specs.yaml"
+    path.write_text(
+        f"name: {JOURNAL}\nreplication: 1\nfragment:\n  length: 1048576\n"
+        f'  compression_codec: {codec}\n  stores: ["{store_url}"]\n'
+    )
+    return path
+
+
+def content(size: int, seed: int = 7) -> bytes:
+    rng = random.Random(seed)
+    lines = []
+    total = 0
+    while total < size:
+        line = f'{{"n": {len(lines)}, "v": "{rng.getrandbits(64):x}"}}\n'.encode()
+        lines.append(line)
+        total += len(line)
+    return b"".join(lines)[:size]
+
+
+def compact(*args: str, env: dict[str, str] | None = None) -> Any:
+    result = CliRunner().invoke(cli, ["spark", "compact", *args], env=env)
+    return result
+
+
+def stores(tmp_path: Path, which: str, gcs: GCSServer, s3: S3Server) -> tuple[str, Path | None]:
+    if which == "file":
+        (tmp_path / "root" / "store").mkdir(parents=True)
+        return "file:///store/", tmp_path / "root"
+    if which == "gs":
+        return f"gs://{gcs.create_bucket()}/journals/", None
+    return f"s3://{s3.create_bucket()}/journals/?endpoint={s3.endpoint}", None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["file", "gs", "s3"])
+def test_compaction_keeps_bytes_and_merges_fragments(
+    spark: object, gcs_server: GCSServer, s3_server: S3Server, tmp_path: Path, which: str
+) -> None:
+    url, root = stores(tmp_path, which, gcs_server, s3_server)
+    store = open_store(url, file_root=root)
+    data = content(300_000)
+    cuts = sorted(random.Random(1).sample(range(1, len(data)), 39))
+    put_pieces(store, JOURNAL, data, cuts, codec=pb.SNAPPY)
+    before = journal_bytes(store, JOURNAL)
+    assert before == data and len(store.list_fragments(JOURNAL)) == 40
+    specs = specs_file(tmp_path, url)
+    args = ["-l", f"name={JOURNAL}", "--specs", str(specs), "--min-age", "0s",
+            "--target-size", "64KiB"]  # fmt: skip
+    if root is not None:
+        args += ["--file-root", str(root)]
+
+    dry = compact(*args, "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert "would merge" in dry.output and len(store.list_fragments(JOURNAL)) == 40
+
+    result = compact(*args)
+    assert result.exit_code == 0, result.output
+    after = store.list_fragments(JOURNAL)
+    assert journal_bytes(store, JOURNAL) == data
+    assert 5 <= len(after) < 10  # 300 KB in pieces of at most 64 KiB.
+    assert all(f.end - f.begin <= 64 << 10 for f in after)
+    assert {f.compression_codec for f in after} == {pb.ZSTANDARD}  # The journal's codec.
+    assert covering(after)[1] == []  # Nothing redundant left behind.
+
+    again = compact(*args)  # Idempotent: nothing left to merge.
+    assert again.exit_code == 0, again.output
+    assert "nothing to compact" in again.output
+    assert [fragment_path(f) for f in store.list_fragments(JOURNAL)] == [
+        fragment_path(f) for f in after
+    ]
+
+
+@pytest.mark.slow
+def test_interrupted_compaction_reads_the_same_and_a_rerun_finishes(
+    spark: object, tmp_path: Path
+) -> None:
+    url, root = "file:///store/", tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    store = open_store(url, file_root=root)
+    data = content(120_000, seed=3)
+    put_pieces(store, JOURNAL, data, list(range(4000, len(data), 4000)), codec=pb.GZIP)
+    spec = pb.JournalSpec(name=JOURNAL)
+    spec.fragment.compression_codec = pb.ZSTANDARD
+    plan = plan_journal(
+        spec, store.list_fragments(JOURNAL), target_size=50_000, codec=None, min_age=0, now=1e10
+    )
+    assert len(plan.runs) == 3
+    # "Killed" after the first two runs' fragments were written, before anything was removed.
+    for run in plan.runs[:2]:
+        write_merged(run, root)
+    listed = store.list_fragments(JOURNAL)
+    assert len(covering(listed)[1]) == sum(len(r.fragments) for r in plan.runs[:2])
+    assert journal_bytes(store, JOURNAL) == data  # Readers see identical bytes meanwhile.
+
+    result = compact("-l", f"name={JOURNAL}", "--specs", str(specs_file(tmp_path, url)),
+                     "--file-root", str(root), "--min-age", "0s", "--target-size", "50000")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    # The two merged fragments cover 24 old ones, removed now; the last run is merged.
+    assert "6 fragments (24000 bytes) into 1 fragment; 24 redundant fragments" in result.output
+    after = store.list_fragments(JOURNAL)
+    assert len(after) == 3 and covering(after)[1] == []
+    assert journal_bytes(store, JOURNAL) == data
+
+
+@pytest.mark.slow
+def test_a_corrupt_fragment_fails_the_job_and_nothing_is_removed(
+    spark: object, tmp_path: Path
+) -> None:
+    url, root = "file:///store/", tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    store = open_store(url, file_root=root)
+    data = content(40_000, seed=5)
+    fragments = put_pieces(store, JOURNAL, data, [10_000, 20_000, 30_000])
+    victim = root / "store" / fragment_path(fragments[2])
+    os.chmod(victim, 0o644)
+    victim.write_bytes(b"X" * (fragments[2].end - fragments[2].begin))  # Same size, wrong bytes.
+    result = compact("-l", f"name={JOURNAL}", "--specs", str(specs_file(tmp_path, url, "NONE")),
+                     "--file-root", str(root), "--min-age", "0s")  # fmt: skip
+    assert result.exit_code == 1
+    assert "does not match its SHA-1" in result.output
+    assert fragment_path(fragments[2]) in result.output
+    assert result.output.count("\n") == 1, result.output  # One line, no traceback.
+    assert len(store.list_fragments(JOURNAL)) == 4
+
+
+def test_plan_respects_gaps_postfixes_age_and_target() -> None:
+    spec = pb.JournalSpec(name=JOURNAL)
+
+    def f(begin: int, end: int, postfix: str = "", mod_time: int = 100) -> pb.Fragment:
+        return pb.Fragment(journal=JOURNAL, begin=begin, end=end, backing_store="file:///s/",
+                           path_postfix=postfix, mod_time=mod_time)  # fmt: skip
+
+    fragments = [
+        f(0, 10),
+        f(10, 20),
+        f(20, 30),  # one run (30 <= 35)
+        f(30, 40),  # would pass the target: starts the next run
+        f(40, 50),
+        f(60, 70),
+        f(70, 80),  # after a gap: a run of their own
+        f(80, 90, "date=2"),  # another postfix: alone
+        f(90, 95, "date=2", mod_time=195),
+        f(95, 99, "date=2", mod_time=199),  # too young
+        f(0, 20),  # covers the first two: they are redundant
+    ]
+    plan = plan_journal(spec, fragments, target_size=35, codec=pb.GZIP, min_age=10, now=200)
+    assert [(r.begin, r.end, len(r.fragments)) for r in plan.runs] == [
+        (0, 30, 2), (30, 50, 2), (60, 80, 2)
+    ]  # fmt: skip
+    assert [(g.begin, g.end) for g in plan.redundant] == [(0, 10), (10, 20)]
+    assert plan.too_young == 2 and plan.untouched == 1
+    assert {r.codec for r in plan.runs} == {pb.GZIP}
+
+
+def test_sizes_and_bad_flags_are_one_line() -> None:
+    result = compact("-l", "name=x", "--specs", "/nonexistent.yaml", "--target-size", "lots")
+    assert result.exit_code == 2 and "'lots' is not a size" in result.output
+    result = compact("-l", "name=x", "--specs", "/nonexistent.yaml")
+    assert result.exit_code == 1
+    assert (
+        result.output.strip()
+        == "Error: cannot read the specs file /nonexistent.yaml: No such file or directory"
+    )
