@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn
@@ -181,7 +181,7 @@ def compact_cmd(
     """
     target = parse_size(target_size)
     age = _seconds(min_age, "--min-age") if min_age is not None else None
-    chosen = pb.CompressionCodec.Value(codec.upper()) if codec else None
+    chosen = cast(pb.CompressionCodec, pb.CompressionCodec.Value(codec.upper())) if codec else None
     journals, plans = _plans(selector, opts, specs, file_root, target, chosen, age)
     runs = [run for plan in plans for run in plan.runs]
     redundant = [f for plan in plans for f in plan.redundant]
