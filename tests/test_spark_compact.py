@@ -4,6 +4,7 @@ writing a merged fragment and removing what it covers, idempotent, and refusing 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from pathlib import Path
@@ -12,14 +13,20 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from broker.client.journals import dial
 from broker.fragment.content import fragment_path, open_in_store
 from broker.fragment.stores import FragmentStore, open_store
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.compaction import plan_journal, write_merged
 from gazctl.spark.journals import covering
 from tests.fragments_testing import put_pieces
+from tests.journals_testing import started_brokers
 from tests.store_servers import GCSServer, S3Server
+from tests.test_persistence import JOURNAL as APPENDED  # The journal its helpers append to.
+from tests.test_persistence import append_retrying, read_all, routed
 
 JOURNAL = "compact/events"
 
@@ -199,3 +206,61 @@ def test_sizes_and_bad_flags_are_one_line() -> None:
         result.output.strip()
         == "Error: cannot read the specs file /nonexistent.yaml: No such file or directory"
     )
+
+
+@pytest.mark.slow
+async def test_compaction_while_a_broker_keeps_appending(
+    spark: object, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    url = "file:///store/"
+    journal = pb.JournalSpec(name=APPENDED, replication=2)
+    journal.fragment.length = 4096  # Many small fragments, persisted as they complete.
+    journal.fragment.compression_codec = pb.SNAPPY
+    journal.fragment.stores.append(url)
+    journal.fragment.refresh_interval.seconds = 1
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["b0", "b1"], run_allocator=True, file_root=str(root),
+        persist_interval=0.2,
+    ) as brokers:  # fmt: skip
+        async with brokers[0].client() as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=journal)])
+            await routed(client, APPENDED, 2)
+        channel = dial(brokers[0].endpoint)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        lines: list[bytes] = []
+        stop = asyncio.Event()
+
+        async def appender() -> None:
+            while not stop.is_set() or len(lines) < 400:
+                line = f'{{"n": {len(lines)}, "pad": "{"p" * 150}"}}\n'.encode()
+                await append_retrying(stub, line)
+                lines.append(line)
+                await asyncio.sleep(0.005)
+
+        try:
+            task = asyncio.ensure_future(appender())
+            while len(lines) < 150:  # Some fragments persisted before compaction starts.
+                await asyncio.sleep(0.05)
+            args = ["-l", f"name={APPENDED}", "--file-root", str(root), "--min-age", "0s",
+                    "--target-size", "24KiB", "--broker.address", brokers[0].endpoint]  # fmt: skip
+            first = await asyncio.to_thread(compact, *args)
+            assert first.exit_code == 0, first.output
+            assert "into" in first.output
+            second = await asyncio.to_thread(compact, *args)  # Again, on what came since.
+            assert second.exit_code == 0, second.output
+            stop.set()
+            await task
+            await append_retrying(stub, b"")
+            expected = b"".join(lines)
+            # Through the brokers: every appended line once, in order, nothing else.
+            assert await read_all(stub) == expected
+        finally:
+            await channel.close(None)
+    # The store holds all but the spool's last, incomplete fragment, merged or not, identically.
+    store = open_store(url, file_root=root)
+    stored = journal_bytes(store, APPENDED)
+    assert len(expected) - 4096 <= len(stored) and stored == expected[: len(stored)]
+    listed = store.list_fragments(APPENDED)
+    assert any(f.end - f.begin > 4096 for f in listed), "nothing was merged"
