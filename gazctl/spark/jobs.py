@@ -110,3 +110,68 @@ def remove_fragments(
     meters = [(progress.add_task("fragments removed", total=len(fragments)), removed)]
     rdd = sc.parallelize(batches, slices)
     return sum(run_with_progress(lambda: rdd.map(remove).collect(), progress, meters))
+
+
+def replay_to_parquet(session: Any, messages: Any, path: str, flatten: bool) -> int:
+    """Write the committed messages (no acknowledgements) to a Parquet directory; returns
+    how many."""
+    from pyspark.sql import functions as F
+
+    from gazctl.spark.replay import ACK_TXN, committed
+
+    rows = committed(messages).where(F.col("flags") != ACK_TXN)
+    if flatten:
+        documents = rows.select("content").rdd.map(lambda row: row.content)
+        schema = session.read.json(documents).schema
+        taken = set(rows.columns)
+        fields = [
+            F.col("document").getField(name).alias(name if name not in taken else f"message_{name}")
+            for name in schema.fieldNames()
+        ]
+        rows = rows.withColumn("document", F.from_json("content", schema)).select(
+            *rows.columns, *fields
+        )
+    rows = rows.orderBy("journal", "commit_offset", "offset")
+    try:
+        rows.write.mode("errorifexists").parquet(path)
+    except Exception as exc:
+        raise executor_error(exc) from None
+    return int(session.read.parquet(path).count())
+
+
+def replay_to_journal(session: Any, messages: Any, journal: str, broker: str) -> int:
+    """Append the committed messages and their ACKs to `journal`, original bytes and UUIDs,
+    each producer's in clock order (one task per producer); returns how many."""
+    from gazctl.spark.replay import committed
+
+    rows = committed(messages).repartition("producer").sortWithinPartitions("producer", "clock")
+    appended = session.sparkContext.accumulator(0)
+
+    def write(partition: Any) -> None:
+        import asyncio
+
+        from broker.client.append_service import AppendService
+        from broker.client.journals import dial
+        from broker.protocol import protocol_pb2_grpc as pb_grpc
+
+        async def append_all() -> None:
+            channel = dial(broker)
+            try:
+                stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+                async with AppendService(stub) as service:
+                    last = None
+                    for row in partition:
+                        last = await service.write(journal, row.content.encode() + b"\n")
+                        appended.add(1)
+                    if last is not None:
+                        await last
+            finally:
+                await channel.close(None)
+
+        asyncio.run(append_all())
+
+    try:
+        rows.foreachPartition(write)
+    except Exception as exc:
+        raise executor_error(exc) from None
+    return int(appended.value)

@@ -1,0 +1,164 @@
+"""`gazctl spark replay` on real Spark (local[2]): a topic written by several publishers through a
+real broker, with committed messages, a committed transaction, an aborted one and a batch
+appended twice, persisted to a file:// store. The Parquet replay equals the read-committed
+iterator row for row; replaying into a journal twice still reads each message once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
+import pytest
+from click.testing import CliRunner
+
+from broker.client.append_service import AppendService
+from broker.client.appender import append
+from broker.client.journals import dial
+from broker.client.reader import read
+from broker.message.framing import DictMessages, JSONLines
+from broker.message.mapping import Partition, modulo_mapping
+from broker.message.publisher import Publisher, Reader, read_committed
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import EtcdServer
+from gazctl.cli import cli
+from tests.journals_testing import started_brokers
+from tests.test_persistence import routed
+
+TOPIC = ["replay/part-000", "replay/part-001"]
+TARGET = "replayed/all"
+
+
+def spec(name: str, store: str | None) -> pb.JournalSpec:
+    out = pb.JournalSpec(name=name, replication=1)
+    out.labels.labels.add(name="content-type", value="application/x-ndjson")
+    if name in TOPIC:
+        out.labels.labels.add(name="topic", value="replay")
+    out.fragment.length = 2048  # Several fragments per journal.
+    out.fragment.compression_codec = pb.GZIP
+    out.fragment.refresh_interval.seconds = 1
+    if store:
+        out.fragment.stores.append(store)
+    return out
+
+
+async def write_history(stub: pb_grpc.JournalStub) -> None:
+    partitions = [Partition(j, "application/x-ndjson") for j in TOPIC]
+    mapping = modulo_mapping(lambda m: str(m["key"]).encode(), lambda: partitions)
+    messages, framing = DictMessages(), JSONLines()
+    async with AppendService(stub) as service:
+        committed = Publisher(service, messages, framing)
+        txn = Publisher(service, messages, framing)
+        aborted = Publisher(service, messages, framing)
+        for i in range(12):
+            await committed.publish_committed(mapping, {"key": i, "kind": "committed"})
+            await txn.publish_uncommitted(mapping, {"key": i, "kind": "txn"})
+            if i < 5:
+                await aborted.publish_uncommitted(mapping, {"key": i, "kind": "aborted"})
+        await txn.commit()
+        await aborted.abort()
+        await service.flush()
+    # A retried append: the first partition's bytes so far, appended again.
+    copy = b"".join([c.content async for c in read(stub, TOPIC[0], 0)])
+    await append(stub, TOPIC[0], copy)
+    async with AppendService(stub) as service:
+        late = Publisher(service, messages, framing)
+        for i in range(6):
+            await late.publish_uncommitted(mapping, {"key": i, "kind": "late"})
+        await late.commit()
+
+
+async def committed_by_iterator(stub: pb_grpc.JournalStub, journal: str) -> list[tuple[Any, ...]]:
+    reader = Reader(DictMessages(), JSONLines())
+    return [
+        (e.journal, e.begin, e.message)
+        async for e in read_committed(stub, journal, reader)
+        if not e.is_ack
+    ]
+
+
+def replay(*args: str) -> Any:
+    return CliRunner().invoke(cli, ["spark", "replay", *args])
+
+
+@pytest.mark.slow
+async def test_replay_equals_the_read_committed_iterator_and_dedupes_into_a_journal(
+    spark: object, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root),
+        persist_interval=0.2,
+    ) as (broker,):  # fmt: skip
+        async with broker.client() as client:
+            await client.apply(
+                [pb.ApplyRequest.Change(upsert=spec(j, "file:///store/")) for j in TOPIC]
+                + [pb.ApplyRequest.Change(upsert=spec(TARGET, None))]
+            )
+            for journal in [*TOPIC, TARGET]:
+                await routed(client, journal, 1)
+        channel = dial(broker.endpoint)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            await write_history(stub)
+            expected = []
+            for journal in TOPIC:
+                expected += await committed_by_iterator(stub, journal)
+            kinds = sorted((m["kind"], m["key"]) for _, _, m in expected)
+            assert kinds == sorted(
+                [("committed", i) for i in range(12)]
+                + [("txn", i) for i in range(12)]
+                + [("late", i) for i in range(6)]
+            )
+            # Everything to the store: suspend each journal (its spool rolls and persists).
+            for journal in TOPIC:
+                response = await append(
+                    stub, journal, b"", suspend=pb.AppendRequest.SUSPEND_NOW, check=False
+                )
+                assert response.status in (pb.OK, pb.SUSPENDED), response
+
+            base = ["-l", "topic=replay", "--file-root", str(root),
+                    "--broker.address", broker.endpoint]  # fmt: skip
+            out = tmp_path / "replayed.parquet"
+            result = await asyncio.to_thread(replay, *base, "--to", f"parquet:{out}", "--flatten")
+            assert result.exit_code == 0, result.output
+            table = pq.read_table(out).to_pylist()
+            rows = sorted(table, key=lambda r: (r["journal"], r["commit_offset"], r["offset"]))
+            got = [(r["journal"], r["offset"], r["content"]) for r in rows]
+            want = [(j, o, m) for j, o, m in expected]
+            assert [(j, o) for j, o, _ in got] == [(j, o) for j, o, _ in want]
+            assert [DictMessages().decode(c.encode()) for _, _, c in got] == [m for _, _, m in want]
+            assert {r["kind"] for r in rows} == {"committed", "txn", "late"}  # --flatten
+            assert all(r["uuid"] and len(r["producer"]) == 12 for r in rows)
+
+            again = await asyncio.to_thread(replay, *base, "--to", f"parquet:{out}")
+            assert again.exit_code == 1 and "already exists" in again.output
+
+            # Into a journal, twice: the second copy is all duplicates to a reader.
+            for _ in range(2):
+                result = await asyncio.to_thread(replay, *base, "--to", f"journal:{TARGET}")
+                assert result.exit_code == 0, result.output
+            raw = b"".join([c.content async for c in read(stub, TARGET, 0)])
+            assert raw.count(b'"kind":"txn"') == 2 * 12
+            seen = [m for _, _, m in await committed_by_iterator(stub, TARGET)]
+            assert sorted((m["kind"], m["key"]) for m in seen) == kinds
+        finally:
+            await channel.close(None)
+
+
+def test_replay_bad_input_is_one_line(tmp_path: Path) -> None:
+    specs = tmp_path / "specs.yaml"
+    specs.write_text('name: a/journal\nreplication: 1\nfragment:\n  stores: ["file:///s/"]\n')
+    result = replay("-l", "name=nothing/here", "--specs", str(specs), "--to", "parquet:/tmp/x")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: no journals match the selector 'name=nothing/here' (asked the specs in {specs})\n"
+    )
+    result = replay("-l", "name=a/journal", "--specs", str(specs), "--to", "csv:/tmp/x")
+    assert result.exit_code == 2 and "give parquet:PATH" in result.output
+    result = replay("-l", "name=a/journal", "--specs", str(specs), "--to", "parquet:/tmp/x",
+                    "--from-time", "yesterday")  # fmt: skip
+    assert result.exit_code == 2 and "is not a time" in result.output
