@@ -4,7 +4,9 @@ applied back, a stale revision refused; then a journal persisted to the file:// 
 fragments, a suspension that flushes it, every process stopped and started again, and the same
 bytes read back; and the cluster stopped (always, even on failure). Between them, the
 exactly-once step (`exactly_once.py`): transactions published into a partitioned topic, one
-aborted, an append duplicated, and each committed message read once."""
+aborted, an append duplicated, and each committed message read once, then the topic replayed by
+Spark from its fragments into Parquet (`gazctl spark replay`); and the persisted journal's small
+fragments merged by `gazctl spark compact` before the restart."""
 
 from __future__ import annotations
 
@@ -91,14 +93,18 @@ def main() -> None:
                 "journals", "apply", "--specs", str(edited), env=env, check=False,
             )  # fmt: skip
 
-            exactly_once(env)
+            exactly_once(tmp, cluster, env)
             persisted(tmp, cluster, env)
         finally:
             gazctl("stop every process by pid", "dev", "down", "--dir", cluster, env=env)
 
 
-def exactly_once(env: dict[str, str]) -> None:
-    """Transactions into a partitioned topic, one aborted, a retried append: read committed."""
+def exactly_once(tmp: str, cluster: str, env: dict[str, str]) -> None:
+    """Transactions into a partitioned topic, one aborted, a retried append: read committed;
+    then the same replayed by Spark from the fragment store into Parquet."""
+    # A file:// store's directory must exist (as upstream: a missing mount is not created).
+    fragments = Path(cluster) / "fragments"
+    (fragments / "demo").mkdir(parents=True, exist_ok=True)
     gazctl("a topic of three partitions", "journals", "apply", "--specs",
            str(HERE / "orders.yaml"), env=env)  # fmt: skip
     gazctl("its journals", "journals", "list", "-l", "topic=orders", "-L", "content-type",
@@ -111,11 +117,21 @@ def exactly_once(env: dict[str, str]) -> None:
     if subprocess.run([sys.executable, str(script)], env=env).returncode != 0:
         raise SystemExit("demo step failed: read committed did not see each message once")
 
+    gazctl("persist the topic: suspending rolls and persists each spool", "journals", "suspend",
+           "-l", "topic=orders", "--force", env=env)  # fmt: skip
+    parquet = Path(tmp) / "orders.parquet"
+    gazctl("Spark reads the store and replays read-committed into Parquet", "spark", "replay",
+           "-l", "topic=orders", "--to", f"parquet:{parquet}", "--flatten", "--file-root",
+           str(fragments), env=env)  # fmt: skip
+    show = HERE / "show_parquet.py"
+    print(f"\n$ python docs/examples/{show.name} {parquet.name}    # a few rows", flush=True)
+    if subprocess.run([sys.executable, str(show), str(parquet)], env=env).returncode != 0:
+        raise SystemExit("demo step failed: the Parquet replay is not what was committed")
+
 
 def persisted(tmp: str, cluster: str, env: dict[str, str]) -> None:
-    """Fragments in a store outlive the brokers: append, flush, restart everything, read."""
-    # A file:// store's directory must exist (as upstream: a missing mount is not created).
-    (Path(cluster) / "fragments" / "demo").mkdir(parents=True, exist_ok=True)
+    """Fragments in a store outlive the brokers: append, flush, compact, restart everything,
+    read."""
     specs = str(HERE / "persisted.yaml")
     gazctl("a journal persisted in 1 KiB zstd fragments", "journals", "apply", "--specs", specs,
            env=env)  # fmt: skip
@@ -129,6 +145,12 @@ def persisted(tmp: str, cluster: str, env: dict[str, str]) -> None:
     gazctl("suspend it: the spool is rolled and persisted, one replica stays", "journals",
            "suspend", "-l", selector, "--force", env=env)  # fmt: skip
     gazctl("every fragment is in the store now", "journals", "fragments", "-l", selector,
+           env=env)  # fmt: skip
+    root = str(Path(cluster) / "fragments")
+    gazctl("Spark merges the small fragments into larger ones", "spark", "compact", "-l",
+           selector, "--file-root", root, "--min-age", "0s", "--target-size", "8KiB",
+           env=env)  # fmt: skip
+    gazctl("fewer, larger fragments, the same offsets", "journals", "fragments", "-l", selector,
            env=env)  # fmt: skip
 
     gazctl("stop every broker (and etcd)", "dev", "down", "--dir", cluster, env=env)

@@ -7,9 +7,12 @@ import importlib.util
 import os
 import shutil
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gazctl.spark.journals import JobError
+
+LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -50,6 +53,9 @@ def spark_session(master: str | None = None, app: str = "gazctl") -> SparkSessio
         SparkSession.builder.appName(app)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")  # gazctl shows its own progress.
+        .config(
+            "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={LOG4J_CONFIG.as_uri()}"
+        )
     )
     builder = builder.master(master or "local[*]")
     if not master or master.startswith("local"):
