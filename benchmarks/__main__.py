@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, str] = {
     "persist": "benchmarks.persist",
     "publish": "benchmarks.publish",
     "read_committed": "benchmarks.read_committed",
+    "spark_compact": "benchmarks.spark_compact",
+    "spark_replay": "benchmarks.spark_replay",
 }
 
 if __name__ == "__main__":

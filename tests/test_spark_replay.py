@@ -9,7 +9,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq  # type: ignore[import-untyped]
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 

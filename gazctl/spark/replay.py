@@ -29,7 +29,6 @@ _COMMITTING = {
     QueueOutcome.ACK_COMMIT_REPLAY,
 }
 _NO_PRODUCER = bytes(6)
-_ENVELOPE_COLUMNS = ("journal", "offset", "end", "producer", "clock", "flags")
 
 
 def committed_positions(envelopes: list[Envelope]) -> Iterator[tuple[int, int]]:
@@ -45,33 +44,50 @@ def committed_positions(envelopes: list[Envelope]) -> Iterator[tuple[int, int]]:
             yield committed.message, envelope.begin
 
 
-def sequence_group(frame: Any) -> Any:
-    """applyInPandas over one (journal, producer) group: its committed rows, with
-    `commit_offset`, in delivery order."""
-    import pandas as pd  # type: ignore[import-untyped]
+def sequence_group(table: Any) -> Any:
+    """applyInArrow over one (journal, producer) group (a pyarrow Table): its committed rows,
+    with `commit_offset`, in delivery order. Only the numeric columns become Python values;
+    the content stays in Arrow buffers and is selected by index."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-    frame = frame.sort_values("offset", kind="stable").reset_index(drop=True)
-    envelopes = [
-        Envelope(
-            journal,
-            int(offset),
-            int(end),
-            bytes.fromhex(producer) if isinstance(producer, str) else _NO_PRODUCER,
-            int(clock),
-            int(flags),
-            index,
+    if table.num_rows == 0:
+        return pa.table(
+            {name: pa.array([], type) for name, type in _arrow_committed_schema().items()}
         )
-        for index, (journal, offset, end, producer, clock, flags) in enumerate(
-            zip(*(frame[name] for name in _ENVELOPE_COLUMNS), strict=True)
+    table = table.take(pc.sort_indices(table, sort_keys=[("offset", "ascending")]))
+    journal = table.column("journal")[0].as_py()
+    producer_hex = table.column("producer")[0].as_py()
+    producer = bytes.fromhex(producer_hex) if producer_hex else _NO_PRODUCER
+    envelopes = [
+        _new_envelope(Envelope, (journal, offset, end, producer, clock, flags, index))
+        for index, (offset, end, clock, flags) in enumerate(
+            zip(
+                table.column("offset").to_pylist(),
+                table.column("end").to_pylist(),
+                table.column("clock").to_pylist(),
+                table.column("flags").to_pylist(),
+                strict=True,
+            )
         )
     ]
     positions = list(committed_positions(envelopes))
-    out = frame.iloc[[index for index, _ in positions]].copy()
-    out["commit_offset"] = pd.Series([at for _, at in positions], index=out.index, dtype="int64")
-    return out[[column.split()[0] for column in COMMITTED_SCHEMA.split(", ")]]
+    out = table.take(pa.array([index for index, _ in positions], pa.int64()))
+    out = out.append_column("commit_offset", pa.array([at for _, at in positions], pa.int64()))
+    return out.select(list(_arrow_committed_schema()))
+
+
+def _arrow_committed_schema() -> dict[str, Any]:
+    import pyarrow as pa
+
+    types = {"STRING": pa.string(), "LONG": pa.int64(), "INT": pa.int32()}
+    return {column.split()[0]: types[column.split()[1]] for column in COMMITTED_SCHEMA.split(", ")}
+
+
+_new_envelope = tuple.__new__
 
 
 def committed(messages: Any) -> Any:
     """The read-committed DataFrame (ACK rows included, flags 2) of a message DataFrame of the
     gazette data source."""
-    return messages.groupBy("journal", "producer").applyInPandas(sequence_group, COMMITTED_SCHEMA)
+    return messages.groupBy("journal", "producer").applyInArrow(sequence_group, COMMITTED_SCHEMA)
