@@ -16,10 +16,13 @@ from rich.table import Table
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.fragment.content import describe
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol.labels import SelectorError
+from broker.protocol.validate import ValidationError
 from gazctl.journals import broker_options
 from gazctl.render import console, err_console
 from gazctl.spark.compaction import Plan, Run, plan_journal
 from gazctl.spark.journals import JobError, listed_fragments, select_journals
+from spec import SpecError
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 
 T = TypeVar("T")
@@ -50,7 +53,7 @@ def job(fn: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
-        except JobError as exc:
+        except (JobError, BrokerUnavailable, SelectorError, SpecError, ValidationError) as exc:
             raise click.ClickException(str(exc)) from None
 
     wrapper.__name__ = fn.__name__
@@ -181,6 +184,10 @@ def compact_cmd(
     """
     target = parse_size(target_size)
     age = _seconds(min_age, "--min-age") if min_age is not None else None
+    if not dry_run:
+        from gazctl.spark.session import check_requirements
+
+        check_requirements()  # Before any work: what is missing to run Spark.
     chosen = cast(pb.CompressionCodec, pb.CompressionCodec.Value(codec.upper())) if codec else None
     journals, plans = _plans(selector, opts, specs, file_root, target, chosen, age)
     runs = [run for plan in plans for run in plan.runs]
@@ -358,6 +365,9 @@ def replay_cmd(
     """
     kind, where = _parse_target(target)
     since = _from_time(from_time)
+    from gazctl.spark.session import check_requirements
+
+    check_requirements()
     if kind == "parquet" and Path(where).exists():
         raise JobError(f"{where} already exists: remove it or give another path")
     broker = None if specs else opts["broker_address"]

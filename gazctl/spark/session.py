@@ -57,8 +57,10 @@ def spark_session(master: str | None = None, app: str = "gazctl") -> SparkSessio
             "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={LOG4J_CONFIG.as_uri()}"
         )
     )
-    builder = builder.master(master or "local[*]")
-    if not master or master.startswith("local"):
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # Under spark-submit: its master rules.
+    if master or not submitted:
+        builder = builder.master(master or "local[*]")
+    if not submitted and (not master or master.startswith("local")):
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
             "spark.driver.host", "127.0.0.1"
         )

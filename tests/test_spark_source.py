@@ -1,0 +1,137 @@
+"""The `gazette` Spark data source on real Spark (local[2]): raw blocks and framed messages from
+fragments in a store, the covering fragments only, bad frames skipped or failing the job, and
+one-line errors for a corrupt fragment, an unreachable store and missing Java."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.fragment.content import fragment_path
+from broker.fragment.stores import open_store
+from broker.message.framing import DictMessages
+from broker.message.uuid import Flags, build, new_producer_id
+from broker.protocol import protocol_pb2 as pb
+from tests.fragments_testing import put_fragment, put_pieces
+
+JOURNAL = "source/events"
+
+
+def setup(tmp_path: Path, data: bytes, cuts: list[int]) -> tuple[Path, Path, list[pb.Fragment]]:
+    root = tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    store = open_store("file:///store/", file_root=root)
+    fragments = put_pieces(store, JOURNAL, data, cuts, codec=pb.GZIP)
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(
+        f"name: {JOURNAL}\nreplication: 1\nlabels:\n  - name: content-type\n"
+        '    value: application/x-ndjson\nfragment:\n  stores: ["file:///store/"]\n'
+    )
+    return root, specs, fragments
+
+
+def load(spark: Any, root: Path, specs: Path, **options: str) -> Any:
+    reader = spark.read.format("gazette").option("selector", f"name={JOURNAL}")
+    reader = reader.option("specs", str(specs)).option("file_root", str(root))
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    return reader.load()
+
+
+def messages_bytes() -> tuple[bytes, list[dict[str, Any]]]:
+    producer = new_producer_id()
+    docs = []
+    out = bytearray()
+    for i in range(60):
+        doc: dict[str, Any] = {"i": i}
+        if i % 7:  # Some without a UUID.
+            DictMessages().set_uuid(doc, build(producer, (i + 1) << 8, Flags.OUTSIDE_TXN))
+        docs.append(doc)
+        out += json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+    return bytes(out), docs
+
+
+@pytest.mark.slow
+def test_raw_blocks_and_messages_with_uuid_fields(spark: Any, tmp_path: Path) -> None:
+    data, docs = messages_bytes()
+    cuts = [i for i in range(1, len(data)) if data[i - 1 : i] == b"\n"][::13]
+    root, specs, fragments = setup(tmp_path, data, cuts)
+    # A larger fragment covering the first two: only it is read.
+    store = open_store("file:///store/", file_root=root)
+    put_fragment(store, JOURNAL, 0, data[: fragments[1].end], pb.ZSTANDARD)
+
+    raw = load(spark, root, specs).orderBy("offset").collect()
+    assert b"".join(r.content for r in raw) == data
+    assert len({(r.begin, r.end) for r in raw}) == len(fragments) - 1
+
+    rows = load(spark, root, specs, framing="auto").orderBy("offset").collect()
+    assert [json.loads(r.content) for r in rows] == docs
+    assert [(r.offset, r.end) for r in rows][:2] == [
+        (0, len(json.dumps(docs[0], separators=(",", ":"))) + 1),
+        (rows[1].offset, rows[2].offset),
+    ]
+    for row, doc in zip(rows, docs, strict=True):
+        if "_meta" in doc:
+            assert row.uuid == doc["_meta"]["uuid"] and row.flags == 0
+            assert row.clock == (doc["i"] + 1) << 8 and len(row.producer) == 12
+        else:
+            assert row.uuid is None and row.producer is None and row.clock == 0
+
+
+@pytest.mark.slow
+def test_bad_frames_skipped_or_failing(spark: Any, tmp_path: Path) -> None:
+    data = b'{"a":1}\n{not json\n{"a":2}\n'
+    root, specs, _ = setup(tmp_path, data, [])
+    rows = load(spark, root, specs, framing="lines").collect()
+    assert sorted(json.loads(r.content)["a"] for r in rows) == [1, 2]
+    with pytest.raises(Exception, match="bad frame at offset 8"):
+        load(spark, root, specs, framing="lines", bad_frames="fail").collect()
+
+
+@pytest.mark.slow
+def test_a_corrupt_fragment_fails_naming_it(spark: Any, tmp_path: Path) -> None:
+    data, _ = messages_bytes()
+    root, specs, fragments = setup(tmp_path, data, [200])
+    path = root / "store" / fragment_path(fragments[1])
+    path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
+    with pytest.raises(Exception) as info:
+        load(spark, root, specs).collect()
+    assert fragment_path(fragments[1]) in str(info.value)
+
+
+def gazctl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gazctl.cli", *args], env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_missing_java_and_unreachable_stores_are_one_line(tmp_path: Path) -> None:
+    data, _ = messages_bytes()
+    root, specs, _ = setup(tmp_path, data, [])
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(Path(sys.executable).parent)  # No java on it.
+    result = gazctl("spark", "replay", "-l", f"name={JOURNAL}", "--specs", str(specs),
+                    "--file-root", str(root), "--to", f"parquet:{tmp_path / 'out'}", env=env)  # fmt: skip
+    assert result.returncode == 1
+    assert (
+        result.stderr.startswith("Error: Java is not installed") and result.stderr.count("\n") == 1
+    )
+
+    unreachable = tmp_path / "s3.yaml"
+    unreachable.write_text(
+        f"name: {JOURNAL}\nreplication: 1\nfragment:\n  stores: "
+        '["s3://bucket/p/?endpoint=http%3A%2F%2F127.0.0.1%3A9&region=us-east-1"]\n'
+    )
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y")
+    result = gazctl("spark", "compact", "-l", f"name={JOURNAL}", "--specs", str(unreachable),
+                    "--dry-run", env=env)  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"Error: cannot list the fragments of {JOURNAL}")
+    assert result.stderr.count("\n") == 1, result.stderr
