@@ -42,25 +42,39 @@ async def read_from(dialer: Dialer, endpoint: str, journal: str) -> dict[int, in
     return out
 
 
+def start_brokers(
+    etcd_server: EtcdServer, tmp_path: Path, brokers: list[BrokerProcess], count: int = 4
+) -> None:
+    """`count` broker processes with 2 s leases under a fresh prefix, added to `brokers` (which
+    the caller stops, even if starting one fails)."""
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    for i in range(count):
+        brokers.append(
+            start_broker_process(
+                etcd_server, prefix, tmp_path / f"b{i}.log", f"broker-{i}", lease="2s"
+            )
+        )
+
+
+async def placed(address: str, journal: str, replicas: int = 3) -> pb.Route:
+    """Apply a journal at `replicas` and wait until the allocator has placed it; its route."""
+    async with JournalsClient(address) as client:
+        await client.apply(
+            [pb.ApplyRequest.Change(upsert=journal_spec(journal, replication=replicas))]
+        )
+    async with asyncio.timeout(20):
+        while len((route := await current_route(address, journal)).members) != replicas:
+            await asyncio.sleep(0.05)
+    return route
+
+
 @pytest.mark.slow
 async def test_primary_killed_during_appends(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
     brokers: list[BrokerProcess] = []
     dialer = Dialer()
     try:
-        for i in range(4):
-            brokers.append(
-                start_broker_process(
-                    etcd_server, prefix, tmp_path / f"b{i}.log", f"broker-{i}", lease="2s"
-                )
-            )
-        async with JournalsClient(brokers[0].address) as client:
-            await client.apply(
-                [pb.ApplyRequest.Change(upsert=journal_spec("crash/j", replication=3))]
-            )
-        async with asyncio.timeout(20):
-            while len((route := await current_route(brokers[0].address, "crash/j")).members) != 3:
-                await asyncio.sleep(0.05)
+        start_brokers(etcd_server, tmp_path, brokers)
+        route = await placed(brokers[0].address, "crash/j")
         primary = route.members[route.primary].suffix
         victim = brokers[int(primary.removeprefix("broker-"))]
         others = [b for b in brokers if b is not victim]

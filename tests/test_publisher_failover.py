@@ -11,24 +11,20 @@ import asyncio
 import collections
 import os
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
 
-from broker.client import JournalsClient
 from broker.client.append_service import AppendService
 from broker.client.reader import read
 from broker.dialer import Dialer
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition
 from broker.message.publisher import Publisher, Reader, read_committed, read_uncommitted
-from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
-from tests.conftest import BrokerProcess, start_broker_process, stop_process
-from tests.journals_testing import journal_spec
+from tests.conftest import BrokerProcess, stop_process
 from tests.tcp_proxy import TcpProxy, host_port
-from tests.test_broker_failure import current_route
+from tests.test_broker_failure import placed, start_brokers
 
 JOURNAL = "exactly/once"
 
@@ -44,21 +40,11 @@ async def journal_length(dialer: Dialer, address: str) -> int:
 async def test_retried_batch_is_duplicated_in_the_journal_but_read_once(
     etcd_server: EtcdServer, tmp_path: Path
 ) -> None:
-    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
     brokers: list[BrokerProcess] = []
     dialer = Dialer()
     try:
-        for i in range(4):
-            brokers.append(
-                start_broker_process(
-                    etcd_server, prefix, tmp_path / f"b{i}.log", f"broker-{i}", lease="2s"
-                )
-            )
-        async with JournalsClient(brokers[0].address) as client:
-            await client.apply([pb.ApplyRequest.Change(upsert=journal_spec(JOURNAL))])
-        async with asyncio.timeout(20):
-            while len((route := await current_route(brokers[0].address, JOURNAL)).members) != 3:
-                await asyncio.sleep(0.05)
+        start_brokers(etcd_server, tmp_path, brokers)
+        route = await placed(brokers[0].address, JOURNAL)
         members = [brokers[int(m.suffix.removeprefix("broker-"))] for m in route.members]
         primary = members[route.primary]
         others = [b for b in members if b is not primary]  # Replicas that hold it all.

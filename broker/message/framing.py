@@ -168,25 +168,29 @@ class FrameReader:
         """Journal offset of the first pending byte (None before the first chunk)."""
         return self._offset
 
-    def feed(self, offset: int, content: bytes) -> list[Frame]:
-        """Add a chunk starting at `offset`; return the frames it completes."""
-        out: list[Frame] = []
+    def _continue_at(self, offset: int) -> list[Frame]:
+        """Check that a chunk at `offset` continues the content; after a jump forward, the
+        pending partial frame as error frames (framing restarts at `offset`)."""
         if self._offset is None:
             self._offset = offset
         expected = self._offset + len(self._buf)
-        if offset > expected:
-            out.extend(
-                f._replace(error=f"{f.error}; content then jumps to offset {offset}")
-                if f.error
-                else f
-                for f in self._flush()
-            )
-            self._offset = offset
-        elif offset < expected:
+        if offset < expected:
             raise ValueError(
                 f"chunk at offset {offset} overlaps content already read through {expected}: "
                 "feed contiguous chunks in offset order"
             )
+        if offset == expected:
+            return []
+        errors = [
+            f._replace(error=f"{f.error}; content then jumps to offset {offset}") if f.error else f
+            for f in self._flush()
+        ]
+        self._offset = offset
+        return errors
+
+    def feed(self, offset: int, content: bytes) -> list[Frame]:
+        """Add a chunk starting at `offset`; return the frames it completes."""
+        out = self._continue_at(offset)
         if not content:
             return out
 
@@ -196,8 +200,10 @@ class FrameReader:
             data = self._buf
         else:
             data = content
-        frames, used = self._splitter.scan(data, self._offset, False)
-        self._offset += used
+        base = self._offset
+        assert base is not None  # (set by _continue_at)
+        frames, used = self._splitter.scan(data, base, False)
+        self._offset = base + used
         if data is self._buf:
             if used:
                 del self._buf[:used]
@@ -212,24 +218,9 @@ class FrameReader:
         """As `feed`, for newline-delimited framings only (JSON lines), without building a
         Frame per line: the error frames of a jump (as `feed`), the offset of the first line,
         and the complete lines without their newlines, each line's end one byte past it."""
-        errors: list[Frame] = []
-        if self._offset is None:
-            self._offset = offset
-        expected = self._offset + len(self._buf)
-        if offset > expected:
-            errors = [
-                f._replace(error=f"{f.error}; content then jumps to offset {offset}")
-                if f.error
-                else f
-                for f in self._flush()
-            ]
-            self._offset = offset
-        elif offset < expected:
-            raise ValueError(
-                f"chunk at offset {offset} overlaps content already read through {expected}: "
-                "feed contiguous chunks in offset order"
-            )
+        errors = self._continue_at(offset)
         base = self._offset
+        assert base is not None  # (set by _continue_at)
         if self._buf:
             self._buf += content
             data = bytes(self._buf)
