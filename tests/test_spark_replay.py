@@ -6,6 +6,7 @@ iterator row for row; replaying into a journal twice still reads each message on
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +14,23 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from benchmarks._messages import transactions
 from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import dial
 from broker.client.reader import read
-from broker.message.framing import DictMessages, JSONLines
+from broker.fragment.stores import open_store
+from broker.message.framing import DictMessages, FrameReader, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
+from broker.message.sequencer import Sequencer
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.cli import cli
+from tests.fragments_testing import put_pieces
 from tests.journals_testing import started_brokers
+from tests.store_servers import GCSServer, S3Server
 from tests.test_persistence import routed
 
 TOPIC = ["replay/part-000", "replay/part-001"]
@@ -162,3 +168,47 @@ def test_replay_bad_input_is_one_line(tmp_path: Path) -> None:
     result = replay("-l", "name=a/journal", "--specs", str(specs), "--to", "parquet:/tmp/x",
                     "--from-time", "yesterday")  # fmt: skip
     assert result.exit_code == 2 and "is not a time" in result.output
+
+
+def sequenced_offline(data: bytes, journal: str) -> list[tuple[str, int, str]]:
+    """What the read-committed iterator delivers for these bytes (its Reader and Sequencer)."""
+    reader = Reader(DictMessages(), JSONLines())
+    frames = FrameReader(JSONLines())
+    seq = Sequencer()
+    out = []
+    _, base, lines = frames.feed_lines(0, data)
+    for envelope in reader.envelopes_of_lines(journal, base, lines):
+        seq.queue_uncommitted(envelope)
+        while (committed := seq.step()) is not None:
+            if not committed.is_ack:
+                out.append((journal, committed.begin, committed.message["id"]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["gs", "s3"])
+def test_replay_from_cloud_stores_without_a_broker(
+    spark: object, gcs_server: GCSServer, s3_server: S3Server, tmp_path: Path, which: str
+) -> None:
+    if which == "gs":
+        url = f"gs://{gcs_server.create_bucket()}/journals/"
+    else:
+        url = f"s3://{s3_server.create_bucket()}/journals/?endpoint={s3_server.endpoint}"
+    data, _ = transactions(2_000, 50, producers=3)
+    # A retried batch: the first 30 lines appended again, mid-history.
+    lines = data.splitlines(keepends=True)
+    data = b"".join(lines[:500] + lines[:30] + lines[500:])
+    cuts = [i + 1 for i in range(len(data)) if data[i : i + 1] == b"\n"][::97]
+    put_pieces(open_store(url), "cloud/events", data, cuts[:-1], codec=pb.ZSTANDARD)
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(
+        "name: cloud/events\nreplication: 1\nlabels:\n  - name: content-type\n"
+        f'    value: application/x-ndjson\nfragment:\n  stores: ["{url}"]\n'
+    )
+    out = tmp_path / "out.parquet"
+    result = replay("-l", "name=cloud/events", "--specs", str(specs), "--to", f"parquet:{out}")
+    assert result.exit_code == 0, result.output
+    rows = sorted(pq.read_table(out).to_pylist(), key=lambda r: (r["commit_offset"], r["offset"]))
+    got = [(r["journal"], r["offset"], json.loads(r["content"])["id"]) for r in rows]
+    assert got == sequenced_offline(data, "cloud/events")
+    assert len(got) == 2_000
