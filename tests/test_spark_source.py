@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,10 @@ def test_raw_blocks_and_messages_with_uuid_fields(spark: Any, tmp_path: Path) ->
     raw = load(spark, root, specs).orderBy("offset").collect()
     assert b"".join(r.content for r in raw) == data
     assert len({(r.begin, r.end) for r in raw}) == len(fragments) - 1
+
+    # Fragments persisted before --from-time are skipped: all of them, an hour from now.
+    assert load(spark, root, specs, from_time=str(time.time() + 3600)).count() == 0
+    assert load(spark, root, specs, from_time=str(time.time() - 3600)).count() == len(raw)
 
     rows = load(spark, root, specs, framing="auto").orderBy("offset").collect()
     assert [json.loads(r.content) for r in rows] == docs

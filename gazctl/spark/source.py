@@ -176,7 +176,8 @@ class GazetteReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[Any]:
         import pyarrow as pa
 
-        assert isinstance(partition, FragmentPartition)
+        if not isinstance(partition, FragmentPartition):
+            return  # No fragments planned: Spark still reads one (empty) partition.
         fragment = pb.Fragment.FromString(partition.fragment)
         root = Path(partition.file_root) if partition.file_root else None
         store = _store(fragment.backing_store, root)
