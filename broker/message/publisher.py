@@ -303,9 +303,7 @@ async def read_committed(
                 while (committed := step()) is not None:
                     yield committed
             else:
-                _, begin, end = replay
-                seq.start_replay(_replayed(stub, journal, reader, begin, end, read_options))
-                while (committed := await seq.astep()) is not None:
+                async for committed in _replaying(seq, stub, reader, replay, read_options):
                     yield committed
 
 
@@ -339,13 +337,25 @@ async def read_committed_batches(
                     if committed.flags != _ACK_TXN:
                         append(committed)
             else:
-                _, begin, end = replay
-                seq.start_replay(_replayed(stub, journal, reader, begin, end, read_options))
-                while (committed := await seq.astep()) is not None:
+                async for committed in _replaying(seq, stub, reader, replay, read_options):
                     if committed.flags != _ACK_TXN:
                         append(committed)
         if out:
             yield out
+
+
+async def _replaying(
+    seq: Sequencer,
+    stub: pb_grpc.JournalStub,
+    reader: Reader[M],
+    replay: tuple[str, int, int],
+    read_options: dict[str, Any],
+) -> AsyncIterator[Envelope]:
+    """Dequeue a commit whose messages left the ring: re-read them from the journal."""
+    journal, begin, end = replay
+    seq.start_replay(_replayed(stub, journal, reader, begin, end, read_options))
+    while (committed := await seq.astep()) is not None:
+        yield committed
 
 
 async def _replayed(
