@@ -44,7 +44,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from broker.message.uuid import _VERSION_VARIANT, _VERSION_VARIANT_MASK, parse, parse_text
+from broker.message.uuid import TextParser, parse, parse_text
 from broker.protocol.labels import (
     CONTENT_TYPE_CSV,
     CONTENT_TYPE_JSON_LINES,
@@ -711,10 +711,7 @@ class DictMessages:
         self.uuid_path = tuple(uuid_path)
         self._where = ".".join(self.uuid_path)
         self._ack_template = ack_template
-        # decode_frame's memo: consecutive messages of a producer differ only in the first 8
-        # hex digits of their UUID text (the low 32 bits of 100 ns ticks, about 7 minutes).
-        self._tail = ""
-        self._tail_fields: tuple[bytes, int, int] = (b"", 0, 0)  # producer, clock rest, flags
+        self._parse_text = TextParser().fields  # decode_frame's, with its memo of producers.
 
     def get_uuid(self, msg: dict[str, Any]) -> uuid.UUID | None:
         node: Any = msg
@@ -746,21 +743,11 @@ class DictMessages:
                 node = node[key]
         except (KeyError, TypeError, IndexError):
             return doc, self.uuid_fields(doc)
-        # Canonical text of a version 1, RFC-variant UUID, parsed inline (as parse_text).
-        if type(node) is str and len(node) == 36 and node[8] == node[13] == node[18] == "-":
-            head = node[:8]
-            if node[8:] == self._tail and head.isascii() and head.isalnum():
-                producer, rest, flags = self._tail_fields  # Only the low clock bits changed.
-                return doc, (producer, int(head, 16) << 4 | rest, flags)
-            hexits = node.replace("-", "")
-            if len(hexits) == 32 and hexits.isascii() and hexits.isalnum():
-                n = int(hexits, 16)
-                if n & _VERSION_VARIANT_MASK == _VERSION_VARIANT:
-                    producer = (n & 0xFFFF_FFFF_FFFF).to_bytes(6, "big")
-                    rest = ((n >> 80) & 0xFFFF) << 36 | ((n >> 64) & 0x0FFF) << 52 | (n >> 58) & 0xF
-                    flags = (n >> 48) & 0x3FF
-                    self._tail, self._tail_fields = node[8:], (producer, rest, flags)
-                    return doc, (producer, ((n >> 96) & 0xFFFF_FFFF) << 4 | rest, flags)
+        if type(node) is str and len(node) == 36:
+            try:
+                return doc, self._parse_text(node)
+            except ValueError:
+                pass  # uuid_fields words the error, or takes another spelling.
         return doc, self.uuid_fields(doc)
 
     def uuid_fields(self, msg: dict[str, Any]) -> UUIDFields | None:

@@ -244,30 +244,35 @@ def _wait_listed(
     from gazctl.fragments import list_fragments
 
     specs = {s.name: s for s in journals}
+    by_journal: dict[str, list[pb.Fragment]] = {}
+    for fragment in merged:
+        by_journal.setdefault(fragment.journal, []).append(fragment)
+
+    async def wait_journal(client: JournalsClient, name: str, fragments: list[pb.Fragment]) -> None:
+        spec = specs[name]
+        if spec.suspend.level == pb.JournalSpec.Suspend.FULL:
+            return  # No replica serves it: nothing reads through an index.
+        refresh = seconds_from_duration(spec.fragment.refresh_interval) or 300.0
+        deadline = time.monotonic() + 3 * refresh + 30
+        while True:  # One listing per poll covers every merged fragment of the journal.
+            listed = {
+                (f.spec.begin, f.spec.end)
+                for f in await list_fragments(client.stub, name)
+                if f.spec.backing_store
+            }
+            missing = [f for f in fragments if (f.begin, f.end) not in listed]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise JobError(
+                    f"brokers have not listed {describe(missing[0])} yet, so the fragments "
+                    "it covers were not removed: re-run once they have"
+                )
+            await asyncio.sleep(min(1.0, refresh / 4))
 
     async def wait() -> None:
         async with JournalsClient(broker) as client:
-            for fragment in merged:
-                spec = specs[fragment.journal]
-                if spec.suspend.level == pb.JournalSpec.Suspend.FULL:
-                    continue  # No replica serves it: nothing reads through an index.
-                refresh = seconds_from_duration(spec.fragment.refresh_interval) or 300.0
-                deadline = time.monotonic() + 3 * refresh + 30
-                while True:
-                    listed = await list_fragments(client.stub, fragment.journal)
-                    if any(
-                        f.spec.begin == fragment.begin
-                        and f.spec.end == fragment.end
-                        and f.spec.backing_store
-                        for f in listed
-                    ):
-                        break
-                    if time.monotonic() > deadline:
-                        raise JobError(
-                            f"brokers have not listed {describe(fragment)} yet, so the fragments "
-                            "it covers were not removed: re-run once they have"
-                        )
-                    await asyncio.sleep(min(1.0, refresh / 4))
+            await asyncio.gather(*(wait_journal(client, n, f) for n, f in by_journal.items()))
 
     try:
         asyncio.run(wait())

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.fragment import codecs
-from broker.fragment.content import FragmentCorrupt, describe, fragment_path, open_in_store
+from broker.fragment.content import describe, fragment_path
 from broker.fragment.fragments import sum_from_digest
-from broker.fragment.stores import FragmentStore, StoreError, open_store
+from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
-from gazctl.spark.journals import JobError, covering
+from gazctl.spark.journals import JobError, covering, open_store_of, read_verified
 
 # Content is handed to the compressor in batches of this size (one gzip member each).
 BATCH = 1 << 20
@@ -132,7 +132,7 @@ class Merged:
 
 def write_merged(run: Run, file_root: Path | None) -> Merged:
     """Merge the run's fragments into one new fragment in the store, and verify it there."""
-    store = _store(run.store, file_root)
+    store = open_store_of(run.store, file_root)
     summer = hashlib.sha1()
     with tempfile.TemporaryFile(prefix="gazette-compact-") as tmp:
         with codecs.compressor(run.codec, tmp) as out:
@@ -143,7 +143,7 @@ def write_merged(run: Run, file_root: Path | None) -> Merged:
                         f"fragment {describe(fragment)} does not follow offset {at} of its run"
                     )
                 pending = 0
-                for block in _read(store, fragment):
+                for block in read_verified(store, fragment):
                     summer.update(block)
                     out.write(block)
                     pending += len(block)
@@ -169,36 +169,19 @@ def write_merged(run: Run, file_root: Path | None) -> Merged:
             )
         except StoreError as exc:
             raise JobError(f"cannot write {describe(merged)}: {exc}") from None
-    # Verify what the store now holds under that name: all of it, against length and SHA-1.
-    length = sum(len(block) for block in _read(store, merged))
-    if length != merged.end - merged.begin:  # (_read raises first; this is belt and braces)
-        raise JobError(f"{describe(merged)} holds {length} bytes, not {merged.end - merged.begin}")
+    # Verify what the store now holds under that name: all of it, against length and SHA-1
+    # (read_verified raises on either).
+    for _ in read_verified(store, merged):
+        pass
     return Merged(merged, existed=not written, stored_bytes=stored)
 
 
 def remove_covered(fragments: Sequence[pb.Fragment], file_root: Path | None) -> int:
     """Remove fragments a merged (or larger) fragment covers; returns how many were removed."""
     for fragment in fragments:
-        store = _store(fragment.backing_store, file_root)
+        store = open_store_of(fragment.backing_store, file_root)
         try:
             store.remove(fragment_path(fragment))
         except StoreError as exc:
             raise JobError(f"cannot remove {describe(fragment)}: {exc}") from None
     return len(fragments)
-
-
-def _store(url: str, file_root: Path | None) -> FragmentStore:
-    try:
-        return open_store(url, file_root=file_root)
-    except (StoreError, ValueError) as exc:
-        raise JobError(f"cannot open the fragment store {url}: {exc}") from None
-
-
-def _read(store: FragmentStore, fragment: pb.Fragment) -> Iterator[bytes]:
-    """The fragment's content, verified; failures as JobError naming the fragment."""
-    try:
-        yield from open_in_store(store, fragment, fragment.begin, verify=True)
-    except FragmentCorrupt as exc:
-        raise JobError(str(exc)) from None
-    except StoreError as exc:
-        raise JobError(f"cannot read {describe(fragment)}: {exc}") from None

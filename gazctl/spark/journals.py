@@ -9,10 +9,11 @@ covers), the larger fragment wins, as in a broker's index."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from broker.client import JournalsClient, ListSnapshot
+from broker.fragment.content import FragmentCorrupt, describe, open_in_store
 from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import FragmentStore, StoreError, open_store
 from broker.protocol import labels
@@ -64,10 +65,26 @@ def store_of(spec: pb.JournalSpec, file_root: Path | None) -> FragmentStore:
             f"journal {spec.name} is stored in {url}: give --file-root, the directory that "
             "brokers' --broker.file-root names"
         )
+    return open_store_of(url, file_root, f" of {spec.name}")
+
+
+def open_store_of(url: str, file_root: Path | None, whose: str = "") -> FragmentStore:
+    """The fragment store at `url`; JobError (one line) if it cannot be opened."""
     try:
         return open_store(url, file_root=file_root)
     except (StoreError, ValueError) as exc:
-        raise JobError(f"cannot open the fragment store {url} of {spec.name}: {exc}") from None
+        raise JobError(f"cannot open the fragment store {url}{whose}: {exc}") from None
+
+
+def read_verified(store: FragmentStore, fragment: pb.Fragment) -> Iterator[bytes]:
+    """The fragment's whole content, its length and SHA-1 checked; failures as JobError
+    naming the fragment (the job fails rather than use wrong bytes)."""
+    try:
+        yield from open_in_store(store, fragment, fragment.begin, verify=True)
+    except FragmentCorrupt as exc:
+        raise JobError(str(exc)) from None
+    except StoreError as exc:
+        raise JobError(f"cannot read {describe(fragment)}: {exc}") from None
 
 
 def listed_fragments(spec: pb.JournalSpec, file_root: Path | None) -> list[pb.Fragment]:

@@ -30,7 +30,7 @@ two bad frames. Clocks are read as signed 64-bit longs, which hold every Clock u
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,10 +51,16 @@ from broker.message.framing import (
     framing_for,
     uuid_fields_of,
 )
-from broker.message.uuid import parse_text, text_of
+from broker.message.uuid import TextParser, text_of
 from broker.protocol import protocol_pb2 as pb
-from gazctl.spark.compaction import _read, _store
-from gazctl.spark.journals import JobError, covering, listed_fragments, select_journals
+from gazctl.spark.journals import (
+    JobError,
+    covering,
+    listed_fragments,
+    open_store_of,
+    read_verified,
+    select_journals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +186,8 @@ class GazetteReader(DataSourceReader):
             return  # No fragments planned: Spark still reads one (empty) partition.
         fragment = pb.Fragment.FromString(partition.fragment)
         root = Path(partition.file_root) if partition.file_root else None
-        store = _store(fragment.backing_store, root)
-        blocks = _read(store, fragment)
+        store = open_store_of(fragment.backing_store, root)
+        blocks = read_verified(store, fragment)
         if partition.framing == "none":
             at = fragment.begin
             for block in blocks:
@@ -200,7 +206,8 @@ class GazetteReader(DataSourceReader):
         if partition.framing == "lines":
             yield from _json_line_batches(fragment, blocks, partition)
         else:
-            yield from _message_batches(fragment, blocks, partition)
+            frames = _frames_of(blocks, partition.framing, fragment.begin)
+            yield from _message_batches(fragment, frames, partition)
 
 
 def _arrow_schema(ddl: str) -> Any:
@@ -251,28 +258,28 @@ def _json_line_batches(
     schema = _arrow_schema(message_schema(False))
     decoder = _uuid_decoder(partition.uuid_path)
     depth = len(partition.uuid_path.split(".")) - 1
-    tails: dict[str, tuple[str, int, int]] = {}  # UUID text after its first 8 digits.
+    parse = TextParser().fields
     reader = FrameReader(JSONLines())
     at = fragment.begin
     for block in blocks:
         errors, base, lines = reader.feed_lines(at, block)
         at += len(block)
         if errors:
-            yield from _message_batches(fragment, iter(()), partition, errors)
+            yield from _message_batches(fragment, errors, partition)
         if not lines:
             continue
         try:
             docs = decoder.decode(b"[" + b",".join(lines) + b"]")
         except (msgspec.DecodeError, msgspec.ValidationError):
             docs = None
-        fields = _fast_fields(docs, depth, tails) if docs is not None else None
+        fields = _fast_fields(docs, depth, parse) if docs is not None else None
         if fields is None:  # The per-frame path finds and reports what is unusual.
             frames = []
             begin = base
             for line in lines:
                 frames.append(Frame(begin, begin + len(line) + 1, line + b"\n"))
                 begin += len(line) + 1
-            yield from _message_batches(fragment, iter(()), partition, frames)
+            yield from _message_batches(fragment, frames, partition)
             continue
         producers, clocks, flags, texts = fields
         content = pa.array(lines, pa.binary())
@@ -293,11 +300,11 @@ def _json_line_batches(
         )
     frames = reader.finish()
     if frames:
-        yield from _message_batches(fragment, iter(()), partition, frames)
+        yield from _message_batches(fragment, frames, partition)
 
 
 def _fast_fields(
-    docs: list[Any], depth: int, tails: dict[str, tuple[str, int, int]]
+    docs: list[Any], depth: int, parse: Callable[[str], tuple[bytes, int, int]]
 ) -> tuple[list[str | None], list[int], list[int], list[str | None]] | None:
     """Producer (hex), clock, flags and UUID text of each document, or None if any UUID is not
     a canonical message UUID (the per-frame path then decides)."""
@@ -313,41 +320,41 @@ def _fast_fields(
             flags.append(0)
             texts.append(None)
             continue
-        known = tails.get(text[8:])
-        head = text[:8]
-        if known is None or not (head.isascii() and head.isalnum()):
-            try:
-                producer_bytes, clock, flag = parse_text(text)
-            except ValueError:
-                return None
-            rest = clock & ~(0xFFFF_FFFF << 4)
-            if len(tails) < 4096:
-                tails[text[8:]] = (producer_bytes.hex(), rest, flag)
-            producers.append(producer_bytes.hex())
-            clocks.append(clock)
-            flags.append(flag)
-        else:
-            producer, rest, flag = known
-            producers.append(producer)
-            clocks.append(int(head, 16) << 4 | rest)
-            flags.append(flag)
+        try:
+            producer, clock, flag = parse(text)
+        except ValueError:
+            return None
+        producers.append(producer.hex())
+        clocks.append(clock)
+        flags.append(flag)
         texts.append(text)
     return producers, clocks, flags, texts
 
 
+def _framing(kind: str) -> Framing:
+    framings: dict[str, type[Framing]] = {"lines": JSONLines, "csv": CSV, "fixed": FixedProtobuf}
+    return framings[kind]()
+
+
+def _frames_of(blocks: Iterator[bytes], kind: str, begin: int) -> Iterator[Frame]:
+    """The frames (error frames included) of a fragment's content blocks from offset `begin`."""
+    reader = FrameReader(_framing(kind))
+    at = begin
+    for block in blocks:
+        yield from reader.feed(at, block)
+        at += len(block)
+    yield from reader.finish()
+
+
 def _message_batches(
-    fragment: pb.Fragment,
-    blocks: Iterator[bytes],
-    partition: FragmentPartition,
-    frames: list[Frame] | None = None,
+    fragment: pb.Fragment, frames: Iterable[Frame], partition: FragmentPartition
 ) -> Iterator[Any]:
-    """Messages a frame at a time (every framing; JSON lines fall back here), from `blocks`
-    or from `frames` already cut."""
+    """Messages a frame at a time (every framing; JSON lines fall back here), as Arrow
+    batches of up to BATCH_ROWS rows."""
     import pyarrow as pa
 
     kind = partition.framing
-    framings: dict[str, Framing] = {"lines": JSONLines(), "csv": CSV(), "fixed": FixedProtobuf()}
-    framing = framings[kind]
+    framing = _framing(kind)
     binary = kind == "fixed"
     schema = _arrow_schema(message_schema(binary))
     messages: Any = (
@@ -391,22 +398,10 @@ def _message_batches(
             values.clear()
         return out
 
-    if frames is not None:
-        for frame in frames:
-            add(frame)
-        if columns["journal"]:
-            yield batch()
-        return
-    reader = FrameReader(framing)
-    at = fragment.begin
-    for block in blocks:
-        for frame in reader.feed(at, block):
-            add(frame)
-        at += len(block)
+    for frame in frames:
+        add(frame)
         if len(columns["journal"]) >= BATCH_ROWS:
             yield batch()
-    for frame in reader.finish():
-        add(frame)
     if columns["journal"]:
         yield batch()
 
