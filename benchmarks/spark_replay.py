@@ -69,15 +69,12 @@ def baseline(root: Path) -> int:
 def with_spark(root: Path, session: Any, out: Path) -> int:
     from gazctl.spark.jobs import replay_to_parquet
 
-    messages = (
-        session.read.format("gazette")
-        .option("selector", f"name={JOURNAL}")
-        .option("specs", str(root / "specs.yaml"))
-        .option("file_root", str(root))
-        .option("framing", "lines")
-        .load()
-    )
-    return replay_to_parquet(session, messages, str(out), flatten=False)
+    from rich.progress import Progress
+
+    options = {"selector": f"name={JOURNAL}", "specs": str(root / "specs.yaml"),
+               "file_root": str(root), "framing": "lines"}  # fmt: skip
+    with Progress(disable=True) as progress:
+        return replay_to_parquet(session, options, str(out), False, progress)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

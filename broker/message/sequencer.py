@@ -440,6 +440,28 @@ class Sequencer:
             for p in self._partials.values()
         }
 
+    def producer_state(self, journal: str, producer: bytes) -> ProducerState | None:
+        """The current state of one producer, or None if it is not tracked."""
+        p = self._partials.get((journal, producer))
+        return None if p is None else ProducerState(p.min_clock, p.begin)
+
+    def pending_envelopes(self, journal: str, producer: bytes) -> list[Envelope]:
+        """The envelopes of the producer's pending span still held in the ring, in journal
+        order (all of the span, unless it outgrew the ring)."""
+        if self._emit is not None:
+            raise RuntimeError(
+                "committed messages remain to dequeue: call step() until it returns None"
+            )
+        p = self._partials.get((journal, producer))
+        out: list[Envelope] = []
+        index = -1 if p is None or p.begin == -1 else p.ring_start
+        while index != -1:
+            env = self._ring[index]
+            assert env is not None, "span ring entries are present until dequeued"
+            out.append(env)
+            index = self._next[index]
+        return out
+
     def prune(self, horizon: float) -> list[JournalProducer]:
         """Forget producers whose latest Clock is more than `horizon` seconds older than the
         newest acknowledged Clock within their journal; return those forgotten."""

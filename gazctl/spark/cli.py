@@ -383,21 +383,23 @@ def replay_cmd(
     from gazctl.spark.session import spark_session
 
     session = spark_session(master, "gazctl spark replay")
-    reader = session.read.format("gazette").option("selector", selector).option("framing", framing)
-    reader = reader.option("uuid_path", uuid_path).option("from_time", str(since))
+    options = {"selector": selector, "framing": framing, "uuid_path": uuid_path,
+               "from_time": str(since)}  # fmt: skip
     if specs is not None:
-        reader = reader.option("specs", str(specs))
-    else:
-        reader = reader.option("broker", broker)
+        options["specs"] = str(specs)
+    elif broker is not None:
+        options["broker"] = str(broker)
     if file_root is not None:
-        reader = reader.option("file_root", str(file_root))
+        options["file_root"] = str(file_root)
     if kind == "parquet":
-        rows = replay_to_parquet(session, reader.load(), where, flatten)
+        with _progress() as progress:
+            rows = replay_to_parquet(session, options, where, flatten, progress)
         err_console.print(f"replayed {_count(rows, 'committed message')} into {where}")
     else:
         if broker is None:
             raise JobError("replaying into a journal needs a broker: give --broker.address")
-        rows = replay_to_journal(session, reader.load(), where, broker)
+        with _progress() as progress:
+            rows = replay_to_journal(session, options, where, broker, progress)
         err_console.print(
             f"replayed {_count(rows, 'committed message')} (acknowledgements included) into "
             f"journal {where}"

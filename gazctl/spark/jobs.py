@@ -112,40 +112,131 @@ def remove_fragments(
     return sum(run_with_progress(lambda: rdd.map(remove).collect(), progress, meters))
 
 
-def replay_to_parquet(session: Any, messages: Any, path: str, flatten: bool) -> int:
-    """Write the committed messages (no acknowledgements) to a Parquet directory; returns
-    how many."""
+def _fragments(options: dict[str, str]) -> list[Any]:
+    """The replay's input partitions, planned on the driver as the data source plans them."""
+    from gazctl.spark.source import GazetteReader
+
+    return list(GazetteReader(options).partitions())
+
+
+def _resolved(
+    session: Any, partitions: list[Any], staging: str | None, keep_acks: bool, progress: Progress
+) -> tuple[dict[int, Any], int]:
+    """Pass one over every fragment (writing part files when `staging` is given, else only
+    summarizing), then `resolve` on the driver. Returns the resolutions and rows written."""
+    from gazctl.spark.replay import FragmentSummary, first_pass, resolve, summary_of
+
+    sc = session.sparkContext
+    done = sc.accumulator(0)
+
+    def summarize(item: tuple[int, Any]) -> tuple[FragmentSummary, int]:
+        index, partition = item
+        if staging is not None:
+            result = first_pass(index, partition, staging, keep_acks)
+        else:
+            result = summary_of(index, partition), 0
+        done.add(1)
+        return result
+
+    meters = [(progress.add_task("fragments read", total=len(partitions)), done)]
+    rdd = sc.parallelize(list(enumerate(partitions)), max(1, len(partitions)))
+    results = run_with_progress(lambda: rdd.map(summarize).collect(), progress, meters)
+    return resolve(summary for summary, _ in results), sum(n for _, n in results)
+
+
+def replay_to_parquet(
+    session: Any, options: dict[str, str], path: str, flatten: bool, progress: Progress
+) -> int:
+    """Write the committed messages (no acknowledgements) to a new Parquet directory; returns
+    how many. Each part file is in commit order; ordering by journal, commit_offset and offset
+    gives the read-committed iterator's order."""
+    import os
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gazctl.spark.replay import arrow_committed_schema, second_pass
+
+    target = os.path.abspath(path)
+    staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.replaying")
+    shutil.rmtree(staging, ignore_errors=True)  # Left by an interrupted replay.
+    os.makedirs(os.path.join(staging, "_side"))
+    partitions = _fragments(options)
+    try:
+        resolutions, rows = _resolved(session, partitions, staging, False, progress)
+        if resolutions:
+            sc = session.sparkContext
+            rdd = sc.parallelize(list(resolutions.items()), len(resolutions))
+            rows += sum(
+                run_with_progress(
+                    lambda: rdd.map(
+                        lambda item: second_pass(item[0], item[1], staging, False)
+                    ).collect(),
+                    progress,
+                    [],
+                )
+            )
+        shutil.rmtree(os.path.join(staging, "_side"))
+        if not any(name.endswith(".parquet") for name in os.listdir(staging)):
+            binary = any(getattr(p, "framing", "") == "fixed" for p in partitions)
+            schema = arrow_committed_schema(binary)
+            pq.write_table(
+                pa.table([[] for _ in schema], schema=schema),
+                os.path.join(staging, "part-00000.parquet"),
+            )
+        if flatten:
+            _flatten(session, staging, target)
+            shutil.rmtree(staging)
+        else:
+            open(os.path.join(staging, "_SUCCESS"), "wb").close()
+            os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return rows
+
+
+def _flatten(session: Any, staging: str, target: str) -> None:
+    """Rewrite the staged table with a column per top-level field of the JSON messages."""
     from pyspark.sql import functions as F
 
-    from gazctl.spark.replay import ACK_TXN, committed
-
-    rows = committed(messages).where(F.col("flags") != ACK_TXN)
-    if flatten:
-        documents = rows.select("content").rdd.map(lambda row: row.content)
-        schema = session.read.json(documents).schema
-        taken = set(rows.columns)
-        fields = [
-            F.col("document").getField(name).alias(name if name not in taken else f"message_{name}")
-            for name in schema.fieldNames()
-        ]
-        rows = rows.withColumn("document", F.from_json("content", schema)).select(
-            *rows.columns, *fields
-        )
-    rows = rows.orderBy("journal", "commit_offset", "offset")
+    rows = session.read.parquet(staging)
+    documents = rows.select("content").rdd.map(lambda row: row.content)
+    schema = session.read.json(documents).schema
+    taken = set(rows.columns)
+    fields = [
+        F.col("document").getField(name).alias(name if name not in taken else f"message_{name}")
+        for name in schema.fieldNames()
+    ]
+    rows = rows.withColumn("document", F.from_json("content", schema)).select(
+        *rows.columns, *fields
+    )
     try:
-        rows.write.mode("errorifexists").parquet(path)
+        rows.write.mode("errorifexists").parquet(target)
     except Exception as exc:
         raise executor_error(exc) from None
-    return int(session.read.parquet(path).count())
 
 
-def replay_to_journal(session: Any, messages: Any, journal: str, broker: str) -> int:
+def replay_to_journal(
+    session: Any, options: dict[str, str], journal: str, broker: str, progress: Progress
+) -> int:
     """Append the committed messages and their ACKs to `journal`, original bytes and UUIDs,
     each producer's in clock order (one task per producer); returns how many."""
-    from gazctl.spark.replay import committed
+    from gazctl.spark.replay import COMMITTED_SCHEMA, committed_rows
 
-    rows = committed(messages).repartition("producer").sortWithinPartitions("producer", "clock")
-    appended = session.sparkContext.accumulator(0)
+    partitions = _fragments(options)
+    resolutions, _ = _resolved(session, partitions, None, True, progress)
+    sc = session.sparkContext
+    rdd = sc.parallelize(list(enumerate(partitions)), max(1, len(partitions))).flatMap(
+        lambda item: committed_rows(item[1], resolutions.get(item[0]), True)
+    )
+    rows = (
+        session.createDataFrame(rdd, COMMITTED_SCHEMA)
+        .repartition("producer")
+        .sortWithinPartitions("producer", "clock")
+    )
+    appended = sc.accumulator(0)
 
     def write(partition: Any) -> None:
         import asyncio
