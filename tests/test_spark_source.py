@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.fragment.content import fragment_path
 from broker.fragment.stores import open_store
 from broker.message.framing import DictMessages
-from broker.message.uuid import Flags, build, new_producer_id
+from broker.message.uuid import Flags, build, new_producer_id, parse_text
 from broker.protocol import protocol_pb2 as pb
+from gazctl.spark.source import hex_ids, uuid_columns
 from tests.fragments_testing import put_fragment, put_pieces
 
 JOURNAL = "source/events"
@@ -140,3 +143,50 @@ def test_missing_java_and_unreachable_stores_are_one_line(tmp_path: Path) -> Non
     assert result.returncode == 1
     assert result.stderr.startswith(f"Error: cannot list the fragments of {JOURNAL}")
     assert result.stderr.count("\n") == 1, result.stderr
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    uuids=st.lists(
+        st.tuples(
+            st.binary(min_size=6, max_size=6),
+            st.integers(1, (1 << 63) - 1),
+            st.integers(0, 0x3FF),
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    upper=st.booleans(),
+)
+def test_uuid_columns_parse_as_parse_text(uuids: list[tuple[bytes, int, int]], upper: bool) -> None:
+    texts = [str(build(producer, clock, flags)) for producer, clock, flags in uuids]
+    if upper:
+        texts = [t.upper() for t in texts]
+    parsed = uuid_columns(texts)
+    assert parsed is not None
+    nodes, clocks, flags = parsed
+    want = [parse_text(t) for t in texts]
+    assert [int(n).to_bytes(6, "big") for n in nodes] == [w[0] for w in want]
+    assert clocks.tolist() == [w[1] for w in want]
+    assert flags.tolist() == [w[2] for w in want]
+    assert list(hex_ids(nodes)) == [w[0].hex() for w in want]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "0b1c0a9e-8a2d-11ef-8000-0123456789a",  # short
+        "0b1c0a9e-8a2d-11ef-8000-0123456789abc",  # long
+        "0b1c0a9e_8a2d-11ef-8000-0123456789ab",  # no hyphen
+        "0b1c0a9g-8a2d-11ef-8000-0123456789ab",  # not hex
+        "0b1c0a9e-8a2d-21ef-8000-0123456789ab",  # version 2
+        "0b1c0a9e-8a2d-11ef-c000-0123456789ab",  # another variant
+        "0b1c0a9é-8a2d-11ef-8000-0123456789ab",  # not ASCII
+    ],
+)
+def test_uuid_columns_refuse_what_parse_text_refuses(bad: str) -> None:
+    good = "0b1c0a9e-8a2d-11ef-8000-0123456789ab"
+    assert uuid_columns([good]) is not None
+    assert uuid_columns([good, bad]) is None
+    with pytest.raises(ValueError):
+        parse_text(bad)

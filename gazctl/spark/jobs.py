@@ -166,17 +166,17 @@ def replay_to_parquet(
     try:
         resolutions, rows = _resolved(session, partitions, staging, False, progress)
         if resolutions:
+            # Pass two is light (side tables are small): a few tasks, each several fragments.
             sc = session.sparkContext
-            rdd = sc.parallelize(list(resolutions.items()), len(resolutions))
-            rows += sum(
-                run_with_progress(
-                    lambda: rdd.map(
-                        lambda item: second_pass(item[0], item[1], staging, False)
-                    ).collect(),
-                    progress,
-                    [],
-                )
-            )
+            items = list(resolutions.items())
+            slices = min(len(items), sc.defaultParallelism * 2)
+            batches = [items[i::slices] for i in range(slices)]
+
+            def finish(batch: list[tuple[int, Any]]) -> int:
+                return sum(second_pass(index, found, staging, False) for index, found in batch)
+
+            rdd = sc.parallelize(batches, slices)
+            rows += sum(run_with_progress(lambda: rdd.map(finish).collect(), progress, []))
         shutil.rmtree(os.path.join(staging, "_side"))
         if not any(name.endswith(".parquet") for name in os.listdir(staging)):
             binary = any(getattr(p, "framing", "") == "fixed" for p in partitions)

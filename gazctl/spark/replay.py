@@ -37,6 +37,7 @@ fragment again and yields its committed rows, with no staging files.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,35 +109,35 @@ def sequence_fragment(
     commit_offsets: list[int] = []
     side: list[int] = []
     fragment_end = ends[-1] if ends else 0
-    for i, clock in enumerate(clocks):
-        producer = producers[i]
+    queue, step = seq.queue_uncommitted, seq.step
+    extend, begin_span = QueueOutcome.CONTINUE_EXTEND_SPAN, QueueOutcome.CONTINUE_BEGIN_SPAN
+    columns = zip(offsets, ends, producers, clocks, flags, strict=True)
+    for i, (offset, end, producer, clock, flag) in enumerate(columns):
         if clock == 0 or producer is None:  # No UUID: delivered, never de-duplicated.
             delivered.append(i)
-            commit_offsets.append(offsets[i])
+            commit_offsets.append(offset)
             continue
-        flag = flags[i]
-        if producer in started:
-            if (
-                seq.queue_uncommitted(
-                    Envelope(journal, offsets[i], ends[i], producer, clock, flag, i)
-                )
-                in COMMITTING
-            ):
-                at = offsets[i]
-                while (env := seq.step()) is not None:
+        if producer in started:  # The hot path: most messages of most fragments.
+            outcome = queue(
+                _new_envelope(Envelope, (journal, offset, end, producer, clock, flag, i))
+            )
+            if outcome is extend or outcome is begin_span:
+                continue
+            if outcome in COMMITTING:
+                while (env := step()) is not None:
                     delivered.append(env.message)
-                    commit_offsets.append(at)
+                    commit_offsets.append(offset)
             continue
         summary = summaries.get(producer)
         if summary is None:
             summary = summaries[producer] = ProducerSummary(fragment_end, first_clock=clock)
-        row = (len(side), offsets[i], ends[i], clock, flag)
+        row = (len(side), offset, end, clock, flag)
         if flag == ACK_TXN:  # The first ACK: the Sequencer starts here.
             started.add(producer)
-            summary.head_end = offsets[i]
+            summary.head_end = offset
             summary.rows.append(row)
             side.append(i)
-            seq.queue_uncommitted(Envelope(journal, offsets[i], ends[i], producer, clock, flag, i))
+            seq.queue_uncommitted(Envelope(journal, offset, end, producer, clock, flag, i))
             while seq.step() is not None:
                 pass  # It commits itself here; `resolve` decides whether it really does.
         elif flag == CONTINUE_TXN:
@@ -146,15 +147,15 @@ def sequence_fragment(
             if clock > head_max.get(producer, 0):
                 head_max[producer] = clock
                 delivered.append(i)
-                commit_offsets.append(offsets[i])
+                commit_offsets.append(offset)
                 if not summary.provisional_min:
                     summary.provisional_min = clock  # Later ones are larger.
             last = summary.rows[-1] if summary.rows else None
             if last is not None and last[0] == NOT_SIDE and last[4] not in (CONTINUE_TXN, ACK_TXN):
                 if clock > last[3]:  # A run: only its largest Clock matters to the state.
-                    summary.rows[-1] = (NOT_SIDE, offsets[i], ends[i], clock, flag)
+                    summary.rows[-1] = (NOT_SIDE, offset, end, clock, flag)
             else:
-                summary.rows.append((NOT_SIDE, offsets[i], ends[i], clock, flag))
+                summary.rows.append((NOT_SIDE, offset, end, clock, flag))
     for producer in started:
         summary = summaries[producer]
         state = seq.producer_state(journal, producer)
@@ -168,6 +169,9 @@ def sequence_fragment(
             summary.rows.append((len(side), env.begin, env.end, env.clock, env.flags))
             side.append(env.message)
     return Sequenced(delivered, commit_offsets, side, summaries)
+
+
+_new_envelope = tuple.__new__  # Builds an Envelope without NamedTuple's keyword handling.
 
 
 @dataclass(slots=True)
@@ -222,6 +226,7 @@ def is_withdrawn(
 def _sequenced(partition: Any) -> tuple[Any, Sequenced, list[bytes | None]] | None:
     """A fragment's message table (pyarrow), what `sequence_fragment` decided, and each row's
     producer; None for a fragment holding no messages."""
+    import numpy as np
     import pyarrow as pa
 
     from gazctl.spark.source import GazetteReader
@@ -230,21 +235,27 @@ def _sequenced(partition: Any) -> tuple[Any, Sequenced, list[bytes | None]] | No
     if not batches:
         return None
     table = pa.Table.from_batches(batches)
-    ids: dict[str | None, bytes | None] = {None: None}
-    producers = []
-    for text in table.column("producer").to_pylist():
-        found = ids.get(text, b"")
-        if found == b"":
-            found = ids[text] = bytes.fromhex(text)
-        producers.append(found)
-    sequenced = sequence_fragment(
-        table.column("journal")[0].as_py(),
-        table.column("offset").to_pylist(),
-        table.column("end").to_pylist(),
-        producers,
-        table.column("clock").to_pylist(),
-        table.column("flags").to_pylist(),
-    )
+    # Each row's ProducerID as bytes (the Sequencer's key), converted once per producer.
+    encoded = table.column("producer").dictionary_encode().combine_chunks()
+    ids = [bytes.fromhex(text) for text in encoded.dictionary.to_pylist()]
+    index = encoded.indices.fill_null(len(ids)).to_numpy()
+    producers = np.array([*ids, None], dtype=object)[index].tolist()
+    # A fragment's envelopes live until it is sequenced and hold no cycles: collecting garbage
+    # meanwhile would only scan them, again and again.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        sequenced = sequence_fragment(
+            table.column("journal")[0].as_py(),
+            table.column("offset").to_pylist(),
+            table.column("end").to_pylist(),
+            producers,
+            table.column("clock").to_pylist(),
+            table.column("flags").to_pylist(),
+        )
+    finally:
+        if collecting:
+            gc.enable()
     return table, sequenced, producers
 
 
