@@ -24,10 +24,13 @@ from broker.message.framing import DictMessages, FrameReader, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Sequencer
+from broker.message.uuid import Flags, build, new_producer_id
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.cli import cli
+from gazctl.spark.replay import resolve, summary_of
+from gazctl.spark.source import GazetteReader
 from tests.fragments_testing import put_pieces
 from tests.journals_testing import started_brokers
 from tests.store_servers import GCSServer, S3Server
@@ -212,3 +215,78 @@ def test_replay_from_cloud_stores_without_a_broker(
     got = [(r["journal"], r["offset"], json.loads(r["content"])["id"]) for r in rows]
     assert got == sequenced_offline(data, "cloud/events")
     assert len(got) == 2_000
+
+
+def committed_history() -> tuple[bytes, list[int]]:
+    """Committed (OUTSIDE_TXN) messages of two producers, messages without a UUID, and a
+    transaction long enough to span fragments; then the cuts between fragments, one of them
+    inside a retried append of committed messages (so that the fragment after it starts with
+    duplicates only the one before can tell)."""
+    messages, framing = DictMessages(), JSONLines()
+    producers = [new_producer_id(), new_producer_id()]
+    clock = 1 << 60
+    lines: list[bytes] = []
+
+    def add(doc: dict[str, Any], producer: bytes | None, flags: Flags) -> None:
+        nonlocal clock
+        if producer is not None:
+            clock += 16
+            messages.set_uuid(doc, build(producer, clock, flags))
+        out = bytearray()
+        framing.marshal(messages.encode(doc), out)
+        lines.append(bytes(out))
+
+    for i in range(300):
+        add({"id": i}, producers[i % 2], Flags.OUTSIDE_TXN)
+        if i % 50 == 0:
+            add({"id": 10_000 + i}, None, Flags.OUTSIDE_TXN)
+    for i in range(120):  # A transaction over three fragments, then its ACK.
+        add({"id": 1_000 + i}, producers[0], Flags.CONTINUE_TXN)
+    add({"id": 1_999}, producers[0], Flags.ACK_TXN)
+    retried = lines[160:190]  # Appended again: all duplicates (none without a UUID).
+    lines = lines[:300] + retried + lines[300:]
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    cuts = [offsets[100], offsets[310], offsets[360], offsets[400]]  # 310: inside the retry.
+    return b"".join(lines), cuts
+
+
+def test_replay_withdraws_duplicates_a_fragment_cannot_see_and_restarts_cleanly(
+    spark: object, tmp_path: Path
+) -> None:
+    data, cuts = committed_history()
+    (tmp_path / "store").mkdir()
+    store = open_store("file:///store/", file_root=tmp_path)
+    put_pieces(store, "local/events", data, cuts, codec=pb.ZSTANDARD)
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(
+        "name: local/events\nreplication: 1\nlabels:\n  - name: content-type\n"
+        '    value: application/x-ndjson\nfragment:\n  stores: ["file:///store/"]\n'
+    )
+    # The history does what it is meant to: the fragment cut inside the retry has provisional
+    # deliveries to withdraw.
+    partitions = GazetteReader(
+        {
+            "selector": "name=local/events",
+            "specs": str(specs),
+            "file_root": str(tmp_path),
+            "framing": "lines",
+        }
+    ).partitions()
+    resolutions = resolve(summary_of(i, p) for i, p in enumerate(partitions))
+    assert [i for i, r in resolutions.items() if r.withdraw] == [2]
+    out = tmp_path / "out.parquet"
+    staging = tmp_path / ".out.parquet.replaying"
+    staging.mkdir()
+    (staging / "part-00007.parquet").write_bytes(b"left by a killed replay")
+    result = replay("-l", "name=local/events", "--specs", str(specs), "--file-root",
+                    str(tmp_path), "--to", f"parquet:{out}")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert not staging.exists()
+    rows = sorted(pq.read_table(out).to_pylist(), key=lambda r: (r["commit_offset"], r["offset"]))
+    got = [(r["journal"], r["offset"], json.loads(r["content"])["id"]) for r in rows]
+    want = sequenced_offline(data, "local/events")
+    assert got == want
+    ids = [i for _, _, i in got]
+    assert len(ids) == len(set(ids)) == 300 + 6 + 120  # Each once: no retried duplicate.
