@@ -6,6 +6,8 @@ Every user error is one line on stderr and a non-zero exit; tracebacks are for b
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import signal
 import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -49,7 +51,10 @@ class GazctlGroup(click.Group):
 @click.group(cls=GazctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def cli(ctx: click.Context) -> None:
-    """gazctl is a tool for interacting with Gazette brokers and consumer applications."""
+    """gazctl is a tool for interacting with Gazette brokers and consumer applications.
+
+    A gazctl that seems stuck prints every thread's stack to stderr on `kill -USR1 PID`.
+    """
     try:
         _path, ini = cfg.load_ini(INI_NAME)
     except cfg.ConfigFileError as exc:
@@ -84,6 +89,8 @@ _register()
 
 
 def main() -> None:
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: what a stuck command is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         cli(prog_name="gazctl")
     except KeyboardInterrupt:

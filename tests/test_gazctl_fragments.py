@@ -343,9 +343,21 @@ def test_read_interrupted_writes_offsets(
             if select.select([proc.stdout], [], [], 0.1)[0]:
                 got += os.read(proc.stdout.fileno(), 100)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # gazctl prints its threads' stacks, then dies.
+            time.sleep(1)
+            proc.kill()
+            _, err = proc.communicate()
+            raise AssertionError(
+                f"gazctl read ignored Ctrl-C; its stacks:\n{err.decode()}"
+            ) from None
     finally:
         stop_process(proc)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
     assert proc.returncode == 0 and b"Traceback" not in err, err
     assert json.loads(offsets.read_text()) == {"frag/b": 4}
 
