@@ -333,7 +333,12 @@ def test_read_interrupted_writes_offsets(
     env = dict(os.environ, BROKER_ADDRESS=cluster.broker.address)
     command = [sys.executable, "-m", "gazctl.cli", "journals", "read", "-l", "name=frag/b",
                "--block", "--offsets-out", str(offsets)]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # As from a terminal: a suite run in the background (nohup, `&`) ignores SIGINT, and
+    # children inherit that.
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         got = b""
