@@ -19,6 +19,7 @@ from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import dial
 from broker.client.reader import read
+from broker.fragment.content import fragment_path
 from broker.fragment.stores import open_store
 from broker.message.framing import DictMessages, FrameReader, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
@@ -290,3 +291,25 @@ def test_replay_withdraws_duplicates_a_fragment_cannot_see_and_restarts_cleanly(
     assert got == want
     ids = [i for _, _, i in got]
     assert len(ids) == len(set(ids)) == 300 + 6 + 120  # Each once: no retried duplicate.
+
+
+def test_replay_of_a_corrupt_fragment_fails_in_one_line_leaving_nothing(
+    spark: object, tmp_path: Path
+) -> None:
+    data, cuts = committed_history()
+    (tmp_path / "store").mkdir()
+    store = open_store("file:///store/", file_root=tmp_path)
+    fragments = put_pieces(store, "local/events", data, cuts, codec=pb.NONE)
+    path = tmp_path / "store" / fragment_path(fragments[2])
+    path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(
+        'name: local/events\nreplication: 1\nfragment:\n  stores: ["file:///store/"]\n'
+    )
+    out = tmp_path / "out.parquet"
+    result = replay("-l", "name=local/events", "--specs", str(specs), "--file-root",
+                    str(tmp_path), "--framing", "lines", "--to", f"parquet:{out}")  # fmt: skip
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
+    assert fragment_path(fragments[2]) in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["specs.yaml", "store"]

@@ -158,11 +158,11 @@ def replay_to_parquet(
 
     from gazctl.spark.replay import arrow_committed_schema, second_pass
 
+    partitions = _fragments(options)  # Planning errors come first, leaving nothing behind.
     target = os.path.abspath(path)
     staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.replaying")
     shutil.rmtree(staging, ignore_errors=True)  # Left by an interrupted replay.
     os.makedirs(os.path.join(staging, "_side"))
-    partitions = _fragments(options)
     try:
         resolutions, rows = _resolved(session, partitions, staging, False, progress)
         if resolutions:
