@@ -253,18 +253,25 @@ def committed_history() -> tuple[bytes, list[int]]:
     return b"".join(lines), cuts
 
 
-def test_replay_withdraws_duplicates_a_fragment_cannot_see_and_restarts_cleanly(
-    spark: object, tmp_path: Path
-) -> None:
+def local_events(tmp_path: Path, codec: int) -> tuple[bytes, list[pb.Fragment], Path]:
+    """`committed_history()` as journal local/events in a file:// store under `tmp_path`: its
+    bytes, its fragments and its specs file."""
     data, cuts = committed_history()
     (tmp_path / "store").mkdir()
     store = open_store("file:///store/", file_root=tmp_path)
-    put_pieces(store, "local/events", data, cuts, codec=pb.ZSTANDARD)
+    fragments = put_pieces(store, "local/events", data, cuts, codec=codec)
     specs = tmp_path / "specs.yaml"
     specs.write_text(
         "name: local/events\nreplication: 1\nlabels:\n  - name: content-type\n"
         '    value: application/x-ndjson\nfragment:\n  stores: ["file:///store/"]\n'
     )
+    return data, fragments, specs
+
+
+def test_replay_withdraws_duplicates_a_fragment_cannot_see_and_restarts_cleanly(
+    spark: object, tmp_path: Path
+) -> None:
+    data, _, specs = local_events(tmp_path, pb.ZSTANDARD)
     # The history does what it is meant to: the fragment cut inside the retry has provisional
     # deliveries to withdraw.
     partitions = GazetteReader(
@@ -296,19 +303,12 @@ def test_replay_withdraws_duplicates_a_fragment_cannot_see_and_restarts_cleanly(
 def test_replay_of_a_corrupt_fragment_fails_in_one_line_leaving_nothing(
     spark: object, tmp_path: Path
 ) -> None:
-    data, cuts = committed_history()
-    (tmp_path / "store").mkdir()
-    store = open_store("file:///store/", file_root=tmp_path)
-    fragments = put_pieces(store, "local/events", data, cuts, codec=pb.NONE)
+    _, fragments, specs = local_events(tmp_path, pb.NONE)
     path = tmp_path / "store" / fragment_path(fragments[2])
     path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
-    specs = tmp_path / "specs.yaml"
-    specs.write_text(
-        'name: local/events\nreplication: 1\nfragment:\n  stores: ["file:///store/"]\n'
-    )
     out = tmp_path / "out.parquet"
     result = replay("-l", "name=local/events", "--specs", str(specs), "--file-root",
-                    str(tmp_path), "--framing", "lines", "--to", f"parquet:{out}")  # fmt: skip
+                    str(tmp_path), "--to", f"parquet:{out}")  # fmt: skip
     assert result.exit_code == 1
     assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
     assert fragment_path(fragments[2]) in result.output
