@@ -13,9 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.message.sequencer import Envelope, Sequencer
+from broker.message.sequencer import COMMITTING, Envelope, Sequencer
 from gazctl.spark.replay import (
-    COMMITTING,
     FragmentSummary,
     is_withdrawn,
     resolve,

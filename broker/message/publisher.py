@@ -31,7 +31,7 @@ from broker.message.framing import (
     uuid_fields_of,
 )
 from broker.message.mapping import Partition
-from broker.message.sequencer import Envelope, QueueOutcome, Sequencer
+from broker.message.sequencer import COMMITTING, Envelope, Sequencer
 from broker.message.uuid import Clock, Flags, TextFormatter, build, new_producer_id
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
@@ -266,17 +266,6 @@ async def _envelope_batches(
     yield reader.envelopes(journal, frames.finish())
 
 
-# Outcomes after which committed envelopes are to be dequeued.
-_COMMITTING = frozenset(
-    {
-        QueueOutcome.OUTSIDE_COMMIT,
-        QueueOutcome.ACK_EMPTY,
-        QueueOutcome.ACK_COMMIT_RING,
-        QueueOutcome.ACK_COMMIT_REPLAY,
-    }
-)
-
-
 async def read_committed(
     stub: pb_grpc.JournalStub,
     journal: str,
@@ -296,7 +285,7 @@ async def read_committed(
         stub, journal, reader, offset, block=block, **read_options
     ):
         for envelope in batch:
-            if queue(envelope) not in _COMMITTING:
+            if queue(envelope) not in COMMITTING:
                 continue
             replay = seq.replay_range()
             if replay is None:
@@ -329,7 +318,7 @@ async def read_committed_batches(
         out: list[Envelope] = []
         append = out.append
         for envelope in batch:
-            if queue(envelope) not in _COMMITTING:
+            if queue(envelope) not in COMMITTING:
                 continue
             replay = seq.replay_range()
             if replay is None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 __all__ = [
+    "COMMITTING",
     "Envelope",
     "JournalProducer",
     "ProducerState",
@@ -122,6 +123,17 @@ class QueueOutcome(enum.Enum):
     ACK_COMMIT_REPLAY = "ackCommitReplay"
     """An ACK_TXN committed a span not all in the ring: `replay_range()`, `start_replay()`,
     then dequeue with `step()`."""
+
+
+COMMITTING = frozenset(
+    {
+        QueueOutcome.OUTSIDE_COMMIT,
+        QueueOutcome.ACK_EMPTY,
+        QueueOutcome.ACK_COMMIT_RING,
+        QueueOutcome.ACK_COMMIT_REPLAY,
+    }
+)
+"""The outcomes of `queue_uncommitted` after which committed envelopes are to be dequeued."""
 
 
 class ReplayError(ValueError):

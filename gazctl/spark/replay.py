@@ -42,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.message.sequencer import Envelope, QueueOutcome, Sequencer
+from broker.message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
 
 COMMITTED_SCHEMA = (
     "journal STRING, offset LONG, end LONG, commit_offset LONG, producer STRING, clock LONG, "
@@ -50,14 +50,6 @@ COMMITTED_SCHEMA = (
 )
 CONTINUE_TXN = 0x1
 ACK_TXN = 0x2
-COMMITTING = frozenset(
-    {
-        QueueOutcome.OUTSIDE_COMMIT,
-        QueueOutcome.ACK_EMPTY,
-        QueueOutcome.ACK_COMMIT_RING,
-        QueueOutcome.ACK_COMMIT_REPLAY,
-    }
-)
 NOT_SIDE = -1  # A summary envelope standing for no side-table row (a run, the stand-in ACK).
 
 
@@ -284,14 +276,18 @@ def part_paths(staging: str, index: int) -> tuple[str, str, str]:
     )
 
 
-def summary_of(index: int, partition: Any) -> FragmentSummary:
-    """A fragment's summary for `resolve`, with nothing written."""
+def _summary(index: int, partition: Any, sequenced: Sequenced | None) -> FragmentSummary:
     from broker.protocol import protocol_pb2 as pb
 
     fragment = pb.Fragment.FromString(partition.fragment)
-    found = _sequenced(partition)
-    producers = found[1].producers if found is not None else {}
+    producers = sequenced.producers if sequenced is not None else {}
     return FragmentSummary(index, fragment.journal, fragment.begin, producers)
+
+
+def summary_of(index: int, partition: Any) -> FragmentSummary:
+    """A fragment's summary for `resolve`, with nothing written."""
+    found = _sequenced(partition)
+    return _summary(index, partition, found[1] if found is not None else None)
 
 
 def first_pass(
@@ -301,12 +297,9 @@ def first_pass(
     table; return the summary for `resolve` and how many rows were written."""
     import pyarrow.parquet as pq
 
-    from broker.protocol import protocol_pb2 as pb
-
-    fragment = pb.Fragment.FromString(partition.fragment)
     found = _sequenced(partition)
     if found is None:
-        return FragmentSummary(index, fragment.journal, fragment.begin, {}), 0
+        return _summary(index, partition, None), 0
     table, sequenced, _ = found
     part, _, side = part_paths(staging, index)
     out = _committed(table, sequenced.delivered, sequenced.commit_offsets, keep_acks)
@@ -316,8 +309,7 @@ def first_pass(
         import pyarrow as pa
 
         pq.write_table(table.take(pa.array(sequenced.side, pa.int64())), side)
-    summary = FragmentSummary(index, fragment.journal, fragment.begin, sequenced.producers)
-    return summary, out.num_rows
+    return _summary(index, partition, sequenced), out.num_rows
 
 
 def second_pass(index: int, resolution: Resolution, staging: str, keep_acks: bool) -> int:
