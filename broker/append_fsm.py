@@ -106,6 +106,15 @@ class AppendFSM:
             while self.state == State.STREAM_CONTENT:
                 await self.state_stream_content(await receive())
             await self.state_read_acknowledgements()
+        except Exception as exc:
+            # The machinery failed (a local spool write: ENOSPC, EMFILE; or a bug): peers may
+            # hold content or a proposal our own spool did not take.
+            log.exception("append to %s failed in state %s", self.req.journal, self.state.value)
+            self.tear_down_pipeline()
+            self._fail(error=exc)
+        except BaseException:
+            self.tear_down_pipeline()
+            raise
         finally:
             self.return_pipeline()
 
@@ -131,6 +140,14 @@ class AppendFSM:
     @property
     def owns_pipeline(self) -> bool:
         return self.pln_return is not None
+
+    def tear_down_pipeline(self) -> None:
+        """Give up a pipeline we own whose replicas may disagree: it is shut down (the local
+        spool rolled back and released; each peer rolls back when its stream ends), and the
+        next append builds a new one and synchronizes it, before anything else can use it."""
+        if self.pln is not None and self.owns_pipeline:
+            self.svc.spawn(self.pln.shutdown(expect_err=True))
+            self.pln = None
 
     def return_pipeline(self) -> None:
         if self.pln_return is not None:

@@ -22,6 +22,7 @@ from broker.protocol import validate, wire
 from broker.resolver import ResolveError
 
 if TYPE_CHECKING:
+    from broker.fragment.index import Index
     from broker.fragment.persister import Persister
     from broker.service import JournalService
 
@@ -65,34 +66,37 @@ async def serve_read(
             await context.abort(exc.code(), peer_error(res.header.process_id, exc))
         return
 
-    assert res.replica is not None
-    index = res.replica.index
+    replica = res.replica
+    assert replica is not None
+    index = replica.index
     offset = req.offset if req.offset != -1 else index.write_head
     header: pb.Header | None = res.header
+    # Set when the journal's assignments change. A route change does not end the read (this
+    # broker may still be a replica); the read re-arms on the replica's current event, so a
+    # blocked read wakes once per change, not again and again on an event already set.
+    invalidated = res.invalidated
+    stalled = False  # The last local read made no progress: wait for a change first.
     while True:
+        if replica.stopped:
+            return  # No longer a replica here: the client re-resolves and reads elsewhere.
         if req.end_offset and offset >= req.end_offset:
             return
         found = index.query(offset, req.begin_mod_time)
         offset = found.offset
         entry = found.fragment
-        if entry is None:
-            if not req.block:
-                response = pb.ReadResponse(
-                    status=pb.OFFSET_NOT_YET_AVAILABLE, offset=offset, write_head=index.write_head
-                )
-                if header is not None:
-                    response.header.CopyFrom(header)
-                yield response
-                return
-            changed = asyncio.ensure_future(index.wait_for_change())
-            invalidated = asyncio.ensure_future(res.invalidated.wait())
-            try:
-                await asyncio.wait({changed, invalidated}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                changed.cancel()
-                invalidated.cancel()
-            if res.invalidated.is_set() and res.replica.stopped:
-                return  # No longer a replica here: the client re-resolves and reads elsewhere.
+        if entry is None and not req.block:
+            response = pb.ReadResponse(
+                status=pb.OFFSET_NOT_YET_AVAILABLE, offset=offset, write_head=index.write_head
+            )
+            if header is not None:
+                response.header.CopyFrom(header)
+            yield response
+            return
+        if entry is None or stalled:
+            await _wait_for_change(index, invalidated)
+            if invalidated.is_set():
+                invalidated = replica.invalidated
+            stalled = False
             continue
 
         fragment = entry.spec
@@ -114,6 +118,7 @@ async def serve_read(
             return  # The client reads a persisted fragment through its URL.
         end = fragment.end if not req.end_offset else min(fragment.end, req.end_offset)
         if entry.file is not None:
+            began = offset
             while offset < end:
                 try:
                     content = entry.file.read(offset, min(CHUNK, end - offset))
@@ -123,6 +128,7 @@ async def serve_read(
                     break
                 yield wire.read_content(offset, content)  # type: ignore[misc]
                 offset += len(content)
+            stalled = offset == began
             continue
         assert svc.persister is not None
         try:
@@ -136,6 +142,18 @@ async def serve_read(
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         except (StoreError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading {describe(fragment)}: {exc}")
+
+
+async def _wait_for_change(index: Index, invalidated: asyncio.Event) -> None:
+    """Until the index changes (a commit, a roll, a listing, the replica closing it) or the
+    journal's assignments do."""
+    changed = asyncio.ensure_future(index.wait_for_change())
+    routed = asyncio.ensure_future(invalidated.wait())
+    try:
+        await asyncio.wait({changed, routed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        changed.cancel()
+        routed.cancel()
 
 
 async def read_persisted(
