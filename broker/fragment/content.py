@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
+import logging
 from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from broker.fragment import codecs
 from broker.fragment.fragments import content_name, content_path, digest_of
 from broker.fragment.stores import FragmentStore
 from broker.fragment.stores.urls import open_url
 from broker.protocol import protocol_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Bytes read (and decompressed, and hashed) per step: large enough to amortize handing each
 # block from the worker thread to the event loop.
@@ -119,33 +123,16 @@ _END = object()
 async def stream_blocks(
     open_blocks: Callable[[], Generator[bytes, None, None]], depth: int = 4
 ) -> AsyncGenerator[bytes, None]:
-    """The blocks of a blocking generator, produced on a worker thread up to `depth` blocks
-    ahead of the consumer (reading, decompressing and hashing overlap with sending), without
-    blocking the event loop. Leaving early stops the worker and closes the generator."""
-    loop = asyncio.get_running_loop()
+    """The blocks of a blocking generator, produced up to `depth` blocks ahead of the consumer
+    (reading, decompressing and hashing overlap with sending), without blocking the event loop.
+    Leaving early stops the production and closes the generator.
+
+    Each block is made by its own call on a worker thread of the default executor, which
+    returns the thread before waiting for room in the queue: a consumer that stops taking blocks
+    (a Read to a slow client) then holds no thread, and the executor's few threads stay free for
+    what else runs there (store listings, persists, URL signing, the allocator)."""
     queue: asyncio.Queue[object] = asyncio.Queue(depth)
-    stop = threading.Event()
-
-    def put(item: object) -> None:
-        asyncio.run_coroutine_threadsafe(queue.put(item), loop).result()
-
-    def produce() -> None:
-        item: object = _END
-        try:
-            blocks = open_blocks()
-            try:
-                for block in blocks:
-                    if stop.is_set():
-                        return
-                    put(block)
-            finally:
-                blocks.close()
-        except BaseException as exc:  # Handed to the consumer, raised there.
-            item = exc
-        if not stop.is_set():
-            put(item)
-
-    worker = loop.run_in_executor(None, produce)
+    producer = asyncio.ensure_future(_produce(_Blocks(open_blocks), queue))
     try:
         while True:
             item = await queue.get()
@@ -156,9 +143,64 @@ async def stream_blocks(
             assert isinstance(item, bytes)
             yield item
     finally:
-        stop.set()
-        while not worker.done():
-            while not queue.empty():
-                queue.get_nowait()  # Unblock a worker waiting to put.
-            await asyncio.wait({worker}, timeout=0.01)
-        await worker
+        producer.cancel()
+        await _wait_out(producer)
+        if not producer.cancelled() and (error := producer.exception()) is not None:
+            log.warning("closing a stream of blocks failed: %s", error)
+
+
+class _Blocks:
+    """A blocking generator opened by its first step. Steps and the close run on worker
+    threads, one at a time (a generator cannot run on two threads at once)."""
+
+    def __init__(self, open_blocks: Callable[[], Generator[bytes, None, None]]) -> None:
+        self._open = open_blocks
+        self._blocks: Generator[bytes, None, None] | None = None
+
+    def step(self) -> object:
+        """The next block, or _END."""
+        if self._blocks is None:
+            self._blocks = self._open()
+        return next(self._blocks, _END)
+
+    def close(self) -> None:
+        if self._blocks is not None:
+            self._blocks.close()
+
+
+async def _produce(blocks: _Blocks, queue: asyncio.Queue[object]) -> None:
+    """Blocks into `queue`, then _END or the exception that ended them (raised in the
+    consumer). Cancelled when the consumer leaves; the generator is closed either way."""
+    try:
+        item: object = _END
+        try:
+            while (block := await _on_thread(blocks.step)) is not _END:
+                await queue.put(block)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # Handed to the consumer, raised there.
+            item = exc
+        await queue.put(item)
+    finally:
+        await _on_thread(blocks.close)
+
+
+async def _on_thread(call: Callable[[], _T]) -> _T:
+    """`call()` on a worker thread. A cancellation waits for the call to return (a thread cannot
+    be interrupted, and the generator must not be closed while a step runs), then is raised."""
+    future = asyncio.get_running_loop().run_in_executor(None, call)
+    await _wait_out(future)
+    return future.result()
+
+
+async def _wait_out(future: asyncio.Future[Any]) -> None:
+    """Until `future` is done, even when cancelled meanwhile: then CancelledError follows (as a
+    TaskGroup waits out its tasks). Its outcome is left to the caller."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
