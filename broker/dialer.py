@@ -1,16 +1,18 @@
 """Shared gRPC channels to peers, keyed by their advertised endpoint (`http://host:port`).
 
 Brokers dial each other for replication and proxying; one channel per peer is enough, since
-gRPC multiplexes every stream of a channel over one HTTP/2 connection.
+gRPC multiplexes every stream of a channel over one HTTP/2 connection. An endpoint that cannot
+be dialled as advertised (`https://`: no TLS yet) is never dialled in plaintext: its calls fail.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, NoReturn
 
 import grpc
 
-from broker.client.journals import grpc_target
+from broker.client.journals import BrokerAddressError, grpc_target
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
@@ -20,11 +22,80 @@ REPLICATE_METHOD = "/protocol.Journal/Replicate"
 MAX_MESSAGE = 64 * 1024 * 1024
 
 
+class EndpointRefused(grpc.aio.AioRpcError):
+    """A call to an endpoint the dialer will not dial: it failed before anything was sent."""
+
+    def __init__(self, reason: str) -> None:
+        empty = grpc.aio.Metadata()
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, empty, empty, reason, None)
+
+    def __str__(self) -> str:
+        return self.details() or ""
+
+
+class _RefusedCall:
+    """Any call (unary or streaming) to a refused endpoint: each use raises EndpointRefused."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    async def _refuse(self) -> NoReturn:
+        raise EndpointRefused(self._reason)
+
+    def __await__(self) -> Generator[Any, None, NoReturn]:
+        return self._refuse().__await__()
+
+    def __aiter__(self) -> _RefusedCall:
+        return self
+
+    async def __anext__(self) -> NoReturn:
+        await self._refuse()
+
+    async def read(self) -> NoReturn:
+        await self._refuse()
+
+    async def write(self, request: object) -> NoReturn:
+        await self._refuse()
+
+    async def done_writing(self) -> NoReturn:
+        await self._refuse()
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    async def details(self) -> str:
+        return self._reason
+
+
+class _RefusedChannel:
+    """Stands in for the channel to a refused endpoint, so that stubs and streams on it can be
+    made as usual (a pipeline makes its streams in one step with taking the spool) and fail
+    where callers handle a peer's failures."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def _method(self, method: str, *_: Any, **__: Any) -> Callable[..., _RefusedCall]:
+        return lambda *_, **__: _RefusedCall(self._reason)
+
+    unary_unary = unary_stream = stream_unary = stream_stream = _method
+
+
 class Dialer:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
+        """The channel to `endpoint`; BrokerAddressError if it is not one to dial."""
         channel = self._channels.get(endpoint)
         if channel is None:
             channel = grpc.aio.insecure_channel(
@@ -40,18 +111,27 @@ class Dialer:
             self._channels[endpoint] = channel
         return channel
 
+    def _channel_or_refused(self, endpoint: str) -> Any:
+        try:
+            return self.channel(endpoint)
+        except BrokerAddressError as exc:
+            return _RefusedChannel(str(exc))
+
     def journal_stub(self, endpoint: str) -> pb_grpc.JournalStub:
-        return pb_grpc.JournalStub(self.channel(endpoint))  # type: ignore[no-untyped-call]
+        """A Journal stub for `endpoint`; if the endpoint is not one to dial, its calls fail
+        with EndpointRefused (FAILED_PRECONDITION), having sent nothing."""
+        return pb_grpc.JournalStub(self._channel_or_refused(endpoint))  # type: ignore[no-untyped-call]
 
     def replicate_stream(self, endpoint: str) -> Any:
         """A Replicate stream whose requests are written already serialized (bytes), so that
-        a primary encodes each content chunk once for all of its peers."""
-        call = self.channel(endpoint).stream_stream(
+        a primary encodes each content chunk once for all of its peers. On an endpoint that is
+        not one to dial, every write and read fails with EndpointRefused."""
+        call = self._channel_or_refused(endpoint).stream_stream(
             REPLICATE_METHOD,
             request_serializer=None,  # Identity: the pipeline writes wire bytes.
             response_deserializer=pb.ReplicateResponse.FromString,
         )
-        return call()  # type: ignore[call-arg]  # (grpc-stubs: the iterator is optional)
+        return call()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

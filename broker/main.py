@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,11 @@ def _check(config: BrokerConfig) -> None:
     except validate.ValidationError as exc:
         flag = flags.get(exc.field, "--broker.limit" if "limit" in exc.field else exc.field)
         raise click.ClickException(f"{flag}: {exc.problem}") from None
+    if urllib.parse.urlparse(config.etcd_address).scheme == "https":
+        raise click.ClickException(
+            f"--etcd.address {config.etcd_address!r}: https:// needs TLS, which gazette-py does "
+            "not support yet; give etcd's plaintext http:// address"
+        )
     try:
         parse_etcd_address(config.etcd_address)
     except ValueError as exc:

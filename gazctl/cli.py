@@ -17,6 +17,7 @@ import grpc
 
 from broker import config as cfg
 from broker.client import ApplyConflict, BrokerUnavailable
+from broker.client.journals import BrokerAddressError
 from broker.protocol.labels import SelectorError
 from broker.protocol.validate import ValidationError
 from spec import SpecError
@@ -33,7 +34,10 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     """The synchronous edge: run one library coroutine, translating user-facing failures."""
     try:
         return asyncio.run(coro)
-    except (BrokerUnavailable, ApplyConflict, SelectorError, ValidationError, SpecError) as exc:
+    except (
+        BrokerUnavailable, BrokerAddressError, ApplyConflict, SelectorError, ValidationError,
+        SpecError,
+    ) as exc:  # fmt: skip
         raise UserError(str(exc)) from None
     except grpc.aio.AioRpcError as exc:
         detail = (exc.details() or "").split("\n")[0]
@@ -44,7 +48,10 @@ class GazctlGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (SelectorError, ValidationError, SpecError, BrokerUnavailable, ApplyConflict) as exc:
+        except (
+            SelectorError, ValidationError, SpecError, BrokerUnavailable, BrokerAddressError,
+            ApplyConflict,
+        ) as exc:  # fmt: skip
             raise UserError(str(exc)) from None
 
 

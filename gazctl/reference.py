@@ -17,6 +17,9 @@ when this file is stale. Every option can also come from its environment variabl
 `gazctl.ini` (searched in `.`, `~/.config/gazette/`, `$APPLICATION_CONFIG_ROOT`): an option
 `--broker.address` of `gazctl journals list` is read from section `[journals.list.broker]`,
 `[journals.broker]` or `[broker]`, key `address`. Precedence: flag, environment, INI, default.
+
+A broker address is `http://HOST:PORT` (or a bare `HOST:PORT`). `https://` addresses are refused
+with an error until gazette-py supports TLS, rather than dialled without it.
 """
 
 

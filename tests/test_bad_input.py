@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aetcd
@@ -181,3 +182,88 @@ async def test_route_change_mid_append(
     assert after.commit.end == len(expected)
     for h in brokers:
         assert await read_all(h, "bad/j") == expected
+
+
+def test_the_client_library_refuses_https_addresses() -> None:
+    from broker.client import JournalsClient, dial
+    from broker.client.journals import grpc_target
+    from broker.dialer import Dialer
+
+    address = "https://127.0.0.1:8080"
+    for refuse in (grpc_target, dial, JournalsClient, Dialer().channel):
+        with pytest.raises(ValueError, match="TLS") as info:
+            refuse(address)
+        assert address in str(info.value) and "\n" not in str(info.value)
+    # What was accepted stays accepted: http:// and a bare HOST:PORT.
+    assert grpc_target("http://127.0.0.1:8080") == "127.0.0.1:8080"
+    assert grpc_target("127.0.0.1:8080") == "127.0.0.1:8080"
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        grpc_target("unix:///var/run/broker.sock")
+
+
+@contextlib.asynccontextmanager
+async def counting_listener() -> AsyncIterator[tuple[int, list[int]]]:
+    """A TCP port on loopback that counts the connections made to it (and closes them)."""
+    connections: list[int] = []
+
+    def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], connections
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_peer_advertising_https_is_not_dialled_in_plaintext(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    # Another broker (upstream's, with TLS) advertises an https:// endpoint: replication to it
+    # and proxying to it fail with a clear error, and nothing is sent to it in plaintext.
+    from broker.allocator import keyspace as aks
+
+    async with counting_listener() as (port, connections):
+        endpoint = f"https://127.0.0.1:{port}"
+        lease = await etcd.lease(30)
+        tls = pb.BrokerSpec(
+            process_spec=pb.ProcessSpec(
+                id=pb.ProcessSpec.ID(zone="local", suffix="tls-broker"), endpoint=endpoint
+            )
+        )
+        await etcd.put(
+            aks.member_key(etcd_prefix, "local", "tls-broker").encode(),
+            tls.SerializeToString(),
+            lease=lease.id,
+        )
+        a, b = (("local", i) for i in IDS)
+        tls_member = ("local", "tls-broker")
+        await set_journal(etcd, etcd_prefix, journal_spec("tls/replica", 2), [a, tls_member])
+        await set_journal(etcd, etcd_prefix, journal_spec("tls/primary", 2), [tls_member, a])
+        await set_journal(etcd, etcd_prefix, journal_spec("tls/only", 1), [tls_member])
+        s = stub(brokers[0])
+
+        # Replication: the pipeline to the peer fails, and the append with it.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await append(s, "tls/replica", b"never")
+        assert endpoint in (info.value.details() or "") and "TLS" in (info.value.details() or "")
+        # Proxying an append to it, and a read.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await append(s, "tls/primary", b"never")
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert endpoint in (info.value.details() or "") and "TLS" in (info.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await read_all(brokers[0], "tls/only")
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert endpoint in (info.value.details() or "") and "TLS" in (info.value.details() or "")
+
+        # The failed pipeline gave its spool back: once the journal moves to brokers that
+        # can be dialled, it takes appends again.
+        await set_journal(etcd, etcd_prefix, journal_spec("tls/replica", 2), [a, b])
+        await lease.revoke()
+        response = await append(s, "tls/replica", b"after")
+        for h in brokers:
+            assert await read_all(h, "tls/replica", response.commit.begin) == b"after"
+        assert connections == []

@@ -211,6 +211,28 @@ def test_bad_selector_and_unreachable_broker(broker_process: BrokerProcess) -> N
     assert_one_line_error(r, "ftp://nope")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["journals", "list"],
+        ["journals", "read", "-l", "name=tls/j"],
+        ["journals", "append", "-l", "name=tls/j"],
+        ["journals", "fragments", "-l", "name=tls/j"],
+        ["spark", "compact", "-l", "name=tls/j", "--dry-run"],
+    ],
+)
+def test_https_broker_address_refused(broker_process: BrokerProcess, args: list[str]) -> None:
+    # The broker behind the address is real (and plaintext): a client that ignored the scheme
+    # would talk to it without TLS, and succeed.
+    https = broker_process.address.replace("http://", "https://")
+    r = run_cli("gazctl", *args, "--broker.address", https, input="")
+    assert_one_line_error(r, https, "TLS", "http://")
+    r = run_cli("gazctl", *args, env={"BROKER_ADDRESS": https}, input="")
+    assert_one_line_error(r, https, "TLS")
+    r = run_cli("gazctl", *args, "--broker.address", "ftp://127.0.0.1:1", input="")
+    assert_one_line_error(r, "ftp://127.0.0.1:1", "http://HOST:PORT")
+
+
 def test_missing_specs_file(broker_process: BrokerProcess, tmp_path: Path) -> None:
     r = gazctl(broker_process, "journals", "apply", "--specs", str(tmp_path / "absent.yaml"))
     assert_one_line_error(r, "absent.yaml")

@@ -97,6 +97,20 @@ def test_bad_flags_are_one_line(etcd_server: EtcdServer) -> None:
     assert r.code != 0 and "Traceback" not in r.err and "soon" in r.err
 
 
+def test_https_etcd_address_refused(etcd_server: EtcdServer) -> None:
+    # etcd behind the address is real and plaintext: the broker must not use it as if it were
+    # TLS, nor start at all.
+    https = etcd_server.endpoint.replace("http://", "https://")
+    r = run_cli(
+        "gazette", "serve", "--broker.id", "tls-test", "--broker.host", "127.0.0.1",
+        "--etcd.address", https,
+    )  # fmt: skip
+    assert r.code != 0 and "Traceback" not in r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert https in lines[0] and "TLS" in lines[0] and "http://" in lines[0]
+
+
 def test_lost_lease_stops_the_broker(etcd_server: EtcdServer, tmp_path: Path) -> None:
     """If etcd drops the broker's lease, its member key is gone: it must exit, non-zero."""
     prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"

@@ -28,15 +28,30 @@ class ApplyConflict(RuntimeError):
         self.batch = batch
 
 
+class BrokerAddressError(ValueError):
+    """A broker address the client will not dial: not `http://HOST:PORT`, or `https://`, which
+    needs TLS (not supported yet; dialling it in plaintext would ignore what it asks for)."""
+
+
 def grpc_target(address: str) -> str:
-    """`http://host:port` (upstream's --broker.address form) to a gRPC target `host:port`."""
+    """`http://host:port` (upstream's --broker.address form) or a bare `host:port` to a gRPC
+    target `host:port`; BrokerAddressError for anything else, `https://` included."""
     parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"broker address {address!r}: expected http://HOST:PORT")
+    if parsed.scheme == "https":
+        raise BrokerAddressError(
+            f"broker address {address!r}: https:// needs TLS, which gazette-py does not "
+            "support yet; give the broker's plaintext http:// address"
+        )
+    try:
+        port = parsed.port or 80
+    except ValueError:  # A port that is not a number, or out of range.
+        port = 0
+    if parsed.scheme != "http" or not parsed.hostname or not port:
+        raise BrokerAddressError(f"broker address {address!r}: expected http://HOST:PORT")
     host = parsed.hostname
     if ":" in host:
         host = f"[{host}]"
-    return f"{host}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+    return f"{host}:{port}"
 
 
 def dial(address: str) -> grpc.aio.Channel:

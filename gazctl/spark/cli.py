@@ -14,6 +14,7 @@ from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progres
 from rich.table import Table
 
 from broker.client import BrokerUnavailable, JournalsClient
+from broker.client.journals import BrokerAddressError
 from broker.fragment.content import describe
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.labels import SelectorError
@@ -53,7 +54,10 @@ def job(fn: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
-        except (JobError, BrokerUnavailable, SelectorError, SpecError, ValidationError) as exc:
+        except (
+            JobError, BrokerUnavailable, BrokerAddressError, SelectorError, SpecError,
+            ValidationError,
+        ) as exc:  # fmt: skip
             raise click.ClickException(str(exc)) from None
 
     wrapper.__name__ = fn.__name__
