@@ -275,7 +275,8 @@ class AppendFSM:
     async def state_recv_pipeline_sync(self) -> None:
         """Read every peer's answer to the sync: agree, roll forward, or re-resolve."""
         pln = self._pln
-        roll_to, roll_registers, read_through = await pln.gather_sync()
+        # In turn: a pipeline kept from earlier appends may still carry their acknowledgements.
+        roll_to, roll_registers, read_through = await pln.read_in_turn(pln.gather_sync)
         self.roll_to_offset, self.read_through_rev = roll_to, read_through
         error = pln.recv_err() or pln.send_err()
         if error is not None:
@@ -547,7 +548,6 @@ class AppendFSM:
         """Release the send side, then, in turn, read every peer's acknowledgement."""
         pln = self._pln
         send_err = pln.send_err()
-        wait_for, close_after = pln.barrier()
         assert self.pln_return is not None
         if send_err is None:
             self.pln_return.put_nowait(pln)  # The next append may send already.
@@ -555,13 +555,13 @@ class AppendFSM:
             await pln.close_send()
             self.pln_return.put_nowait(None)  # A new pipeline must be built.
         self.pln_return = None
-        try:
-            await wait_for
+
+        async def read() -> None:
             await pln.gather_ok()
             if send_err is not None:
                 await pln.gather_eof()
-        finally:
-            close_after.set_result(None)
+
+        await pln.read_in_turn(read)
         if self.error is not None or self.status != pb.OK:
             self.state = State.ERROR
         elif (error := pln.recv_err() or send_err) is not None:

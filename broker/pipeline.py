@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -28,6 +28,8 @@ EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # (missing from grpc-s
 
 
 SHUTDOWN_TIMEOUT = 10.0
+
+T = TypeVar("T")
 
 
 class PipelineError(RuntimeError):
@@ -57,6 +59,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         self._read_barrier: asyncio.Future[None] = loop.create_future()
         self._read_barrier.set_result(None)
+        self._turns: set[asyncio.Task[Any]] = set()  # Readers in turn (see read_in_turn).
         primary = header.route.primary
         for i, member in enumerate(members):
             if i == primary:
@@ -143,6 +146,29 @@ class Pipeline:
         wait_for = self._read_barrier
         self._read_barrier = asyncio.get_running_loop().create_future()
         return wait_for, self._read_barrier
+
+    async def read_in_turn(self, read: Callable[[], Awaitable[T]]) -> T:
+        """Run `read` (of the acknowledgements of what the caller just sent) in the order the
+        requests went out: after every earlier reader, before every later one.
+
+        The turn is a task of the pipeline's, and the caller's cancellation does not end it:
+        responses to a request already sent are on their way, and a reader that gave up its
+        turn before reading them would hand them to the next one as its own. So the read goes
+        on, and the next reader's turn comes only once it is done. (Shutdown takes its own
+        turn, after every reader's.)"""
+        wait_for, close_after = self.barrier()
+
+        async def turn() -> T:
+            try:
+                await wait_for
+                return await read()
+            finally:
+                close_after.set_result(None)
+
+        task = asyncio.ensure_future(turn())
+        self._turns.add(task)
+        task.add_done_callback(self._turns.discard)
+        return await asyncio.shield(task)
 
     async def gather(self) -> None:
         for i, stream in enumerate(self.streams):

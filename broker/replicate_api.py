@@ -62,6 +62,11 @@ async def serve_replicate(
         invalidated = asyncio.ensure_future(res.invalidated.wait())
         try:
             await asyncio.wait({get, invalidated}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled in the instant the spool was taken: it goes back, not astray.
+            if get.done() and not get.cancelled() and get.exception() is None:
+                res.replica.spool_queue.put_nowait(get.result())
+            raise
         finally:
             invalidated.cancel()
             if not get.done():

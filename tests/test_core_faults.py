@@ -93,14 +93,11 @@ async def test_blocked_tails_stay_idle_after_a_route_change(
     async with asyncio.TaskGroup() as tg:
         tails = [tg.create_task(tail(i)) for i in range(4)]
         await until(lambda: queries >= 4)
-        await set_journal(
-            etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS]
-        )
+        await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
         # The primary synchronizes the new pipeline and advertises the route (its own write).
         replica = brokers[0].broker.service.resolver.replicas[journal]  # type: ignore[index]
         await until(
-            lambda: len(replica.assignments) == 3
-            and all(kv.raw for kv in replica.assignments),
+            lambda: len(replica.assignments) == 3 and all(kv.raw for kv in replica.assignments),
             timeout=15,
         )
         await asyncio.sleep(0.5)
@@ -144,7 +141,7 @@ async def test_read_inside_a_local_fragment_ends_when_its_replica_stops(
     replica = service.resolver.replicas[journal]  # type: ignore[index]
     await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[:1])
     await until(lambda: journal not in (service.resolver.replicas or {}))
-    await until(lambda: not service.resolver._stopping)
+    await until(lambda: replica.stopped and not service.resolver._stopping)
 
     metadata = 0
     async with asyncio.timeout(10):
@@ -195,3 +192,154 @@ async def test_local_spool_failure_mid_append_rolls_back_everywhere(
     assert (response.commit.begin, response.commit.end) == (5, 9)
     for h in brokers:
         assert await read_all(h, journal) == b"kept;next"
+
+
+# ---- 3. cancellation at every await point -----------------------------------------------------
+
+# Await points of the append FSM, each a method the FSM awaits: acquiring the pipeline and the
+# spool, the sync's scatter and its answers, a content chunk's scatter, and reading the
+# acknowledgements in turn.
+# acknowledgements in turn. With a new pipeline (which the victim synchronizes) or one kept from
+# earlier appends that are still reading theirs.
+AWAIT_POINTS = [
+    ("sync", "AppendFSM._take"),
+    ("sync", "Pipeline.scatter"),
+    ("sync", "Pipeline.read_in_turn"),
+    ("stream", "Pipeline.scatter_content"),
+    ("stream", "Pipeline.read_in_turn"),
+]
+
+
+@pytest.mark.parametrize(("scenario", "point"), AWAIT_POINTS)
+async def test_append_fsm_cancelled_at_each_await_point(
+    scenario: str,
+    point: str,
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An append FSM cancelled at one of its await points, among pipelined appends: every
+    other append either commits (its bytes at its acknowledged offsets on every replica) or
+    fails cleanly, the replicas agree byte for byte, and the journal keeps taking appends."""
+    from broker import append_fsm, pipeline
+    from broker.append_fsm import AppendFSM, Chunk
+
+    journal = f"faults/cancel-{scenario}-{point.lower().replace('.', '-').replace('_', '')}"
+    await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+    await append(stub(brokers[0]), journal, b"start;")
+    service = brokers[0].broker.service
+    replica = service.resolver.replicas[journal]  # type: ignore[index]
+
+    owner_name, method = point.split(".")
+    owner = {"AppendFSM": append_fsm.AppendFSM, "Pipeline": pipeline.Pipeline}[owner_name]
+    original = getattr(owner, method)
+    victims: set[asyncio.Task[None]] = set()
+    fired: list[str] = []
+
+    async def cancelling(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        task = asyncio.current_task()
+        if task in victims:
+            victims.discard(task)  # Once: the FSM's clean-up may await the same method.
+            fired.append(point)
+            task.cancel()  # Delivered at the first suspension inside the original.
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, method, cancelling)
+
+    if scenario == "sync":
+        # The victim must build and synchronize a new pipeline: drop the current one.
+        pln = await replica.pipeline_queue.get()
+        if pln is not None:
+            await pln.shutdown(expect_err=False)
+        replica.pipeline_queue.put_nowait(None)
+
+    async def one(i: int) -> tuple[bytes, pb.AppendResponse | None]:
+        payload = f"<{i:03d}>".encode()
+        try:
+            return payload, await append(stub(brokers[i % 3]), journal, payload)
+        except grpc.aio.AioRpcError:
+            return payload, None
+
+    victim_payload = b"<victim>"
+    chunks = iter(
+        [Chunk(pb.AppendRequest(content=victim_payload)), Chunk(pb.AppendRequest()), Chunk(None)]
+    )
+
+    async def receive() -> Chunk:
+        return next(chunks)
+
+    fsm = AppendFSM(service, pb.AppendRequest(journal=journal))
+    before = [asyncio.ensure_future(one(i)) for i in range(8)] if scenario == "stream" else []
+    victim = asyncio.ensure_future(fsm.run(receive))
+    victims.add(victim)
+    after = [asyncio.ensure_future(one(i)) for i in range(8, 16)]
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    assert fired == [point], "the victim never reached the await point"
+    results = await asyncio.gather(*before, *after)
+
+    final = await append(stub(brokers[0]), journal, b"<final>")
+    contents = [await read_all(h, journal) for h in brokers]
+    assert contents[0] == contents[1] == contents[2]
+    content = contents[0]
+    assert content.startswith(b"start;") and content.endswith(b"<final>")
+    assert final.commit.end == len(content)
+    for payload, response in results:
+        if response is not None:
+            assert content[response.commit.begin : response.commit.end] == payload
+        assert content.count(payload) <= 1
+    # What is there is exactly what was appended: nothing torn, nothing twice.
+    rest = content[len(b"start;") : -len(b"<final>")]
+    pieces = rest.replace(b"><", b">\n<").split(b"\n") if rest else []
+    allowed = {p for p, _ in results} | {victim_payload}
+    assert all(p in allowed for p in pieces), pieces
+    assert len(pieces) == len(set(pieces))
+
+
+async def test_replicate_handler_cancelled_as_it_takes_the_spool_gives_it_back(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """A Replicate handler waits for the spool (another stream owns it); it is handed over and
+    the handler is cancelled in the same instant: the spool must go back to the replica."""
+    from broker.replicate_api import serve_replicate
+
+    journal = "faults/replicate-cancel"
+    await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+    await append(stub(brokers[0]), journal, b"x")
+    # The primary's pipeline owns the replica's spool through its stream: tear it down.
+    primary = brokers[0].broker.service.resolver.replicas[journal]  # type: ignore[index]
+    pln = await primary.pipeline_queue.get()
+    assert pln is not None
+    await pln.shutdown(expect_err=False)
+    primary.pipeline_queue.put_nowait(None)
+    service = brokers[1].broker.service
+    replica = service.resolver.replicas[journal]  # type: ignore[index]
+    res = await service.resolver.resolve(journal, may_proxy=False, require_primary=False)
+    header = pb.Header()
+    header.CopyFrom(res.header)
+    header.process_id.CopyFrom(service.process_id)
+
+    for spins in range(6):
+        async with asyncio.timeout(5):
+            spool = await replica.spool_queue.get()  # Ours now, as a stream would own it.
+        first = pb.ReplicateRequest(header=header, proposal=spool.fragment, acknowledge=True)
+
+        async def requests() -> AsyncIterator[pb.ReplicateRequest]:
+            yield first  # noqa: B023
+            await asyncio.Event().wait()
+
+        async def handler() -> None:
+            async for _ in serve_replicate(service, requests(), context=None):
+                pass
+
+        task = asyncio.ensure_future(handler())
+        await asyncio.sleep(0.05)  # Now waiting for the spool.
+        assert not task.done()
+        replica.spool_queue.put_nowait(spool)
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert replica.spool_queue.qsize() == 1, f"spool lost (cancelled after {spins} steps)"
