@@ -4,6 +4,7 @@ never served as content)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -150,6 +151,13 @@ async def test_a_corrupt_fragment_is_reported_not_served(
     stub, end = await written_journal(harness)
     listing = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
     victim = listing.fragments[0].spec
+    # The broker keeps its local copy of a persisted fragment until a store listing covers it
+    # (the persist asks for one): from then on it streams the store's bytes.
+    replica = harness.broker.service.resolver.replicas[JOURNAL]  # type: ignore[index]
+    deadline = time.monotonic() + 10
+    while any(f.begin < victim.end for f in replica.index.local_fragments()):
+        assert time.monotonic() < deadline, "no listing covered the persisted fragments"
+        await asyncio.sleep(0.05)
     path = root / "fragments" / fragment_path(victim)
     content = path.read_bytes()
     path.write_bytes(bytes(b ^ 0x20 for b in content))  # Same length, wrong bytes.

@@ -97,9 +97,55 @@ def test_listings_replace_remote_fragments_and_drop_covered_local_ones() -> None
         (0, 100, True),
         (100, 200, False),
     ]
-    # A listing that misses a fragment this broker persisted keeps nothing stale: remote
-    # fragments are exactly the last listing.
+    # A fragment this broker persisted keeps its local copy (now naming its store) until a
+    # listing covers it; then remote fragments are exactly the listing.
     index.add_remote(fragment(100, 200, 6))
-    assert closed == [0, 100]
+    assert closed == [0]
+    assert [(f.begin, f.backing_store, f.file is None) for f in index.fragments()] == [
+        (0, "file:///store/", True),
+        (100, "file:///store/", False),
+    ]
     index.replace_remote([fragment(0, 200, 7)])
+    assert closed == [0, 100]
     assert [(f.begin, f.end) for f in index.fragments()] == [(0, 200)]
+
+
+def test_a_persisted_fragment_survives_a_listing_that_began_before_its_persist() -> None:
+    """Issue 12, defect 4: a store listing that began before a persist completed must not
+    drop the just-persisted fragment, else a read from 0 jumps over committed content."""
+    from broker.fragment.spool import CompletedFragment
+
+    closed: list[int] = []
+
+    class Completed(CompletedFragment):
+        def __init__(self, begin: int) -> None:  # A stand-in holding no file.
+            self.begin_ = begin
+
+        def read(self, offset: int, size: int) -> bytes:
+            return b"y" * size
+
+        def close(self) -> None:
+            closed.append(self.begin_)
+
+    index = Index(JOURNAL)
+    index.replace_remote([])
+    index.on_complete(fragment(0, 100), Completed(0))
+    index.on_complete(fragment(100, 200), Completed(100))
+    index.add_remote(fragment(0, 100, int(NOW)))
+    index.add_remote(fragment(100, 200, int(NOW)))
+    # A listing that began before both persists: it lists neither.
+    index.replace_remote([])
+    assert [(f.begin, f.end, f.file is None) for f in index.fragments()] == [
+        (0, 100, False),
+        (100, 200, False),
+    ]
+    # The next one saw the second persist, not the first (it was still under way).
+    index.replace_remote([fragment(100, 200, int(NOW))])
+    found = index.query(0, now=NOW)
+    assert found.offset == 0 and found.fragment is not None
+    assert (found.fragment.begin, found.fragment.end) == (0, 100)
+    assert found.fragment.file is not None and closed == [100]
+    # Once a listing covers it, the local copy goes.
+    index.replace_remote([fragment(0, 100, int(NOW)), fragment(100, 200, int(NOW))])
+    assert closed == [100, 0]
+    assert [f.file is None for f in index.fragments()] == [True, True]

@@ -41,6 +41,8 @@ class Index:
         self._changed = asyncio.Event()
         self.first_refresh = asyncio.Event()
         self.refresh_error = ""  # Of the last failed listing of the stores.
+        # Set to ask the refresh daemon for a listing now (a persist completed).
+        self.refresh_requested = asyncio.Event()
         self._closed = False
 
     # ---- spool observer -----------------------------------------------------------------------
@@ -78,8 +80,20 @@ class Index:
         self.first_refresh.set()
 
     def add_remote(self, fragment: pb.Fragment) -> None:
-        """A fragment this broker just persisted: serve it from the store from now on."""
-        self._install_remote([*(f.spec for f in self._set if f.file is None), fragment])
+        """A fragment this broker just persisted. Its local copy now names its store (readers
+        are given its URL) but stays, as upstream keeps it, until a listing of the stores
+        covers it: a listing that began before the persist completed does not list it, and
+        dropping the copy then would leave a hole a read from 0 jumps over."""
+        persisted = _copy(fragment)
+        for entry in self._local:
+            if entry.begin == persisted.begin and entry.end == persisted.end:
+                named = IndexedFragment(persisted, entry.file)
+                self._local = _replace(self._local, named)
+                self._set = _replace(self._set, named)
+                self._signal()
+                self.refresh_requested.set()  # A new listing soon releases the copy.
+                return
+        # No local copy (the replica is closing): nothing to keep.
 
     def _install_remote(self, remote: Iterable[pb.Fragment]) -> None:
         listed = CoverSet()

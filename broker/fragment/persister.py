@@ -163,8 +163,9 @@ class Persister:
         return out
 
     async def refresh_loop(self, replica: Replica) -> None:
-        """The fragment refresh daemon of a replica: list its stores every refresh_interval and
-        replace the index's remote fragments. The first listing releases waiting appends."""
+        """The fragment refresh daemon of a replica: list its stores every refresh_interval (or
+        sooner when the index asks, after a persist) and replace the index's remote fragments.
+        The first listing releases waiting appends."""
         failures = 0
         while not replica.stopped:
             spec = replica.spec
@@ -185,9 +186,18 @@ class Persister:
                     return
                 replica.index.replace_remote(listed)
                 delay = spec.fragment.refresh_interval.seconds or 60
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await replica.spec_changed()
+            requested = replica.index.refresh_requested
+            if not requested.is_set():
+                spec_changed = asyncio.ensure_future(replica.spec_changed())
+                refresh = asyncio.ensure_future(requested.wait())
+                try:
+                    await asyncio.wait(
+                        {spec_changed, refresh}, timeout=delay, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    spec_changed.cancel()
+                    refresh.cancel()
+            requested.clear()
 
     # ---- lifetime -----------------------------------------------------------------------------
 
