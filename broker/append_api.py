@@ -35,21 +35,23 @@ class ClientStream:
 
     A client must deliver content at `min_rate` bytes per second on average after a grace
     period, else the append is aborted: appends hold the journal's pipeline, and a stalled
-    client would block every other writer of the journal.
+    client would block every other writer of the journal. Only the time spent waiting for the
+    client counts: not the wait for the pipeline (behind other appends), nor peer syncs, store
+    listings or the broker's own rate limits.
     """
 
     def __init__(self, requests: AsyncIterator[pb.AppendRequest], min_rate: int) -> None:
         self._it = requests
         self.min_rate = min_rate
         self.gone = asyncio.Event()
-        self._start = time.monotonic()
+        self._waited = 0.0  # Seconds spent in receive(), waiting for the client.
         self._bytes = 0
         self._reading: asyncio.Future[pb.AppendRequest] | None = None
 
-    def _deadline(self) -> float | None:
+    def _timeout(self) -> float | None:
         if self.min_rate <= 0:
             return None
-        return self._start + FLOW_GRACE + self._bytes / self.min_rate
+        return max(0.0, FLOW_GRACE + self._bytes / self.min_rate - self._waited)
 
     def leave(self) -> None:
         """The client went away: a read in flight ends, and so does every later one."""
@@ -63,12 +65,12 @@ class ClientStream:
         # One task per message: `leave` cancels it (cancelling the FSM's own task instead
         # would interrupt the machinery this class exists to protect).
         read = self._reading = asyncio.ensure_future(anext(self._it))
-        deadline = self._deadline()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        began = time.monotonic()
         try:
-            await asyncio.wait((read,), timeout=timeout)
+            await asyncio.wait((read,), timeout=self._timeout())
         finally:
             self._reading = None
+            self._waited += time.monotonic() - began
         if not read.done() or self.gone.is_set():
             read.cancel()
             with contextlib.suppress(BaseException):

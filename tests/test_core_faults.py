@@ -343,3 +343,48 @@ async def test_replicate_handler_cancelled_as_it_takes_the_spool_gives_it_back(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         assert replica.spool_queue.qsize() == 1, f"spool lost (cancelled after {spins} steps)"
+
+
+# ---- 5. flow control measured from when an append streams -------------------------------------
+
+
+async def test_a_small_append_queued_behind_a_slow_one_is_not_too_slow(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """A small append waits for the pipeline while a long one (streaming faster than the
+    broker's minimum rate, 64 KiB/s here) holds it for three seconds: the wait is not the
+    small append's streaming time, and it commits."""
+    journal = "faults/flow"
+    await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+    await append(stub(brokers[0]), journal, b"x")
+    assert brokers[0].broker.service.min_append_rate == 65536
+
+    async def slow_content() -> AsyncIterator[bytes]:
+        for _ in range(6):
+            yield b"s" * (64 << 10)  # 128 KiB/s on average: above the minimum.
+            await asyncio.sleep(0.5)
+
+    slow = asyncio.ensure_future(append(stub(brokers[0]), journal, slow_content()))
+    await asyncio.sleep(0.3)  # The slow append holds the pipeline.
+    small = await append(stub(brokers[0]), journal, b"small\n")
+    done = await slow
+    assert small.commit.begin == done.commit.end  # It waited, then committed.
+    assert done.commit.end - done.commit.begin == 6 * (64 << 10)
+
+
+async def test_a_stalled_client_is_still_aborted(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """The other side of the rule: a client that stops streaming is aborted after the grace
+    period, rolled back, and the journal takes the next append."""
+    journal = "faults/stalled"
+    await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+
+    async def stalled() -> AsyncIterator[bytes]:
+        yield b"partial"
+        await asyncio.sleep(2.5)  # Past the grace period of one second.
+
+    with pytest.raises(grpc.aio.AioRpcError, match="min-append-rate"):
+        await append(stub(brokers[0]), journal, stalled())
+    response = await append(stub(brokers[0]), journal, b"next")
+    assert (response.commit.begin, response.commit.end) == (0, 4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterable, Iterable
 
@@ -92,7 +93,8 @@ async def append(
     try:
         # A write fails when the broker already answered (a refusal before the content, or an
         # abort): its answer, or its error, is the call's outcome, awaited just below.
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        # (grpc.aio raises InvalidStateError for a write after the call finished.)
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await _send(call, first, content, chunk_size)
         response: pb.AppendResponse = await call
     except BaseException:
