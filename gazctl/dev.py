@@ -1,7 +1,9 @@
 """`gazctl dev up|down|status`: a local cluster (etcd and N brokers) on loopback.
 
 Processes run detached so `up` can return; their pids and addresses live in `<dir>/cluster.json`
-and `down` stops exactly those pids (after checking each still runs what we started).
+and `down` stops exactly those pids (after checking each still runs what we started). The ports
+stay in `<dir>/ports.json` after `down`: the next `up` listens on them again where still free,
+so an exported BROKER_ADDRESS keeps working.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +35,7 @@ from broker.testing.etcd import (
 from gazctl.render import console
 
 STATE = "cluster.json"
+PORTS = "ports.json"
 ETCD_PREFIX = "/gazette/cluster"
 
 
@@ -70,6 +74,82 @@ class ClusterState:
             )
         except (ValueError, KeyError, TypeError):
             return None
+
+
+@dataclass
+class Ports:
+    """The ports a dev cluster listens on, kept from one `up` to the next."""
+
+    etcd_client: int
+    etcd_peer: int
+    brokers: list[int]
+
+    def save(self, directory: Path) -> None:
+        (directory / PORTS).write_text(json.dumps(asdict(self), indent=2))
+
+    @staticmethod
+    def load(directory: Path) -> Ports | None:
+        try:
+            doc = json.loads((directory / PORTS).read_text())
+            ports = Ports(
+                int(doc["etcd_client"]), int(doc["etcd_peer"]), [int(p) for p in doc["brokers"]]
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return ports
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:`port` now (as etcd and gRPC servers do,
+    with SO_REUSEADDR: connections of an earlier run in TIME_WAIT do not hold it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def choose_ports(previous: Ports | None, brokers: int) -> tuple[Ports, list[str]]:
+    """The previous run's ports where still free, new ones where not (or for new brokers);
+    and a line for each process that moved."""
+    old = previous or Ports(0, 0, [])
+    reserved = {old.etcd_client, old.etcd_peer, *old.brokers}
+    moved: list[str] = []
+
+    def pick(role: str, before: int, then: str = "") -> int:
+        if before and port_is_free(before):
+            return before
+        port = free_port()
+        while port in reserved:  # Another process's remembered port: keep it for that one.
+            port = free_port()
+        reserved.add(port)
+        if before:
+            moved.append(f"{role}: port {before} is taken by another process, so {role} "
+                         f"listens on port {port}{then}")  # fmt: skip
+        return port
+
+    again = "; export BROKER_ADDRESS again (as printed below)"
+    ports = Ports(
+        pick("etcd", old.etcd_client),
+        pick("etcd (peer)", old.etcd_peer),
+        [
+            pick(
+                f"broker-{i}",
+                old.brokers[i] if i < len(old.brokers) else 0,
+                again if i == 0 else "",
+            )
+            for i in range(brokers)
+        ],
+    )
+    return ports, moved
+
+
+def print_exports(state: ClusterState) -> None:
+    """The environment the other gazctl commands take (stdout's last lines: `eval` them)."""
+    click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
+    click.echo(f"export BROKER_FILE_ROOT={Path(state.dir) / 'fragments'}")
 
 
 def is_running(proc: Proc) -> bool:
@@ -209,7 +289,11 @@ dir_option = click.option(
     help="Seconds to wait for the cluster to become ready",
 )
 def up(directory: str, brokers: int, timeout: float) -> None:
-    """Start etcd and brokers, wait until all are ready, and print BROKER_ADDRESS."""
+    """Start etcd and brokers, wait until all are ready, and print BROKER_ADDRESS and
+    BROKER_FILE_ROOT (the file:// fragment stores' root) to export.
+
+    Started again on the same folder, the cluster keeps its data and its addresses (each
+    port that is still free), so exported variables keep working."""
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     existing = ClusterState.load(root)
@@ -218,7 +302,7 @@ def up(directory: str, brokers: int, timeout: float) -> None:
         if running and len(running) == len(existing.all()):
             click.echo(f"a dev cluster is already running in {root}:", err=True)
             print_status(existing)
-            click.echo(f"export BROKER_ADDRESS={existing.brokers[0].address}")
+            print_exports(existing)
             return
         # Stale state from a crashed or half-stopped run: stop survivors and start afresh.
         for proc in running:
@@ -230,11 +314,15 @@ def up(directory: str, brokers: int, timeout: float) -> None:
         etcd_binary = find_etcd_binary()
     except EtcdNotFound as exc:
         raise click.ClickException(str(exc)) from None
-    client_port, peer_port = free_port(), free_port()
+    ports, moved = choose_ports(Ports.load(root), brokers)
+    for line in moved:
+        click.echo(line, err=True)
+    ports.save(root)
     etcd_log = root / "etcd.log"
-    etcd_endpoint = f"http://127.0.0.1:{client_port}"
+    etcd_endpoint = f"http://127.0.0.1:{ports.etcd_client}"
     etcd_popen = spawn(
-        etcd_command(etcd_binary, root / "etcd-data", client_port, peer_port), etcd_log
+        etcd_command(etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer),
+        etcd_log,
     )
     state = ClusterState(
         dir=str(root),
@@ -252,8 +340,7 @@ def up(directory: str, brokers: int, timeout: float) -> None:
         file_root = root / "fragments"
         file_root.mkdir(exist_ok=True)
         popens = []
-        for i in range(brokers):
-            port = free_port()
+        for i, port in enumerate(ports.brokers):
             log_path = root / f"broker-{i}.log"
             popen = spawn(broker_command(i, port, etcd_endpoint, file_root), log_path)
             popens.append(popen)
@@ -274,7 +361,7 @@ def up(directory: str, brokers: int, timeout: float) -> None:
         (root / STATE).unlink(missing_ok=True)
         raise
     print_status(state)
-    click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
+    print_exports(state)
 
 
 @dev.command("down")

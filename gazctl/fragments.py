@@ -28,7 +28,7 @@ from broker.fragment.stores import FragmentStore, StoreError, check_store_url, o
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from gazctl.journals import broker_options, client_of, journals
+from gazctl.journals import broker_options, client_of, file_root_option, journals
 from gazctl.journals_io import matching
 from gazctl.render import console, err_console
 from spec.durations import DurationError, parse_duration, seconds_from_duration
@@ -315,8 +315,7 @@ def _count(n: int, what: str) -> str:
 @broker_options
 @click.option("-l", "--selector", required=True, help="Label selector of journals to prune")
 @click.option("--dry-run", is_flag=True, help="List what would be removed, and remove nothing")
-@click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory that roots file:// fragment stores (as brokers' --broker.file-root)")  # fmt: skip
+@file_root_option("Directory that roots file:// fragment stores (as brokers' --broker.file-root)")
 def prune_cmd(selector: str, dry_run: bool, file_root: Path | None, **opts: Any) -> None:
     """Delete persisted fragments older than their journal's fragment.retention.
 

@@ -42,6 +42,16 @@ def broker_options(f: F) -> F:
     return f
 
 
+def file_root_option(help_: str) -> Callable[[F], F]:
+    """--file-root: the directory that roots file:// fragment stores, as brokers' own
+    --broker.file-root, and read from the same environment variable ($BROKER_FILE_ROOT, which
+    `gazctl dev up` prints)."""
+    return click.option(
+        "--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+        envvar="BROKER_FILE_ROOT", show_envvar=True, help=help_,
+    )  # fmt: skip
+
+
 max_txn_size_option = click.option(
     "--max-txn-size",
     default=0,

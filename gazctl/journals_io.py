@@ -19,7 +19,7 @@ from broker.dialer import Dialer
 from broker.fragment.content import FragmentCorrupt
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from gazctl.journals import broker_options, client_of, journals
+from gazctl.journals import broker_options, client_of, file_root_option, journals
 from gazctl.render import err_console
 
 # An append of stdin is cut at this many bytes (at a line end with --framing lines), so an
@@ -329,8 +329,7 @@ async def _read(
     default=None,
     help="Skip fragments persisted before this time (unix seconds)",
 )
-@click.option("--file-root", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory that roots file:// fragment stores, to read them directly")  # fmt: skip
+@file_root_option("Directory that roots file:// fragment stores, to read them directly")
 def read_cmd(
     selector: str, block: bool, tail: bool, output: str, offsets_path: str | None,
     offsets_out: str | None, from_unix: int | None, file_root: Path | None, **opts: Any,

@@ -122,7 +122,8 @@ def run_cli(
     """Run a console command (`gazctl`, `gazette`) as the user would, in a subprocess."""
     module = {"gazctl": "gazctl.cli", "gazette": "broker.main"}[args[0]]
     full_env = dict(os.environ)
-    full_env.pop("BROKER_ADDRESS", None)
+    for inherited in ("BROKER_ADDRESS", "BROKER_FILE_ROOT"):  # As `gazctl dev up` exports them.
+        full_env.pop(inherited, None)
     full_env.update(env or {})
     proc = subprocess.run(
         [sys.executable, "-m", module, *args[1:]],

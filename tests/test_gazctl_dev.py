@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -32,8 +33,11 @@ def test_up_status_down(cluster_dir: Path) -> None:
     state = ClusterState.load(cluster_dir)
     assert state is not None and len(state.brokers) == 2
     assert all(is_running(p) for p in state.all())
-    export = r.out.strip().splitlines()[-1]
-    assert export == f"export BROKER_ADDRESS={state.brokers[0].address}"
+    exports = r.out.strip().splitlines()[-2:]
+    assert exports == [
+        f"export BROKER_ADDRESS={state.brokers[0].address}",
+        f"export BROKER_FILE_ROOT={cluster_dir.resolve() / 'fragments'}",
+    ]
 
     # Both brokers are registered, and serve the Journal service.
     listed = run_cli("gazctl", "journals", "list", env={"BROKER_ADDRESS": state.brokers[1].address})
@@ -50,6 +54,7 @@ def test_up_status_down(cluster_dir: Path) -> None:
     again = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir))
     assert again.code == 0
     assert "already running" in again.err
+    assert again.out.strip().splitlines()[-2:] == exports
     assert ClusterState.load(cluster_dir) == state  # Nothing new was started.
 
     down = run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir))
@@ -87,6 +92,7 @@ def test_stale_state_from_a_crash_is_cleaned(cluster_dir: Path) -> None:
     assert fresh is not None and fresh.etcd.pid != crashed.etcd.pid
     assert not is_running(crashed.etcd)  # The survivor of the crashed run was stopped.
     assert all(is_running(p) for p in fresh.all())
+    assert [p.address for p in fresh.all()] == [p.address for p in crashed.all()]
     assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir), "--purge").code == 0
     assert not cluster_dir.exists()
     assert not any(is_running(p) for p in fresh.all())
@@ -98,3 +104,39 @@ def test_state_file_is_json_with_pids(cluster_dir: Path) -> None:
     assert ClusterState.load(cluster_dir) is None
     (cluster_dir / "cluster.json").write_text(json.dumps({"dir": "x"}))
     assert ClusterState.load(cluster_dir) is None
+
+
+def test_dev_up_again_keeps_addresses(cluster_dir: Path) -> None:
+    up = ("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "2")
+    r = run_cli(*up, timeout=120)
+    assert r.code == 0, r.err
+    first = ClusterState.load(cluster_dir)
+    assert first is not None
+    exports = r.out.strip().splitlines()[-2:]
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
+
+    # Back on the same addresses: an exported BROKER_ADDRESS keeps working.
+    r = run_cli(*up, timeout=120)
+    assert r.code == 0, r.err
+    second = ClusterState.load(cluster_dir)
+    assert second is not None and second.etcd.pid != first.etcd.pid
+    assert [p.address for p in second.all()] == [p.address for p in first.all()]
+    assert r.out.strip().splitlines()[-2:] == exports
+    listed = run_cli("gazctl", "journals", "list", env={"BROKER_ADDRESS": first.brokers[0].address})
+    assert listed.code == 0, listed.err
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
+
+    # A port another process took meanwhile: that broker moves, and up says so.
+    port = int(first.brokers[0].address.rsplit(":", 1)[1])
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        r = run_cli(*up, timeout=120)
+        assert r.code == 0, r.err
+        third = ClusterState.load(cluster_dir)
+        assert third is not None
+        assert third.brokers[0].address != first.brokers[0].address
+        assert [p.address for p in third.all()][1:] == [p.address for p in first.all()][1:]
+        assert f"port {port}" in r.err and "BROKER_ADDRESS" in r.err, r.err
+        assert r.out.strip().splitlines()[-2] == f"export BROKER_ADDRESS={third.brokers[0].address}"
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0

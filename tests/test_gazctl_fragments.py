@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import click
 import grpc
 import pytest
 
@@ -28,7 +29,7 @@ from broker.fragment.stores import close_stores, open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
-from tests.conftest import BrokerProcess, Result, start_broker_process, stop_process
+from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process, stop_process
 from tests.test_gazctl_journals import assert_one_line_error, gazctl
 
 STORE = "file:///fragments/"
@@ -278,6 +279,49 @@ def test_read_persisted_fragments_directly(
     r = cli(cluster, "read", "-l", "name=frag/a", "--file-root", str(cluster.root),
             "--from", str(history.b.mod_time + 1))  # fmt: skip
     assert r.code == 0 and r.out.encode() == history.data[1400:]
+
+
+def test_file_root_from_env(cluster: Cluster, history: History, tmp_path: Path) -> None:
+    # Every command taking --file-root reads it from $BROKER_FILE_ROOT (as `gazctl dev up`
+    # prints it, and as brokers read their --broker.file-root), the flag winning.
+    from gazctl.cli import cli as gazctl_cli
+
+    def with_file_root(command: click.Command, path: str) -> Iterator[tuple[str, click.Option]]:
+        for param in command.params:
+            if isinstance(param, click.Option) and "--file-root" in param.opts:
+                yield path, param
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from with_file_root(sub, f"{path} {name}")
+
+    found = dict(with_file_root(gazctl_cli, "gazctl"))
+    assert {"gazctl journals read", "gazctl journals prune", "gazctl spark compact",
+            "gazctl spark replay"} <= set(found)  # fmt: skip
+    assert {path: option.envvar for path, option in found.items()} == {
+        path: "BROKER_FILE_ROOT" for path in found
+    }
+
+    # Reads from the store the variable names: a copy where B is cut short fails the read.
+    copy = tmp_path / "copy"
+    shutil.copytree(cluster.root, copy)
+    damaged = copy / "fragments" / fragment_path(history.b)
+    damaged.write_bytes(damaged.read_bytes()[:500])
+    r = cli(cluster, "read", "-l", "name=frag/a", env={"BROKER_FILE_ROOT": str(copy)})
+    assert_one_line_error(r, fragment_path(history.b))
+    r = cli(cluster, "read", "-l", "name=frag/a", env={"BROKER_FILE_ROOT": str(cluster.root)})
+    assert r.code == 0 and r.out.encode() == history.data, r.err
+    r = cli(cluster, "read", "-l", "name=frag/a", "--file-root", str(cluster.root),
+            env={"BROKER_FILE_ROOT": str(copy)})  # fmt: skip
+    assert r.code == 0 and r.out.encode() == history.data, r.err
+
+    # Without a broker: a Spark job's plan over a file:// store needs the root, and takes it
+    # from the environment.
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(f'name: frag/a\nreplication: 1\nfragment:\n  stores: ["{STORE}"]\n')
+    plan = ("gazctl", "spark", "compact", "-l", "name=frag/a", "--specs", str(specs), "--dry-run")
+    assert_one_line_error(run_cli(*plan), "--file-root")
+    r = run_cli(*plan, env={"BROKER_FILE_ROOT": str(cluster.root)})
+    assert r.code == 0 and "would merge" in r.err, r.err
 
 
 def without_b(r: Result) -> bytes:

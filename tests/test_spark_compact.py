@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,11 @@ from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.compaction import plan_journal, write_merged
 from gazctl.spark.journals import covering
+from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces
 from tests.journals_testing import started_brokers
 from tests.store_servers import GCSServer, S3Server
+from tests.test_gazctl_fragments import STORE, Cluster, History, cluster, history  # noqa: F401
 from tests.test_persistence import JOURNAL as APPENDED  # The journal its helpers append to.
 from tests.test_persistence import append_retrying, read_all, routed
 
@@ -264,3 +268,42 @@ async def test_compaction_while_a_broker_keeps_appending(
     assert len(expected) - 4096 <= len(stored) and stored == expected[: len(stored)]
     listed = store.list_fragments(APPENDED)
     assert any(f.end - f.begin > 4096 for f in listed), "nothing was merged"
+
+
+def test_spark_compact_notes_unpersisted_content(
+    cluster: Cluster,  # noqa: F811
+    history: History,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # frag/a: [0,1400) persisted, [1400,1600) in the broker only; frag/b: [0,4) in the broker.
+    # The job reads stores only, so it says what it leaves out, and how to persist it.
+    plan = ("gazctl", "spark", "compact", "-l", "prefix=frag/", "--dry-run",
+            "--file-root", str(cluster.root), "--broker.address", cluster.broker.address)  # fmt: skip
+    r = run_cli(*plan)
+    assert r.code == 0, r.err
+    notes = [line for line in r.err.splitlines() if "not persisted yet" in line]
+    assert len(notes) == 2, r.err
+    a, b = notes
+    assert "frag/a" in a and "1400" in a and "1600" in a, a
+    assert "gazctl journals suspend -l name=frag/a" in a
+    assert "frag/b" in b and "0" in b and "4" in b and "name=frag/b" in b, b
+
+    # Doing what it says persists the rest, and the note goes away.
+    flush = shlex.split(a[a.index("gazctl journals suspend") :].rstrip(")"))
+    done = run_cli(*flush, env={"BROKER_ADDRESS": cluster.broker.address})
+    assert done.code == 0, done.err
+    store = open_store(STORE, file_root=cluster.root)
+    deadline = time.monotonic() + 20
+    while max(f.end for f in store.list_fragments("frag/a")) < 1600:
+        assert time.monotonic() < deadline, "the suspended journal's content was never persisted"
+        time.sleep(0.1)
+    r = run_cli(*plan)
+    assert r.code == 0, r.err
+    assert not [line for line in r.err.splitlines() if line.startswith("frag/a:")], r.err
+
+    # With --specs there is no broker to ask: nothing is said.
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(f'name: frag/b\nreplication: 1\nfragment:\n  stores: ["{STORE}"]\n')
+    r = run_cli("gazctl", "spark", "compact", "-l", "name=frag/b", "--dry-run",
+                "--specs", str(specs), "--file-root", str(cluster.root))  # fmt: skip
+    assert r.code == 0 and "not persisted" not in r.err, r.err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from broker.client.appender import append
 from broker.client.journals import dial
 from broker.client.reader import read
 from broker.fragment.content import fragment_path
-from broker.fragment.stores import open_store
+from broker.fragment.stores import FragmentStore, open_store
 from broker.message.framing import DictMessages, FrameReader, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
@@ -32,6 +33,7 @@ from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.replay import resolve, summary_of
 from gazctl.spark.source import GazetteReader
+from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces
 from tests.journals_testing import started_brokers
 from tests.store_servers import GCSServer, S3Server
@@ -157,6 +159,66 @@ async def test_replay_equals_the_read_committed_iterator_and_dedupes_into_a_jour
             assert sorted((m["kind"], m["key"]) for m in seen) == kinds
         finally:
             await channel.close(None)
+
+
+@pytest.mark.slow
+async def test_spark_replay_notes_unpersisted_content(
+    spark: object, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    store = open_store("file:///store/", file_root=root)
+    journal = "notes/events"
+    first = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"p" * 80) for i in range(24))
+    second = b"".join(b'{"n": %d}\n' % i for i in range(24, 30))
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root),
+        persist_interval=0.2,
+    ) as (broker,):  # fmt: skip
+        async with broker.client() as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec(journal, "file:///store/"))])
+            await routed(client, journal, 1)
+        channel = dial(broker.endpoint)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            # The first append passes the fragment length, so the second rolls it: the first
+            # is persisted, and the second is in the broker only.
+            await append(stub, journal, first)
+            await append(stub, journal, second)
+            head = len(first) + len(second)
+            await stored_through(store, journal, len(first))
+
+            base = ["-l", f"name={journal}", "--file-root", str(root),
+                    "--broker.address", broker.endpoint]  # fmt: skip
+            out = tmp_path / "first.parquet"
+            result = await asyncio.to_thread(replay, *base, "--to", f"parquet:{out}")
+            assert result.exit_code == 0, result.output
+            notes = [line for line in result.output.splitlines() if "not persisted yet" in line]
+            assert len(notes) == 1, result.output
+            assert journal in notes[0] and str(len(first)) in notes[0] and str(head) in notes[0]
+            flush = f"gazctl journals suspend -l name={journal} --force"
+            assert flush in notes[0]
+            assert pq.read_table(out).num_rows == 24  # What the store holds, and no more.
+
+            done = await asyncio.to_thread(
+                run_cli, *shlex.split(flush), env={"BROKER_ADDRESS": broker.endpoint}
+            )
+            assert done.code == 0, done.err
+            await stored_through(store, journal, head)
+            out = tmp_path / "all.parquet"
+            result = await asyncio.to_thread(replay, *base, "--to", f"parquet:{out}")
+            assert result.exit_code == 0, result.output
+            assert "not persisted" not in result.output
+            assert pq.read_table(out).num_rows == 30
+        finally:
+            await channel.close(None)
+
+
+async def stored_through(store: FragmentStore, journal: str, end: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 20
+    while max((f.end for f in store.list_fragments(journal)), default=0) < end:
+        assert asyncio.get_running_loop().time() < deadline, f"{journal} never persisted to {end}"
+        await asyncio.sleep(0.1)
 
 
 def test_replay_bad_input_is_one_line(tmp_path: Path) -> None:

@@ -31,6 +31,12 @@ def gazctl(title: str, *args: str, env: dict[str, str], check: bool = True) -> s
     return proc.stdout
 
 
+def exports(up: str) -> dict[str, str]:
+    """The variables `gazctl dev up` prints to export (BROKER_ADDRESS, BROKER_FILE_ROOT)."""
+    lines = [line.removeprefix("export ") for line in up.splitlines() if line.startswith("export ")]
+    return dict(line.split("=", 1) for line in lines)
+
+
 def append_lines(journal: str, lines: str, env: dict[str, str]) -> None:
     args = ["journals", "append", "-l", f"name={journal}", "--framing", "lines"]
     print(
@@ -58,7 +64,7 @@ def main() -> None:
             up = gazctl(
                 "etcd + 3 brokers", "dev", "up", "--dir", cluster, "--brokers", "3", env=env
             )
-            env["BROKER_ADDRESS"] = up.strip().splitlines()[-1].split("=", 1)[1]
+            env.update(exports(up))
 
             specs = str(HERE / "journals.yaml")
             gazctl("preview", "journals", "apply", "--specs", specs, "--dry-run", env=env)
@@ -154,8 +160,9 @@ def persisted(tmp: str, cluster: str, env: dict[str, str]) -> None:
            env=env)  # fmt: skip
 
     gazctl("stop every broker (and etcd)", "dev", "down", "--dir", cluster, env=env)
-    up = gazctl("start them again", "dev", "up", "--dir", cluster, "--brokers", "3", env=env)
-    env["BROKER_ADDRESS"] = up.strip().splitlines()[-1].split("=", 1)[1]
+    up = gazctl("start them again (on the same addresses)", "dev", "up", "--dir", cluster,
+                "--brokers", "3", env=env)  # fmt: skip
+    env.update(exports(up))
     out = Path(tmp) / "events.ndjson"
     deadline = time.monotonic() + 30
     while True:

@@ -19,10 +19,16 @@ from broker.fragment.content import describe
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.labels import SelectorError
 from broker.protocol.validate import ValidationError
-from gazctl.journals import broker_options
+from gazctl.journals import broker_options, file_root_option
 from gazctl.render import console, err_console
 from gazctl.spark.compaction import Plan, Run, plan_journal
-from gazctl.spark.journals import JobError, listed_fragments, select_journals
+from gazctl.spark.journals import (
+    JobError,
+    listed_fragments,
+    select_journals,
+    stores_end,
+    unpersisted,
+)
 from spec import SpecError
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 
@@ -72,9 +78,8 @@ def journal_source_options(f: Callable[..., Any]) -> Callable[..., Any]:
             click.option("--specs", type=click.Path(dir_okay=False, path_type=Path), default=None,
                          help="Journal specs (as `journals list -o yaml` writes them) to use "
                               "instead of asking a broker: no broker needed"),
-            click.option("--file-root", type=click.Path(file_okay=False, path_type=Path),
-                         default=None, help="Directory that roots file:// fragment stores "
-                                            "(as brokers' --broker.file-root)"),
+            file_root_option("Directory that roots file:// fragment stores "
+                             "(as brokers' --broker.file-root)"),
             click.option("--master", default=None,
                          help="Spark master URL (default: local[*], the embedded engine)"),
             broker_options,
@@ -100,22 +105,26 @@ def _plans(
     target: int,
     codec: pb.CompressionCodec | None,
     min_age: float | None,
-) -> tuple[list[pb.JournalSpec], list[Plan]]:
+) -> tuple[list[pb.JournalSpec], list[Plan], dict[str, int]]:
+    """The journals, a plan for each with a store, and where each store ends."""
     journals = select_journals(
         selector, broker=None if specs else opts["broker_address"], specs=specs
     )
     now = time.time()
     plans = []
+    ends = {}
     for spec in journals:
         if not spec.fragment.stores:
             continue
         age = min_age
         if age is None:  # The journal's flush interval: fragments older than it are settled.
             age = seconds_from_duration(spec.fragment.flush_interval) or 3600.0
+        listed = listed_fragments(spec, file_root)
+        ends[spec.name] = stores_end(listed)
         plans.append(
             plan_journal(
                 spec,
-                listed_fragments(spec, file_root),
+                listed,
                 target_size=target,
                 codec=codec,
                 min_age=age,
@@ -124,7 +133,18 @@ def _plans(
         )
     if not plans:
         raise JobError(f"none of the journals {selector!r} selects has a fragment store")
-    return journals, plans
+    return journals, plans, ends
+
+
+def _note_unpersisted(
+    broker: str | None, journals: Sequence[pb.JournalSpec], ends: dict[str, int]
+) -> None:
+    """One line for each journal whose brokers hold content past its store's end, which a job
+    reading stores leaves out. Journals from --specs have no broker to ask: nothing is said."""
+    if broker is None:
+        return
+    for found in unpersisted(broker, journals, ends):
+        err_console.print(found.note(), soft_wrap=True)
 
 
 def _plan_table(runs: Sequence[Run]) -> Table:
@@ -185,6 +205,9 @@ def compact_cmd(
     whole: length and SHA-1). Only then, once brokers list it (their index prefers the larger
     fragment), are the fragments it covers removed. Re-running finishes an interrupted run;
     killing it at any step leaves the journal readable, with identical bytes.
+
+    Only stores are read: asked through a broker (not with --specs), each journal whose
+    content past its store's end is not persisted yet is named, with how to persist it.
     """
     target = parse_size(target_size)
     age = _seconds(min_age, "--min-age") if min_age is not None else None
@@ -193,7 +216,8 @@ def compact_cmd(
 
         check_requirements()  # Before any work: what is missing to run Spark.
     chosen = cast(pb.CompressionCodec, pb.CompressionCodec.Value(codec.upper())) if codec else None
-    journals, plans = _plans(selector, opts, specs, file_root, target, chosen, age)
+    journals, plans, ends = _plans(selector, opts, specs, file_root, target, chosen, age)
+    _note_unpersisted(None if specs else opts["broker_address"], journals, ends)
     runs = [run for plan in plans for run in plan.runs]
     redundant = [f for plan in plans for f in plan.redundant]
     merging = sum(len(run.fragments) for run in runs)
@@ -371,6 +395,9 @@ def replay_cmd(
     committed messages and their acknowledgements are appended with their original UUIDs, in
     clock order per producer, so a read-committed reader of that journal sees each message once
     however many times the replay runs (messages without a UUID: once per run).
+
+    Only stores are read: asked through a broker (not with --specs), each journal whose
+    content past its store's end is not persisted yet is named, with how to persist it.
     """
     kind, where = _parse_target(target)
     since = _from_time(from_time)
@@ -381,7 +408,10 @@ def replay_cmd(
         raise JobError(f"{where} already exists: remove it or give another path")
     broker = None if specs else opts["broker_address"]
     # Plan on the driver first: bad selectors and stores fail here, as one line.
-    select_journals(selector, broker=broker, specs=specs)
+    journals = select_journals(selector, broker=broker, specs=specs)
+    if broker is not None:
+        ends = {s.name: stores_end(listed_fragments(s, file_root)) for s in journals}
+        _note_unpersisted(broker, journals, ends)
 
     from gazctl.spark.jobs import replay_to_journal, replay_to_parquet
     from gazctl.spark.session import spark_session

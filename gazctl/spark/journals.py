@@ -4,21 +4,28 @@ Journals come from a broker's List (`broker`) or, with no broker at all, from a 
 `gazctl journals list -o yaml` writes it (`specs`). Fragments always come straight from each
 journal's stores: they are the durable history, and a store listing needs no broker. Where a
 listing overlaps (a compaction interrupted between writing its fragment and removing the ones it
-covers), the larger fragment wins, as in a broker's index."""
+covers), the larger fragment wins, as in a broker's index. Content that brokers hold past the
+store's end is not persisted yet: with a broker to ask, `unpersisted` names those journals."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from broker.client import JournalsClient, ListSnapshot
+from broker.client.reader import ReadError, write_head
 from broker.fragment.content import FragmentCorrupt, describe, open_in_store
 from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import FragmentStore, StoreError, open_store
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from spec import decode_journals
+
+FULLY_SUSPENDED = pb.JournalSpec.Suspend.FULL  # No replicas: everything is persisted.
 
 
 class JobError(Exception):
@@ -94,6 +101,62 @@ def listed_fragments(spec: pb.JournalSpec, file_root: Path | None) -> list[pb.Fr
         return store.list_fragments(spec.name)
     except StoreError as exc:
         raise JobError(f"cannot list the fragments of {spec.name}: {exc}") from None
+
+
+def stores_end(fragments: Sequence[pb.Fragment]) -> int:
+    """Where what a store holds of a journal ends (0 if it holds nothing)."""
+    return max((f.end for f in fragments), default=0)
+
+
+@dataclass(frozen=True)
+class Unpersisted:
+    """A journal whose brokers hold content past the end of its store, not persisted yet: a
+    job that reads the store leaves it out. `problem` says why the write head is unknown."""
+
+    journal: str
+    stores_end: int
+    write_head: int = -1
+    problem: str = ""
+
+    def note(self) -> str:
+        flush = f"gazctl journals suspend -l name={self.journal} --force"
+        if self.problem:
+            return (
+                f"{self.journal}: its write head could not be read ({self.problem}): content "
+                f"past offset {self.stores_end}, where its store ends, may not be persisted yet, "
+                f"and this job leaves it out; to persist it: {flush}"
+            )
+        return (
+            f"{self.journal}: content from offset {self.stores_end} to the write head at "
+            f"{self.write_head} is not persisted yet (its store ends at {self.stores_end}), so "
+            f"this job leaves it out; to persist it: {flush}"
+        )
+
+
+def unpersisted(
+    broker: str, journals: Sequence[pb.JournalSpec], ends: Mapping[str, int]
+) -> list[Unpersisted]:
+    """The journals (of those in `ends`: name -> where their store ends) whose write head, as
+    a broker reads it, is past the end of their store."""
+    checked = [s for s in journals if s.name in ends and s.suspend.level != FULLY_SUSPENDED]
+
+    async def check(client: JournalsClient, limit: asyncio.Semaphore, name: str) -> Unpersisted:
+        async with limit:
+            try:
+                head = await write_head(client.stub, name)
+            except ReadError as exc:
+                return Unpersisted(name, ends[name], problem=pb.Status.Name(exc.status))
+            except grpc.aio.AioRpcError as exc:
+                return Unpersisted(name, ends[name], problem=exc.code().name)
+        return Unpersisted(name, ends[name], head)
+
+    async def check_all() -> list[Unpersisted]:
+        limit = asyncio.Semaphore(32)
+        async with JournalsClient(broker) as client:
+            return await asyncio.gather(*(check(client, limit, s.name) for s in checked))
+
+    found = asyncio.run(check_all()) if checked else []
+    return [u for u in found if u.problem or u.write_head > u.stores_end]
 
 
 def covering(fragments: Sequence[pb.Fragment]) -> tuple[list[pb.Fragment], list[pb.Fragment]]:
