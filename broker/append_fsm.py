@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # How long an append waits for the first listing of the journal's fragment stores before it
 # fails with FRAGMENT_STORE_UNHEALTHY (upstream waits for up to five health checks).
 FIRST_REFRESH_TIMEOUT = 10.0
+# How long a broker at its graceful exit waits for a journal's content to reach the store.
+FLUSH_TIMEOUT = 15.0
 
 
 class State(enum.Enum):
@@ -73,9 +75,14 @@ Receive = Callable[[], Awaitable[Chunk]]
 
 
 class AppendFSM:
-    def __init__(self, svc: JournalService, request: pb.AppendRequest) -> None:
+    def __init__(
+        self, svc: JournalService, request: pb.AppendRequest, *, flush_and_suspend: bool = False
+    ) -> None:
         self.svc = svc
         self.req = request
+        # A broker's own run at a graceful exit (not on the wire): roll the spool, wait until
+        # everything is persisted, then record the journal's end as its suspension offset.
+        self.flush_and_suspend = flush_and_suspend
         self.state = State.RESOLVE
         self.resolved: Resolution | None = None
         self.pln: Pipeline | None = None
@@ -256,7 +263,11 @@ class AppendFSM:
         self.registers.CopyFrom(spool.registers)
         header = pb.Header()
         header.CopyFrom(res.header)
-        self.pln = Pipeline(header, spool, res.replica.spool_queue, self.svc.dialer)
+        try:
+            self.pln = Pipeline(header, spool, res.replica.spool_queue, self.svc.dialer)
+        except BaseException:
+            res.replica.spool_queue.put_nowait(spool)  # Not lost to a failed build.
+            raise
         self.pln_header = True
         self.state = State.SEND_PIPELINE_SYNC
 
@@ -314,7 +325,10 @@ class AppendFSM:
         res = self._res
         have = len(res.route.members)
         want = desired_replication(self._spec, self.svc.max_replication)
-        if have > want:
+        if self.flush_and_suspend and res.is_local:
+            # No content is appended, and replicas are leaving: flush with whoever is left.
+            self.state = State.VALIDATE_PRECONDITIONS
+        elif have > want:
             self.read_through_rev = res.header.etcd.revision + 1
             self.state = State.RESOLVE
         elif have < want:
@@ -389,6 +403,9 @@ class AppendFSM:
         ):
             self._fail(pb.SUSPENDED)
             return
+        if self.flush_and_suspend:
+            await self._flush_then_suspend(index)
+            return
         suspending = (pb.AppendRequest.SUSPEND_IF_FLUSHED, pb.AppendRequest.SUSPEND_NOW)
         if self.req.suspend in suspending and self._validate_suspension(index):
             return
@@ -435,6 +452,37 @@ class AppendFSM:
             return True
         return False
 
+    async def _flush_then_suspend(self, index: Index) -> None:
+        """At a graceful exit, holding the pipeline (so no append slips in): roll the spool,
+        wait until the persister has put every fragment up to its end in the store, and only
+        then suspend the journal (PARTIAL) at that end offset. Brokers started later roll to
+        the offset and go on, with no reset-head: nothing before it can be missing from the
+        store. If the store does not take it in time, nothing is recorded, and INDEX_HAS_
+        GREATER_OFFSET keeps guarding the journal as after a crash. Ends in SUSPENDED when
+        done, FRAGMENT_STORE_UNHEALTHY when not."""
+        spec, spool = self._spec, self._pln.spool
+        end = spool.fragment.end
+        if spool.fragment.end > spool.fragment.begin:
+            self.roll_to_offset = end
+            self.state = State.SEND_PIPELINE_SYNC
+            return
+        if end == 0 or not spec.fragment.stores:
+            self._fail(pb.SUSPENDED if end == 0 else pb.FRAGMENT_STORE_UNHEALTHY)
+            return
+        try:
+            async with asyncio.timeout(FLUSH_TIMEOUT):
+                while not index.persisted_through(end):
+                    await index.wait_for_change()
+        except TimeoutError:
+            self.store_health_error = index.refresh_error or f"not persisted through {end}"
+            self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
+            return
+        if spec.suspend.level != pb.JournalSpec.Suspend.NONE and spec.suspend.offset == end:
+            self._fail(pb.SUSPENDED)
+            return
+        self.next_suspend = pb.JournalSpec.Suspend(level=pb.JournalSpec.Suspend.PARTIAL, offset=end)
+        self.state = State.UPDATE_SUSPEND
+
     async def state_update_suspend(self) -> None:
         """Write the journal's new suspension into its spec, then resolve again."""
         res = self._res
@@ -449,7 +497,18 @@ class AppendFSM:
             [transactions.Put(key, update.SerializeToString())],
         )
         self.read_through_rev = result.revision
-        log.info("journal %s suspension is now %s", update.name, update.suspend)
+        if not result.succeeded:
+            self.state = State.RESOLVE  # The spec changed meanwhile: decide again.
+            return
+        log.info(
+            "journal %s suspension is now %s at offset %d",
+            update.name,
+            pb.JournalSpec.Suspend.Level.Name(update.suspend.level),
+            update.suspend.offset,
+        )
+        if self.flush_and_suspend:
+            self._fail(pb.SUSPENDED)  # Done: the exiting brokers' allocator need not act.
+            return
         self.state = State.RESOLVE
 
     async def state_stream_content(self, chunk: Chunk) -> None:

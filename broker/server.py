@@ -31,6 +31,9 @@ from broker.service import JournalService, add_journal_service
 
 log = logging.getLogger(__name__)
 
+# At a graceful exit, how long flushing the journals nobody else can take over may last.
+FLUSH_ON_EXIT_TIMEOUT = 20.0
+
 
 class AnnounceError(RuntimeError):
     pass
@@ -283,6 +286,11 @@ class Broker:
                         self.member_key,
                         self.config.drain_timeout,
                     )
+            # Journals nobody is left to take over: flushed to their stores and suspended at
+            # their end, so that a restarted cluster resumes them without reset-head.
+            if self.service is not None:
+                with contextlib.suppress(Exception):
+                    await self.service.flush_for_exit(FLUSH_ON_EXIT_TIMEOUT)
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None

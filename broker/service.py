@@ -116,6 +116,60 @@ class JournalService(pb_grpc.JournalServicer):
         if fsm.status not in (pb.OK, pb.SUSPENDED, pb.NOT_JOURNAL_PRIMARY_BROKER):
             log.debug("pulse of %s: %s", replica.journal, pb.Status.Name(fsm.status))
 
+    async def flush_for_exit(self, timeout: float) -> None:
+        """At a graceful exit: every journal this broker leads whose replicas are all exiting
+        too (so no broker is left to take it over) is flushed and suspended at its end (see
+        AppendFSM.flush_and_suspend), so that brokers started later resume it with no
+        reset-head: upstream's auto-suspend, done when it is needed. Bounded by `timeout`."""
+        replicas = [
+            r
+            for r in (self.resolver.replicas or {}).values()
+            if r.primary and not r.stopped and self._all_exiting(r)
+        ]
+        if not replicas:
+            return
+
+        async def flush(replica: Replica) -> None:
+            fsm = AppendFSM(
+                self, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
+                flush_and_suspend=True,
+            )  # fmt: skip
+            commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
+
+            async def receive() -> Chunk:
+                return next(commit)
+
+            await fsm.run(receive)
+            if fsm.status == pb.SUSPENDED and fsm.error is None:
+                log.info("flushed %s and suspended it at its end for the restart", replica.journal)
+            else:
+                reason = fsm.error or fsm.store_health_error or pb.Status.Name(fsm.status)
+                log.warning(
+                    "could not flush %s before exiting (%s): after a restart it needs "
+                    "`gazctl journals reset-head` unless a broker still holds it",
+                    replica.journal, reason,
+                )  # fmt: skip
+
+        try:
+            async with asyncio.timeout(timeout):
+                async with asyncio.TaskGroup() as tg:
+                    for replica in replicas:
+                        tg.create_task(flush(replica))
+        except TimeoutError:
+            log.warning("flushing journals before exiting took over %gs; stopping anyway", timeout)
+
+    def _all_exiting(self, replica: Replica) -> bool:
+        """Whether every member assigned to the replica's journal is exiting (or gone)."""
+        for kv in replica.assignments:
+            a = kv.decoded
+            if not isinstance(a, aks.Assignment):
+                continue
+            member = self.ks.get(aks.member_key(self.root, a.member_zone, a.member_suffix))
+            spec = member.decoded.spec if member is not None else None  # type: ignore[attr-defined]
+            if isinstance(spec, pb.BrokerSpec) and not spec.exiting:
+                return False
+        return True
+
     def unrouted_header(self) -> pb.Header:
         return pb.Header(
             process_id=self.process_id,

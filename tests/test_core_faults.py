@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import errno
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aetcd
 import grpc
@@ -388,3 +389,109 @@ async def test_a_stalled_client_is_still_aborted(
         await append(stub(brokers[0]), journal, stalled())
     response = await append(stub(brokers[0]), journal, b"next")
     assert (response.commit.begin, response.commit.end) == (0, 4)
+
+
+# ---- 8. flushing at a graceful exit -------------------------------------------------------------
+
+
+async def test_exit_flush_suspends_only_once_the_store_holds_everything(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flush a broker runs at a graceful exit records the journal's end (its suspension
+    offset) only once the store holds every byte before it: with the store refusing writes,
+    it gives up and records nothing (a restart then needs reset-head, as after a crash)."""
+    from broker import append_fsm
+    from broker.append_fsm import AppendFSM, Chunk
+    from broker.fragment.persister import Persister
+
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    journal = "faults/flush"
+    spec = journal_spec(journal)
+    spec.fragment.stores.append("file:///fragments/")
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS, file_root=str(root)
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        await append(stub(brokers[0]), journal, b"one;")
+        await append(stub(brokers[0]), journal, b"two;")  # Rolls the first write's fragment.
+        await append(stub(brokers[0]), journal, b"three;")
+        service = brokers[0].broker.service
+
+        async def flush() -> AppendFSM:
+            fsm = AppendFSM(
+                service,
+                pb.AppendRequest(journal=journal, do_not_proxy=True),
+                flush_and_suspend=True,
+            )
+            commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
+
+            async def receive() -> Chunk:
+                return next(commit)
+
+            await fsm.run(receive)
+            return fsm
+
+        async def suspension() -> pb.JournalSpec.Suspend:
+            async with brokers[0].client() as client:
+                listing = await client.list(pb.LabelSelector())
+            return listing.journals[0].spec.suspend
+
+        def refuse(self: Persister, *args: object) -> pb.Fragment:
+            raise OSError("the store is down (injected)")
+
+        monkeypatch.setattr(Persister, "_persist_blocking", refuse)
+        monkeypatch.setattr(append_fsm, "FLUSH_TIMEOUT", 1.0)
+        fsm = await flush()
+        assert fsm.status == pb.FRAGMENT_STORE_UNHEALTHY, pb.Status.Name(fsm.status)
+        assert (await suspension()).level == pb.JournalSpec.Suspend.NONE
+
+        monkeypatch.undo()  # The store is back; the persister retries with backoff.
+        monkeypatch.setattr(append_fsm, "FLUSH_TIMEOUT", 30.0)
+        fsm = await flush()
+        assert fsm.status == pb.SUSPENDED, (pb.Status.Name(fsm.status), fsm.store_health_error)
+        suspend = await suspension()
+        assert (suspend.level, suspend.offset) == (pb.JournalSpec.Suspend.PARTIAL, 14)
+        names = [p.name.split("-") for p in (root / "fragments" / journal).iterdir()]
+        assert sorted((int(n[0], 16), int(n[1], 16)) for n in names) == [(0, 4), (4, 14)]
+
+
+async def test_a_pipeline_that_fails_to_build_gives_the_spool_back(
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Building a pipeline fails right after the FSM took the replica's spool: the append
+    fails, and the spool is not lost with it (the next append would wait for it forever)."""
+    from broker import append_fsm
+    from broker.pipeline import Pipeline
+
+    journal = "faults/build"
+    await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+    await append(stub(brokers[0]), journal, b"one;")
+    replica = brokers[0].broker.service.resolver.replicas[journal]  # type: ignore[index]
+    pln = await replica.pipeline_queue.get()
+    assert pln is not None
+    await pln.shutdown(expect_err=False)
+    replica.pipeline_queue.put_nowait(None)  # The next append builds a new pipeline.
+
+    builds = 0
+
+    def failing_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal builds
+        builds += 1
+        if builds == 1:
+            raise RuntimeError("dialing failed (injected)")
+        return Pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(append_fsm, "Pipeline", failing_once)
+    with pytest.raises(grpc.aio.AioRpcError, match="injected"):
+        await append(stub(brokers[0]), journal, b"lost;")
+    async with asyncio.timeout(10):
+        response = await append(stub(brokers[0]), journal, b"two;")
+    assert (response.commit.begin, response.commit.end) == (4, 8)

@@ -406,3 +406,44 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
     finally:
         for broker in first + second:
             stop_process(broker.proc)
+
+
+async def test_graceful_stop_of_every_broker_persists_and_resumes_without_reset_head(
+    etcd_server: EtcdServer, cluster_dir: Path
+) -> None:
+    """SIGTERM to every broker at once, right after acknowledged appends: every acknowledged
+    byte is in the store once they exit, and brokers started again take appends at once, with
+    no `reset-head`: the stopping brokers flushed the journal and recorded where it ends (the
+    suspension offset), only after its content was persisted."""
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    names = ["eps-0", "eps-1", "eps-2"]
+    first = start_brokers(etcd_server, prefix, cluster_dir, names)
+    second: list[BrokerProcess] = []
+    try:
+        await create_journal(first[0].address)
+        channel = dial(first[0].address)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        written = [b"one\n" * 50, b"two\n" * 50, b"three\n" * 20]  # Well under a fragment.
+        for content in written:
+            await append_retrying(stub, content)
+        end = sum(len(c) for c in written)
+        await channel.close(None)
+
+        for broker in first:
+            os.kill(broker.proc.pid, signal.SIGTERM)
+        for broker in first:
+            assert broker.proc.wait(timeout=60) == 0, broker.log.read_text()[-2000:]
+        assert read_from_store("file:///fragments/", cluster_dir / "store") == b"".join(written)
+
+        second = start_brokers(etcd_server, prefix, cluster_dir, names)
+        channel = dial(second[0].address)
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            response = await append_retrying(stub, b"after restart\n")
+            assert (response.commit.begin, response.commit.end) == (end, end + 14)
+            assert await read_all(stub) == b"".join(written) + b"after restart\n"
+        finally:
+            await channel.close(None)
+    finally:
+        for broker in first + second:
+            stop_process(broker.proc)

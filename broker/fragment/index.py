@@ -120,6 +120,18 @@ class Index:
         """The largest offset any fragment reaches (the index's max offset)."""
         return self._set.end_offset()
 
+    def persisted_through(self, end: int) -> bool:
+        """Whether fragments in stores cover every offset the index holds below `end` (local
+        copies of persisted fragments name their store)."""
+        covered = self._set.begin_offset()
+        for entry in self._set:
+            if entry.begin >= end:
+                break
+            if not entry.backing_store or entry.begin > covered:
+                return False
+            covered = max(covered, entry.end)
+        return covered >= end
+
     def begin_offset(self) -> int:
         return self._set.begin_offset()
 
