@@ -22,7 +22,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 
 if TYPE_CHECKING:
-    from broker.service import JournalService
+    from broker.context import BrokerContext
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ClientStream:
 
 
 async def serve_append(
-    svc: JournalService, requests: AsyncIterator[pb.AppendRequest], context: Any
+    ctx: BrokerContext, requests: AsyncIterator[pb.AppendRequest], context: Any
 ) -> pb.AppendResponse:
     iterator = requests.__aiter__()
     try:
@@ -108,8 +108,8 @@ async def serve_append(
     except validate.ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    fsm = AppendFSM(svc, first)
-    stream = ClientStream(iterator, svc.min_append_rate)
+    fsm = AppendFSM(ctx, first)
+    stream = ClientStream(iterator, ctx.min_append_rate)
     task = asyncio.ensure_future(fsm.run(stream.receive))
     try:
         await asyncio.shield(task)
@@ -120,7 +120,7 @@ async def serve_append(
         raise
 
     if fsm.state == State.PROXY:
-        return await proxy_append(svc, fsm, first, iterator, context)
+        return await proxy_append(ctx, fsm, first, iterator, context)
     return response_of(fsm)
 
 
@@ -159,7 +159,7 @@ def peer_error(member: pb.ProcessSpec.ID, exc: grpc.aio.AioRpcError) -> str:
 
 
 async def proxy_append(
-    svc: JournalService,
+    ctx: BrokerContext,
     fsm: AppendFSM,
     first: pb.AppendRequest,
     iterator: AsyncIterator[pb.AppendRequest],
@@ -175,7 +175,7 @@ async def proxy_append(
     out = pb.AppendRequest()
     out.CopyFrom(first)
     out.header.CopyFrom(res.header)
-    call = svc.dialer.journal_stub(endpoint).Append()
+    call = ctx.dialer.journal_stub(endpoint).Append()
     try:
         await call.write(out)
         async for request in iterator:

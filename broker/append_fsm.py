@@ -27,11 +27,12 @@ from broker.pipeline import Pipeline
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import Resolution, desired_replication
+from broker.tasks import take_unless, wait_any
 
 if TYPE_CHECKING:
+    from broker.context import BrokerContext
     from broker.fragment.index import Index
     from broker.fragment.spool import Spool
-    from broker.service import JournalService
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,9 @@ Receive = Callable[[], Awaitable[Chunk]]
 
 class AppendFSM:
     def __init__(
-        self, svc: JournalService, request: pb.AppendRequest, *, flush_and_suspend: bool = False
+        self, ctx: BrokerContext, request: pb.AppendRequest, *, flush_and_suspend: bool = False
     ) -> None:
-        self.svc = svc
+        self.ctx = ctx
         self.req = request
         # A broker's own run at a graceful exit (not on the wire): roll the spool, wait until
         # everything is persisted, then record the journal's end as its suspension offset.
@@ -153,7 +154,7 @@ class AppendFSM:
         spool rolled back and released; each peer rolls back when its stream ends), and the
         next append builds a new one and synchronizes it, before anything else can use it."""
         if self.pln is not None and self.owns_pipeline:
-            self.svc.spawn(self.pln.shutdown(expect_err=True))
+            self.ctx.tasks.spawn(self.pln.shutdown(expect_err=True), "pipeline teardown")
             self.pln = None
 
     def return_pipeline(self) -> None:
@@ -184,32 +185,14 @@ class AppendFSM:
         return self.pln
 
     async def _take(self, queue: asyncio.Queue[Any]) -> tuple[bool, Any]:
-        """Take from a replica queue unless the resolution is invalidated first. Whatever
-        interrupts the wait (even cancellation), an item taken is never lost."""
-        invalidated = self._res.invalidated
-        if invalidated.is_set():
-            return False, None
-        get = asyncio.ensure_future(queue.get())
-        wait = asyncio.ensure_future(invalidated.wait())
-        try:
-            await asyncio.wait({get, wait}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            if get.done() and not get.cancelled():
-                queue.put_nowait(get.result())
-            raise
-        finally:
-            wait.cancel()
-            if not get.done():
-                get.cancel()
-        if get.done() and not get.cancelled():
-            return True, get.result()
-        return False, None
+        """Take from a replica queue unless the resolution is invalidated first."""
+        return await take_unless(queue, self._res.invalidated)
 
     # ---- states -----------------------------------------------------------------------------
 
     async def state_resolve(self) -> None:
         """Resolve (again) the journal's route, at least through `read_through_rev`."""
-        self.resolved = await self.svc.resolver.resolve(
+        self.resolved = await self.ctx.resolver.resolve(
             self.req.journal,
             may_proxy=not self.req.do_not_proxy,
             require_primary=True,
@@ -252,7 +235,7 @@ class AppendFSM:
             self.state = State.UPDATE_ASSIGNMENTS
             return
         if self.pln is not None:
-            self.svc.spawn(self.pln.shutdown(expect_err=False))
+            self.ctx.tasks.spawn(self.pln.shutdown(expect_err=False), "pipeline teardown")
             self.pln = None
         assert res.replica is not None
         taken, spool = await self._take(res.replica.spool_queue)
@@ -264,7 +247,7 @@ class AppendFSM:
         header = pb.Header()
         header.CopyFrom(res.header)
         try:
-            self.pln = Pipeline(header, spool, res.replica.spool_queue, self.svc.dialer)
+            self.pln = Pipeline(header, spool, res.replica.spool_queue, self.ctx.dialer)
         except BaseException:
             res.replica.spool_queue.put_nowait(spool)  # Not lost to a failed build.
             raise
@@ -291,7 +274,7 @@ class AppendFSM:
         self.roll_to_offset, self.read_through_rev = roll_to, read_through
         error = pln.recv_err() or pln.send_err()
         if error is not None:
-            self.svc.spawn(pln.shutdown(expect_err=True))
+            self.ctx.tasks.spawn(pln.shutdown(expect_err=True), "pipeline teardown")
             self.pln = None
             self._fail(error=error)
         elif roll_to:
@@ -299,7 +282,7 @@ class AppendFSM:
                 self.registers.CopyFrom(roll_registers)  # A peer further ahead wins.
             self.state = State.SEND_PIPELINE_SYNC
         elif read_through:
-            self.svc.spawn(pln.shutdown(expect_err=False))
+            self.ctx.tasks.spawn(pln.shutdown(expect_err=False), "pipeline teardown")
             self.pln = None
             self.state = State.RESOLVE
         else:
@@ -313,7 +296,7 @@ class AppendFSM:
             return
         try:
             self.read_through_rev = await update_assignments(
-                self.svc.etcd, res.route, res.assignments
+                self.ctx.etcd, res.route, res.assignments
             )
         except Exception as exc:
             self._fail(error=RuntimeError(f"updating assignments: {exc}"))
@@ -324,7 +307,7 @@ class AppendFSM:
         """Wait out an over-subscribed route; refuse an under-replicated one."""
         res = self._res
         have = len(res.route.members)
-        want = desired_replication(self._spec, self.svc.max_replication)
+        want = desired_replication(self._spec, self.ctx.max_replication)
         if self.flush_and_suspend and res.is_local:
             # No content is appended, and replicas are leaving: flush with whoever is left.
             self.state = State.VALIDATE_PRECONDITIONS
@@ -345,17 +328,7 @@ class AppendFSM:
         index = res.replica.index
         if not index.first_refresh.is_set():
             # Only once the stores were listed is the index's end offset known.
-            refreshed = asyncio.ensure_future(index.first_refresh.wait())
-            invalidated = asyncio.ensure_future(res.invalidated.wait())
-            try:
-                await asyncio.wait(
-                    {refreshed, invalidated},
-                    timeout=FIRST_REFRESH_TIMEOUT,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                refreshed.cancel()
-                invalidated.cancel()
+            await wait_any(index.first_refresh, res.invalidated, timeout=FIRST_REFRESH_TIMEOUT)
             if res.invalidated.is_set():
                 self.state = State.RESOLVE
                 return
@@ -472,7 +445,7 @@ class AppendFSM:
         try:
             async with asyncio.timeout(FLUSH_TIMEOUT):
                 while not index.persisted_through(end):
-                    await index.wait_for_change()
+                    await wait_any(index.changed)
         except TimeoutError:
             self.store_health_error = index.refresh_error or f"not persisted through {end}"
             self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
@@ -492,7 +465,7 @@ class AppendFSM:
         update.suspend.CopyFrom(self.next_suspend)
         key = res.item.key.encode()
         result = await etcdx.txn(
-            self.svc.etcd,
+            self.ctx.etcd,
             [transactions.Mod(key) == res.item.mod_revision],
             [transactions.Put(key, update.SerializeToString())],
         )
@@ -562,7 +535,7 @@ class AppendFSM:
             assert replica is not None
             replica.append_limiter.set_rate(spec.max_append_rate)
             delayed = await replica.append_limiter.take(len(content))
-            delayed = await self.svc.append_limiter.take(len(content)) or delayed
+            delayed = await self.ctx.append_limiter.take(len(content)) or delayed
             self.delayed_chunks += int(delayed)
             await pln.scatter_content(
                 content, self.client_fragment.end - self.client_fragment.begin

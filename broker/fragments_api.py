@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf import duration_pb2
 
 from broker.fragment.content import describe
 from broker.fragment.stores import StoreError, check_store_url
@@ -20,11 +21,13 @@ from broker.protocol import protocol_pb2 as pb
 from broker.resolver import ResolveError
 
 if TYPE_CHECKING:
-    from broker.service import JournalService
+    from broker.context import BrokerContext
 
 DEFAULT_PAGE_LIMIT = 1000
 MAX_PAGE_LIMIT = 10_000
 HEALTH_CHECK_TIMEOUT = 30.0
+# The range of a google.protobuf.Duration (about 10,000 years), well within a timedelta's.
+MAX_DURATION_SECONDS = 315_576_000_000
 
 
 def _validate(req: pb.FragmentsRequest) -> str | None:
@@ -43,19 +46,39 @@ def _validate(req: pb.FragmentsRequest) -> str | None:
         return f"page_limit {req.page_limit} is outside of 0 to {MAX_PAGE_LIMIT}"
     if req.next_page_token < 0:
         return f"next_page_token {req.next_page_token} is negative"
-    if req.HasField("signatureTTL") and req.signatureTTL.seconds < 0:
-        return "signatureTTL is negative"
+    if req.HasField("signatureTTL"):
+        return _ttl_problem(req.signatureTTL)
+    return None
+
+
+def _ttl_problem(ttl: duration_pb2.Duration) -> str | None:
+    """Why `ttl` is not a signature lifetime: a google.protobuf.Duration (its documented range,
+    nanos of the seconds' sign) longer than zero, as upstream requires."""
+    seconds, nanos = ttl.seconds, ttl.nanos
+    if not -MAX_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
+        return (
+            f"signatureTTL of {seconds}s is not a duration: give more than 0s and at most "
+            f"{MAX_DURATION_SECONDS}s"
+        )
+    if not -1_000_000_000 < nanos < 1_000_000_000 or (
+        seconds and nanos and (seconds < 0) != (nanos < 0)
+    ):
+        return (
+            f"signatureTTL nanos {nanos} do not fit its {seconds} seconds (expected 0 to 999999999)"
+        )
+    if seconds < 0 or (seconds == 0 and nanos <= 0):
+        return f"signatureTTL {seconds}s {nanos}ns is not positive: give more than 0s"
     return None
 
 
 async def serve_list_fragments(
-    svc: JournalService, req: pb.FragmentsRequest, context: Any
+    ctx: BrokerContext, req: pb.FragmentsRequest, context: Any
 ) -> pb.FragmentsResponse:
     problem = _validate(req)
     if problem is not None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
     try:
-        res = await svc.resolver.resolve(
+        res = await ctx.resolver.resolve(
             req.journal,
             may_proxy=not req.do_not_proxy,
             require_primary=False,
@@ -67,7 +90,7 @@ async def serve_list_fragments(
     if res.status != pb.OK:
         return pb.FragmentsResponse(status=res.status, header=res.header)
     if not res.is_local:
-        return await _proxy(svc, req, res.header)
+        return await _proxy(ctx, req, res.header)
 
     assert res.replica is not None
     index = res.replica.index
@@ -94,9 +117,9 @@ async def serve_list_fragments(
             continue
         out = response.fragments.add()
         out.spec.CopyFrom(entry.spec)
-        if ttl is not None and entry.spec.backing_store and svc.persister is not None:
+        if ttl is not None and entry.spec.backing_store and ctx.persister is not None:
             try:
-                out.signed_url = await asyncio.to_thread(svc.persister.sign, entry.spec, ttl)
+                out.signed_url = await asyncio.to_thread(ctx.persister.sign, entry.spec, ttl)
             except (StoreError, OSError, ValueError) as exc:
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE, f"signing {describe(entry.spec)}: {exc}"
@@ -108,7 +131,7 @@ async def serve_list_fragments(
 
 
 async def _proxy(
-    svc: JournalService, req: pb.FragmentsRequest, header: pb.Header
+    ctx: BrokerContext, req: pb.FragmentsRequest, header: pb.Header
 ) -> pb.FragmentsResponse:
     route = header.route
     index = list(route.members).index(header.process_id)
@@ -118,12 +141,12 @@ async def _proxy(
     out = pb.FragmentsRequest()
     out.CopyFrom(req)
     out.header.CopyFrom(header)
-    response: pb.FragmentsResponse = await svc.dialer.journal_stub(endpoint).ListFragments(out)
+    response: pb.FragmentsResponse = await ctx.dialer.journal_stub(endpoint).ListFragments(out)
     return response
 
 
 async def serve_store_health(
-    svc: JournalService, req: pb.FragmentStoreHealthRequest, context: Any
+    ctx: BrokerContext, req: pb.FragmentStoreHealthRequest, context: Any
 ) -> pb.FragmentStoreHealthResponse:
     try:
         check_store_url(req.fragment_store)
@@ -135,14 +158,14 @@ async def serve_store_health(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"check_delete_prefix {prefix!r} must end in '/' (or be empty for the store's root)",
         )
-    response = pb.FragmentStoreHealthResponse(status=pb.OK, header=svc.unrouted_header())
-    if svc.persister is None:
+    response = pb.FragmentStoreHealthResponse(status=pb.OK, header=ctx.unrouted_header())
+    if ctx.persister is None:
         response.status = pb.FRAGMENT_STORE_UNHEALTHY
         response.store_health_error = "this broker does not persist fragments"
         return response
     try:
         async with asyncio.timeout(HEALTH_CHECK_TIMEOUT):
-            await asyncio.to_thread(_check, svc, req.fragment_store, prefix)
+            await asyncio.to_thread(_check, ctx, req.fragment_store, prefix)
     except TimeoutError:
         response.status = pb.FRAGMENT_STORE_UNHEALTHY
         response.store_health_error = f"no answer within {HEALTH_CHECK_TIMEOUT:.0f}s"
@@ -152,6 +175,6 @@ async def serve_store_health(
     return response
 
 
-def _check(svc: JournalService, url: str, prefix: str | None) -> None:
-    assert svc.persister is not None
-    svc.persister.store(url).health_check(prefix)
+def _check(ctx: BrokerContext, url: str, prefix: str | None) -> None:
+    assert ctx.persister is not None
+    ctx.persister.store(url).health_check(prefix)

@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 import grpc
 from aetcd import rpc
 
+from broker.retry import Backoff
+
 log = logging.getLogger(__name__)
 
 # Raises on a value that cannot be decoded.
@@ -348,7 +350,8 @@ class KeySpace:
         UNAUTHENTICATED), `EtcdClusterChanged`, or the client being closed underneath it.
         """
         await client.connect()
-        attempt = 0
+        # First retry is immediate: most breaks are a single blip (a restarted member).
+        backoff = Backoff(maximum=self.max_retry_delay, immediate_first=True)
         need_load = self._revision == 0
         while True:
             try:
@@ -362,25 +365,18 @@ class KeySpace:
                 continue
             except _StreamBroken as exc:
                 if exc.established:
-                    attempt = 0
+                    backoff.reset()
                 reason = _describe(exc.__cause__ or exc)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _TRANSIENT:
                     raise
                 reason = _describe(exc)
-            delay = self._backoff(attempt)
-            attempt += 1
+            delay = backoff.next_delay()
             log.warning(
                 "keyspace %s: watch failed at revision %d (attempt %d, retrying in %.2fs): %s",
-                self.prefix, self._revision, attempt, delay, reason,
+                self.prefix, self._revision, backoff.attempt, delay, reason,
             )  # fmt: skip
             await asyncio.sleep(delay)
-
-    def _backoff(self, attempt: int) -> float:
-        # First retry is immediate: most breaks are a single blip (a restarted member).
-        if attempt == 0:
-            return 0.0
-        return float(min(self.max_retry_delay, 0.05 * 2 ** (attempt - 1)))
 
     async def _range_and_install(self, client: Any) -> None:
         if client.channel is None:

@@ -21,6 +21,7 @@ from broker.dialer import Dialer
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import wire
+from broker.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         self._read_barrier: asyncio.Future[None] = loop.create_future()
         self._read_barrier.set_result(None)
-        self._turns: set[asyncio.Task[Any]] = set()  # Readers in turn (see read_in_turn).
+        self._turns = TaskOwner("pipeline readers")  # Readers in turn (see read_in_turn).
         primary = header.route.primary
         for i, member in enumerate(members):
             if i == primary:
@@ -165,10 +166,7 @@ class Pipeline:
             finally:
                 close_after.set_result(None)
 
-        task = asyncio.ensure_future(turn())
-        self._turns.add(task)
-        task.add_done_callback(self._turns.discard)
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._turns.spawn(turn(), "acknowledgements"))
 
     async def gather(self) -> None:
         for i, stream in enumerate(self.streams):

@@ -20,11 +20,12 @@ from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate, wire
 from broker.resolver import ResolveError
+from broker.tasks import wait_any
 
 if TYPE_CHECKING:
+    from broker.context import BrokerContext
     from broker.fragment.index import Index
     from broker.fragment.persister import Persister
-    from broker.service import JournalService
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,14 @@ SIGNED_URL_TTL = timedelta(minutes=1)
 
 
 async def serve_read(
-    svc: JournalService, req: pb.ReadRequest, context: Any
+    ctx: BrokerContext, req: pb.ReadRequest, context: Any
 ) -> AsyncIterator[pb.ReadResponse]:
     try:
         validate.validate_read_request(req)
     except validate.ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     try:
-        res = await svc.resolver.resolve(
+        res = await ctx.resolver.resolve(
             req.journal,
             may_proxy=not req.do_not_proxy,
             require_primary=False,
@@ -59,7 +60,7 @@ async def serve_read(
         return
     if not res.is_local:
         try:
-            async for response in proxy_read(svc, req, res.header):
+            async for response in proxy_read(ctx, req, res.header):
                 yield response
         except grpc.aio.AioRpcError as exc:
             # The replica's own status (UNAVAILABLE when it is down), not UNKNOWN.
@@ -103,10 +104,10 @@ async def serve_read(
         metadata = pb.ReadResponse(
             status=pb.OK, offset=offset, write_head=index.write_head, fragment=fragment
         )
-        if fragment.backing_store and fragment.mod_time and svc.persister is not None:
+        if fragment.backing_store and fragment.mod_time and ctx.persister is not None:
             try:
                 metadata.fragment_url = await asyncio.to_thread(
-                    svc.persister.sign, fragment, SIGNED_URL_TTL
+                    ctx.persister.sign, fragment, SIGNED_URL_TTL
                 )
             except Exception as exc:  # The broker still serves the content itself.
                 log.warning("signing a URL for %s failed: %s", describe(fragment), exc)
@@ -130,9 +131,9 @@ async def serve_read(
                 offset += len(content)
             stalled = offset == began
             continue
-        assert svc.persister is not None
+        assert ctx.persister is not None
         try:
-            async for content in read_persisted(svc.persister, fragment, offset, end):
+            async for content in read_persisted(ctx.persister, fragment, offset, end):
                 for at in range(0, len(content), CHUNK):
                     piece = content[at : at + CHUNK]
                     yield wire.read_content(offset, piece)  # type: ignore[misc]
@@ -147,13 +148,7 @@ async def serve_read(
 async def _wait_for_change(index: Index, invalidated: asyncio.Event) -> None:
     """Until the index changes (a commit, a roll, a listing, the replica closing it) or the
     journal's assignments do."""
-    changed = asyncio.ensure_future(index.wait_for_change())
-    routed = asyncio.ensure_future(invalidated.wait())
-    try:
-        await asyncio.wait({changed, routed}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        changed.cancel()
-        routed.cancel()
+    await wait_any(index.changed, invalidated)
 
 
 async def read_persisted(
@@ -176,7 +171,7 @@ async def read_persisted(
 
 
 async def proxy_read(
-    svc: JournalService, req: pb.ReadRequest, header: pb.Header
+    ctx: BrokerContext, req: pb.ReadRequest, header: pb.Header
 ) -> AsyncIterator[pb.ReadResponse]:
     route = header.route
     target = header.process_id
@@ -188,7 +183,7 @@ async def proxy_read(
     out = pb.ReadRequest()
     out.CopyFrom(req)
     out.header.CopyFrom(header)
-    call = svc.dialer.journal_stub(endpoint).Read(out)
+    call = ctx.dialer.journal_stub(endpoint).Read(out)
     try:
         async for response in call:
             yield response

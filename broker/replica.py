@@ -8,7 +8,6 @@ release. The primary's replica also runs the pulse daemon.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +18,8 @@ from broker.fragment.index import Index
 from broker.fragment.spool import CompletedFragment, Spool
 from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2 as pb
+from broker.retry import Backoff
+from broker.tasks import TaskOwner, wait_any
 
 if TYPE_CHECKING:
     from broker.fragment.persister import Persister
@@ -50,11 +51,10 @@ class Replica:
         spool = Spool(journal, observer=observer, directory=spool_dir)
         observer.spool = spool
         self.spool_queue.put_nowait(spool)
+        # The refresh daemon and the pulse loop: started by `start` and `on_route_change`,
+        # stopped by `shutdown`.
+        self.tasks = TaskOwner(f"replica of {journal}")
         self._refresh_task: asyncio.Task[None] | None = None
-        if persister is not None:
-            self._refresh_task = asyncio.ensure_future(persister.refresh_loop(self))
-        else:
-            self.index.first_refresh.set()  # No stores to list.
         self.pipeline_queue: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
         self.pipeline_queue.put_nowait(None)
         self.append_limiter = RateLimiter(0)  # The spec's max_append_rate (0: unlimited).
@@ -67,6 +67,13 @@ class Replica:
         self._pulse_now = asyncio.Event()
         self.stopped = False
 
+    def start(self) -> None:
+        """Start the fragment refresh daemon (listing the journal's stores)."""
+        if self.persister is not None:
+            self._refresh_task = self.tasks.spawn(self.persister.refresh_loop(self), "refresh")
+        else:
+            self.index.first_refresh.set()  # No stores to list.
+
     def set_spec(self, spec: pb.JournalSpec) -> None:
         """The journal's current specification (the fragment refresh daemon and the persister
         read its stores and intervals)."""
@@ -75,8 +82,10 @@ class Replica:
             self._spec_changed.set()
             self._spec_changed = asyncio.Event()
 
-    async def spec_changed(self) -> None:
-        await self._spec_changed.wait()
+    @property
+    def spec_changed_event(self) -> asyncio.Event:
+        """Set at the next change of the spec (or when the replica stops)."""
+        return self._spec_changed
 
     def signal(self) -> None:
         """Invalidate resolutions of this journal: its assignments changed."""
@@ -87,16 +96,16 @@ class Replica:
         if not self.primary or self._pulse is None or self.stopped:
             return
         if self._pulse_task is None:
-            self._pulse_task = asyncio.ensure_future(self._pulse_loop())
+            self._pulse_task = self.tasks.spawn(self._pulse_loop(), "pulse")
         self._pulse_now.set()
 
     async def _pulse_loop(self) -> None:
         assert self._pulse is not None
+        # A failed pulse is retried soon: the route may still be settling.
+        backoff = Backoff(initial=0.25, maximum=5.0)
         try:
             while self.primary and not self.stopped:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(PULSE_INTERVAL):
-                        await self._pulse_now.wait()
+                await wait_any(self._pulse_now, timeout=PULSE_INTERVAL)
                 self._pulse_now.clear()
                 if not self.primary or self.stopped:
                     return
@@ -105,8 +114,14 @@ class Replica:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    log.warning("pulse of %s failed: %r", self.journal, exc)
-                    await asyncio.sleep(1.0)  # Retried: the route may still be settling.
+                    delay = backoff.next_delay()
+                    log.warning(
+                        "pulse of %s failed (retrying in %.2fs): %r", self.journal, delay, exc
+                    )
+                    await asyncio.sleep(delay)
+                    self._pulse_now.set()
+                else:
+                    backoff.reset()
         finally:
             if self._pulse_task is asyncio.current_task():
                 self._pulse_task = None
@@ -133,16 +148,9 @@ class Replica:
         self._spec_changed.set()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._refresh_task
-        if self._pulse_task is not None:
-            # Let a pulse in flight finish (it is bounded), then the loop sees `stopped`.
-            self._pulse_now.set()
-            done, _ = await asyncio.wait({self._pulse_task}, timeout=PULSE_STOP_TIMEOUT)
-            if not done:
-                self._pulse_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._pulse_task
+        # Let a pulse in flight finish (it is bounded), then the loop sees `stopped`.
+        self._pulse_now.set()
+        await self.tasks.close(grace=PULSE_STOP_TIMEOUT)
         pipeline = await self.pipeline_queue.get()
         if pipeline is not None:
             await pipeline.shutdown(expect_err=False)

@@ -8,7 +8,6 @@ uncommitted is rolled back before the spool is released.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -19,15 +18,16 @@ from broker.allocator.keyspace import route_equivalent
 from broker.fragment.spool import Spool, SpoolError
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import ResolveError
+from broker.tasks import take_unless
 
 if TYPE_CHECKING:
-    from broker.service import JournalService
+    from broker.context import BrokerContext
 
 log = logging.getLogger(__name__)
 
 
 async def serve_replicate(
-    svc: JournalService, requests: AsyncIterator[pb.ReplicateRequest], context: Any
+    ctx: BrokerContext, requests: AsyncIterator[pb.ReplicateRequest], context: Any
 ) -> AsyncIterator[pb.ReplicateResponse]:
     iterator = requests.__aiter__()
     try:
@@ -42,7 +42,7 @@ async def serve_replicate(
     spool: Spool | None = None
     while spool is None:
         try:
-            res = await svc.resolver.resolve(
+            res = await ctx.resolver.resolve(
                 first.proposal.journal,
                 may_proxy=False,
                 require_primary=False,
@@ -58,22 +58,10 @@ async def serve_replicate(
             yield pb.ReplicateResponse(status=pb.WRONG_ROUTE, header=res.header)
             return
         assert res.replica is not None
-        get = asyncio.ensure_future(res.replica.spool_queue.get())
-        invalidated = asyncio.ensure_future(res.invalidated.wait())
-        try:
-            await asyncio.wait({get, invalidated}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            # Cancelled in the instant the spool was taken: it goes back, not astray.
-            if get.done() and not get.cancelled() and get.exception() is None:
-                res.replica.spool_queue.put_nowait(get.result())
-            raise
-        finally:
-            invalidated.cancel()
-            if not get.done():
-                get.cancel()
-        if get.done() and not get.cancelled():
-            spool = get.result()
-            spool_queue = res.replica.spool_queue
+        # Cancelled in the instant the spool is taken, it goes back (not astray).
+        spool_queue = res.replica.spool_queue
+        taken = await take_unless(spool_queue, res.invalidated)
+        spool = taken[1]
     header: pb.Header | None = res.header
     try:
         request: pb.ReplicateRequest | None = first

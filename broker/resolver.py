@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace, KeyValue, Update
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
+from broker.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Resolver:
         self.new_replica = new_replica
         self.max_replication = max_replication
         self.replicas: dict[str, Replica] | None = {}
-        self._stopping: set[asyncio.Task[None]] = set()
+        self.tasks = TaskOwner("resolver")  # Replicas stopping or being demoted.
         ks.add_observer(self._on_update)
 
     def _member(self, zone: str, suffix: str) -> aks.Member | None:
@@ -203,9 +203,10 @@ class Resolver:
             if replica is not None and replica.primary and not primary:
                 # Demoted: the pipeline goes (the new primary builds its own); the spool and
                 # index stay, so content committed here remains readable here.
-                self._track(replica.demote())
+                self.tasks.spawn(replica.demote(), f"demoting {journal}")
             if replica is None:
                 replica = self.new_replica(journal)
+                replica.start()
                 replica.create_revision = item_kv.create_revision
                 replica.assignments = assignments
                 log.info("starting local replica of %s (primary: %s)", journal, primary)
@@ -225,12 +226,7 @@ class Resolver:
     def _stop(self, replica: Replica) -> None:
         log.info("stopping local replica of %s", replica.journal)
         replica.signal()
-        self._track(replica.shutdown())
-
-    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+        self.tasks.spawn(replica.shutdown(), f"stopping {replica.journal}")
 
     async def stop_serving(self) -> None:
         """Stop every local replica (on broker exit) and wait for them."""
@@ -239,8 +235,8 @@ class Resolver:
                 self._stop(replica)
             self.replicas = None
         self.ks.remove_observer(self._on_update)
-        while self._stopping:
-            await asyncio.gather(*list(self._stopping), return_exceptions=True)
+        await self.tasks.join()  # Each shutdown is bounded.
+        await self.tasks.close()
 
 
 def _revisions(kvs: tuple[KeyValue, ...]) -> list[tuple[str, int]]:

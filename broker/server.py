@@ -28,6 +28,7 @@ from broker.fragment.persister import Persister
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.service import JournalService, add_journal_service
+from broker.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class Broker:
         self._spool_dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
         self.lease_id = 0
-        self._tasks: list[asyncio.Task[None]] = []
+        # Keyspace watch, lease keep-alive, allocator: a failure of any stops the broker.
+        self.tasks = TaskOwner("broker")
         self._allocator: asyncio.Task[None] | None = None
         self.done = asyncio.Event()
         self.failure: BaseException | None = None
@@ -173,10 +175,8 @@ class Broker:
         log.info("broker %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
+        task = self.tasks.spawn(coro, name)
         task.add_done_callback(self._on_task_done)
-        self._tasks.append(task)
         return task
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
@@ -301,12 +301,7 @@ class Broker:
         if self._spool_dir is not None:
             self._spool_dir.cleanup()
             self._spool_dir = None
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await self.tasks.close()
         if self.lease_id:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.etcd.revoke_lease(self.lease_id), bound)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import AppendFSM, Chunk
+from broker.context import BrokerContext
 from broker.dialer import Dialer
 from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister, check_spec_supported
@@ -63,33 +64,31 @@ class JournalService(pb_grpc.JournalServicer):
         self.dialer = dialer or Dialer()
         self.spool_dir = spool_dir or Path(tempfile.gettempdir())
         self.min_append_rate = min_append_rate
-        self.append_limiter = RateLimiter(max_append_rate)  # Across all of this broker's journals.
-        self.max_replication = max_replication
         self.persister = persister
         self.resolver = Resolver(
             ks, root, process_id, self.new_replica, max_replication=max_replication
         )
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # What the handlers and the append FSM use (they never see the service itself).
+        self.ctx = BrokerContext(
+            resolver=self.resolver,
+            etcd=client,
+            dialer=self.dialer,
+            process_id=process_id,
+            persister=persister,
+            min_append_rate=min_append_rate,
+            append_limiter=RateLimiter(max_append_rate),  # Across all of this broker's journals.
+            max_replication=max_replication,
+        )
 
     def new_replica(self, journal: str) -> Replica:
         return Replica(journal, self.spool_dir, pulse=self.pulse, persister=self.persister)
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        """Run `coro` in the background, owned by the service (awaited on stop)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("background task failed: %s", exc)
-
     async def stop(self) -> None:
-        """Stop serving local replicas and wait for every background task."""
+        """Stop serving local replicas, let the handlers' background work (pipeline teardowns,
+        which are bounded) finish, then stop the persister and close the peers' channels."""
         await self.resolver.stop_serving()
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self.ctx.tasks.join()
+        await self.ctx.tasks.close()
         if self.persister is not None:
             await self.persister.stop()
         await self.dialer.close()
@@ -98,7 +97,7 @@ class JournalService(pb_grpc.JournalServicer):
         """A zero-byte append by the primary: synchronizes the pipeline and, through
         state_update_assignments, advertises the route the replicas agreed on."""
         fsm = AppendFSM(
-            self,
+            self.ctx,
             pb.AppendRequest(
                 journal=replica.journal,
                 do_not_proxy=True,
@@ -131,7 +130,7 @@ class JournalService(pb_grpc.JournalServicer):
 
         async def flush(replica: Replica) -> None:
             fsm = AppendFSM(
-                self, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
+                self.ctx, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
                 flush_and_suspend=True,
             )  # fmt: skip
             commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
@@ -171,11 +170,7 @@ class JournalService(pb_grpc.JournalServicer):
         return True
 
     def unrouted_header(self) -> pb.Header:
-        return pb.Header(
-            process_id=self.process_id,
-            route=pb.Route(primary=-1),
-            etcd=self.resolver.etcd_header(),
-        )
+        return self.ctx.unrouted_header()
 
     def snapshot(self, selector: pb.LabelSelector) -> tuple[list[pb.ListResponse.Journal], int]:
         """Journals matching `selector` with their routes, and the max mod revision among them."""
@@ -281,14 +276,14 @@ class JournalService(pb_grpc.JournalServicer):
         self, request: pb.ReadRequest, context: Context
     ) -> AsyncIterator[pb.ReadResponse]:
         # grpc.aio needs the handler itself to be an async generator function.
-        async for response in serve_read(self, request, context):
+        async for response in serve_read(self.ctx, request, context):
             yield response
 
     async def Append(
         self, request_iterator: AsyncIterator[pb.AppendRequest], context: Context
     ) -> pb.AppendResponse:
         try:
-            return await serve_append(self, request_iterator, context)
+            return await serve_append(self.ctx, request_iterator, context)
         except AppendFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
             raise AssertionError("unreachable") from None
@@ -296,18 +291,18 @@ class JournalService(pb_grpc.JournalServicer):
     async def Replicate(
         self, request_iterator: AsyncIterator[pb.ReplicateRequest], context: Context
     ) -> AsyncIterator[pb.ReplicateResponse]:
-        async for response in serve_replicate(self, request_iterator, context):
+        async for response in serve_replicate(self.ctx, request_iterator, context):
             yield response
 
     async def ListFragments(
         self, request: pb.FragmentsRequest, context: Context
     ) -> pb.FragmentsResponse:
-        return await serve_list_fragments(self, request, context)
+        return await serve_list_fragments(self.ctx, request, context)
 
     async def FragmentStoreHealth(
         self, request: pb.FragmentStoreHealthRequest, context: Context
     ) -> pb.FragmentStoreHealthResponse:
-        return await serve_store_health(self, request, context)
+        return await serve_store_health(self.ctx, request, context)
 
 
 def add_journal_service(service: JournalService, server: grpc.aio.Server) -> None:

@@ -133,7 +133,7 @@ async def test_read_inside_a_local_fragment_ends_when_its_replica_stops(
 
     service = brokers[1].broker.service
     request = pb.ReadRequest(journal=journal, offset=head.begin, do_not_proxy=True)
-    responses = serve_read(service, request, context=None)
+    responses = serve_read(service.ctx, request, context=None)
     first = await anext(responses)
     assert first.status == pb.OK and first.fragment.end == head.end
     chunk = pb.ReadResponse.FromString(await anext(responses))  # (yielded encoded)
@@ -142,7 +142,7 @@ async def test_read_inside_a_local_fragment_ends_when_its_replica_stops(
     replica = service.resolver.replicas[journal]  # type: ignore[index]
     await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[:1])
     await until(lambda: journal not in (service.resolver.replicas or {}))
-    await until(lambda: replica.stopped and not service.resolver._stopping)
+    await until(lambda: replica.stopped and not len(service.resolver.tasks))
 
     metadata = 0
     async with asyncio.timeout(10):
@@ -270,7 +270,7 @@ async def test_append_fsm_cancelled_at_each_await_point(
     async def receive() -> Chunk:
         return next(chunks)
 
-    fsm = AppendFSM(service, pb.AppendRequest(journal=journal))
+    fsm = AppendFSM(service.ctx, pb.AppendRequest(journal=journal))
     before = [asyncio.ensure_future(one(i)) for i in range(8)] if scenario == "stream" else []
     victim = asyncio.ensure_future(fsm.run(receive))
     victims.add(victim)
@@ -331,7 +331,7 @@ async def test_replicate_handler_cancelled_as_it_takes_the_spool_gives_it_back(
             await asyncio.Event().wait()
 
         async def handler() -> None:
-            async for _ in serve_replicate(service, requests(), context=None):
+            async for _ in serve_replicate(service.ctx, requests(), context=None):
                 pass
 
         task = asyncio.ensure_future(handler())
@@ -424,7 +424,7 @@ async def test_exit_flush_suspends_only_once_the_store_holds_everything(
 
         async def flush() -> AppendFSM:
             fsm = AppendFSM(
-                service,
+                service.ctx,
                 pb.AppendRequest(journal=journal, do_not_proxy=True),
                 flush_and_suspend=True,
             )

@@ -22,6 +22,7 @@ import grpc
 from broker.client.appender import AppendError, append
 from broker.client.routes import RETRYABLE, Router
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class _Journal:
                     self.room.set()
 
     async def _send(self, batch: _Batch) -> None:
-        delay = 0.05
+        backoff = Backoff(maximum=self.service.max_retry_delay)
         while True:
             try:
                 response = await append(
@@ -178,9 +179,9 @@ class _Journal:
                 if isinstance(error, grpc.aio.AioRpcError)
                 else str(error)
             )
+            delay = backoff.next_delay()
             log.warning("append to %s failed (retrying in %.2fs): %s", self.name, delay, reason)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self.service.max_retry_delay)
 
     @staticmethod
     def _fail(batch: _Batch, error: BaseException) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +16,7 @@ from broker.fragment.fragments import digest_of
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -192,14 +192,14 @@ async def read_retrying(
     stream ends (its replica moved): a RetryReader. `stubs()` names a broker to try each time
     (for example, a Router's default, or a rotation over several addresses). Statuses other
     than transient ones end the read with ReadError. `direct` and `file_root` are `read`'s."""
-    delay = 0.05
+    backoff = Backoff(maximum=max_delay)
     while True:
         try:
             async for chunk in read(
                 stubs(), journal, offset, block=block, direct=direct, file_root=file_root
             ):
                 offset = chunk.offset + len(chunk.content)
-                delay = 0.05
+                backoff.reset()
                 yield chunk
             if not block:
                 return
@@ -217,5 +217,4 @@ async def read_retrying(
                 grpc.StatusCode.UNKNOWN,
             ):
                 raise
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max_delay)
+        await backoff.sleep()

@@ -7,7 +7,6 @@ forgets a route as soon as using it fails.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, Iterable
@@ -18,6 +17,7 @@ from broker.client.appender import AppendError, append
 from broker.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.retry import Backoff
 
 # Statuses after which the same append can succeed a moment later, possibly elsewhere.
 RETRYABLE = frozenset(
@@ -100,7 +100,7 @@ async def append_routed(
     changes or a broker is unreachable. Content must be re-sendable (bytes or a list)."""
     if isinstance(content, AsyncIterable):
         raise TypeError("append_routed re-sends content on retry: pass bytes or a list")
-    delay = 0.05
+    backoff = Backoff(maximum=max_delay)
     for attempt in range(attempts):
         try:
             response = await append(router.stub_for(journal), journal, content, **kwargs)  # type: ignore[arg-type]
@@ -115,6 +115,5 @@ async def append_routed(
         else:
             router.observe(journal, response.header)
             return response
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max_delay)
+        await backoff.sleep()
     raise AssertionError("unreachable")

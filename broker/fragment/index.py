@@ -171,6 +171,11 @@ class Index:
     async def wait_for_change(self) -> None:
         await self._changed.wait()
 
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set at the index's next change (each change replaces it with a fresh one)."""
+        return self._changed
+
     def _signal(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

@@ -10,32 +10,36 @@ persisted, the journal is deleted, or the broker stops (when it makes one last a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from broker.fragment import codecs
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import content_name, content_path
+from broker.fragment.index import Index
 from broker.fragment.postfix import PostfixTemplate, compile_template, validate_template
 from broker.fragment.spool import CompletedFragment
 from broker.fragment.stores import FragmentStore, check_store_url, open_store
 from broker.protocol import protocol_pb2 as pb
-
-if TYPE_CHECKING:
-    from broker.replica import Replica
+from broker.retry import Backoff
+from broker.tasks import TaskOwner, wait_any
 
 log = logging.getLogger(__name__)
 
 # Upstream's replicas check their completed fragments once a minute.
 PERSIST_INTERVAL = 60.0
-# Backoff between failed attempts, in seconds; the last repeats.
-BACKOFF = (0.1, 1.0, 5.0, 10.0, 30.0, 60.0)
+
+
+def store_backoff() -> Backoff:
+    """Between failed persists or listings: 0.1 s, growing threefold to a minute."""
+    return Backoff(initial=0.1, factor=3.0, maximum=60.0)
+
+
 # How long a stopping broker keeps trying to persist what it still holds.
 FINAL_ATTEMPT_TIMEOUT = 30.0
 
@@ -61,6 +65,19 @@ def check_spec_supported(spec: pb.JournalSpec) -> None:
         raise ValueError(f"journal {spec.name}: fragment.path_postfix_template: {exc}") from None
 
 
+class JournalReplica(Protocol):
+    """What the persister and the refresh daemon use of a journal's replica (the fragment
+    layer knows nothing else of replicas)."""
+
+    journal: str
+    spec: pb.JournalSpec | None
+    stopped: bool
+    index: Index
+
+    @property
+    def spec_changed_event(self) -> asyncio.Event: ...
+
+
 class Persister:
     def __init__(
         self,
@@ -74,7 +91,7 @@ class Persister:
         self.spool_dir = spool_dir
         self.persist_interval = persist_interval
         self._clock = clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.tasks = TaskOwner("persister")  # One per fragment being persisted.
         self._stopping = asyncio.Event()
         self.persisted = 0  # Fragments this broker wrote to a store.
         self.bytes_persisted = 0
@@ -88,20 +105,21 @@ class Persister:
 
     # ---- persisting ---------------------------------------------------------------------------
 
-    def on_complete(self, replica: Replica, completed: CompletedFragment) -> None:
+    def on_complete(self, replica: JournalReplica, completed: CompletedFragment) -> None:
         """Take a fragment the spool of `replica` completed, and persist it."""
         completed.retain()
-        task = asyncio.ensure_future(self._persist(replica, completed))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        try:
+            self.tasks.spawn(self._persist(replica, completed), f"persisting {completed!r}")
+        except RuntimeError:
+            # Stopped (the broker is exiting): the fragment stays in the spool's files only.
+            log.error("persister stopped: %r is not persisted", completed)
+            completed.close()
 
-    async def _persist(self, replica: Replica, completed: CompletedFragment) -> None:
+    async def _persist(self, replica: JournalReplica, completed: CompletedFragment) -> None:
         try:
             if not completed.primary:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.persist_interval):
-                        await self._stopping.wait()
-            attempt = 0
+                await wait_any(self._stopping, timeout=self.persist_interval)
+            backoff = store_backoff()
             while True:
                 spec = replica.spec
                 if spec is None or not spec.fragment.stores:
@@ -112,15 +130,12 @@ class Persister:
                     if self._stopping.is_set():
                         log.error("could not persist %r before stopping: %s", completed, exc)
                         return
-                    delay = BACKOFF[min(attempt, len(BACKOFF) - 1)]
-                    attempt += 1
+                    delay = backoff.next_delay()
                     log.warning(
                         "persisting %r failed (attempt %d, retrying in %.1fs): %s",
-                        completed, attempt, delay, exc,
+                        completed, backoff.attempt, delay, exc,
                     )  # fmt: skip
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
-                            await self._stopping.wait()
+                    await wait_any(self._stopping, timeout=delay)
                     continue
                 if not replica.stopped:
                     replica.index.add_remote(fragment)
@@ -162,41 +177,31 @@ class Persister:
             out.extend(self.store(url).list_fragments(journal))
         return out
 
-    async def refresh_loop(self, replica: Replica) -> None:
+    async def refresh_loop(self, replica: JournalReplica) -> None:
         """The fragment refresh daemon of a replica: list its stores every refresh_interval (or
         sooner when the index asks, after a persist) and replace the index's remote fragments.
         The first listing releases waiting appends."""
-        failures = 0
+        backoff = store_backoff()
         while not replica.stopped:
             spec = replica.spec
             if spec is None:
-                await replica.spec_changed()
+                await replica.spec_changed_event.wait()
                 continue
             try:
                 listed = await asyncio.to_thread(self.list_blocking, replica.journal, spec)
             except Exception as exc:
-                failures += 1
-                delay = BACKOFF[min(failures - 1, len(BACKOFF) - 1)]
+                delay = backoff.next_delay()
                 replica.index.refresh_error = f"listing fragments: {exc}"
                 log.warning("listing fragments of %s failed: %s", replica.journal, exc)
             else:
-                failures = 0
+                backoff.reset()
                 replica.index.refresh_error = ""
                 if replica.stopped:
                     return
                 replica.index.replace_remote(listed)
                 delay = spec.fragment.refresh_interval.seconds or 60
             requested = replica.index.refresh_requested
-            if not requested.is_set():
-                spec_changed = asyncio.ensure_future(replica.spec_changed())
-                refresh = asyncio.ensure_future(requested.wait())
-                try:
-                    await asyncio.wait(
-                        {spec_changed, refresh}, timeout=delay, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    spec_changed.cancel()
-                    refresh.cancel()
+            await wait_any(requested, replica.spec_changed_event, timeout=delay)
             requested.clear()
 
     # ---- lifetime -----------------------------------------------------------------------------
@@ -204,9 +209,4 @@ class Persister:
     async def stop(self, timeout: float = FINAL_ATTEMPT_TIMEOUT) -> None:
         """Persist what is still held at once (the last attempt for each), then stop."""
         self._stopping.set()
-        if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+        await self.tasks.close(grace=timeout)

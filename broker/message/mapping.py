@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from broker.client.journals import JournalsClient
 from broker.protocol import protocol_pb2 as pb
+from broker.retry import Backoff
 
 M = TypeVar("M")
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class WatchedPartitions:
         await self._changed.wait()
 
     async def _watch(self) -> None:
+        backoff = Backoff(initial=0.5, maximum=5.0)
         while True:
             try:
                 async for snapshot in self._client.watch(self._selector):
@@ -157,8 +159,9 @@ class WatchedPartitions:
                         self._ready.set()
                         self._changed.set()
                         self._changed = asyncio.Event()
+                    backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # The broker went away: keep the last set, watch again.
                 log.warning("watching the partitions of a topic failed (retrying): %s", exc)
-            await asyncio.sleep(0.5)
+            await backoff.sleep()

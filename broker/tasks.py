@@ -1,0 +1,114 @@
+"""Ownership of background tasks, and the one wait with a timeout that the broker uses.
+
+Every background task of the broker (keyspace watch, lease, allocator, pulses, fragment refresh,
+persists, pipeline teardowns and readers in turn) is started through the `TaskOwner` of the
+object that needs it, and that object's shutdown cancels (or joins) and awaits them: no task
+outlives its owner, and none is started in a constructor. `asyncio.TaskGroup` fits a task whose
+lifetime is one block of code; these belong to objects with a start and a stop, hence this
+small owner type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class TaskOwner:
+    """The background tasks of one object. `spawn` starts one; `join` waits for them to end
+    on their own, `close` cancels what is left and waits for that. A task that fails is
+    logged (with its name) when it ends; `on_failure` may also react to it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str = "") -> asyncio.Task[T]:
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self.name} is closed: cannot start {name or coro!r}")
+        task = asyncio.ensure_future(coro)
+        if name:
+            task.set_name(f"{self.name}: {name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("%s failed: %r", task.get_name(), exc)
+
+    async def join(self, timeout: float | None = None) -> bool:
+        """Wait for every task (and any they start meanwhile) to end by itself, for up to
+        `timeout` seconds; returns whether they all did."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._tasks:
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return False
+            await asyncio.wait(set(self._tasks), timeout=remaining)
+        return True
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Stop: no new task; wait `grace` seconds for those running, then cancel the rest and
+        wait until each has ended. Safe to call twice."""
+        self._closed = True
+        if grace > 0:
+            await self.join(grace)
+        while self._tasks:
+            tasks = set(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+
+
+async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool:
+    """Until any of `events` is set, or `timeout` seconds pass: returns whether one is set.
+    Its helper tasks are cancelled and awaited before it returns, however it ends."""
+    if any(event.is_set() for event in events):
+        return True
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+    return any(event.is_set() for event in events)
+
+
+async def take_unless(queue: asyncio.Queue[T], event: asyncio.Event) -> tuple[bool, T | None]:
+    """Take an item from `queue` unless `event` is set first: (True, item) or (False, None).
+    Whatever interrupts the wait, cancellation included, an item taken is never lost: it goes
+    back to the queue (queues here hold what one owner at a time may use: a spool, a
+    pipeline)."""
+    if event.is_set():
+        return False, None
+    get = asyncio.ensure_future(queue.get())
+    wait = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({get, wait}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        if get.done() and not get.cancelled() and get.exception() is None:
+            queue.put_nowait(get.result())
+        raise
+    finally:
+        # No await here: a cancellation arriving at it would lose an item just taken.
+        wait.cancel()
+        if not get.done():
+            get.cancel()  # asyncio.Queue leaves the item queued for the next getter.
+    if get.done() and not get.cancelled() and get.exception() is None:
+        return True, get.result()
+    return False, None

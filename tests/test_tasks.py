@@ -1,0 +1,97 @@
+"""The task owner, the one wait with a timeout, the taking of an owned item from a queue, and
+the one retry backoff."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker.retry import Backoff
+from broker.tasks import TaskOwner, take_unless, wait_any
+
+
+async def test_close_cancels_and_awaits_every_task_and_refuses_new_ones() -> None:
+    owner = TaskOwner("test")
+    ended: list[str] = []
+
+    async def forever(name: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.01)  # Clean-up that itself awaits: close waits for it.
+            ended.append(name)
+
+    owner.spawn(forever("a"), "a")
+    owner.spawn(forever("b"), "b")
+    assert len(owner) == 2
+    await asyncio.sleep(0)  # Both started (a task cancelled before its start never runs).
+    await owner.close()
+    assert sorted(ended) == ["a", "b"] and len(owner) == 0
+    coro = forever("c")
+    with pytest.raises(RuntimeError, match="closed"):
+        owner.spawn(coro, "c")
+    await owner.close()  # Twice is fine.
+
+
+async def test_join_waits_for_tasks_to_end_by_themselves_within_a_bound() -> None:
+    owner = TaskOwner("test")
+    owner.spawn(asyncio.sleep(0.05), "short")
+    assert await owner.join(timeout=5)
+    owner.spawn(asyncio.Event().wait(), "stuck")
+    assert not await owner.join(timeout=0.05)
+    await owner.close(grace=0.01)
+    assert len(owner) == 0
+
+
+async def test_a_failed_task_is_logged_with_its_name(caplog: pytest.LogCaptureFixture) -> None:
+    owner = TaskOwner("test")
+
+    async def fail() -> None:
+        raise ValueError("boom")
+
+    task = owner.spawn(fail(), "failing")
+    await asyncio.wait({task})
+    await asyncio.sleep(0)
+    assert "test: failing failed: ValueError('boom')" in caplog.text
+    await owner.close()
+
+
+async def test_wait_any_returns_on_an_event_or_the_timeout() -> None:
+    a, b = asyncio.Event(), asyncio.Event()
+    assert not await wait_any(a, b, timeout=0.02)
+    asyncio.get_running_loop().call_later(0.01, b.set)
+    assert await wait_any(a, b, timeout=5)
+    assert await wait_any(b)  # Already set: at once.
+
+
+async def test_take_unless_never_loses_an_item_to_cancellation() -> None:
+    for spins in range(6):
+        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
+        event = asyncio.Event()
+        task = asyncio.ensure_future(take_unless(queue, event))
+        await asyncio.sleep(0)
+        queue.put_nowait("spool")
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            taken, item = await task
+        except asyncio.CancelledError:
+            assert queue.qsize() == 1, f"lost after {spins} steps"
+        else:  # It finished first: the caller holds the item.
+            assert taken and item == "spool" and queue.qsize() == 0
+    queue = asyncio.Queue(maxsize=1)
+    event = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await take_unless(queue, event) == (False, None)
+
+
+def test_backoff_grows_to_its_cap_and_resets() -> None:
+    backoff = Backoff(initial=0.1, factor=3.0, maximum=1.0)
+    assert [round(backoff.next_delay(), 3) for _ in range(5)] == [0.1, 0.3, 0.9, 1.0, 1.0]
+    assert backoff.attempt == 5
+    backoff.reset()
+    assert backoff.next_delay() == 0.1
+    first_free = Backoff(initial=0.05, maximum=2.0, immediate_first=True)
+    assert [first_free.next_delay() for _ in range(4)] == [0.0, 0.05, 0.1, 0.2]
