@@ -230,12 +230,18 @@ class AppendFSM:
     async def state_start_pipeline(self) -> None:
         """Keep a pipeline already at the resolved route, else build one with the spool."""
         res = self._res
-        if self.pln is not None and route_equivalent(self.pln.route, res.route):
+        if (
+            self.pln is not None
+            and route_equivalent(self.pln.route, res.route)
+            and self.pln.send_err() is None
+            and self.pln.recv_err() is None  # A peer out of step, or its stream broken.
+        ):
             self.registers.CopyFrom(self.pln.spool.registers)
             self.state = State.UPDATE_ASSIGNMENTS
             return
         if self.pln is not None:
-            self.ctx.tasks.spawn(self.pln.shutdown(expect_err=False), "pipeline teardown")
+            broken = self.pln.send_err() is not None or self.pln.recv_err() is not None
+            self.ctx.tasks.spawn(self.pln.shutdown(expect_err=broken), "pipeline teardown")
             self.pln = None
         assert res.replica is not None
         taken, spool = await self._take(res.replica.spool_queue)
