@@ -14,7 +14,7 @@ from pathlib import Path
 
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.appender import AppendError, append
-from broker.dialer import Dialer
+from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import aetcd
 
-from broker.dialer import Dialer
+from broker.client.dialer import Dialer
 from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister
 from broker.protocol import protocol_pb2 as pb

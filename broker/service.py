@@ -20,8 +20,8 @@ from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import AppendFSM, Chunk
+from broker.client.dialer import Dialer
 from broker.context import BrokerContext
-from broker.dialer import Dialer
 from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister, check_spec_supported
 from broker.fragments_api import serve_list_fragments, serve_store_health

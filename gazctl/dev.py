@@ -25,7 +25,7 @@ import click
 from rich.table import Table
 
 from broker.client import BrokerUnavailable, JournalsClient
-from broker.testing.etcd import (
+from broker.local_etcd import (
     EtcdNotFound,
     etcd_command,
     find_etcd_binary,

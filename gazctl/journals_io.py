@@ -14,8 +14,8 @@ from typing import Any, BinaryIO
 import click
 
 from broker.client.appender import AppendError, append, reset_head
+from broker.client.dialer import Dialer
 from broker.client.reader import ReadError, read, write_head
-from broker.dialer import Dialer
 from broker.fragment.content import FragmentCorrupt
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb

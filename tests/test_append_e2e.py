@@ -220,8 +220,8 @@ async def test_router_learns_the_primary_and_recovers_from_a_stale_route(
 async def test_retrying_reader_resumes_on_another_broker(
     brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
 ) -> None:
+    from broker.client.dialer import Dialer
     from broker.client.reader import read_retrying
-    from broker.dialer import Dialer
 
     await set_journal(
         etcd,

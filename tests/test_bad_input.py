@@ -186,8 +186,8 @@ async def test_route_change_mid_append(
 
 def test_the_client_library_refuses_https_addresses() -> None:
     from broker.client import JournalsClient, dial
+    from broker.client.dialer import Dialer
     from broker.client.journals import grpc_target
-    from broker.dialer import Dialer
 
     address = "https://127.0.0.1:8080"
     for refuse in (grpc_target, dial, JournalsClient, Dialer().channel):

@@ -14,7 +14,7 @@ import pytest
 
 from broker.client import JournalsClient
 from broker.client.appender import append
-from broker.dialer import Dialer
+from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, start_broker_process, stop_process

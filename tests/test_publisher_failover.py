@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from broker.client.append_service import AppendService
+from broker.client.dialer import Dialer
 from broker.client.reader import read
-from broker.dialer import Dialer
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition
 from broker.message.publisher import Publisher, Reader, read_committed, read_uncommitted

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, Iterable
 import grpc
 
 from broker.client.appender import AppendError, append
-from broker.dialer import Dialer
+from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.retry import Backoff

@@ -1,8 +1,8 @@
 """Test harness for gazette-py and for applications that embed brokers in their own tests:
 a real etcd child process (`EtcdServer`) and in-process brokers (`BrokerHarness`)."""
 
-from broker.testing.etcd import EtcdServer, find_etcd_binary, free_port
+from broker.local_etcd import EtcdServer, find_etcd_binary, free_port
+from broker.processes import stop_process
 from broker.testing.harness import BrokerHarness
-from broker.testing.procs import stop_process
 
 __all__ = ["BrokerHarness", "EtcdServer", "find_etcd_binary", "free_port", "stop_process"]

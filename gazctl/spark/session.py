@@ -86,7 +86,7 @@ def stop_spark(spark: SparkSession) -> None:
     SparkContext._gateway = None
     SparkContext._jvm = None
     if proc is not None:
-        from broker.testing import stop_process
+        from broker.processes import stop_process
 
         stop_process(proc)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
