@@ -1,0 +1,553 @@
+"""The history checker, in the spirit of Jepsen's queue checker: given a fault run's History,
+it finds every way the run broke the broker's promises.
+
+* Every acknowledged append is in the journal exactly once, at the offsets it was acknowledged
+  at (`lost`, `misplaced`, `duplicated`); nothing is in the journal that no client appended, or
+  that the broker refused or rolled back (`unexpected`, `refused-present`), and no two appends
+  were acknowledged at overlapping offsets (`ack-overlap`).
+* No offset ever holds two different contents, across replicas, stores, readers and time
+  (`conflict`); the journal has no hole (`gap`).
+* No reader saw bytes the journal does not hold, such as uncommitted or rolled-back ones
+  (`uncommitted-read`); reads never go backwards (`non-monotonic`) nor jump over committed bytes
+  (`skipped`).
+* A register-checked append is applied only while the registers allow it (`register`): they
+  hold its owner, or nothing (upstream's rule: empty registers match every check, as after
+  they were lost with every replica).
+* Read-committed streams deliver each message at most once (`rc-duplicate`), never an aborted
+  one (`rc-aborted`) nor one the journal does not hold committed (`rc-vanished`); every
+  acknowledged committed message is delivered exactly once (`lost`).
+* Once the faults healed, every journal took an append again (`unavailable-after-heal`).
+
+The canonical content of a journal is what a read through a broker returned after the run,
+completed by what replicas and stores held that the read did not reach. An
+operator's `reset-head` (after every replica of a journal was lost, which the seed allows to lose
+unpersisted bytes) starts a new epoch: acknowledged bytes past its offset from before it are
+counted as `lost_to_reset`, not as lost, and earlier observations of those offsets are not
+compared with later ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.message.framing import DictMessages, FrameReader, JSONLines
+from broker.message.publisher import Reader
+from broker.message.sequencer import Envelope, Sequencer
+from tests.faults.history import (
+    CHECKED,
+    FAIL,
+    OK,
+    PROBE,
+    TAKEOVER,
+    AppendOp,
+    History,
+    ResetHead,
+)
+
+# More envelopes than a run writes: commits never need a replay from the journal.
+_RING = 1 << 18
+# Violations of one kind and journal listed in full before the rest are only counted.
+_LISTED = 5
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    journal: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} in {self.journal}: {self.detail}"
+
+
+@dataclass
+class Report:
+    scenario: str
+    seed: int
+    cycles: int
+    acked_appends: int = 0
+    acked_messages: int = 0
+    lost: int = 0
+    lost_to_reset: int = 0  # Acknowledged, then lost with every replica (allowed; reset-head).
+    duplicated: int = 0
+    conflicts: int = 0
+    longest_unavailability: float = 0.0
+    # Bytes some replica or store held that the final read through a broker did not return.
+    unreadable: int = 0
+    unavailable_journal: str = ""
+    violations: list[Violation] = field(default_factory=list)
+    _counted: Counter[tuple[str, str]] = field(default_factory=Counter, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def add(self, kind: str, journal: str, detail: str) -> None:
+        """Record a violation (the first few of each kind and journal in full)."""
+        self._counted[(kind, journal)] += 1
+        n = self._counted[(kind, journal)]
+        if n <= _LISTED:
+            self.violations.append(Violation(kind, journal, detail))
+        elif n == _LISTED + 1:
+            self.violations.append(Violation(kind, journal, "(more of this kind not listed)"))
+
+    def count(self, kind: str) -> int:
+        return sum(n for (k, _), n in self._counted.items() if k == kind)
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.scenario} (seed {self.seed}): {self.cycles} cycles, "
+            f"{self.acked_appends} acknowledged appends, {self.acked_messages} acknowledged "
+            f"messages, {self.lost} lost, {self.duplicated} duplicated, {self.conflicts} "
+            f"conflicting offsets, longest unavailability {self.longest_unavailability:.1f}s"
+            + (f" ({self.unavailable_journal})" if self.unavailable_journal else "")
+            + (f", {self.lost_to_reset} lost with every replica" if self.lost_to_reset else "")
+            + (f", {self.unreadable} bytes unreadable through brokers" if self.unreadable else "")
+        ]
+        lines += [f"  VIOLATION {v}" for v in self.violations]
+        return "\n".join(lines)
+
+
+class Tape:
+    """A journal's bytes by offset, as far as known; `put` reports where new bytes disagree
+    with what the tape already holds."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._known = bytearray()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def put(self, offset: int, content: bytes) -> list[tuple[int, int]]:
+        """Write `content` at `offset` where unknown; the [begin, end) ranges where the tape
+        already held other bytes (left as they were)."""
+        stop = offset + len(content)
+        if stop > len(self._data):
+            grow = stop - len(self._data)
+            self._data.extend(bytes(grow))
+            self._known.extend(bytes(grow))
+        mask = self._known[offset:stop]
+        unknown = mask.count(0)
+        if unknown == len(content):
+            self._data[offset:stop] = content
+            self._known[offset:stop] = b"\x01" * len(content)
+            return []
+        if unknown == 0 and self._data[offset:stop] == content:
+            return []
+        conflicts: list[tuple[int, int]] = []
+        for i, byte in enumerate(content):
+            at = offset + i
+            if not self._known[at]:
+                self._data[at] = byte
+                self._known[at] = 1
+            elif self._data[at] != byte:
+                if conflicts and conflicts[-1][1] == at:
+                    conflicts[-1] = (conflicts[-1][0], at + 1)
+                else:
+                    conflicts.append((at, at + 1))
+        return conflicts
+
+    def compare(self, offset: int, content: bytes) -> tuple[list[tuple[int, int]], int]:
+        """Without writing: the ranges where the tape holds other bytes than `content`, and how
+        many of its bytes the tape does not know."""
+        stop = offset + len(content)
+        known = self._known[offset:stop] + bytes(max(0, stop - max(offset, len(self._data))))
+        unknown = known.count(0)
+        if unknown == 0 and self._data[offset:stop] == content:
+            return [], 0
+        conflicts: list[tuple[int, int]] = []
+        for i, byte in enumerate(content):
+            at = offset + i
+            if known[i] and self._data[at] != byte:
+                if conflicts and conflicts[-1][1] == at:
+                    conflicts[-1] = (conflicts[-1][0], at + 1)
+                else:
+                    conflicts.append((at, at + 1))
+        return conflicts, unknown
+
+    def get(self, begin: int, end: int) -> bytes | None:
+        """The bytes of [begin, end) if all are known."""
+        if end > len(self._data) or self._known[begin:end].count(0):
+            return None
+        return bytes(self._data[begin:end])
+
+    def holds_any(self, begin: int, end: int) -> bool:
+        return bool(self._known[begin:end].count(1))
+
+    def segments(self) -> Iterator[tuple[int, bytes]]:
+        """The runs of known bytes, in offset order."""
+        at = 0
+        while True:
+            begin = self._known.find(1, at)
+            if begin < 0:
+                return
+            end = self._known.find(0, begin)
+            end = len(self._known) if end < 0 else end
+            yield begin, bytes(self._data[begin:end])
+            at = end
+
+
+class CommittedReader:
+    """Read-committed sequencing of one journal's content, fed in order as `read_committed`
+    does; `feed` returns the committed messages (ACKs left out) each chunk completes."""
+
+    def __init__(self, journal: str) -> None:
+        self.journal = journal
+        self.reader = Reader(DictMessages(), JSONLines())
+        self.frames = FrameReader(JSONLines())
+        self.sequencer = Sequencer(ring_size=_RING)
+
+    def feed(self, offset: int, content: bytes) -> list[Envelope]:
+        out: list[Envelope] = []
+        envelopes = self.reader.envelopes(self.journal, self.frames.feed(offset, content))
+        for envelope in envelopes:
+            self.sequencer.queue_uncommitted(envelope)
+            if self.sequencer.replay_range() is not None:
+                raise AssertionError("a commit needs a replay: raise the ring size")
+            while (committed := self.sequencer.step()) is not None:
+                if not committed.is_ack:
+                    out.append(committed)
+        return out
+
+    @property
+    def errors(self) -> list[Any]:
+        return self.reader.errors
+
+
+def message_id(envelope: Envelope) -> str:
+    message = envelope.message
+    return str(message.get("id", "")) if isinstance(message, dict) else ""
+
+
+class _Epochs:
+    """A journal's reset-heads: which earlier offsets a later reset re-assigned."""
+
+    def __init__(self, resets: Iterable[ResetHead]) -> None:
+        self.resets = sorted(resets, key=lambda r: r.at)
+
+    def limit(self, at: float) -> int | None:
+        """Offsets at or past this were re-assigned by a reset after time `at` (None: none)."""
+        later = [r.offset for r in self.resets if r.at > at]
+        return min(later) if later else None
+
+    def clip(self, offset: int, content: bytes, at: float) -> bytes:
+        """The part of an observation made at `at` that belongs to the final epoch."""
+        limit = self.limit(at)
+        if limit is None:
+            return content
+        return content[: max(0, limit - offset)]
+
+    def boundaries(self) -> set[int]:
+        return {r.offset for r in self.resets}
+
+
+def check(history: History) -> Report:
+    report = Report(history.scenario, history.seed, history.cycles)
+    epochs = {
+        journal: _Epochs(r for r in history.resets if r.journal == journal)
+        for journal in history.raw_journals + history.message_journals
+    }
+    canonical = _canonical(history, report)
+    for journal in history.raw_journals:
+        _check_raw_journal(history, journal, canonical[journal], epochs[journal], report)
+    for journal in history.message_journals:
+        _check_acks_do_not_overlap(history, journal, epochs[journal], report)
+    _check_reads(history, canonical, epochs, report)
+    _check_messages(history, canonical, epochs, report)
+    _check_recovered(history, report)
+    _measure_unavailability(history, report)
+    report.conflicts = report.count("conflict")
+    return report
+
+
+def _canonical(history: History, report: Report) -> dict[str, Tape]:
+    """Each journal's content after the run: what a read through a broker returned, and what
+    replicas and stores hold that the read did not reach (a fragment only a surviving replica
+    holds until it persists it). Where any two of them disagree is a conflict."""
+    tapes = {j: Tape() for j in history.raw_journals + history.message_journals}
+    read = {j: Tape() for j in tapes}
+    ordered = sorted(history.observations, key=lambda o: o.source != "read")
+    for obs in ordered:
+        if obs.journal not in tapes:
+            continue
+        if obs.source == "read":
+            read[obs.journal].put(obs.offset, obs.content)
+        for begin, end in tapes[obs.journal].put(obs.offset, obs.content):
+            report.add(
+                "conflict",
+                obs.journal,
+                f"{obs.source} holds other bytes than the journal at [{begin}, {end}): "
+                f"{_excerpt(obs.content, begin - obs.offset)}",
+            )
+    for journal, tape in tapes.items():
+        for begin, content in tape.segments():
+            _, unread = read[journal].compare(begin, content)
+            report.unreadable += unread
+    return tapes
+
+
+def _excerpt(content: bytes, at: int) -> str:
+    return repr(content[max(0, at - 20) : at + 40])
+
+
+def _records(tape: Tape, journal: str, report: Report) -> Iterator[tuple[int, bytes]]:
+    """The journal's records (each ending in a newline) with their offsets; a hole or a torn
+    record is a violation."""
+    for begin, content in tape.segments():
+        if begin != 0:
+            report.add("gap", journal, f"the journal holds nothing before offset {begin}")
+        at = begin
+        for line in content.split(b"\n")[:-1]:
+            yield at, line + b"\n"
+            at += len(line) + 1
+        if at != begin + len(content):
+            report.add(
+                "unexpected",
+                journal,
+                f"a torn record at [{at}, {begin + len(content)}): {content[at - begin :][:60]!r}",
+            )
+
+
+def _check_raw_journal(
+    history: History, journal: str, tape: Tape, epochs: _Epochs, report: Report
+) -> None:
+    ops = [op for op in history.appends if op.journal == journal]
+    by_payload: dict[bytes, AppendOp] = {op.payload: op for op in ops if op.payload}
+    positions: dict[bytes, list[int]] = defaultdict(list)
+    resets = sorted(
+        epochs.boundaries() | {c.offset for c in history.registers_cleared if c.journal == journal}
+    )
+    owner: str | None = None
+    next_reset = 0
+    for offset, record in _records(tape, journal, report):
+        positions[record].append(offset)
+        op = by_payload.get(record)
+        while next_reset < len(resets) and offset >= resets[next_reset]:
+            owner = None  # Registers went with every replica's spool.
+            next_reset += 1
+        if op is None:
+            report.add("unexpected", journal, f"no client appended {record[:60]!r} (at {offset})")
+            continue
+        if op.outcome == FAIL:
+            report.add(
+                "refused-present",
+                journal,
+                f"{op.kind} append {record[:60]!r} by {op.client} failed ({op.error}) but is "
+                f"at {offset}",
+            )
+        if journal == history.register_journal:
+            if op.kind == TAKEOVER:
+                owner = op.client
+            elif op.kind == CHECKED and owner not in (None, op.client):
+                report.add(
+                    "register",
+                    journal,
+                    f"{op.client}'s append checked owner={op.client} was applied at {offset} "
+                    f"while the registers said owner={owner}",
+                )
+
+    for record, where in positions.items():
+        if len(where) > 1:
+            report.duplicated += len(where) - 1
+            report.add("duplicated", journal, f"{record[:60]!r} is at offsets {where}")
+
+    for op in ops:
+        if op.outcome != OK or not op.payload:
+            continue
+        report.acked_appends += 1
+        if op.end - op.begin != len(op.payload):
+            report.add(
+                "ack-span",
+                journal,
+                f"{op.client}'s {len(op.payload)}-byte append was acknowledged as "
+                f"[{op.begin}, {op.end})",
+            )
+        if op.begin in positions.get(op.payload, []):
+            continue
+        limit = epochs.limit(op.completed)
+        if limit is not None and op.end > limit:
+            report.lost_to_reset += 1
+            continue
+        report.lost += 1
+        found = positions.get(op.payload)
+        report.add(
+            "lost" if not found else "misplaced",
+            journal,
+            f"{op.client}'s append {op.payload[:50]!r} acknowledged at [{op.begin}, {op.end}) "
+            f"at {op.completed:.3f}s "
+            + (f"is at {found} instead" if found else "is not in the journal")
+            + f"; the journal holds {_excerpt(tape.get(op.begin, min(op.end, len(tape))) or b'', 0)} there",
+        )
+    _check_acks_do_not_overlap(history, journal, epochs, report)
+
+
+def _check_acks_do_not_overlap(
+    history: History, journal: str, epochs: _Epochs, report: Report
+) -> None:
+    ops = [
+        op
+        for op in history.appends
+        if op.journal == journal and op.outcome == OK and op.end > op.begin
+        if (limit := epochs.limit(op.completed)) is None or op.end <= limit
+    ]
+    spans = sorted(((op.begin, op.end, op) for op in ops), key=lambda s: (s[0], s[1]))
+    for (b1, e1, op1), (b2, e2, op2) in itertools.pairwise(spans):
+        if b2 < e1:
+            report.add(
+                "ack-overlap",
+                journal,
+                f"[{b1}, {e1}) ({op1.client}) and [{b2}, {e2}) ({op2.client}) were both "
+                "acknowledged",
+            )
+
+
+def _check_reads(
+    history: History, canonical: dict[str, Tape], epochs: dict[str, _Epochs], report: Report
+) -> None:
+    last: dict[tuple[str, str], int] = {}
+    for chunk in history.reads:
+        if chunk.journal not in canonical or not chunk.content:
+            continue
+        tape = canonical[chunk.journal]
+        key = (chunk.reader, chunk.journal)
+        previous = last.get(key, 0)  # Readers start at offset 0.
+        if chunk.offset < previous:
+            report.add(
+                "non-monotonic",
+                chunk.journal,
+                f"{chunk.reader} read [{chunk.offset}, {chunk.offset + len(chunk.content)}) "
+                f"at {chunk.at:.3f}s after reading through {previous}",
+            )
+        elif chunk.offset > previous:
+            limit = epochs[chunk.journal].limit(chunk.at)
+            stop = chunk.offset if limit is None else min(chunk.offset, limit)
+            if tape.holds_any(previous, stop):
+                report.add(
+                    "skipped",
+                    chunk.journal,
+                    f"{chunk.reader} jumped from {previous} to {chunk.offset} at {chunk.at:.3f}s "
+                    "over bytes the journal holds",
+                )
+        last[key] = max(previous, chunk.offset + len(chunk.content))
+        content = epochs[chunk.journal].clip(chunk.offset, chunk.content, chunk.at)
+        conflicts, unknown = tape.compare(chunk.offset, content)
+        for begin, end in conflicts:
+            report.add(
+                "uncommitted-read",
+                chunk.journal,
+                f"{chunk.reader} read other bytes than the journal holds at [{begin}, {end}) "
+                f"at {chunk.at:.3f}s: {_excerpt(chunk.content, begin - chunk.offset)}",
+            )
+            report.add(
+                "conflict", chunk.journal, f"{chunk.reader} and the journal at [{begin}, {end})"
+            )
+        if unknown:
+            report.add(
+                "uncommitted-read",
+                chunk.journal,
+                f"{chunk.reader} read {unknown} bytes in [{chunk.offset}, "
+                f"{chunk.offset + len(content)}) at {chunk.at:.3f}s that the journal does not "
+                f"hold: {chunk.content[:60]!r}",
+            )
+
+
+def _check_messages(
+    history: History, canonical: dict[str, Tape], epochs: dict[str, _Epochs], report: Report
+) -> None:
+    final: dict[str, set[str]] = {}
+    for journal in history.message_journals:
+        reader = CommittedReader(journal)
+        delivered: Counter[str] = Counter()
+        for offset, content in canonical[journal].segments():
+            for envelope in reader.feed(offset, content):
+                delivered[message_id(envelope)] += 1
+        for error in reader.errors:
+            report.add("unexpected", journal, f"an undecodable message: {error}")
+        for mid, n in delivered.items():
+            if n > 1:
+                report.duplicated += n - 1
+                report.add("rc-duplicate", journal, f"reading committed delivers {mid} {n} times")
+        final[journal] = set(delivered)
+
+    streams: dict[str, Counter[str]] = defaultdict(Counter)
+    for d in history.deliveries:
+        streams[d.stream][d.id] += 1
+        limit = epochs[d.journal].limit(d.at) if d.journal in epochs else None
+        vanished = d.journal in final and d.id not in final[d.journal]
+        if vanished and (limit is None or d.offset < limit):
+            report.add(
+                "rc-vanished",
+                d.journal,
+                f"{d.stream} delivered {d.id} (at {d.offset}, {d.at:.3f}s), which the "
+                "journal does not hold committed",
+            )
+    for stream, counts in streams.items():
+        for mid, n in counts.items():
+            if n > 1:
+                report.duplicated += n - 1
+                report.add("rc-duplicate", stream, f"{stream} delivered {mid} {n} times")
+
+    txns = {t.id: t for t in history.txns}
+    everything = set().union(*final.values()) if final else set()
+    for p in history.publishes:
+        txn = txns.get(p.txn) if p.txn else None
+        if txn is not None and txn.outcome == "aborted":
+            if p.id in everything or any(p.id in c for c in streams.values()):
+                report.add("rc-aborted", p.journal, f"{p.id} of aborted {p.txn} was delivered")
+            continue
+        acked = (p.outcome == OK and not p.txn) or (txn is not None and txn.outcome == "committed")
+        if not acked:
+            continue
+        report.acked_messages += 1
+        if p.id in final.get(p.journal, set()):
+            continue
+        limit = epochs[p.journal].limit(txn.completed if txn else p.completed)
+        if limit is not None:
+            report.lost_to_reset += 1
+            continue
+        report.lost += 1
+        report.add(
+            "lost",
+            p.journal,
+            f"message {p.id} "
+            + (f"of committed {p.txn} " if p.txn else "")
+            + "was acknowledged but is not delivered by reading committed",
+        )
+
+
+def _check_recovered(history: History, report: Report) -> None:
+    for journal in history.raw_journals + history.message_journals:
+        probes = [
+            op
+            for op in history.appends
+            if op.journal == journal and op.kind == PROBE and op.invoked >= history.healed
+        ]
+        if not any(op.outcome == OK for op in probes):
+            errors = sorted({op.error for op in probes}) or ["no probe was made"]
+            report.add(
+                "unavailable-after-heal",
+                journal,
+                f"no append succeeded once the faults healed: {', '.join(errors)}",
+            )
+
+
+def _measure_unavailability(history: History, report: Report) -> None:
+    """The longest time any raw journal went without an acknowledged append while clients
+    were appending to it (faults and recovery included: reported, not asserted)."""
+    for journal in history.raw_journals:
+        times = sorted(
+            op.completed
+            for op in history.appends
+            if op.journal == journal and op.outcome == OK and op.payload
+            if history.workload_began <= op.completed <= history.workload_ended
+        )
+        points = [history.workload_began, *times, history.workload_ended]
+        gap = max((b - a for a, b in itertools.pairwise(points)), default=0.0)
+        if gap > report.longest_unavailability:
+            report.longest_unavailability = gap
+            report.unavailable_journal = journal

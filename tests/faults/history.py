@@ -1,0 +1,230 @@
+"""A fault run's history: every operation the workload invoked with its outcome, everything its
+readers saw, what each replica and store held at the end, and the faults, all timed in seconds
+from the run's start. The checker (`tests/faults/checker.py`) reads nothing else, so a history
+saved as JSON can be checked again, and hand-made ones test the checker itself.
+
+Outcomes follow Jepsen: `ok` (acknowledged), `fail` (known not to have happened: the broker
+refused it with a status, or the client abandoned it before its commit) and `info` (unknown: the
+call failed or timed out after the request may have reached the broker)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+OK, FAIL, INFO = "ok", "fail", "info"
+
+# Kinds of raw appends. `takeover` sets the register `owner` to its client (and removes the
+# other owners); `checked` appends only while `owner` is its client; `torn` streams part of its
+# content and then abandons the call, which must roll back on every replica; `probe` is a
+# zero-byte append after the faults healed; `reset` is the operator's `reset-head`.
+PLAIN, TAKEOVER, CHECKED, TORN, PROBE, RESET = (
+    "plain",
+    "takeover",
+    "checked",
+    "torn",
+    "probe",
+    "reset",
+)
+
+
+@dataclass
+class AppendOp:
+    """One Append RPC of a raw-journal client: `payload` is exactly the content sent (one line
+    ending in a newline, unique across the run, or nothing for probes)."""
+
+    journal: str
+    client: str
+    payload: bytes
+    kind: str = PLAIN
+    invoked: float = 0.0
+    completed: float = 0.0
+    outcome: str = INFO
+    begin: int = -1  # The acknowledged span, when ok.
+    end: int = -1
+    error: str = ""
+
+
+@dataclass
+class ReadChunk:
+    """A tailing reader saw `content` at `offset`, at time `at`."""
+
+    reader: str
+    journal: str
+    offset: int
+    content: bytes
+    at: float = 0.0
+
+
+@dataclass
+class Observation:
+    """What one source held after the run: `read` is the journal read through a broker from 0
+    (the canonical content), `replica:<broker>` a replica's local fragments, `store:<name>` one
+    persisted fragment read whole from its store."""
+
+    source: str
+    journal: str
+    offset: int
+    content: bytes
+    at: float = 0.0
+
+
+@dataclass
+class Publish:
+    """A message published through AppendService: committed at once (`txn` empty) or within a
+    transaction; `ok` once its batch was acknowledged."""
+
+    id: str
+    producer: str
+    journal: str
+    txn: str = ""
+    invoked: float = 0.0
+    completed: float = 0.0
+    outcome: str = INFO
+    error: str = ""
+
+
+@dataclass
+class Txn:
+    """A transaction: `committed` or `aborted` once its ACKs were acknowledged, else `info`."""
+
+    id: str
+    producer: str
+    intent: str  # "commit" or "abort"
+    invoked: float = 0.0
+    completed: float = 0.0
+    outcome: str = INFO
+    error: str = ""
+
+
+@dataclass
+class Delivery:
+    """A read-committed stream delivered message `id` (read at `offset`)."""
+
+    stream: str
+    journal: str
+    id: str
+    offset: int
+    at: float = 0.0
+
+
+@dataclass
+class ResetHead:
+    """The operator reset `journal`'s head to `offset` (what its store held) at time `at`,
+    after every replica of it was lost: acknowledged bytes past `offset` went with them."""
+
+    journal: str
+    offset: int
+    at: float = 0.0
+
+
+@dataclass
+class RegistersCleared:
+    """From `offset` on, `journal`'s registers may have started empty again: every broker
+    restarted, so every spool (where registers live) is new."""
+
+    journal: str
+    offset: int
+    at: float = 0.0
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    begin: float
+    end: float = -1.0  # When it healed.
+    detail: str = ""
+
+
+_BYTES = {"payload", "content"}
+
+
+def _encode(item: Any) -> dict[str, Any]:
+    out = asdict(item)
+    for name in _BYTES & out.keys():
+        out[name] = base64.b64encode(out[name]).decode()
+    return out
+
+
+def _decode(cls: type[Any], data: dict[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    values = {k: v for k, v in data.items() if k in names}
+    for name in _BYTES & values.keys():
+        values[name] = base64.b64decode(values[name])
+    return cls(**values)
+
+
+_LISTS: dict[str, type[Any]] = {
+    "appends": AppendOp,
+    "reads": ReadChunk,
+    "observations": Observation,
+    "publishes": Publish,
+    "txns": Txn,
+    "deliveries": Delivery,
+    "resets": ResetHead,
+    "registers_cleared": RegistersCleared,
+    "faults": Fault,
+}
+
+
+@dataclass
+class History:
+    scenario: str = ""
+    seed: int = 0
+    raw_journals: list[str] = field(default_factory=list)
+    message_journals: list[str] = field(default_factory=list)
+    register_journal: str = ""  # Where `takeover` and `checked` appends go.
+    cycles: int = 0
+    workload_began: float = 0.0
+    workload_ended: float = 0.0
+    healed: float = 0.0  # Every fault healed and every broker running again.
+    appends: list[AppendOp] = field(default_factory=list)
+    reads: list[ReadChunk] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
+    publishes: list[Publish] = field(default_factory=list)
+    txns: list[Txn] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+    resets: list[ResetHead] = field(default_factory=list)
+    registers_cleared: list[RegistersCleared] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def note(self, text: str) -> None:
+        self.notes.append(f"{self.now():8.3f} {text}")
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = [_encode(v) for v in value] if f.name in _LISTS else value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> History:
+        history = cls()
+        for f in fields(cls):
+            if f.name.startswith("_") or f.name not in data:
+                continue
+            value = data[f.name]
+            if f.name in _LISTS:
+                value = [_decode(_LISTS[f.name], v) for v in value]
+            setattr(history, f.name, value)
+        return history
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: Path) -> History:
+        return cls.from_json(json.loads(path.read_text()))
