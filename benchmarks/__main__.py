@@ -24,6 +24,8 @@ BENCHMARKS: dict[str, str] = {
     "read_committed": "benchmarks.read_committed",
     "spark_compact": "benchmarks.spark_compact",
     "spark_replay": "benchmarks.spark_replay",
+    "failover": "benchmarks.failover",
+    "idle_tails": "benchmarks.idle_tails",
 }
 
 if __name__ == "__main__":

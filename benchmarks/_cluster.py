@@ -1,5 +1,8 @@
 """A benchmark cluster: etcd and three `gazette serve` processes on loopback, and one journal
-at replication 3 placed by the allocator. Every process is stopped by its pid on exit."""
+at replication 3 placed by the allocator. Every process is stopped by its pid on exit.
+
+`start_broker`, `wait_ready`, `placed`, `listed` and `stop_brokers` are the same steps on their
+own, for benchmarks that kill, restart or watch brokers (failover, idle_tails)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from broker.client import BrokerUnavailable, JournalsClient
@@ -29,6 +33,113 @@ def _journal(name: str) -> pb.JournalSpec:
     return spec
 
 
+@dataclass
+class BrokerProcess:
+    """A `gazette serve` child process on 127.0.0.1."""
+
+    id: str
+    address: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def start_broker(
+    etcd: EtcdServer,
+    broker_id: str,
+    log: Path,
+    *,
+    file_root: Path | None = None,
+    lease: str | None = None,
+    log_level: str = "warn",
+) -> BrokerProcess:
+    """Start `gazette serve` as `broker_id` on a free port, its output in `log`. It is not
+    ready yet: see `wait_ready`. `lease` is `--etcd.lease` (default: the broker's)."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "broker.main", "serve",
+        "--broker.id", broker_id, "--broker.host", "127.0.0.1",
+        "--broker.port", str(port), "--etcd.address", etcd.endpoint,
+        "--etcd.prefix", PREFIX, "--log.level", log_level,
+        "--broker.drain-timeout", "1s",
+    ]  # fmt: skip
+    if file_root is not None:
+        command += ["--broker.file-root", str(file_root)]
+    if lease is not None:
+        command += ["--etcd.lease", lease]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    return BrokerProcess(broker_id, f"http://127.0.0.1:{port}", proc, log)
+
+
+async def wait_ready(brokers: Sequence[BrokerProcess], timeout: float = 30) -> None:
+    """Until every broker answers List (its gRPC server starts once it announced itself)."""
+    deadline = time.monotonic() + timeout
+    for broker in brokers:
+        async with JournalsClient(broker.address, timeout=1) as client:
+            while True:
+                if broker.proc.poll() is not None:
+                    tail = broker.log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(
+                        f"{broker.id} exited {broker.proc.returncode} while starting:\n{tail}"
+                    )
+                try:
+                    await client.list()
+                    break
+                except BrokerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.1)
+
+
+def stop_brokers(brokers: Sequence[BrokerProcess]) -> None:
+    """SIGTERM every broker still running, then SIGKILL any left after 10 s (by pid)."""
+    for broker in brokers:
+        if broker.proc.poll() is None:
+            broker.proc.terminate()
+    for broker in brokers:
+        try:
+            broker.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            broker.proc.kill()
+            broker.proc.wait()
+
+
+async def listed(address: str, journal: str) -> pb.ListResponse.Journal:
+    """The journal as the broker at `address` lists it: spec, mod revision, route."""
+    async with JournalsClient(address) as client:
+        snapshot = await client.list(
+            pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))
+        )
+    return snapshot.journals[0]
+
+
+async def placed(address: str, spec: pb.JournalSpec, *, update: bool = False) -> pb.Route:
+    """Apply `spec` through `address` (with `update`, over the journal's current spec) and wait
+    until the allocator has placed its replicas (a primary among them); its route."""
+    change = pb.ApplyRequest.Change(upsert=spec)
+    if update:
+        change.expect_mod_revision = (await listed(address, spec.name)).mod_revision
+    async with JournalsClient(address) as client:
+        await client.apply([change])
+    while True:
+        route = (await listed(address, spec.name)).route
+        if len(route.members) == spec.replication and route.primary != -1:
+            return route
+        await asyncio.sleep(0.05)
+
+
+def advertised(values: Sequence[bytes]) -> pb.Route | None:
+    """The route every one of a journal's assignment values (etcd) advertises, if they agree:
+    the primary synchronized its pipeline on that route and wrote it (consistency)."""
+    if not values or not all(values):
+        return None
+    routes = [pb.Route.FromString(v) for v in values]
+    first = routes[0]
+    if any(r.members != first.members or r.primary != first.primary for r in routes):
+        return None
+    return first if len(first.members) == len(values) else None
+
+
 @contextlib.asynccontextmanager
 async def cluster(
     journal: str,
@@ -43,47 +154,15 @@ async def cluster(
     `writable` is false (a journal of existing fragments, to be read), it waits until an
     append succeeds."""
     spec = spec if spec is not None else _journal(journal)
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[BrokerProcess] = []
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
-        addresses = []
         try:
             for i in range(brokers):
-                port = free_port()
-                command = [
-                    sys.executable, "-m", "broker.main", "serve",
-                    "--broker.id", f"broker-{i}", "--broker.host", "127.0.0.1",
-                    "--broker.port", str(port), "--etcd.address", etcd.endpoint,
-                    "--etcd.prefix", PREFIX, "--log.level", "warn",
-                    "--broker.drain-timeout", "1s",
-                ]  # fmt: skip
-                if file_root is not None:
-                    command += ["--broker.file-root", str(file_root)]
-                with open(Path(tmp) / f"broker-{i}.log", "wb") as log:
-                    procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
-                addresses.append(f"http://127.0.0.1:{port}")
-            deadline = time.monotonic() + 30
-            for address in addresses:
-                async with JournalsClient(address, timeout=1) as client:
-                    while True:
-                        try:
-                            await client.list()
-                            break
-                        except BrokerUnavailable:
-                            if time.monotonic() > deadline:
-                                raise
-                            await asyncio.sleep(0.1)
-            async with JournalsClient(addresses[0]) as client:
-                await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-                while True:
-                    snapshot = await client.list(
-                        pb.LabelSelector(
-                            include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)])
-                        )
-                    )
-                    route = snapshot.journals[0].route
-                    if len(route.members) == spec.replication and route.primary != -1:
-                        break
-                    await asyncio.sleep(0.05)
+                log = Path(tmp) / f"broker-{i}.log"
+                procs.append(start_broker(etcd, f"broker-{i}", log, file_root=file_root))
+            await wait_ready(procs)
+            addresses = [p.address for p in procs]
+            route = await placed(addresses[0], spec)
             primary = route.endpoints[route.primary]
             ordered = [primary, *(a for a in addresses if a != primary)]
             dialer = Dialer()
@@ -99,14 +178,7 @@ async def cluster(
             finally:
                 await dialer.close()
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_brokers(procs)
 
 
 async def appenders(

@@ -1,5 +1,6 @@
-"""Smoke test of `nox -s bench`'s runner and the bare-relay baselines: each runs briefly and reports
-the fields the append benchmarks rely on. Nothing here asserts on speed."""
+"""Smoke test of `nox -s bench`'s runner, the bare-relay baselines, and the benchmarks that kill
+or watch broker processes (failover, idle_tails): each runs briefly, reports the fields the
+others rely on, and stops every process it started. Nothing here asserts on speed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import _runner
+from benchmarks import _cluster, _runner, failover, idle_tails
+from benchmarks.__main__ import BENCHMARKS
 from benchmarks.baselines import _procs
 from benchmarks.baselines.relay import measure_relay_throughput
 from benchmarks.baselines.unary_chain import measure_unary_chain
@@ -90,3 +92,43 @@ def test_unary_chain_baseline_runs(started: list[subprocess.Popen[bytes]]) -> No
     assert result["value"] > 0 and result["calls"] > 0
     assert 0 < result["p50_ms"] <= result["p99_ms"]
     assert len(started) == 3 and all(p.poll() is not None for p in started)
+
+
+@pytest.fixture
+def brokers_started(monkeypatch: pytest.MonkeyPatch) -> list[_cluster.BrokerProcess]:
+    """Every broker process failover and idle_tails start, to check each is stopped."""
+    started: list[_cluster.BrokerProcess] = []
+    start = _cluster.start_broker
+
+    def recording(*args: Any, **kwargs: Any) -> _cluster.BrokerProcess:
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    for module in (failover, idle_tails):
+        monkeypatch.setattr(module, "start_broker", recording)
+    return started
+
+
+@pytest.mark.slow
+def test_failover_quick(brokers_started: list[_cluster.BrokerProcess]) -> None:
+    assert BENCHMARKS["failover"] == "benchmarks.failover"
+    result = _runner.check("failover", failover.run(quick=True))
+    assert result["unit"] == "s" and result["kills"] == 1 and result["lease_ttl"] == 2
+    # Kill -> lease expiry comes before kill -> acknowledgement; each later phase was seen.
+    assert 0 < result["baseline"] <= result["value"] == result["max"]
+    for phase in ("allocate", "sync", "client", "load_recovery"):
+        assert result[phase] is not None and result[phase] >= 0, phase
+    # Four brokers, and the killed one started again.
+    assert len(brokers_started) == 5
+    assert all(b.proc.poll() is not None for b in brokers_started)
+
+
+@pytest.mark.slow
+def test_idle_tails_quick(brokers_started: list[_cluster.BrokerProcess]) -> None:
+    assert BENCHMARKS["idle_tails"] == "benchmarks.idle_tails"
+    result = _runner.check("idle_tails", idle_tails.run(quick=True))
+    assert result["readers"] == 10 and result["window_s"] == 1.0
+    for key in ("value", "baseline", "before", "before_baseline"):
+        assert result[key] >= 0, key
+    assert len(brokers_started) == 3
+    assert all(b.proc.poll() is not None for b in brokers_started)
