@@ -7,13 +7,13 @@ scalars the way upstream's Go YAML library does.
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, cast
 
 import yaml
 from yaml.constructor import SafeConstructor
 
+from broker.protocol import validate
 from spec.durations import DurationError, parse_go_duration
 
 __all__ = [
@@ -69,7 +69,9 @@ def compose(text: str) -> yaml.Node:
         raise SpecError(mark.line + 1 if mark else 1, f"invalid YAML: {exc.problem}") from None
     except yaml.YAMLError as exc:
         position = getattr(exc, "position", 0)
-        raise SpecError(text.count("\n", 0, position) + 1, f"invalid YAML: {exc}") from None
+        # A ReaderError's text adds a second line with the stream's name and position.
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SpecError(text.count("\n", 0, position) + 1, f"invalid YAML: {problem}") from None
     if document is None:
         raise SpecError(1, "the document is empty")
     return document
@@ -241,7 +243,7 @@ def show(node: yaml.Node) -> str:
 
 def quote(text: str) -> str:
     """Double-quoted like Go's %q, so names in messages read the same as upstream's."""
-    return json.dumps(text, ensure_ascii=False)
+    return validate.quote(text)
 
 
 _DUMPER_BASE: Final[type[yaml.SafeDumper]] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)

@@ -6,8 +6,6 @@ byte, so YAML written here reads the same in upstream gazctl and vice versa.
 
 from __future__ import annotations
 
-import json
-
 from google.protobuf import duration_pb2
 
 __all__ = [
@@ -217,7 +215,9 @@ def _with_fraction(value: int, unit: int, width: int) -> str:
 
 
 def _quote(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+    from broker.protocol.validate import quote  # Deferred: spec's lowest module stays light.
+
+    return quote(text)
 
 
 def _overflow(text: str) -> DurationError:

@@ -82,11 +82,10 @@ async def replicate_header(h: BrokerHarness, journal: str) -> pb.Header:
     )
 
 
-async def test_a_rogue_replication_stream_cannot_corrupt_a_replica(
-    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
-) -> None:
-    # The rogue claims to be the primary of a journal whose primary is a member that runs no
-    # broker, so the replica's spool is free for it (a live primary's pipeline would own it).
+async def ghost_primary(etcd: aetcd.Client, etcd_prefix: str, journal: str) -> aetcd.Lease:
+    """`journal`, replicated by broker-b from a primary that is a member running no broker, so
+    that broker-b's spool is free for a rogue (a live primary's pipeline would own it). The
+    ghost lives as long as the lease returned."""
     from broker.allocator import keyspace as aks
 
     lease = await etcd.lease(30)
@@ -103,9 +102,16 @@ async def test_a_rogue_replication_stream_cannot_corrupt_a_replica(
     await set_journal(
         etcd,
         etcd_prefix,
-        journal_spec("bad/k", replication=2),
+        journal_spec(journal, replication=2),
         [("local", "ghost-broker"), ("local", "broker-b")],
     )
+    return lease
+
+
+async def test_a_rogue_replication_stream_cannot_corrupt_a_replica(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    lease = await ghost_primary(etcd, etcd_prefix, "bad/k")
     replica = stub(brokers[1])
     call = replica.Replicate()
     # A proposal that does not match the replica's spool is answered PROPOSAL_MISMATCH.
@@ -267,3 +273,107 @@ async def test_a_peer_advertising_https_is_not_dialled_in_plaintext(
         for h in brokers:
             assert await read_all(h, "tls/replica", response.commit.begin) == b"after"
         assert connections == []
+
+
+class _Registered:
+    """Stands in for a grpc.aio.Server to capture the handlers a service registers."""
+
+    def __init__(self) -> None:
+        self.handlers: list[grpc.GenericRpcHandler] = []  # type: ignore[type-arg]
+
+    def add_generic_rpc_handlers(self, handlers: tuple[grpc.GenericRpcHandler, ...]) -> None:  # type: ignore[type-arg]
+        self.handlers.extend(handlers)
+
+
+@contextlib.asynccontextmanager
+async def refusing_server(h: BrokerHarness) -> AsyncIterator[grpc.aio.Channel]:
+    """The broker's Journal service, its handlers wrapped by wire.refusing_undecodable, on a
+    server of its own; a channel to it."""
+    from broker.protocol import wire
+    from broker.service import add_journal_service
+
+    registered = _Registered()
+    add_journal_service(h.broker.service, registered)  # type: ignore[arg-type]
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        tuple(wire.refusing_undecodable(handler) for handler in registered.handlers)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(None)
+
+
+SHAPES = {
+    "List": "unary_stream",
+    "Apply": "unary_unary",
+    "Read": "unary_stream",
+    "Append": "stream_unary",
+    "Replicate": "stream_stream",
+    "ListFragments": "unary_unary",
+    "FragmentStoreHealth": "unary_unary",
+}
+
+
+async def raw_call(channel: grpc.aio.Channel, method: str, payloads: list[bytes]) -> object:
+    """Send `payloads` as they are (no serializer) and return what the call answered."""
+    shape = SHAPES[method]
+    multicallable = getattr(channel, shape)(f"/protocol.Journal/{method}")
+    if shape == "unary_unary":
+        return await multicallable(payloads[0], timeout=10)
+    if shape == "unary_stream":
+        return [r async for r in multicallable(payloads[0], timeout=10)]
+    if shape == "stream_unary":
+        return await multicallable(iter(payloads), timeout=10)
+    return [r async for r in multicallable(iter(payloads), timeout=10)]
+
+
+async def test_requests_that_are_not_protobuf_are_refused_in_one_line(
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by tests/test_fuzz.py: gRPC answers UNKNOWN and logs a traceback for request bytes
+    # its deserializer refuses. Wrapped, the service answers INVALID_ARGUMENT instead.
+    undecodable = b"\xff\xff\xff"
+    await append(stub(brokers[0]), "bad/j", b"kept;")
+    async with refusing_server(brokers[0]) as channel:
+        for method in SHAPES:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_call(channel, method, [undecodable])
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            details = info.value.details() or ""
+            assert "not a valid protobuf message (3 bytes)" in details and "\n" not in details
+        # A stream is refused at its first message that does not parse: an append in the
+        # middle of its content is rolled back, and a Replicate stream gives its spool back.
+        first = pb.AppendRequest(journal="bad/j").SerializeToString()
+        chunk = pb.AppendRequest(content=b"never").SerializeToString()
+        for payloads in ([first, chunk, undecodable], [first, undecodable, chunk]):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await raw_call(channel, "Append", payloads)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        lease = await ghost_primary(etcd, etcd_prefix, "bad/g")
+        proposal = pb.ReplicateRequest(
+            header=await replicate_header(brokers[1], "bad/g"),
+            proposal=pb.Fragment(journal="bad/g", begin=0, end=0),
+            acknowledge=True,
+        )
+        rogue = [proposal.SerializeToString(), undecodable]
+        async with refusing_server(brokers[1]) as replica:
+            for _ in range(2):  # The second stream finds the spool the first gave back.
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await raw_call(replica, "Replicate", rogue)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await lease.revoke()
+        # Valid requests are served as before.
+        listed = await raw_call(channel, "List", [pb.ListRequest().SerializeToString()])
+        assert isinstance(listed, list) and pb.ListResponse.FromString(listed[0]).status == pb.OK
+    await append(stub(brokers[0]), "bad/j", b"after")
+    for h in brokers:
+        assert await read_all(h, "bad/j") == b"kept;after"
+    assert "raised by servicer method" not in caplog.text
+    assert "Abort" not in caplog.text

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 
 from broker.client.journals import dial
 from broker.client.reader import read
@@ -100,6 +101,32 @@ async def test_list_fragments_pages_and_bounds(broker: tuple[BrokerHarness, Path
         )
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "end_mod_time" in (bad.value.details() or "")
+
+
+@pytest.mark.parametrize(
+    ("ttl", "named"),
+    [
+        # Found by tests/test_fuzz.py: past what a timedelta holds, the broker answered UNKNOWN.
+        (duration_pb2.Duration(seconds=86_400 * 1_000_000_000), "at most 315576000000s"),
+        (duration_pb2.Duration(seconds=1 << 62), "at most 315576000000s"),
+        (duration_pb2.Duration(seconds=60, nanos=1 << 30), "nanos"),
+        (duration_pb2.Duration(seconds=-1), "more than 0s"),
+        (duration_pb2.Duration(), "more than 0s"),
+    ],
+)
+async def test_signature_ttls_that_are_no_duration_are_refused(
+    broker: tuple[BrokerHarness, Path], ttl: duration_pb2.Duration, named: str
+) -> None:
+    stub, _ = await written_journal(broker[0], count=1)
+    request = pb.FragmentsRequest(journal=JOURNAL, signatureTTL=ttl)
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await stub.ListFragments(request)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "signatureTTL" in (bad.value.details() or "") and named in (bad.value.details() or "")
+    # The longest valid one signs.
+    request.signatureTTL.CopyFrom(duration_pb2.Duration(seconds=315_576_000_000))
+    listing = await stub.ListFragments(request)
+    assert listing.fragments[0].signed_url.startswith("file:///")
 
 
 async def test_store_health(broker: tuple[BrokerHarness, Path]) -> None:

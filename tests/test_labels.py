@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +27,7 @@ from broker.protocol.labels import (
     value_of,
     values_of,
 )
-from broker.protocol.validate import validate_label_selector
+from broker.protocol.validate import quote, validate_label_selector
 
 Triple = tuple[str, str, bool]
 
@@ -308,7 +306,14 @@ ERROR_CASES = [
     ("foo:prefix=a,foo=a", 0, 'labels are not unique and sorted: "foo" value "a" follows "a"'),
     ("x" * 65, 0, "is too long (65 bytes; expected 2 to 64 bytes)"),
     ("foo in (a,,b)", 0, 'label "foo" has both the empty value and the value "a"'),
+    # Found by tests/test_fuzz.py (gazctl journals list -l): NEL, which ends a line for
+    # str.splitlines (and some terminals), was quoted as it is.
+    ("\x85", 0, 'could not match "\\u0085"'),
+    ("app=\u2028", 0, 'could not match "app=\\u2028"'),
 ]
+
+
+SELECTOR_PARTS = [*"abfo:xyz-_./=!(), \t", " in ", " notin ", ":prefix", "é", "\x85", "\u2028"]
 
 
 @pytest.mark.parametrize(("text", "position", "message"), ERROR_CASES)
@@ -318,8 +323,20 @@ def test_parse_errors_quote_the_text_and_position(text: str, position: int, mess
     err = info.value
     assert err.position == position
     assert message in str(err)
-    assert json.dumps(text, ensure_ascii=False) in str(err)
+    assert quote(text) in str(err)
     assert isinstance(err, ValueError)
+    assert len(str(err).splitlines()) == 1
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.text(), st.lists(st.sampled_from(SELECTOR_PARTS)).map("".join)))
+def test_any_text_parses_to_a_valid_selector_or_fails_in_one_line(text: str) -> None:
+    try:
+        sel = parse_selector(text)
+    except SelectorError as err:
+        assert len(str(err).splitlines()) == 1, str(err)
+        return
+    assert parse_selector(format_selector(sel)) == sel
 
 
 # --- Matching -------------------------------------------------------------------------------------

@@ -7,12 +7,14 @@ documented behaviours (the examples journalspace, tree extraction, quoting) are 
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol.validate import ValidationError, validate_journal_spec
 from spec import (
     JournalEntry,
     JournalNode,
@@ -40,6 +42,7 @@ from spec.durations import (
     parse_go_duration,
     seconds_from_duration,
 )
+from tests.mutations import mutated_yaml
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -867,6 +870,13 @@ ERROR_CASES = [
         id="not-a-mapping",
     ),
     pytest.param("", 1, "the document is empty", id="empty"),
+    # Found by tests/test_spec_yaml.py's property: PyYAML's reader error spans two lines.
+    pytest.param(
+        "name: examples/a\nreplication: \x1f\n",
+        2,
+        "invalid YAML: unacceptable character #x001f: control characters are not allowed",
+        id="control-character",
+    ),
 ]
 
 
@@ -955,3 +965,23 @@ def test_hoisted_yaml_flattens_back_to_the_same_journals(entries: list[JournalEn
     assert decoded == tree
     assert flatten(decoded) == sorted(entries, key=lambda entry: entry.name)
     assert set(flatten(decoded)) == set(entries)
+
+
+# --- Property: malformed specs fail in one line ---------------------------------------------------
+
+EXAMPLES_YAML = (Path(__file__).parents[1] / "docs" / "examples" / "journals.yaml").read_text()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(mutated_yaml(EXAMPLES_YAML), st.text(max_size=200)))
+def test_malformed_specs_fail_in_one_line(text: str) -> None:
+    try:
+        entries = flatten(decode_tree(text))
+    except SpecError as err:
+        assert "\n" not in str(err) and str(err).startswith("line "), str(err)
+        return
+    for entry in entries:  # What decodes is a spec a broker can be asked to apply.
+        try:
+            validate_journal_spec(entry.spec)
+        except ValidationError as err:
+            assert "\n" not in str(err)

@@ -836,6 +836,43 @@ def test_parse_validates_journal_and_postfix() -> None:
         parse_relative_path("a", EXAMPLE_NAME + ".gz")
     with pytest.raises(ValidationError, match="clean path"):
         parse_relative_path(JOURNAL, f"a=b//c/{EXAMPLE_NAME}.gz")
+    # A directory whose name is not UTF-8, as a file store lists it (found by
+    # tests/test_fuzz.py: protobuf refused the name with UnicodeEncodeError, which stopped
+    # every listing of the journal's store).
+    with pytest.raises(ValidationError, match="path_postfix"):
+        parse_relative_path(JOURNAL, f"date=\udce9/{EXAMPLE_NAME}.gz")
+
+
+HEX = "0123456789abcdefABCDEF"
+store_paths = st.one_of(
+    st.text(),
+    st.text(st.sampled_from([*HEX, "-", "+", ".", "/", "=", "x", "\udcff", "é", " "])),
+    st.builds(
+        "{}{}-{}-{}{}".format,
+        st.sampled_from(["", "date=2024-01-01/", "a//b/", "../", "./", "\udcff/", "é/", " /"]),
+        st.text(st.sampled_from(["-", "+", *HEX]), min_size=1, max_size=17),
+        st.text(st.sampled_from(["-", "+", *HEX]), min_size=1, max_size=17),
+        st.text(st.sampled_from(HEX), min_size=39, max_size=41),
+        st.sampled_from(["", ".raw", ".GZ", ".zst", ".sz", ".snappy", ".gzod", ".x", "."]),
+    ),
+)
+
+
+@settings(max_examples=500)
+@given(store_paths)
+def test_any_path_found_in_a_store_is_a_fragment_or_one_line(relative: str) -> None:
+    try:
+        fragment = parse_relative_path(JOURNAL, relative)
+    except ValidationError as err:
+        assert "\n" not in str(err)
+        return
+    # What parses is a fragment that protobuf holds, and that is found again at its own path.
+    fragment.SerializeToString()
+    assert 0 <= fragment.begin <= fragment.end
+    postfix, _, name = content_path("", fragment.path_postfix, content_name(fragment)).rpartition(
+        "/"
+    )
+    assert parse_relative_path(JOURNAL, f"{postfix}/{name}" if postfix else name) == fragment
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])

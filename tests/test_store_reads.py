@@ -6,6 +6,7 @@ Then `stream_blocks`, which reads those fragments: its contract, cancellation in
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import hashlib
 import io
@@ -243,12 +244,12 @@ class Recorded:
             for at in range(self.count):
                 assert self.running.acquire(blocking=False), "advanced from two threads"
                 try:
-                    if at == self.fail_after:
-                        raise ValueError(f"no block {at}")
                     if at == self.hold_at:
                         self.held.set()
                         self.release.wait()
                         self.events.append(f"step {at} returned")
+                    if at == self.fail_after:
+                        raise ValueError(f"no block {at}")
                     self.produced += 1
                 finally:
                     self.running.release()
@@ -310,6 +311,38 @@ async def test_stream_blocks_cancelled_mid_step_closes_the_generator_after_the_s
         await consumer
     assert got == [b"0"]
     assert source.events == ["step 1 returned", "closed"]
+
+
+async def test_stream_blocks_cancelled_in_a_step_that_fails_leave_no_error_unretrieved() -> None:
+    # Found by tests/test_fuzz.py: a client leaving a read of a corrupt fragment while its
+    # step ran left the step's FragmentCorrupt in a future nobody retrieved, which asyncio
+    # logged with a traceback ("Future exception was never retrieved").
+    source = Recorded(fail_after=1)
+    source.hold_at = 1
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+
+    async def consume() -> None:
+        async for _ in stream_blocks(source.blocks):
+            pass
+
+    try:
+        consumer = asyncio.ensure_future(consume())
+        try:
+            await until(source.held.is_set)
+            consumer.cancel()
+        finally:
+            source.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        del consumer
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert source.events == ["step 1 returned", "closed"]
+    assert not reported, reported
 
 
 async def test_stalled_stream_blocks_hold_no_worker_thread() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -235,6 +236,33 @@ def test_list_fragments_with_postfix_and_rewriter(
     assert [o.path for o in plain.list("legacy/events/part-000/")] == [
         o.path for o in store.list(JOURNAL + "/")
     ]
+
+
+def test_file_store_listings_skip_names_that_are_not_utf8(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by tests/test_fuzz.py: a directory whose name is not UTF-8 (another tool's, or a
+    # copy from a Latin-1 system) under a journal made every listing of its store fail; names
+    # were logged as they are.
+    (tmp_path / "frags").mkdir()
+    store = open_store("file:///frags/", file_root=tmp_path)
+    good = fragment(0, DATA[:100])
+    put_bytes(store, content_path(JOURNAL, "", content_name(good)), DATA[:100])
+    journal_dir = os.fsencode(tmp_path / "frags" / JOURNAL)
+    os.makedirs(journal_dir + b"/date=\xe9t\xe9")
+    odd_names = (
+        b"/date=\xe9t\xe9/" + os.fsencode(content_name(good)),
+        b"/\xff\xfe.raw",
+        b"/two\nlines\x1b[31m",  # Neither a line break nor a terminal's escape gets to the log.
+    )
+    for odd in odd_names:
+        with open(journal_dir + odd, "wb") as f:
+            f.write(b"odd")
+    with caplog.at_level(logging.WARNING, logger="broker.fragment.stores"):
+        found = store.list_fragments(JOURNAL)
+    assert [(f.begin, f.end, f.path_postfix) for f in found] == [(0, 100, "")]
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 3 and all(m.isprintable() for m in skipped), skipped
 
 
 def test_list_matches_keys_by_string_prefix(backend: Backend) -> None:

@@ -91,6 +91,10 @@ def test_error_is_one_line_with_field_and_value() -> None:
     assert str(err) == "fragment.length: 100 is below the minimum 1024 (1 KiB)"
     assert err.value == 100
     assert isinstance(err, ValueError)
+    # Values are quoted with what would break the line escaped (found by tests/test_fuzz.py:
+    # NEL and the Unicode line separators end lines for str.splitlines and some terminals).
+    err = rejected(lambda: validate_journal_name("a/b\u2028c\x85"), "journal")
+    assert '"a/b\\u2028c\\u0085"' in str(err) and len(str(err).splitlines()) == 1
 
 
 def test_valid_journal_spec() -> None:
@@ -688,7 +692,14 @@ def test_apply_request_accepted() -> None:
     validate_apply_request(pb.ApplyRequest())
     validate_apply_request(
         pb.ApplyRequest(
-            changes=[upsert(0), upsert(-1), upsert(7), delete(1), delete(-1), delete(9, "a/bc;m")]
+            changes=[
+                upsert(0),
+                upsert(-1, journal_spec(name="a/second")),
+                upsert(7, journal_spec(name="a/third")),
+                delete(1, "a/bc"),
+                delete(-1, "a/de"),
+                delete(9, "a/bc;m"),  # Another key than a/bc's.
+            ]
         )
     )
 
@@ -731,6 +742,14 @@ def test_apply_request_accepted() -> None:
             "changes[1].upsert.fragment.length",
             "1 is below the minimum",
         ),
+        # One etcd transaction cannot hold two operations on one key (found by tests/test_fuzz.py:
+        # etcd refused the transaction and the broker answered UNKNOWN).
+        (
+            delete(-1),
+            "changes[1].delete",
+            '"a/journal" is also changed by changes[0] (expected each journal at most once)',
+        ),
+        (upsert(-1), "changes[1].upsert.name", '"a/journal" is also changed by changes[0]'),
     ],
 )
 def test_apply_request_rejected(change: pb.ApplyRequest.Change, field: str, named: str) -> None:

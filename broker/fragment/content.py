@@ -189,7 +189,14 @@ async def _on_thread(call: Callable[[], _T]) -> _T:
     """`call()` on a worker thread. A cancellation waits for the call to return (a thread cannot
     be interrupted, and the generator must not be closed while a step runs), then is raised."""
     future = asyncio.get_running_loop().run_in_executor(None, call)
-    await _wait_out(future)
+    try:
+        await _wait_out(future)
+    except asyncio.CancelledError:
+        # Nobody wants the call's outcome now; an exception it raised (a corrupt fragment's,
+        # read for a client that left) is seen here, or asyncio logs it as never retrieved.
+        if not future.cancelled():
+            future.exception()
+        raise
     return future.result()
 
 

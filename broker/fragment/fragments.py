@@ -156,7 +156,9 @@ def parse_content_name(name: str, *, journal: str = "", path_postfix: str = "") 
     """The Fragment named by a content name (see `content_name`), of `journal` and `path_postfix`.
 
     Raises ValidationError for a name that is not a fragment's, or a fragment that is invalid
-    (begin after end, a bad journal name when one is given, an unclean postfix).
+    (begin after end, a bad journal name when one is given, a postfix that is not a clean path
+    of valid characters, or has a '.' or '..' segment: the fragment could not be read back at
+    the path it was found at).
     """
     stem, extension = _split_extension(name)
     fields = stem.split("-")
@@ -166,22 +168,30 @@ def parse_content_name(name: str, *, journal: str = "", path_postfix: str = "") 
     end = _parse_offset(fields[1], "end", name)
     if not _SHA1_HEX.fullmatch(fields[2]):
         raise ValidationError("sum", name, f"{fields[2]!r} is not a 40-digit hex SHA-1 sum")
-    fragment = pb.Fragment(
-        journal=journal,
-        begin=begin,
-        end=end,
-        sum=sum_from_digest(bytes.fromhex(fields[2])),
-        compression_codec=codec_from_extension(extension),
-        path_postfix=path_postfix,
-    )
+    codec = codec_from_extension(extension)
     if journal:
         validate_journal_name(journal)
     if begin > end:
         raise ValidationError("begin", name, f"begin {begin} is after end {end} (in {name!r})")
+    # Checked before protobuf holds it: a store may list names that are not even UTF-8.
     validate_path_component(
         path_postfix, field="path_postfix", min_len=0, max_len=MAX_JOURNAL_NAME_LEN
     )
-    return fragment
+    if path_postfix and any(part in (".", "..") for part in path_postfix.split("/")):
+        raise ValidationError(
+            "path_postfix",
+            path_postfix,
+            f"{path_postfix!r} has a '.' or '..' segment, so the fragment cannot be read back "
+            "at the path it was found at",
+        )
+    return pb.Fragment(
+        journal=journal,
+        begin=begin,
+        end=end,
+        sum=sum_from_digest(bytes.fromhex(fields[2])),
+        compression_codec=codec,
+        path_postfix=path_postfix,
+    )
 
 
 def parse_relative_path(journal: str, relative: str) -> pb.Fragment:

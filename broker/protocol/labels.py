@@ -5,7 +5,6 @@ Sets are kept sorted on (name, value); selectors parse from and format to upstre
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import groupby
@@ -316,7 +315,10 @@ class SelectorError(ValueError):
 
 
 def _quote(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+    # Deferred, as _check_parsed's import.
+    from broker.protocol.validate import quote
+
+    return quote(text)
 
 
 # The grammar mirrors upstream's regular expressions exactly, including its tolerance of at most

@@ -118,11 +118,24 @@ def _at(field: str, child: str) -> str:
     return field + child if child.startswith("[") else f"{field}.{child}"
 
 
+def quote(text: str) -> str:
+    """`text` double-quoted for a message, as Go's %q: escapes for what JSON escapes, and for
+    every other character that is not printable (NEL, the Unicode line and paragraph separators
+    and format characters, lone surrogates), so that the message stays one readable line."""
+    quoted = json.dumps(text, ensure_ascii=False)
+    if quoted.isprintable():
+        return quoted
+    return "".join(
+        c if c.isprintable() else (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+        for c in quoted
+    )
+
+
 def _show(value: str) -> str:
     # Long values are cut so that the error stays one readable line.
     if len(value) > 80:
-        return json.dumps(value[:60], ensure_ascii=False)[:-1] + f'…" ({len(value)} characters)'
-    return json.dumps(value, ensure_ascii=False)
+        return quote(value[:60])[:-1] + f'…" ({len(value)} characters)'
+    return quote(value)
 
 
 def _size(n: int) -> str:
@@ -833,7 +846,10 @@ def validate_list_request(req: protocol_pb2.ListRequest, *, field: str = "") -> 
 
 def validate_apply_request(req: protocol_pb2.ApplyRequest, *, field: str = "") -> None:
     """Each change has exactly one of upsert and delete, and a usable expect_mod_revision:
-    an upsert expects >= 0 (0 creates) or -1 (no check); a delete expects > 0 or -1."""
+    an upsert expects >= 0 (0 creates) or -1 (no check); a delete expects > 0 or -1. No journal
+    is changed twice: the request is one etcd transaction, which cannot hold two operations on
+    one key."""
+    changed: dict[str, int] = {}  # Journal name -> index of the change naming it.
     for index, change in enumerate(req.changes):
         here = _at(field, f"changes[{index}]")
         revision = change.expect_mod_revision
@@ -862,6 +878,19 @@ def validate_apply_request(req: protocol_pb2.ApplyRequest, *, field: str = "") -
             raise ValidationError(
                 here, None, "neither upsert nor delete is set (expected exactly one)"
             )
+        name, name_field = (
+            (change.upsert.name, _at(here, "upsert.name"))
+            if change.HasField("upsert")
+            else (change.delete, _at(here, "delete"))
+        )
+        if name in changed:
+            raise ValidationError(
+                name_field,
+                name,
+                f"{_show(name)} is also changed by changes[{changed[name]}] (expected each "
+                "journal at most once)",
+            )
+        changed[name] = index
 
 
 def validate_append_request(req: protocol_pb2.AppendRequest, *, field: str = "") -> None:

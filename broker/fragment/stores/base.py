@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import builtins
 import io
-import json
 import logging
 import os
 import re
@@ -26,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from broker.fragment.fragments import parse_relative_path
 from broker.protocol import protocol_pb2 as pb
-from broker.protocol.validate import ValidationError, validate_fragment_store
+from broker.protocol.validate import ValidationError, quote, validate_fragment_store
 
 __all__ = [
     "HEALTH_CHECK_CONTENT",
@@ -176,7 +175,7 @@ def _parse_query(raw: str, scheme: str, url: str) -> dict[str, str]:
 
 
 def _quoted(url: str) -> str:
-    return json.dumps(url if len(url) <= 200 else url[:199] + "…", ensure_ascii=False)
+    return quote(url if len(url) <= 200 else url[:199] + "…")
 
 
 def parse_store_url(url: str) -> StoreURL:
@@ -487,9 +486,10 @@ class FragmentStore(ABC):
             try:
                 fragment = parse_relative_path(journal, obj.path)
             except ValidationError as err:
+                # Quoted: a stored name may hold line breaks or terminal escapes.
                 log.warning(
                     "skipping %s under journal %s of %s: not a fragment (%s)",
-                    obj.path,
+                    quote(obj.path),
                     journal,
                     self.url,
                     err,
