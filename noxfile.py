@@ -1,10 +1,12 @@
-"""Developer sessions: tests, lint, typecheck, demo, bench, proto.
+"""Developer sessions: tests, fuzz, lint, typecheck, demo, bench, proto.
 
 Every session installs what it needs from the project's own files, so a fresh machine needs only
 `python3 -m pip install nox`.
 """
 
 from __future__ import annotations
+
+import os
 
 import nox
 
@@ -27,6 +29,18 @@ def tests(session: nox.Session) -> None:
     """Run the test suite against real etcd, real gRPC servers and real subprocesses."""
     session.install("-e", ".[test]")
     session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """Fuzzed inputs against one live broker (tests/test_fuzz.py, at length): 10,500 RPC inputs
+    (GAZETTE_FUZZ_INPUTS), store and gazctl inputs; prints the counts per RPC and outcome."""
+    session.install("-e", ".[test]")
+    inputs = os.environ.get("GAZETTE_FUZZ_INPUTS", "10500")
+    session.run(
+        "pytest", "tests/test_fuzz.py", "-s", "-q", "-rxX", *session.posargs,
+        env={"GAZETTE_FUZZ_INPUTS": inputs},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON)
@@ -54,6 +68,16 @@ def bench(session: nox.Session) -> None:
     """Benchmarks, each reporting a same-run baseline beside its figure."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def faults(session: nox.Session) -> None:
+    """The fault campaign: etcd, a store and five brokers under faults, a recorded workload and
+    a history checker; prints each scenario's seed and the results table (docs/reliability.md).
+    As root it adds partitions (network namespaces) and full disks (tmpfs). Arguments go to
+    `python -m tests.faults` (for example `-- --scenario sigstop --seed 1234` to replay)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "tests.faults", *session.posargs)
 
 
 @nox.session(python=PYTHON)
