@@ -71,16 +71,6 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
-def faults(session: nox.Session) -> None:
-    """The fault campaign: etcd, a store and five brokers under faults, a recorded workload and
-    a history checker; prints each scenario's seed and the results table (docs/reliability.md).
-    As root it adds partitions (network namespaces) and full disks (tmpfs). Arguments go to
-    `python -m tests.faults` (for example `-- --scenario sigstop --seed 1234` to replay)."""
-    session.install("-e", ".[test]")
-    session.run("python", "-m", "tests.faults", *session.posargs)
-
-
-@nox.session(python=PYTHON)
 def proto(session: nox.Session) -> None:
     """Regenerate the Python protobuf and gRPC code from broker/protocol/*.proto."""
     session.install(GRPCIO_TOOLS_FOR_GENERATION)
