@@ -99,9 +99,20 @@ def compile_template(template: str) -> PostfixTemplate:
     """Compile `template`, raising TemplateError naming the first unsupported part.
 
     Also refused: text or layouts which always put a character into the path that a fragment
-    path cannot hold (such as a space or ':'), as fragments persisted there could not be listed.
+    path cannot hold (such as a space or ':'), as fragments persisted there could not be listed,
+    and text which makes every postfix an unclean path (a leading or trailing '/', '//', a '.'
+    or '..' segment), under which no fragment could be persisted at all.
     """
-    return PostfixTemplate(template, tuple(_Parser(template).parse()))
+    parts = tuple(_Parser(template).parse())
+    # Each action renders something (fields and times are never empty): 'x' stands for it.
+    skeleton = "".join(part if isinstance(part, str) else "x" for part in parts)
+    problem = _postfix_problem(skeleton)
+    if problem is not None:
+        raise TemplateError(
+            f"path postfix template {_show(template)}: every postfix it renders is like "
+            f"{skeleton!r} ('x' for each action), which {problem}"
+        )
+    return PostfixTemplate(template, parts)
 
 
 def validate_template(template: str) -> None:
@@ -640,18 +651,21 @@ def _format_element(t: datetime, name: str, digits: int, separator: str) -> str:
 # --- Rendered postfixes ----------------------------------------------------------------------------
 
 
-def _check_postfix(template: str, postfix: str) -> None:
+def _postfix_problem(postfix: str) -> str | None:
     try:
         validate_path_component(
             postfix, field="path_postfix", min_len=0, max_len=MAX_JOURNAL_NAME_LEN
         )
     except ValidationError as err:
-        raise TemplateError(
-            f"path postfix template {_show(template)} rendered {postfix!r}, which is not a "
-            f"valid path postfix: {err.problem}"
-        ) from None
+        return f"is not a valid path postfix: {err.problem}"
     if any(segment in (".", "..") for segment in postfix.split("/")):
+        return "must not hold '.' or '..' segments"
+    return None
+
+
+def _check_postfix(template: str, postfix: str) -> None:
+    problem = _postfix_problem(postfix)
+    if problem is not None:
         raise TemplateError(
-            f"path postfix template {_show(template)} rendered {postfix!r}, which must not "
-            "hold '.' or '..' segments"
+            f"path postfix template {_show(template)} rendered {postfix!r}, which {problem}"
         )
