@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker.append_fsm import AppendFSM, Chunk, ClientError, State
+from broker.append_fsm import AppendFSM, Chunk, ClientError, OffsetOverflow, State
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
+from broker.resolver import ResolveError
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext
@@ -144,10 +145,18 @@ def response_of(fsm: AppendFSM) -> pb.AppendResponse:
 
 
 class AppendFailed(Exception):
-    pass
+    """An append that failed or was refused outside of a status: its gRPC code and one line."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def raise_error(error: BaseException) -> None:
+    if isinstance(error, ResolveError):
+        raise AppendFailed(str(error), grpc.StatusCode.FAILED_PRECONDITION)
+    if isinstance(error, OffsetOverflow):
+        raise AppendFailed(str(error), grpc.StatusCode.OUT_OF_RANGE)
     if isinstance(error, ClientError):
         raise AppendFailed(str(error))
     raise AppendFailed(f"append failed: {error}")

@@ -26,7 +26,7 @@ from broker.fragment import fragments as frag
 from broker.pipeline import Pipeline
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from broker.resolver import Resolution, desired_replication
+from broker.resolver import Resolution, ResolveError, desired_replication
 from broker.tasks import take_unless, wait_any
 
 if TYPE_CHECKING:
@@ -62,6 +62,13 @@ class State(enum.Enum):
 
 class ClientError(Exception):
     """The client's stream failed or violated the protocol: the append rolls back."""
+
+
+class OffsetOverflow(ClientError):
+    """The append would end past the largest journal offset (2^63-1, as upstream's int64)."""
+
+
+MAX_OFFSET = (1 << 63) - 1
 
 
 @dataclass
@@ -192,13 +199,18 @@ class AppendFSM:
 
     async def state_resolve(self) -> None:
         """Resolve (again) the journal's route, at least through `read_through_rev`."""
-        self.resolved = await self.ctx.resolver.resolve(
-            self.req.journal,
-            may_proxy=not self.req.do_not_proxy,
-            require_primary=True,
-            min_etcd_revision=max(self.read_through_rev, self.req.min_etcd_revision),
-            proxy_header=self.req.header if self.req.HasField("header") else None,
-        )
+        try:
+            self.resolved = await self.ctx.resolver.resolve(
+                self.req.journal,
+                may_proxy=not self.req.do_not_proxy,
+                require_primary=True,
+                min_etcd_revision=max(self.read_through_rev, self.req.min_etcd_revision),
+                proxy_header=self.req.header if self.req.HasField("header") else None,
+            )
+        except ResolveError as exc:  # The request's header is not for this broker.
+            self.return_pipeline()
+            self._fail(error=exc)
+            return
         res = self.resolved
         if res.status == pb.SUSPENDED and self.req.suspend == pb.AppendRequest.SUSPEND_RESUME:
             self.next_suspend = pb.JournalSpec.Suspend(
@@ -534,6 +546,15 @@ class AppendFSM:
             )
         ):
             self.status = pb.NOT_ALLOWED
+        elif (
+            error is None
+            and req is not None
+            and self.client_fragment.end + len(req.content) > MAX_OFFSET
+        ):
+            error = OffsetOverflow(
+                f"append to {self.req.journal} would end past the largest offset ({MAX_OFFSET}); "
+                "rolled back"
+            )
         elif error is None and req is not None:
             self.total_chunks += 1
             content = req.content

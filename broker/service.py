@@ -285,7 +285,7 @@ class JournalService(pb_grpc.JournalServicer):
         try:
             return await serve_append(self.ctx, request_iterator, context)
         except AppendFailed as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+            await context.abort(exc.code, str(exc))
             raise AssertionError("unreachable") from None
 
     async def Replicate(
@@ -340,6 +340,12 @@ def add_journal_service(service: JournalService, server: grpc.aio.Server) -> Non
             pb.FragmentStoreHealthResponse.SerializeToString,
         ),
     }
+    # A request that is not protobuf is answered INVALID_ARGUMENT in one line (gRPC would
+    # answer UNKNOWN and log a traceback).
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("protocol.Journal", handlers),)
+        (
+            wire.refusing_undecodable(
+                grpc.method_handlers_generic_handler("protocol.Journal", handlers)
+            ),
+        )
     )

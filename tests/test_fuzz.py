@@ -88,7 +88,7 @@ GHOSTED = "fuzz/ghosted"
 NAMES = "fuzz/names"
 CORRUPT = "fuzz/corrupt"
 APPLIED = tuple(f"fuzz/applied/{i}" for i in range(6))  # Where fuzzed Applies write.
-EDGE = "fuzz/edge/max-offset"  # Of an xfail test below.
+EDGE = "fuzz/edge/max-offset"  # Of a test below.
 TARGETS = (*KEPT, GHOSTED, NAMES, CORRUPT)
 
 BROKER_ID = pb.ProcessSpec.ID(zone="local", suffix="broker-0")
@@ -137,24 +137,8 @@ class KnownDefect:
     answer: re.Pattern[str] | None = None
 
 
-KNOWN_DEFECTS = (
-    KnownDefect(
-        "undecodable request",
-        "test_a_request_that_is_not_protobuf_is_invalid_argument",
-        log=re.compile(r"Unexpected \[DecodeError\] raised by servicer method"),
-        answer=re.compile(r"Unexpected <class 'google\.protobuf\.message\.DecodeError'>"),
-    ),
-    KnownDefect(
-        "append with another cluster's header",
-        "test_an_append_with_another_clusters_header_is_refused_cleanly",
-        log=re.compile(r"failed in state resolve\n(.*\n)*broker\.resolver\.ResolveError: "),
-    ),
-    KnownDefect(
-        "append past the largest offset",
-        "test_an_append_past_the_largest_offset_is_refused_cleanly",
-        log=re.compile(r"failed in state stream_content\n(.*\n)*ValueError: Value out of range: "),
-    ),
-)
+# None left: the three found here were fixed (see the tests at the end of this module).
+KNOWN_DEFECTS: tuple[KnownDefect, ...] = ()
 
 
 def known_defect(code: grpc.StatusCode, details: str | None) -> str | None:
@@ -1305,15 +1289,9 @@ def test_gazctl_list_with_fuzzed_selectors(live: Live, text: str) -> None:
         assert matcher.matches(spec), f"{spec.name} does not match {text!r}"
 
 
-# ---- defects outside this change's files (issue 12): xfail until fixed -------------------------
+# ---- defects found by fuzzing (issue 12), fixed ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: broker/service.py add_journal_service registers deserializers whose "
-    "DecodeError gRPC answers UNKNOWN (with a logged traceback); wrapping its generic handler "
-    "with broker.protocol.wire.refusing_undecodable answers INVALID_ARGUMENT",
-)
 @pytest.mark.parametrize("rpc", list(METHODS))
 def test_a_request_that_is_not_protobuf_is_invalid_argument(live: Live, rpc: str) -> None:
     _, error = invoke(live.channel, rpc, [b"\xff\xff\xff"], LONG)
@@ -1321,13 +1299,6 @@ def test_a_request_that_is_not_protobuf_is_invalid_argument(live: Live, rpc: str
     assert "not a valid protobuf message" in (error.details() or "")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: broker/append_fsm.py AppendFSM.state_resolve lets the ResolveError of a "
-    "header naming another etcd cluster (or process) escape to run(), which logs it as a "
-    "machinery failure with a traceback and answers ABORTED; Read, ListFragments and "
-    "Replicate answer FAILED_PRECONDITION",
-)
 def test_an_append_with_another_clusters_header_is_refused_cleanly(live: Live) -> None:
     header = live.header_of(KEPT[0])
     header.etcd.cluster_id ^= 1
@@ -1341,14 +1312,6 @@ def test_an_append_with_another_clusters_header_is_refused_cleanly(live: Live) -
     assert after == before, "the broker logged a traceback"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: broker/append_fsm.py: an append whose content would end past offset "
-    "2**63-1 (of a journal suspended, or listed in its store, that near the end) fails in "
-    "state_stream_content on protobuf's ValueError ('Value out of range'): logged as a "
-    "machinery failure with a traceback, the pipeline torn down, ABORTED; it should be refused "
-    "before any content is streamed, with a clear error",
-)
 def test_an_append_past_the_largest_offset_is_refused_cleanly(live: Live) -> None:
     spec = spec_of(EDGE, stores=())
     spec.suspend.offset = MAX64 - 1  # Where the journal's next write begins.
