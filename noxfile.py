@@ -1,4 +1,4 @@
-"""Developer sessions: tests, fuzz, lint, typecheck, demo, bench, proto.
+"""Developer sessions: tests, fuzz, lint, typecheck, demo, bench, faults, proto.
 
 Every session installs what it needs from the project's own files, so a fresh machine needs only
 `python3 -m pip install nox`.
@@ -68,6 +68,16 @@ def bench(session: nox.Session) -> None:
     """Benchmarks, each reporting a same-run baseline beside its figure."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def faults(session: nox.Session) -> None:
+    """The fault campaign: etcd, a store and five brokers under faults, a recorded workload and
+    a history checker; prints each scenario's seed and the results table (docs/reliability.md).
+    As root it adds partitions (network namespaces) and full disks (tmpfs). Arguments go to
+    `python -m tests.faults` (for example `-- --scenario sigstop --seed 1234` to replay)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "tests.faults", *session.posargs)
 
 
 @nox.session(python=PYTHON)
