@@ -17,6 +17,7 @@ import grpc
 from broker.allocator.keyspace import route_equivalent
 from broker.fragment.spool import Spool, SpoolError
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import validate
 from broker.resolver import ResolveError
 from broker.tasks import take_unless
 
@@ -39,6 +40,12 @@ async def serve_replicate(
             grpc.StatusCode.INVALID_ARGUMENT,
             "the first ReplicateRequest needs a header and a proposal",
         )
+    try:  # As upstream's ReplicateRequest.Validate, for what this handler reads of it.
+        validate.validate_header(first.header, field="header")
+        validate.validate_journal_name(first.proposal.journal, field="proposal.journal")
+        validate.validate_label_set(first.registers, field="registers")
+    except validate.ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     spool: Spool | None = None
     while spool is None:
         try:

@@ -119,8 +119,8 @@ class Resolver:
             pid = proxy_header.process_id
             if (pid.zone or pid.suffix) and pid != self.local_id:
                 raise ResolveError(
-                    f"request is for process {pid.zone}/{pid.suffix}, not this broker "
-                    f"({self.local_id.zone}/{self.local_id.suffix})"
+                    f"request is for process {pid.zone + '/' + pid.suffix!r}, not this broker "
+                    f"({self.local_id.zone + '/' + self.local_id.suffix!r})"
                 )
             min_etcd_revision = max(min_etcd_revision, proxy_header.etcd.revision)
         if min_etcd_revision > self.ks.revision:

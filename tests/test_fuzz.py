@@ -137,16 +137,8 @@ class KnownDefect:
     answer: re.Pattern[str] | None = None  # Matched against "CODE: details".
 
 
-# The first three found here were fixed (see the tests at the end of this module).
-KNOWN_DEFECTS: tuple[KnownDefect, ...] = (
-    KnownDefect(
-        "Replicate header not validated",
-        "test_a_replicate_header_with_an_invalid_process_id_is_refused_in_one_line",
-        answer=re.compile(
-            r"FAILED_PRECONDITION: request is for process .*, not this broker.*", re.S
-        ),
-    ),
-)
+# None left: the four found here were fixed (see the tests at the end of this module).
+KNOWN_DEFECTS: tuple[KnownDefect, ...] = ()
 
 
 def known_defect(code: grpc.StatusCode, details: str | None) -> str | None:
@@ -1347,15 +1339,6 @@ def test_an_append_past_the_largest_offset_is_refused_cleanly(live: Live) -> Non
     assert after == before, "the broker logged a traceback"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: broker/replicate_api.py serve_replicate does not validate its first "
-    "request (upstream's ReplicateRequest.Validate: header, proposal, registers), so a header "
-    "whose process id holds a line break reaches Resolver.resolve, whose ResolveError repeats "
-    "it unquoted (FAILED_PRECONDITION over two lines); validate it as Read and Append do "
-    "(validate.validate_header: INVALID_ARGUMENT, the value quoted), and quote the ids in "
-    "broker/resolver.py's messages",
-)
 def test_a_replicate_header_with_an_invalid_process_id_is_refused_in_one_line(live: Live) -> None:
     header = live.header_of(GHOSTED)
     header.process_id.suffix = "broker\r0"
