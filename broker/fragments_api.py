@@ -34,6 +34,8 @@ def _validate(req: pb.FragmentsRequest) -> str | None:
     from broker.protocol import validate
 
     try:
+        if req.HasField("header"):  # As upstream's FragmentsRequest.Validate.
+            validate.validate_header(req.header, field="header")
         validate.validate_journal_name(req.journal.split(";")[0], field="journal")
     except validate.ValidationError as exc:
         return str(exc)

@@ -129,6 +129,24 @@ async def test_signature_ttls_that_are_no_duration_are_refused(
     assert listing.fragments[0].signed_url.startswith("file:///")
 
 
+async def test_a_header_that_is_not_valid_is_refused_in_one_line(
+    broker: tuple[BrokerHarness, Path],
+) -> None:
+    # Found by tests/test_fuzz.py: the header was not validated (as upstream's
+    # FragmentsRequest.Validate does), and the resolver's refusal of its process id repeated
+    # the id as it was, line break included.
+    stub = pb_grpc.JournalStub(dial(broker[0].endpoint))  # type: ignore[no-untyped-call]
+    header = pb.Header(
+        process_id=pb.ProcessSpec.ID(zone="local", suffix="broker\r0"),
+        etcd=pb.Header.Etcd(cluster_id=1, member_id=1, revision=1, raft_term=1),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL, header=header))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = bad.value.details() or ""
+    assert details.startswith("header.process_id.suffix: ") and len(details.splitlines()) == 1
+
+
 async def test_store_health(broker: tuple[BrokerHarness, Path]) -> None:
     harness, _ = broker
     stub = pb_grpc.JournalStub(dial(harness.endpoint))  # type: ignore[no-untyped-call]

@@ -307,14 +307,12 @@ def call(
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             assert may_wait, f"{rpc} was not answered within {LONG:.0f}s: {sent}"
             outcome = "waited until the deadline"
+        elif code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) and is_clear(details):
+            outcome = code.name
         elif (defect := known_defect(code, details)) is not None:
             outcome = f"{code.name} (known defect: {defect})"
         else:
-            assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), (
-                f"{rpc} failed with {code.name}: {details!r}; input: {sent}"
-            )
-            assert is_clear(details), f"{rpc}: unclear {code.name} {details!r}; input: {sent}"
-            outcome = code.name
+            raise AssertionError(f"{rpc} answered {code.name}: {details!r}; input: {sent}")
     live.tally.record(rpc, kind, outcome)
     assert live.broker.proc.poll() is None, f"the broker exited after {rpc}: {sent}"
     return responses, error
@@ -1093,13 +1091,12 @@ def test_fragment_files_found_in_a_store(
     # persisted until a listing shows it, which the directory's removal may prevent.)
     deadline = time.monotonic() + 20
     while True:
-        listed = [
-            f
-            for f in persisted_listing(live, NAMES, "store files")
-            if not any(f.begin <= at < f.end for at in live.names_appends)
-        ]
-        stale = {key(f) for f in listed} - present
-        if not stale and any(f.begin <= marker.begin and f.end >= marker.end for f in listed):
+        listed = persisted_listing(live, NAMES, "store files")
+        theirs = [f for f in listed if not any(f.begin <= at < f.end for at in live.names_appends)]
+        stale = {key(f) for f in theirs} - present
+        if not stale and any(
+            f.begin <= marker.begin and f.end >= marker.end and key(f) in present for f in listed
+        ):
             break
         assert time.monotonic() < deadline, f"the broker lists {stale or 'no marker'}"
         time.sleep(0.2)
