@@ -270,6 +270,24 @@ def test_read_committed_messages_pass() -> None:
     assert report.acked_messages == 3
 
 
+def test_a_stalled_message_journal_counts_as_unavailable() -> None:
+    h = message_history()
+    h.publishes[0].completed = 9.0  # m1 waited 8 s for its batch.
+    report = check(h)
+    assert report.longest_unavailability == pytest.approx(8.0)
+    assert report.unavailable_journal == M
+
+
+def test_a_reader_across_a_reset_head_may_deliver_an_aborted_message() -> None:
+    # Every replica died with the abort's ACK; the operator reset the head; a reader that
+    # read on across the reset delivered m4 when the producer's next ACK came.
+    h = message_history()
+    h.deliveries.append(Delivery("rc-0", M, "m4", 0, 6.0))
+    h.resets.append(ResetHead(M, 0, 3.8))
+    report = check(h)
+    assert report.ok, report.summary()
+
+
 def test_a_read_committed_duplicate() -> None:
     h = message_history()
     h.deliveries.append(Delivery("rc-0", M, "m2", 0, 6.0))

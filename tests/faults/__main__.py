@@ -108,7 +108,13 @@ async def campaign(args: argparse.Namespace) -> int:
             print(f"  history and logs kept in {workdir}")
             print(f"  replay: python -m tests.faults --scenario {name} --seed {seed}")
         elif not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+            # Keep the history (the table's evidence), not the logs, spools and stores.
+            for child in workdir.iterdir():
+                if child.name != "history.json":
+                    if child.is_dir():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink()
         sys.stdout.flush()
     print()
     print(table(rows))
@@ -116,6 +122,8 @@ async def campaign(args: argparse.Namespace) -> int:
         Path(args.table).write_text(table(rows) + "\n")
     if not failed and not args.keep and not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"histories under {root}")
     return 1 if failed else 0
 
 

@@ -477,10 +477,10 @@ def _check_messages(
     streams: dict[str, Counter[str]] = defaultdict(Counter)
     for d in history.deliveries:
         streams[d.stream][d.id] += 1
-        limit = epochs[d.journal].limit(d.at) if d.journal in epochs else None
         vanished = d.journal in final and d.id not in final[d.journal]
-        # A reset-head after the delivery may have taken the ACK that committed it.
-        if vanished and limit is None:
+        # A stream that read across a reset-head (it began at 0, before any reset) carries
+        # the old epoch's pending messages into the new one, where later ACKs commit them.
+        if vanished and not epochs[d.journal].resets:
             report.add(
                 "rc-vanished",
                 d.journal,
@@ -498,9 +498,10 @@ def _check_messages(
     for p in history.publishes:
         txn = txns.get(p.txn) if p.txn else None
         if txn is not None and txn.outcome == "aborted":
-            # An abort's ACK acknowledged before a reset-head may be lost with every replica,
-            # and the producer's next commit then commits what it rolled back.
-            forgiven = epochs[p.journal].limit(txn.completed) is not None
+            # A message written before a reset-head may sit in the old epoch while the abort's
+            # ACK is lost with every replica or lands in the new one: the producer's next
+            # commit then commits it for a reader that read across the reset.
+            forgiven = epochs[p.journal].limit(p.invoked) is not None
             seen = p.id in everything or any(p.id in c for c in streams.values())
             if seen and not forgiven:
                 report.add("rc-aborted", p.journal, f"{p.id} of aborted {p.txn} was delivered")
@@ -542,8 +543,10 @@ def _check_recovered(history: History, report: Report) -> None:
 
 
 def _measure_unavailability(history: History, report: Report) -> None:
-    """The longest time any raw journal went without an acknowledged append while clients
-    were appending to it (faults and recovery included: reported, not asserted)."""
+    """The longest time a journal could not take appends while clients were appending to it
+    (faults and recovery included: reported, not asserted): for raw journals, the longest
+    stretch without an acknowledged append; for message journals, the longest a published
+    message waited for its batch to be acknowledged (or for its publisher to give up)."""
     for journal in history.raw_journals:
         times = sorted(
             op.completed
@@ -556,3 +559,8 @@ def _measure_unavailability(history: History, report: Report) -> None:
         if gap > report.longest_unavailability:
             report.longest_unavailability = gap
             report.unavailable_journal = journal
+    for p in history.publishes:
+        wait = min(p.completed, history.workload_ended) - p.invoked
+        if p.journal in history.message_journals and wait > report.longest_unavailability:
+            report.longest_unavailability = wait
+            report.unavailable_journal = p.journal

@@ -245,8 +245,9 @@ class Cluster:
             self.etcd_proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         _wait_http(self.etcd_proc, f"{client}/health", "etcd")
 
-    def stop_etcd(self) -> None:
-        _stop(self.etcd_proc)
+    def stop_etcd(self, sig: int = signal.SIGKILL) -> None:
+        """Stop etcd (a crash by default: at once, as a machine failing)."""
+        _stop(self.etcd_proc, sig)
         self.etcd_proc = None
 
     # ---- the fragment store -----------------------------------------------------------------
@@ -437,17 +438,28 @@ class Cluster:
     def any_address(self) -> str:
         return self.rng.choice(self.addresses())
 
-    async def ensure_running(self) -> list[str]:
-        """Resume paused brokers and start any that exited (held ones too); the ids started."""
+    async def ensure_running(self, attempts: int = 4) -> list[str]:
+        """Resume paused brokers and start any that exited (held ones too), waiting until
+        every broker serves (also those the supervisor is restarting); the ids started."""
         for slot in self.brokers:
             if slot.paused:
                 self.signal(slot.index, signal.SIGCONT)
-        dead = [slot for slot in self.brokers if not slot.running()]
-        for slot in dead:
-            self._seen_exit(slot)
-            slot.held = False
-        await asyncio.gather(*(self._start(slot) for slot in dead))
-        return [s.id for s in dead]
+        started: list[str] = []
+        for attempt in range(attempts):
+            dead = [slot for slot in self.brokers if not slot.running()]
+            for slot in dead:
+                self._seen_exit(slot)
+                slot.held = False
+            started += [slot.id for slot in dead]
+            results = await asyncio.gather(
+                *(self._start(slot) for slot in self.brokers), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if not errors:
+                return started
+            self.history.note(f"starting brokers failed (attempt {attempt + 1}): {errors[0]}")
+            await asyncio.sleep(1.0)
+        raise HarnessError(f"brokers did not all start in {attempts} attempts")
 
     def spools_renewed(self) -> None:
         """Every broker is starting afresh, so every spool is new: registers may be empty from

@@ -112,15 +112,35 @@ async def sigterm(ctx: Context) -> None:
 
 
 async def etcd_restart(ctx: Context) -> None:
-    """etcd stopped and started again within half the brokers' lease: they ride it out."""
-    down = ctx.rng.uniform(0.1, 0.5 * ctx.lease)
+    """etcd killed and started again well within the brokers' lease: they ride it out. Each
+    restart waits until the brokers have had time to refresh their leases since the last."""
+    down = ctx.rng.uniform(0.1, 0.3 * ctx.lease)
     fault = ctx.cluster.fault("etcd-restart", "etcd", f"down {down:.1f}s")
+    ctx.cluster.stop_etcd()
+    await asyncio.sleep(down)
+    ctx.cluster.start_etcd()
+    ctx.cluster.heal(fault)
+    await ctx.hold(0.5 * ctx.lease, ctx.lease)
+    await ctx.settle()
+
+
+async def etcd_flapping(ctx: Context) -> None:
+    """etcd killed and started again, over and over, each outage well within the brokers'
+    lease but the next one soon after (the spacing etcd-restart leaves out)."""
+    down = ctx.rng.uniform(0.1, 0.3 * ctx.lease)
+    incarnations = [slot.incarnation for slot in ctx.cluster.brokers]
+    fault = ctx.cluster.fault("etcd-restart", "etcd", f"down {down:.1f}s, again soon")
     ctx.cluster.stop_etcd()
     await asyncio.sleep(down)
     ctx.cluster.start_etcd()
     ctx.cluster.heal(fault)
     await ctx.hold(0.5, 1.5)
     await ctx.settle()
+    restarted = [s.incarnation for s in ctx.cluster.brokers] != incarnations
+    if restarted:  # Brokers lost their leases: journals may refuse appends until reset.
+        await asyncio.gather(
+            *(ctx.cluster.probe(j, reset_allowed=True, timeout=10) for j in JOURNALS)
+        )
 
 
 async def etcd_outage(ctx: Context) -> None:
@@ -250,16 +270,16 @@ async def _mixed(ctx: Context) -> None:
 SCENARIOS = {
     s.name: s
     for s in [
-        Scenario("sigkill", sigkill, 10, "SIGKILL a broker (usually a primary), restart it"),
+        Scenario("sigkill", sigkill, 12, "SIGKILL a broker (usually a primary), restart it"),
         Scenario("sigstop", sigstop, 10, "SIGSTOP a primary 0.3-5 s, SIGCONT (zombie if past its lease)"),
         Scenario("sigterm", sigterm, 10, "SIGTERM a broker (graceful), restart it"),
-        Scenario("restart", crash_restart, 10, "SIGKILL and restart at once under the same id"),
-        Scenario("etcd-restart", etcd_restart, 10, "etcd stopped 0.1-2 s, started again", lease=4.0),
+        Scenario("restart", crash_restart, 12, "SIGKILL and restart at once under the same id"),
+        Scenario("etcd-restart", etcd_restart, 8, "etcd killed, started 0.1-1.5 s later", lease=5.0),
         Scenario(
-            "full-disk", full_disk, 10, "a broker's spool filesystem filled 0.5-3 s",
+            "full-disk", full_disk, 14, "a broker's spool filesystem filled 0.5-3 s",
             spool_limit=32 << 20,
         ),
-        Scenario("store-outage", store_outage, 10, "fake GCS stopped 0.5-4 s, started", store="gcs"),
+        Scenario("store-outage", store_outage, 12, "fake GCS stopped 0.5-4 s, started", store="gcs"),
         Scenario(
             "partition-peers", partition_peers, 10,
             "a broker (or two) cut off from the other brokers 0.5-5 s", partitions=True,
@@ -270,7 +290,7 @@ SCENARIOS = {
         ),
         Scenario(
             "mixed", _mixed, 12, "any of the single faults above, at random", store="gcs",
-            spool_limit=32 << 20, partitions=True,
+            spool_limit=32 << 20, partitions=True, lease=3.0,
             mixed=(sigkill, sigstop, sigterm, crash_restart, etcd_restart, full_disk,
                    store_outage, partition_peers, partition_etcd),
         ),
@@ -280,6 +300,11 @@ SCENARIOS = {
             may_reset=True,
         ),
         Scenario("sigterm-all", sigterm_all, 3, "SIGTERM every broker at once, restart them all"),
+        Scenario(
+            "etcd-flapping", etcd_flapping, 8,
+            "etcd killed and restarted every 2-4 s (each outage under the lease); the operator "
+            "resets heads if every broker exits", lease=5.0, may_reset=True,
+        ),
         Scenario(
             "etcd-outage", etcd_outage, 2,
             "etcd down past the brokers' lease (every broker exits); the operator resets heads",
@@ -355,8 +380,10 @@ async def run_scenario(
             await asyncio.sleep(1.0)
         finally:
             await workload.stop(timeout=10)
+        # Within what is left of the budget (keeping a few seconds to collect), at least 8 s.
+        left = max(8.0, began + budget - time.monotonic() - 6)
         await asyncio.gather(
-            *(cluster.probe(j, reset_allowed=scenario.may_reset) for j in JOURNALS)
+            *(cluster.probe(j, reset_allowed=scenario.may_reset, timeout=left) for j in JOURNALS)
         )
         await cluster.collect(JOURNALS)
     report = check(history)
