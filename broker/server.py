@@ -27,6 +27,7 @@ from broker.allocator import keyspace as aks
 from broker.fragment.persister import Persister
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import validate
 from broker.service import JournalService, add_journal_service
 from broker.tasks import TaskOwner
 
@@ -123,6 +124,9 @@ class Broker:
         )
 
     async def start(self) -> None:
+        # Peers refuse headers naming an invalid process id: refuse to run as one (`gazette
+        # serve` says which flag; an embedding program gets the ValidationError).
+        validate.validate_process_id(self.process_id, field="broker id")
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_grpc_recv_size),

@@ -40,7 +40,7 @@ async def broker(
     root = tmp_path / "root"
     (root / "fragments").mkdir(parents=True)
     async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root)
+        etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True, file_root=str(root)
     ) as brokers:
         yield brokers[0], root
 

@@ -83,7 +83,7 @@ async def test_watched_partitions_pick_up_new_journals(
         return out
 
     async with (
-        started_brokers(etcd_server.endpoint, etcd_prefix, ["b0"]) as (broker,),
+        started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"]) as (broker,),
         broker.client() as client,
     ):
         await client.apply([pb.ApplyRequest.Change(upsert=spec("clicks/part-000"))])

@@ -277,7 +277,7 @@ async def test_a_journal_persists_and_reads_back_on_every_store(
     url, root = store_url
     root.mkdir(parents=True, exist_ok=True)
     async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["b0", "b1"], run_allocator=True, file_root=str(root)
+        etcd_server.endpoint, etcd_prefix, ["bk-0", "bk-1"], run_allocator=True, file_root=str(root)
     ) as brokers:
         async with brokers[0].client() as client:
             await client.apply([pb.ApplyRequest.Change(upsert=spec(url, pb.GZIP, 2))])
@@ -316,7 +316,7 @@ async def test_persisting_retries_through_a_store_outage(
     root = tmp_path / "root"
     (root / "fragments").mkdir(parents=True)
     async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root)
+        etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True, file_root=str(root)
     ) as brokers:
         async with brokers[0].client() as client:
             await client.apply(

@@ -42,7 +42,7 @@ def spec(name: str) -> pb.JournalSpec:
 async def test_read_committed_sees_each_committed_message_once(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
-    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True) as (
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True) as (
         broker,
     ):
         async with broker.client() as client:
@@ -122,7 +122,7 @@ async def test_read_committed_sees_each_committed_message_once(
 async def test_corrupt_frames_are_reported_and_skipped(
     etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
-    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True) as (
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True) as (
         broker,
     ):
         async with broker.client() as client:

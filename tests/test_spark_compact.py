@@ -225,7 +225,7 @@ async def test_compaction_while_a_broker_keeps_appending(
     journal.fragment.stores.append(url)
     journal.fragment.refresh_interval.seconds = 1
     async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["b0", "b1"], run_allocator=True, file_root=str(root),
+        etcd_server.endpoint, etcd_prefix, ["bk-0", "bk-1"], run_allocator=True, file_root=str(root),
         persist_interval=0.2,
     ) as brokers:  # fmt: skip
         async with brokers[0].client() as client:

@@ -102,7 +102,7 @@ async def test_replay_equals_the_read_committed_iterator_and_dedupes_into_a_jour
     root = tmp_path / "root"
     (root / "store").mkdir(parents=True)
     async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root),
+        etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True, file_root=str(root),
         persist_interval=0.2,
     ) as (broker,):  # fmt: skip
         async with broker.client() as client:
@@ -172,7 +172,7 @@ async def test_spark_replay_notes_unpersisted_content(
     first = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"p" * 80) for i in range(24))
     second = b"".join(b'{"n": %d}\n' % i for i in range(24, 30))
     async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["b0"], run_allocator=True, file_root=str(root),
+        etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True, file_root=str(root),
         persist_interval=0.2,
     ) as (broker,):  # fmt: skip
         async with broker.client() as client:
