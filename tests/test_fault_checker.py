@@ -26,8 +26,8 @@ from tests.faults.history import (
     Observation,
     Publish,
     ReadChunk,
-    RegistersCleared,
     ResetHead,
+    SpoolsRenewed,
     Txn,
 )
 
@@ -182,7 +182,7 @@ def test_a_register_check_applied_while_another_owned_the_registers() -> None:
     assert "register" in kinds(h)
     # ... unless the registers may have started empty again in between (every broker
     # restarted): empty registers match every check, as upstream.
-    h.registers_cleared.append(RegistersCleared(J, 15, 2.8))
+    h.spools_renewed.append(SpoolsRenewed(J, 15, 2.8, lossy=False))
     assert check(h).ok
 
 

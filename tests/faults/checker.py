@@ -46,6 +46,7 @@ from tests.faults.history import (
     AppendOp,
     History,
     ResetHead,
+    SpoolsRenewed,
 )
 
 # More envelopes than a run writes: commits never need a replay from the journal.
@@ -78,6 +79,8 @@ class Report:
     longest_unavailability: float = 0.0
     # Bytes some replica or store held that the final read through a broker did not return.
     unreadable: int = 0
+    # Holes left where every replica was lost: (journal, offset where content resumes).
+    holes: list[tuple[str, int]] = field(default_factory=list)
     unavailable_journal: str = ""
     violations: list[Violation] = field(default_factory=list)
     _counted: Counter[tuple[str, str]] = field(default_factory=Counter, repr=False)
@@ -107,6 +110,7 @@ class Report:
             + (f" ({self.unavailable_journal})" if self.unavailable_journal else "")
             + (f", {self.lost_to_reset} lost with every replica" if self.lost_to_reset else "")
             + (f", {self.unreadable} bytes unreadable through brokers" if self.unreadable else "")
+            + (f", holes (content resumes at) {self.holes}" if self.holes else "")
         ]
         lines += [f"  VIOLATION {v}" for v in self.violations]
         return "\n".join(lines)
@@ -225,10 +229,21 @@ def message_id(envelope: Envelope) -> str:
 
 
 class _Epochs:
-    """A journal's reset-heads: which earlier offsets a later reset re-assigned."""
+    """A journal's reset-heads (which earlier offsets a later reset re-assigned) and the
+    moments every replica's spool was lost (`lossy` renewals: what no store held yet went with
+    them, as the seed allows, whether or not the brokers then asked for a reset-head)."""
 
-    def __init__(self, resets: Iterable[ResetHead]) -> None:
+    def __init__(self, resets: Iterable[ResetHead], renewals: Iterable[SpoolsRenewed]) -> None:
         self.resets = sorted(resets, key=lambda r: r.at)
+        self.renewals = sorted(renewals, key=lambda r: r.at)
+
+    def lost_with_every_replica(self, at: float) -> bool:
+        """Whether something acknowledged at `at` may since have gone with every replica."""
+        return self.limit(at) is not None or any(r.lossy and r.at > at for r in self.renewals)
+
+    def discontinuous(self) -> bool:
+        """Whether readers may have read across a reset or a loss of every replica."""
+        return bool(self.resets) or any(r.lossy for r in self.renewals)
 
     def limit(self, at: float) -> int | None:
         """Offsets at or past this were re-assigned by a reset after time `at` (None: none)."""
@@ -243,13 +258,17 @@ class _Epochs:
         return content[: max(0, limit - offset)]
 
     def boundaries(self) -> set[int]:
-        return {r.offset for r in self.resets}
+        """Offsets from which registers may have started empty again."""
+        return {r.offset for r in self.resets} | {r.offset for r in self.renewals}
 
 
 def check(history: History) -> Report:
     report = Report(history.scenario, history.seed, history.cycles)
     epochs = {
-        journal: _Epochs(r for r in history.resets if r.journal == journal)
+        journal: _Epochs(
+            (r for r in history.resets if r.journal == journal),
+            (r for r in history.spools_renewed if r.journal == journal),
+        )
         for journal in history.raw_journals + history.message_journals
     }
     canonical = _canonical(history, report)
@@ -295,12 +314,18 @@ def _excerpt(content: bytes, at: int) -> str:
     return repr(content[max(0, at - 20) : at + 40])
 
 
-def _records(tape: Tape, journal: str, report: Report) -> Iterator[tuple[int, bytes]]:
-    """The journal's records (each ending in a newline) with their offsets; a hole or a torn
-    record is a violation."""
+def _records(
+    tape: Tape, journal: str, epochs: _Epochs, report: Report
+) -> Iterator[tuple[int, bytes]]:
+    """The journal's records (each ending in a newline) with their offsets; a hole (unless
+    every replica was lost, taking unpersisted fragments with it) or a torn record is a
+    violation."""
     for begin, content in tape.segments():
         if begin != 0:
-            report.add("gap", journal, f"the journal holds nothing before offset {begin}")
+            if epochs.discontinuous():
+                report.holes.append((journal, begin))
+            else:
+                report.add("gap", journal, f"the journal holds nothing before offset {begin}")
         at = begin
         for line in content.split(b"\n")[:-1]:
             yield at, line + b"\n"
@@ -319,12 +344,10 @@ def _check_raw_journal(
     ops = [op for op in history.appends if op.journal == journal]
     by_payload: dict[bytes, AppendOp] = {op.payload: op for op in ops if op.payload}
     positions: dict[bytes, list[int]] = defaultdict(list)
-    resets = sorted(
-        epochs.boundaries() | {c.offset for c in history.registers_cleared if c.journal == journal}
-    )
+    resets = sorted(epochs.boundaries())
     owner: str | None = None
     next_reset = 0
-    for offset, record in _records(tape, journal, report):
+    for offset, record in _records(tape, journal, epochs, report):
         positions[record].append(offset)
         op = by_payload.get(record)
         while next_reset < len(resets) and offset >= resets[next_reset]:
@@ -370,7 +393,8 @@ def _check_raw_journal(
         if op.begin in positions.get(op.payload, []):
             continue
         limit = epochs.limit(op.completed)
-        if limit is not None and op.end > limit:
+        renewed = any(r.lossy and r.at > op.completed for r in epochs.renewals)
+        if (limit is not None and op.end > limit) or renewed:
             report.lost_to_reset += 1
             continue
         report.lost += 1
@@ -480,7 +504,7 @@ def _check_messages(
         vanished = d.journal in final and d.id not in final[d.journal]
         # A stream that read across a reset-head (it began at 0, before any reset) carries
         # the old epoch's pending messages into the new one, where later ACKs commit them.
-        if vanished and not epochs[d.journal].resets:
+        if vanished and not epochs[d.journal].discontinuous():
             report.add(
                 "rc-vanished",
                 d.journal,
@@ -501,7 +525,7 @@ def _check_messages(
             # A message written before a reset-head may sit in the old epoch while the abort's
             # ACK is lost with every replica or lands in the new one: the producer's next
             # commit then commits it for a reader that read across the reset.
-            forgiven = epochs[p.journal].limit(p.invoked) is not None
+            forgiven = epochs[p.journal].lost_with_every_replica(p.invoked)
             seen = p.id in everything or any(p.id in c for c in streams.values())
             if seen and not forgiven:
                 report.add("rc-aborted", p.journal, f"{p.id} of aborted {p.txn} was delivered")
@@ -512,8 +536,7 @@ def _check_messages(
         report.acked_messages += 1
         if p.id in final.get(p.journal, set()):
             continue
-        limit = epochs[p.journal].limit(txn.completed if txn else p.completed)
-        if limit is not None:
+        if epochs[p.journal].lost_with_every_replica(txn.completed if txn else p.completed):
             report.lost_to_reset += 1
             continue
         report.lost += 1

@@ -44,8 +44,8 @@ from tests.faults.history import (
     Fault,
     History,
     Observation,
-    RegistersCleared,
     ResetHead,
+    SpoolsRenewed,
 )
 from tests.faults.network import Loopback, Namespaces, Network
 
@@ -95,6 +95,7 @@ class BrokerSlot:
     held: bool = False  # Down on purpose (a fault holds it): the supervisor leaves it be.
     exited_at: float = -1.0  # When an incarnation was last seen gone (history time).
     exit_seen: int = 0  # The incarnation whose exit that was.
+    exit_code: int | None = None  # And its status.
     mounted: bool = False
     filler: Path | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -139,6 +140,7 @@ class Cluster:
     _env: dict[str, str] = field(default_factory=dict)
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     _supervisor: asyncio.Task[None] | None = None
+    _renewed_at: float = -1e9
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -304,8 +306,11 @@ class Cluster:
             self._seen_exit(slot)
             window = 2 * self.config.lease + 5
             now = self.history.now()
-            if all(s is slot or 0 <= now - s.exited_at < window for s in self.brokers):
-                self.spools_renewed()  # Every broker went down within moments of the others.
+            recent = all(0 <= now - s.exited_at < window for s in self.brokers)
+            if recent and now - self._renewed_at > window:
+                # Every broker went down within moments of the others.
+                graceful = all(s.exit_code == 0 for s in self.brokers)
+                self.spools_renewed(lossy=not graceful)
         slot.incarnation += 1
         argv = [
             sys.executable, "-m", "broker.main", "serve",
@@ -357,6 +362,8 @@ class Cluster:
         gone = slot.proc is not None and slot.proc.poll() is not None
         if gone and slot.exit_seen != slot.incarnation:
             slot.exited_at, slot.exit_seen = self.history.now(), slot.incarnation
+            assert slot.proc is not None
+            slot.exit_code = slot.proc.returncode
 
     async def _start(self, slot: BrokerSlot) -> None:
         async with slot.lock:
@@ -461,11 +468,11 @@ class Cluster:
             await asyncio.sleep(1.0)
         raise HarnessError(f"brokers did not all start in {attempts} attempts")
 
-    def spools_renewed(self) -> None:
+    def spools_renewed(self, lossy: bool = True) -> None:
         """Every broker is starting afresh, so every spool is new: registers may be empty from
         the journals' current ends on (at most the end of the last acknowledged append)."""
-        at = self.history.now()
-        for journal in self.history.raw_journals:
+        at = self._renewed_at = self.history.now()
+        for journal in self.history.raw_journals + self.history.message_journals:
             end = max(
                 (
                     op.end
@@ -474,7 +481,7 @@ class Cluster:
                 ),
                 default=0,
             )
-            self.history.registers_cleared.append(RegistersCleared(journal, end, at))
+            self.history.spools_renewed.append(SpoolsRenewed(journal, end, at, lossy))
 
     # ---- journals ---------------------------------------------------------------------------
 
@@ -713,36 +720,44 @@ class Cluster:
         raise HarnessError(f"{journal} could not be read after the run")
 
     async def _collect_replica(self, slot: BrokerSlot, journal: str, at: float) -> None:
-        """What the replica holds locally (its spool and fragments not yet released)."""
+        """What the replica holds locally: each fragment it lists, read without proxying
+        (a read from 0 would stop at a hole, and the replica may hold content past it)."""
         stub = self.dialer.journal_stub(slot.address)
-        offset = 0
         observed: list[Observation] = []
         source = f"replica:{slot.id}"
         try:
             async with asyncio.timeout(10):
+                fragments: list[pb.Fragment] = []
+                token = 0
                 while True:
-                    request = pb.ReadRequest(journal=journal, offset=offset, do_not_proxy=True)
-                    next_offset = None
+                    listing = pb.FragmentsRequest(
+                        journal=journal, do_not_proxy=True, next_page_token=token
+                    )
+                    response = await stub.ListFragments(listing)
+                    if response.status != pb.OK:
+                        return  # Not a replica of the journal.
+                    fragments += [f.spec for f in response.fragments]
+                    token = response.next_page_token
+                    if not token:
+                        break
+                for fragment in fragments:
+                    if fragment.end == fragment.begin:
+                        continue
+                    request = pb.ReadRequest(
+                        journal=journal,
+                        offset=fragment.begin,
+                        end_offset=fragment.end,
+                        do_not_proxy=True,
+                    )
                     async for r in stub.Read(request):
-                        if r.status in (pb.NOT_JOURNAL_BROKER, pb.OFFSET_NOT_YET_AVAILABLE):
-                            break
                         if r.status != pb.OK:
-                            raise HarnessError(pb.Status.Name(r.status))
-                        if r.HasField("fragment") and not r.content:
-                            # Metadata: a persisted fragment not held here ends the stream.
-                            next_offset = r.fragment.end
-                        elif r.content:
+                            break
+                        if r.content:
                             _append_observation(observed, source, journal, r.offset, r.content, at)
-                            next_offset = None
-                            offset = r.offset + len(r.content)
-                    else:
-                        if next_offset is not None and next_offset > offset:
-                            offset = next_offset
-                            continue
-                    break
         except Exception as exc:
             self.history.note(f"reading {journal} on {slot.id} failed: {describe(exc)}")
-        self.history.observations.extend(observed)
+        finally:
+            self.history.observations.extend(observed)
 
     def _collect_store(self, journal: str, at: float) -> list[Observation]:
         store = open_store(self.store_url, file_root=self.workdir / "store")

@@ -123,13 +123,16 @@ class ResetHead:
 
 
 @dataclass
-class RegistersCleared:
-    """From `offset` on, `journal`'s registers may have started empty again: every broker
-    restarted, so every spool (where registers live) is new."""
+class SpoolsRenewed:
+    """Every broker went down within moments of the others, so every replica of `journal`
+    started with a new spool at time `at`: its registers may be empty from `offset` on. With
+    `lossy` (some broker did not stop gracefully), what the old spools held and no store had
+    yet may be lost with every replica, which the seed allows (R faults)."""
 
     journal: str
     offset: int
     at: float = 0.0
+    lossy: bool = True
 
 
 @dataclass
@@ -167,7 +170,7 @@ _LISTS: dict[str, type[Any]] = {
     "txns": Txn,
     "deliveries": Delivery,
     "resets": ResetHead,
-    "registers_cleared": RegistersCleared,
+    "spools_renewed": SpoolsRenewed,
     "faults": Fault,
 }
 
@@ -190,7 +193,7 @@ class History:
     txns: list[Txn] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)
     resets: list[ResetHead] = field(default_factory=list)
-    registers_cleared: list[RegistersCleared] = field(default_factory=list)
+    spools_renewed: list[SpoolsRenewed] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _t0: float = field(default_factory=time.monotonic, repr=False)

@@ -236,7 +236,7 @@ async def sigterm_all(ctx: Context) -> None:
     """Every broker stopped gracefully at once: they flush what nobody is left to serve, so
     after a restart journals take appends with no operator action."""
     fault = ctx.cluster.fault("SIGTERM-all", "every broker")
-    ctx.cluster.spools_renewed()
+    ctx.cluster.spools_renewed(lossy=False)  # Graceful: nothing acknowledged may be lost.
     for slot in ctx.cluster.brokers:
         ctx.cluster.signal(slot.index, signal.SIGTERM)
     for slot in ctx.cluster.brokers:

@@ -271,6 +271,8 @@ class Workload:
                     else:
                         pending = await publisher.publish_uncommitted(mapping, msg)
                     records.append((record, pending))
+                    # A batch's failure is this loop's to judge, awaited or not.
+                    pending.batch.add_done_callback(lambda f: f.cancelled() or f.exception())
                 healthy = True
                 for record, pending in records:
                     try:
