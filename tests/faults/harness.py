@@ -96,6 +96,7 @@ class BrokerSlot:
     exited_at: float = -1.0  # When an incarnation was last seen gone (history time).
     exit_seen: int = 0  # The incarnation whose exit that was.
     exit_code: int | None = None  # And its status.
+    started_at: float = -1.0  # When its current incarnation was started (history time).
     mounted: bool = False
     filler: Path | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -304,14 +305,19 @@ class Cluster:
     def _spawn(self, slot: BrokerSlot) -> None:
         if slot.incarnation:
             self._seen_exit(slot)
-            window = 2 * self.config.lease + 5
+            # Every broker went down within moments of the others: each other one is down,
+            # or is a new incarnation started moments ago (lapsed leases, one after another).
+            window = self.config.lease + 2
             now = self.history.now()
-            recent = all(0 <= now - s.exited_at < window for s in self.brokers)
-            if recent and now - self._renewed_at > window:
-                # Every broker went down within moments of the others.
+            together = all(
+                s is slot or not s.running() or (s.incarnation > 1 and now - s.started_at < window)
+                for s in self.brokers
+            )
+            if together and now - self._renewed_at > window:
                 graceful = all(s.exit_code == 0 for s in self.brokers)
                 self.spools_renewed(lossy=not graceful)
         slot.incarnation += 1
+        slot.started_at = self.history.now()
         argv = [
             sys.executable, "-m", "broker.main", "serve",
             "--broker.id", slot.id,
