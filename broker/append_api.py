@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker.append_fsm import AppendFSM, Chunk, ClientError, OffsetOverflow, State
+from broker.append_fsm import (
+    AppendFSM,
+    BrokerExiting,
+    Chunk,
+    ClientError,
+    OffsetOverflow,
+    State,
+)
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
@@ -155,6 +162,8 @@ class AppendFailed(Exception):
 def raise_error(error: BaseException) -> None:
     if isinstance(error, ResolveError):
         raise AppendFailed(str(error), grpc.StatusCode.FAILED_PRECONDITION)
+    if isinstance(error, BrokerExiting):
+        raise AppendFailed(str(error), grpc.StatusCode.UNAVAILABLE)
     if isinstance(error, OffsetOverflow):
         raise AppendFailed(str(error), grpc.StatusCode.OUT_OF_RANGE)
     if isinstance(error, ClientError):

@@ -64,6 +64,11 @@ class ClientError(Exception):
     """The client's stream failed or violated the protocol: the append rolls back."""
 
 
+class BrokerExiting(RuntimeError):
+    """This broker flushed the journal and suspended it for a restart: it takes no more
+    appends to it (the client retries, elsewhere or after the restart)."""
+
+
 class OffsetOverflow(ClientError):
     """The append would end past the largest journal offset (2^63-1, as upstream's int64)."""
 
@@ -344,6 +349,22 @@ class AppendFSM:
         res, spec, spool = self._res, self._spec, self._pln.spool
         assert res.replica is not None
         index = res.replica.index
+        suspended = spec.suspend.level != pb.JournalSpec.Suspend.NONE
+        if self.req.journal in self.ctx.sealed or (
+            self.ctx.exiting and suspended and not self.flush_and_suspend
+        ):
+            # Suspended at its end for the restart by an exiting broker's flush (this one's,
+            # which may have let go of the pipeline to an append resolved before it, or
+            # another's, before the primary moved here): an append now would land past the
+            # suspension offset, in a spool nobody persists again, and be written over after
+            # the restart. A broker that is staying resumes it.
+            self._fail(
+                error=BrokerExiting(
+                    f"this broker is exiting and suspended {self.req.journal} for the restart; "
+                    "retry the append"
+                )
+            )
+            return
         if not index.first_refresh.is_set():
             # Only once the stores were listed is the index's end offset known.
             await wait_any(index.first_refresh, res.invalidated, timeout=FIRST_REFRESH_TIMEOUT)
@@ -364,7 +385,10 @@ class AppendFSM:
         ):
             self._fail(pb.REGISTER_MISMATCH)
             return
-        if spool.fragment.end < spec.suspend.offset:
+        if suspended and spool.fragment.end < spec.suspend.offset:
+            # Every byte before the offset was persisted when it was suspended. (Once resumed,
+            # the offset it keeps is history: a crash of every replica after the resume must
+            # meet INDEX_HAS_GREATER_OFFSET, not a silent roll over lost appends.)
             self.roll_to_offset = spec.suspend.offset
             self.state = State.SEND_PIPELINE_SYNC
             return
@@ -457,18 +481,27 @@ class AppendFSM:
             self.roll_to_offset = end
             self.state = State.SEND_PIPELINE_SYNC
             return
-        if end == 0 or not spec.fragment.stores:
-            self._fail(pb.SUSPENDED if end == 0 else pb.FRAGMENT_STORE_UNHEALTHY)
+        if end == 0:
+            self.ctx.sealed.add(self.req.journal)  # Empty: nothing to flush, nor to take.
+            self._fail(pb.SUSPENDED)
             return
+        if not spec.fragment.stores:
+            self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
+            return
+        res = self._res
         try:
             async with asyncio.timeout(FLUSH_TIMEOUT):
-                while not index.persisted_through(end):
-                    await wait_any(index.changed)
+                while not index.persisted_through(end) and not res.invalidated.is_set():
+                    await wait_any(index.changed, res.invalidated)
         except TimeoutError:
             self.store_health_error = index.refresh_error or f"not persisted through {end}"
             self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
             return
+        if res.invalidated.is_set():
+            self.state = State.RESOLVE  # The route changed meanwhile: decide again.
+            return
         if spec.suspend.level != pb.JournalSpec.Suspend.NONE and spec.suspend.offset == end:
+            self.ctx.sealed.add(self.req.journal)
             self._fail(pb.SUSPENDED)
             return
         self.next_suspend = pb.JournalSpec.Suspend(level=pb.JournalSpec.Suspend.PARTIAL, offset=end)
@@ -482,10 +515,13 @@ class AppendFSM:
         update.CopyFrom(self._spec)
         update.suspend.CopyFrom(self.next_suspend)
         key = res.item.key.encode()
+        # Under the route it was decided on: had any assignment changed since, another primary
+        # could have appended past the offset.
+        unchanged = [transactions.Mod(key) == res.item.mod_revision] + [
+            transactions.Mod(kv.key.encode()) == kv.mod_revision for kv in res.assignments
+        ]
         result = await etcdx.txn(
-            self.ctx.etcd,
-            [transactions.Mod(key) == res.item.mod_revision],
-            [transactions.Put(key, update.SerializeToString())],
+            self.ctx.etcd, unchanged, [transactions.Put(key, update.SerializeToString())]
         )
         self.read_through_rev = result.revision
         if not result.succeeded:
@@ -498,6 +534,7 @@ class AppendFSM:
             update.suspend.offset,
         )
         if self.flush_and_suspend:
+            self.ctx.sealed.add(self.req.journal)  # Before the pipeline is let go.
             self._fail(pb.SUSPENDED)  # Done: the exiting brokers' allocator need not act.
             return
         self.state = State.RESOLVE

