@@ -70,11 +70,15 @@ async def serve_replicate(
         taken = await take_unless(spool_queue, res.invalidated)
         spool = taken[1]
     header: pb.Header | None = res.header
+    # Until the stream's first content, it synchronizes a new pipeline (a new route): what it
+    # rolls may exist nowhere else once the old primary is gone, so it is persisted at once.
+    synchronizing = True
     try:
         request: pb.ReplicateRequest | None = first
         while request is not None:
+            synchronizing = synchronizing and not request.content
             try:
-                response = spool.apply(request, primary=False)
+                response = spool.apply(request, primary=False, persist_at_once=synchronizing)
             except SpoolError as exc:
                 # An invalid transition: the stream is unusable, the primary must rebuild.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"replicate: {exc}")

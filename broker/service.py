@@ -164,6 +164,8 @@ class JournalService(pb_grpc.JournalServicer):
             if not replica.primary:
                 if spec is not None and spec.suspend.level != pb.JournalSpec.Suspend.NONE:
                     return  # Its primary flushed and suspended it.
+                if not self._has_primary(replica):
+                    return  # Its primary is gone: nobody is left to flush it.
                 await wait_any(replica.spec_changed_event, replica.invalidated, timeout=0.5)
                 continue
             fsm = await self._flush(replica)
@@ -191,6 +193,13 @@ class JournalService(pb_grpc.JournalServicer):
 
         await fsm.run(receive)
         return fsm
+
+    @staticmethod
+    def _has_primary(replica: Replica) -> bool:
+        return any(
+            isinstance(kv.decoded, aks.Assignment) and kv.decoded.slot == 0
+            for kv in replica.assignments
+        )
 
     def _all_exiting(self, replica: Replica) -> bool:
         """Whether every member assigned to the replica's journal is exiting (or gone)."""

@@ -615,3 +615,42 @@ async def test_an_exiting_broker_does_not_resume_a_journal_another_one_flushed(
             suspend = (await client.list(pb.LabelSelector())).journals[0].spec.suspend
         assert (suspend.level, suspend.offset) == (pb.JournalSpec.Suspend.PARTIAL, 8), suspend
         assert outcome == grpc.StatusCode.UNAVAILABLE, outcome
+
+
+# ---- the fault campaign's finding 2: a fragment rolled by a new primary's synchronization -----
+
+
+async def test_a_replica_persists_at_once_the_fragment_a_new_primary_rolled(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+) -> None:
+    """`sigkill`, seed 20261124: the primary died with its open fragment on the replicas; a
+    new primary (with an empty spool) synchronized and rolled everyone past it. A replica
+    completed it, but as a replica it waited out the persist interval before persisting it, and
+    a second fault within that interval lost it. A fragment rolled by a synchronization (a new
+    pipeline: the route changed) is persisted at once by the replicas holding it."""
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    journal = "faults/sync-roll"
+    spec = journal_spec(journal, replication=2)
+    spec.fragment.stores.append("file:///fragments/")
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS, file_root=str(root), persist_interval=60.0
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", IDS[0]), ("local", IDS[1])])
+        await append(stub(brokers[0]), journal, b"first;")
+        await append(stub(brokers[0]), journal, b"second;")  # Rolls the first write's fragment.
+        await append(stub(brokers[0]), journal, b"third;")  # [13, 19): open, not persisted.
+        # The primary is gone; broker-c, with an empty spool, is the new primary.
+        await set_journal(etcd, etcd_prefix, spec, [("local", IDS[2]), ("local", IDS[1])])
+        response = await append(stub(brokers[2]), journal, b"fourth;", timeout=20)
+        assert (response.commit.begin, response.commit.end) == (19, 26)
+
+        def persisted() -> list[tuple[int, int]]:
+            directory = root / "fragments" / journal
+            names = [p.name.split("-") for p in directory.iterdir()] if directory.exists() else []
+            return sorted((int(n[0], 16), int(n[1], 16)) for n in names)
+
+        await until(lambda: (6, 19) in persisted() or (13, 19) in persisted(), timeout=10)

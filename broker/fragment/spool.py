@@ -200,7 +200,9 @@ class CompletedFragment:
 
     `primary` tells whether this broker was the journal's primary when the fragment completed:
     upstream's primary persists at once, while replicas queue the fragment and usually find it
-    already persisted.
+    already persisted. A replica also persists at once what a synchronization rolled (a new
+    pipeline, so a new route: the primary that held the fragment may be gone, and the replicas
+    joining now never held it); `primary` is set for it too.
     """
 
     __slots__ = (
@@ -484,14 +486,19 @@ class Spool:
 
     # --- Transitions -----------------------------------------------------------------------------
 
-    def apply(self, request: pb.ReplicateRequest, primary: bool = False) -> pb.ReplicateResponse:
+    def apply(
+        self, request: pb.ReplicateRequest, primary: bool = False, persist_at_once: bool = False
+    ) -> pb.ReplicateResponse:
         """Apply a content chunk or a proposal. A chunk answers an empty (OK) response or raises
         SpoolError; a proposal answers OK or PROPOSAL_MISMATCH. OSErrors of the spool file
         propagate and leave the spool as it was. `primary` is recorded on a fragment that this
-        request completes, for the persister."""
+        request completes, for the persister, which persists it at once (`persist_at_once`
+        asks the same of a replica: see CompletedFragment)."""
         if self._closed:
             raise SpoolError(f"the spool of {self._journal} is closed")
         if request.HasField("proposal"):
+            if persist_at_once and not primary:
+                return self._apply_proposal(request.proposal, request.registers, False, True)
             return self._apply_proposal(request.proposal, request.registers, primary)
         self._apply_content(request.content, request.content_delta)
         return pb.ReplicateResponse()
@@ -525,7 +532,11 @@ class Spool:
         self._delta += len(content)
 
     def _apply_proposal(
-        self, proposal: pb.Fragment, registers: pb.LabelSet, primary: bool
+        self,
+        proposal: pb.Fragment,
+        registers: pb.LabelSet,
+        primary: bool,
+        persist_at_once: bool = False,
     ) -> pb.ReplicateResponse:
         # Upstream rolls before noticing a foreign journal; a spool must never move for another
         # journal's proposal, so that one is refused first.
@@ -537,7 +548,7 @@ class Spool:
             # A peer knows a later offset (or the primary asks to start a new fragment here).
             # This happens even if the proposal then mismatches: answering with the rolled
             # fragment is how the primary learns the offset to roll everyone to.
-            self._roll(proposal, registers if end > self._end else None, primary)
+            self._roll(proposal, registers if end > self._end else None, primary or persist_at_once)
 
         if self._is_fragment(proposal, self._end, self._digest):
             if _labels_key(registers) == self._registers_key:
