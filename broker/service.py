@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ from broker.tasks import wait_any
 
 log = logging.getLogger(__name__)
 
+# How long a hole in a journal's offsets lasts before its primary warns of it (see
+# JournalService._report_holes): longer than a persist usually takes.
+HOLE_GRACE = 120.0
+
 Context = grpc.aio.ServicerContext[Any, Any]
 
 # Keeps each ListResponse within gRPC's 32 KiB buffer tier for typical specs (as upstream).
@@ -67,6 +72,8 @@ class JournalService(pb_grpc.JournalServicer):
         self.spool_dir = spool_dir or Path(tempfile.gettempdir())
         self.min_append_rate = min_append_rate
         self.persister = persister
+        # Holes in journals this broker leads: when each was first seen (None once reported).
+        self._holes: dict[str, dict[tuple[int, int], float | None]] = {}
         self.resolver = Resolver(
             ks, root, process_id, self.new_replica, max_replication=max_replication
         )
@@ -118,6 +125,32 @@ class JournalService(pb_grpc.JournalServicer):
             raise fsm.error
         if fsm.status not in (pb.OK, pb.SUSPENDED, pb.NOT_JOURNAL_PRIMARY_BROKER):
             log.debug("pulse of %s: %s", replica.journal, pb.Status.Name(fsm.status))
+        if replica.primary and replica.index.first_refresh.is_set():
+            self._report_holes(replica)
+
+    def _report_holes(self, replica: Replica) -> None:
+        """Warn, once per hole, of offsets of the journal that no fragment covers, local or
+        persisted, for HOLE_GRACE: content lost with every replica that held it, or gone from
+        the store. (A younger one is usually a fragment another replica is still persisting.)
+        The journal goes on past it, as the seed allows once every replica failed, and reads
+        from before it stop there as upstream's do, until the fragment after it is older than
+        OFFSET_JUMP_AGE; an operator reads on from its end with an explicit offset."""
+        now = time.monotonic()
+        seen = self._holes.setdefault(replica.journal, {})
+        holes = set(replica.index.holes())
+        for hole in list(seen):
+            if hole not in holes:
+                del seen[hole]  # Filled (listed after all) or no longer ours to report.
+        for hole in sorted(holes):
+            first = seen.setdefault(hole, now)
+            if first is not None and now - first >= HOLE_GRACE:
+                seen[hole] = None  # Reported.
+                log.warning(
+                    "journal %s has a hole at [%d, %d): no replica holds those offsets and no "
+                    "store has them (lost with every replica that held them, or removed from "
+                    "the store); reads from before it stop there: read on from offset %d",
+                    replica.journal, hole[0], hole[1], hole[1],
+                )  # fmt: skip
 
     async def flush_for_exit(self, timeout: float) -> None:
         """At a graceful exit: every journal whose members are all exiting (so no broker is

@@ -654,3 +654,56 @@ async def test_a_replica_persists_at_once_the_fragment_a_new_primary_rolled(
             return sorted((int(n[0], 16), int(n[1], 16)) for n in names)
 
         await until(lambda: (6, 19) in persisted() or (13, 19) in persisted(), timeout=10)
+
+
+# ---- the fault campaign's finding 4: a journal going on past a hole ---------------------------
+
+
+async def test_the_primary_tells_the_operator_of_a_hole_in_its_journal(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`etcd-outage`: every replica was lost one at a time, and the journal went on past the
+    offsets they held, with a hole nobody will fill: reads from before it stop there (as
+    upstream's, until the fragment after it is old) and nothing said so. Here the hole is a
+    fragment gone from the store. Once it has lasted HOLE_GRACE, the primary's pulse logs a
+    warning naming the journal, the offsets and what to do; once, not at every pulse."""
+    import logging
+
+    from broker import service as service_module
+
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    journal = "faults/hole"
+    spec = journal_spec(journal, length=4)  # Appends roll: fragments are persisted.
+    spec.fragment.stores.append("file:///fragments/")
+    monkeypatch.setattr(service_module, "HOLE_GRACE", 0.0)
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS, file_root=str(root)
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        for content in (b"one;", b"two;", b"six;", b"ten;"):
+            await append(stub(brokers[0]), journal, content)
+        directory = root / "fragments" / journal
+        await until(lambda: len(list(directory.iterdir())) >= 2)  # [0, 4) and [4, 12).
+        service = brokers[0].broker.service
+        replica = service.resolver.replicas[journal]  # type: ignore[union-attr,index]
+        assert replica.index.holes() == []
+        for path in directory.iterdir():
+            if path.name.startswith("0000000000000004-000000000000000c-"):
+                path.unlink()  # Gone from the store (a too eager retention, say).
+        # The local copies go once a listing covers them; the next listing then misses it.
+        for _ in range(2):
+            replica.index.refresh_requested.set()
+            await asyncio.sleep(0.3)
+        await until(lambda: replica.index.holes() == [(4, 12)])
+        with caplog.at_level(logging.WARNING, logger="broker.service"):
+            await service.pulse(replica)  # type: ignore[union-attr]
+            await service.pulse(replica)  # type: ignore[union-attr]
+        warnings = [r.getMessage() for r in caplog.records if "hole" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert journal in warnings[0] and "[4, 12)" in warnings[0], warnings[0]

@@ -149,3 +149,14 @@ def test_a_persisted_fragment_survives_a_listing_that_began_before_its_persist()
     index.replace_remote([fragment(0, 100, int(NOW)), fragment(100, 200, int(NOW))])
     assert closed == [100, 0]
     assert [f.file is None for f in index.fragments()] == [True, True]
+
+
+def test_holes_are_the_offsets_no_fragment_covers() -> None:
+    index = Index(JOURNAL)
+    index.replace_remote(
+        [fragment(0, 10, 100), fragment(10, 20, 100), fragment(5, 15, 100), fragment(30, 40, 100)]
+    )
+    index.on_complete(fragment(35, 50), Content())
+    index.on_commit(fragment(60, 70), Content())
+    assert index.holes() == [(20, 30), (50, 60)]
+    assert Index(JOURNAL).holes() == []

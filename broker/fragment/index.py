@@ -135,6 +135,18 @@ class Index:
     def begin_offset(self) -> int:
         return self._set.begin_offset()
 
+    def holes(self) -> list[tuple[int, int]]:
+        """The ranges [begin, end) between the index's first and last offsets that no fragment
+        covers, local or persisted: committed content nobody holds (lost with every replica
+        that held it, or gone from the store), or not listed yet."""
+        out: list[tuple[int, int]] = []
+        covered: int | None = None
+        for entry in self._set:
+            if covered is not None and entry.begin > covered:
+                out.append((covered, entry.begin))
+            covered = entry.end if covered is None else max(covered, entry.end)
+        return out
+
     def summary(self) -> tuple[int, int, int]:
         """(begin, end, mod_time of the last fragment: 0 if it is local)."""
         if not len(self._set):
