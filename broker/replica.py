@@ -19,7 +19,7 @@ from broker.fragment.spool import CompletedFragment, Spool
 from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2 as pb
 from broker.retry import Backoff
-from broker.tasks import TaskOwner, wait_any
+from broker.tasks import TaskOwner, take_unless, wait_any
 
 if TYPE_CHECKING:
     from broker.fragment.persister import Persister
@@ -66,6 +66,12 @@ class Replica:
         self._pulse_task: asyncio.Task[None] | None = None
         self._pulse_now = asyncio.Event()
         self.stopped = False
+        # While the broker cannot show that its etcd lease is alive (see `fence`): the token of
+        # the current fence, and whether the fence holds the pipeline slot (its pipeline torn
+        # down) rather than the queue.
+        self._fence: object | None = None
+        self._fence_holds = False
+        self._stopping = asyncio.Event()  # Set when `shutdown` begins.
 
     def start(self) -> None:
         """Start the fragment refresh daemon (listing the journal's stores)."""
@@ -126,6 +132,51 @@ class Replica:
             if self._pulse_task is asyncio.current_task():
                 self._pulse_task = None
 
+    # ---- fencing ------------------------------------------------------------------------------
+
+    @property
+    def fenced(self) -> bool:
+        return self._fence is not None
+
+    def fence(self) -> None:
+        """Take no more appends (and pulses) until `unfence`: the broker can no longer show that
+        its etcd lease is alive, so another broker may soon lead this journal (see
+        `Broker._keep_lease_alive`). The pipeline slot is taken from appends: at once if it is
+        free, else as soon as the append that owns it returns it; the pipeline is torn down,
+        which releases this replica's peers to whichever primary comes next. Appends wait for
+        the slot meanwhile. Serving Replicate streams and reads goes on."""
+        if self._fence is not None or self.stopped:
+            return
+        token = self._fence = object()
+        try:
+            pipeline = self.pipeline_queue.get_nowait()
+        except asyncio.QueueEmpty:
+            self.tasks.spawn(self._fence_when_free(token), "fence")
+            return
+        self._fence_holds = True
+        if pipeline is not None:
+            self.tasks.spawn(_tear_down(pipeline), "fence: pipeline teardown")
+
+    def unfence(self) -> None:
+        """Take appends again (the lease was refreshed)."""
+        if self._fence is None:
+            return
+        self._fence = None
+        if self._fence_holds:
+            self._fence_holds = False
+            self.pipeline_queue.put_nowait(None)
+
+    async def _fence_when_free(self, token: object) -> None:
+        pipeline = await self.pipeline_queue.get()
+        if self._fence is not token or self._fence_holds:
+            self.pipeline_queue.put_nowait(pipeline)  # Lifted meanwhile.
+            return
+        self._fence_holds = True
+        if pipeline is not None:
+            await _tear_down(pipeline)
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
     async def demote(self) -> None:
         """No longer the primary: stop pulsing and tear down the pipeline, which releases the
         spool for the new primary's Replicate stream. The spool and the index stay: this
@@ -134,7 +185,12 @@ class Replica:
         self._pulse_now.set()
         if self._pulse_task is not None:
             await asyncio.wait({self._pulse_task}, timeout=PULSE_STOP_TIMEOUT)
-        pipeline = await self.pipeline_queue.get()
+        if self._fence_holds:
+            return  # The fence tore the pipeline down already.
+        # A shutdown meanwhile takes the slot from the fence directly: stop waiting then.
+        taken, pipeline = await take_unless(self.pipeline_queue, self._stopping)
+        if not taken:
+            return
         try:
             if pipeline is not None:
                 await pipeline.shutdown(expect_err=False)
@@ -142,21 +198,69 @@ class Replica:
             self.pipeline_queue.put_nowait(None)
 
     async def shutdown(self) -> None:
-        """Stop the pulse and the refresh daemon, tear down the pipeline, and release the
-        spool's files (completed fragments still being persisted stay with the persister)."""
+        """Stop the pulse and the refresh daemon, tear down the pipeline, complete the open
+        fragment and hand it to the persister, and release the spool's files (completed
+        fragments still being persisted stay with the persister).
+
+        Completing the open fragment is what upstream's shutDownReplica does: the spool's
+        committed content may exist nowhere else once this replica is gone (every replica of
+        the journal may be going at once: a lapsed lease, a stop of every broker). Persisting it
+        is idempotent: committed bytes are the same on every replica that holds them, a store
+        never overwrites a path, and the index covers overlapping fragments. The persist itself
+        is the persister's (at a broker's exit, bounded by `Persister.stop`)."""
         self.stopped = True
+        self._stopping.set()
         self._spec_changed.set()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
-        # Let a pulse in flight finish (it is bounded), then the loop sees `stopped`.
+        # Let a pulse in flight finish (it is bounded), then the loop sees `stopped`. A fenced
+        # replica's pulse waits for the pipeline the fence holds: it is cancelled at once.
+        fenced, self._fence = self._fence is not None, None
         self._pulse_now.set()
-        await self.tasks.close(grace=PULSE_STOP_TIMEOUT)
-        pipeline = await self.pipeline_queue.get()
-        if pipeline is not None:
-            await pipeline.shutdown(expect_err=False)
+        await self.tasks.close(grace=0.0 if fenced else PULSE_STOP_TIMEOUT)
+        if self._fence_holds:
+            self._fence_holds = False  # Its pipeline was torn down: the slot passes to us.
+        else:
+            pipeline = await self.pipeline_queue.get()
+            if pipeline is not None:
+                await pipeline.shutdown(expect_err=False)
         spool = await self.spool_queue.get()
+        self._complete_open_fragment(spool)
         spool.close()
         self.index.close()
+
+    def _complete_open_fragment(self, spool: Spool) -> None:
+        """Roll the spool to an empty fragment at its end, as a primary's sync would: its
+        committed content becomes a completed fragment, which the observer hands to the index
+        and the persister (at once if this replica is the primary, else after the persist
+        interval, or at once when the broker is stopping). Uncommitted content was rolled back
+        by whoever released the spool."""
+        fragment = spool.fragment
+        if fragment.end == fragment.begin:
+            return
+        proposal = pb.Fragment(
+            journal=fragment.journal,
+            begin=fragment.end,
+            end=fragment.end,
+            compression_codec=fragment.compression_codec,
+        )
+        try:
+            spool.apply(
+                pb.ReplicateRequest(proposal=proposal, registers=spool.registers),
+                primary=self.primary,
+            )
+        except Exception as exc:
+            log.error(
+                "could not complete the open fragment of %s [%d, %d) at its shutdown: %r",
+                self.journal, fragment.begin, fragment.end, exc,
+            )  # fmt: skip
+
+
+async def _tear_down(pipeline: Pipeline) -> None:
+    try:
+        await pipeline.shutdown(expect_err=False)
+    except Exception as exc:
+        log.warning("tearing down a fenced pipeline failed: %r", exc)
 
 
 class _IndexObserver:

@@ -24,10 +24,11 @@ from aetcd import transactions
 from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate, broker_rules
 from broker.allocator import keyspace as aks
-from broker.fragment.persister import Persister
+from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
+from broker.retry import Backoff
 from broker.service import JournalService, add_journal_service
 from broker.tasks import TaskOwner
 
@@ -35,6 +36,15 @@ log = logging.getLogger(__name__)
 
 # At a graceful exit, how long flushing the journals nobody else can take over may last.
 FLUSH_ON_EXIT_TIMEOUT = 20.0
+# How long stopping the journal service may last: its replicas (each bounded), then the
+# persister's last attempts at what the spools held (FINAL_ATTEMPT_TIMEOUT).
+SERVICE_STOP_TIMEOUT = FINAL_ATTEMPT_TIMEOUT + 20.0
+
+
+def lease_retry_backoff() -> Backoff:
+    """Between failed refreshes of the etcd lease: soon, as etcd usually answers again within
+    a second or two of a restart (and keeps every lease alive across it)."""
+    return Backoff(initial=0.2, factor=1.5, maximum=0.5)
 
 
 class AnnounceError(RuntimeError):
@@ -102,6 +112,11 @@ class Broker:
         self._spool_dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
         self.lease_id = 0
+        self.lease_ttl = 0  # As etcd granted it, in seconds.
+        # Until when (event loop clock) etcd cannot have expired our lease: the send time of the
+        # last refresh it answered, plus the TTL. Past it (less a margin), appends stop.
+        self.lease_valid_until = 0.0
+        self.fenced = False
         # Keyspace watch, lease keep-alive, allocator: a failure of any stops the broker.
         self.tasks = TaskOwner("broker")
         self._allocator: asyncio.Task[None] | None = None
@@ -150,6 +165,8 @@ class Broker:
             ),
         )
         add_journal_service(self.service, self.server)
+        # After the resolver's observer: a replica started while fenced is fenced at once.
+        self.ks.add_observer(self._on_keyspace_update)
         bind = f"{self.config.bind_host()}:{self.config.port}"
         self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
@@ -198,8 +215,11 @@ class Broker:
             self.done.set()
 
     async def _grant_lease(self) -> None:
+        sent = asyncio.get_running_loop().time()
         lease = await self.etcd.lease(max(1, round(self.config.etcd_lease)))
         self.lease_id = lease.id
+        self.lease_ttl = int(lease.ttl) or max(1, round(self.config.etcd_lease))
+        self.lease_valid_until = sent + self.lease_ttl
 
     async def _announce(self) -> None:
         """Create our member key under a fresh lease. If a previous incarnation still holds it,
@@ -225,27 +245,112 @@ class Broker:
             await asyncio.sleep(1.0)
 
     async def _keep_lease_alive(self) -> None:
-        """Refresh the lease every third of its TTL. An etcd outage is survivable while the
-        lease may still be alive; once a full TTL passes without a refresh, or etcd says the
-        lease is gone, the broker must stop: its member key and assignments are gone with it."""
+        """Refresh the lease every third of its TTL; after a failed refresh, retry soon (see
+        `lease_retry_backoff`), each attempt bounded so that one hung call cannot use up the TTL.
+
+        The lease is lost only when etcd says so: a refresh answered with TTL <= 0 (expired or
+        revoked; etcd answers so for a lease it does not know). Then this raises LeaseLost, and
+        the broker exits, once its spools are persisted (`stop`: each replica's open fragment is
+        completed and the persister given FINAL_ATTEMPT_TIMEOUT).
+
+        While etcd does not answer, the lease may still be alive: etcd keeps leases across its
+        own restart (a new leader extends each by its TTL), so an etcd outage, however long, is
+        survivable. But once our own clock passes the TTL since the last refresh etcd answered
+        (counted from when we sent it, so never later than etcd's own expiry, less a margin),
+        etcd may have expired the lease: then other brokers, connected to etcd, may take over our
+        journals. Upstream's broker exits at that point (its etcd session ends once the TTL
+        passes without a keep-alive answer), losing what its spools alone held; this one stays
+        alive but *fenced*: every local replica stops taking appends (they wait) and tears down
+        its pipeline (`Replica.fence`), while reads and the Replicate streams of other primaries
+        go on. When a refresh succeeds again, the lease never lapsed (no broker could have taken
+        over: assignments live under our lease), and appends resume; when etcd says the lease
+        is gone, the broker exits as above.
+
+        Why fence rather than carry on until etcd answers: carrying on would be consistent for
+        a journal with peers (a new primary must synchronize the same replicas, whose spools our
+        pipeline holds until it ends, and replicas refuse a pipeline built on a route older than
+        theirs), but it would keep that new primary waiting as long as our pipeline lives, and a
+        journal of replication 1 has no peer to serialize us with its new primary at all: our
+        appends after the lapse would be acknowledged in a spool the journal has left behind.
+        Fenced, no append is acknowledged here after etcd could have expired the lease (beyond
+        one already committing when the fence fell), and our peers are free for the next
+        primary at once."""
         loop = asyncio.get_running_loop()
-        ttl = self.config.etcd_lease
+        ttl = float(self.lease_ttl or max(1, round(self.config.etcd_lease)))
         interval = max(0.1, ttl / 3)
-        last_ok = loop.time()
+        attempt_bound = min(2.0, max(0.5, ttl / 5))
+        margin = min(1.0, ttl / 10)
+        backoff = lease_retry_backoff()
+        failing_since = 0.0
+        delay = interval
+
+        def fence_at() -> float:
+            return self.lease_valid_until - margin
+
         while True:
-            await asyncio.sleep(interval)
+            if not self.fenced:
+                delay = min(delay, max(0.0, fence_at() - loop.time()))
+            await asyncio.sleep(delay)
+            if not self.fenced and loop.time() >= fence_at():
+                self._fence(ttl, loop.time() - self.lease_valid_until + ttl)
+            sent = loop.time()
+            bound = attempt_bound
+            if not self.fenced:
+                bound = min(bound, max(0.05, fence_at() - sent))
             try:
-                reply = await asyncio.wait_for(self.etcd.refresh_lease(self.lease_id), interval)
+                reply = await asyncio.wait_for(self.etcd.refresh_lease(self.lease_id), bound)
+                error: BaseException | None = None
             except (TimeoutError, etcd_errors.ClientError, grpc.aio.AioRpcError) as exc:
-                if loop.time() - last_ok > ttl:
-                    raise LeaseLost(
-                        f"etcd lease of {self.member_key} lapsed: no refresh for {ttl:g}s ({exc})"
-                    ) from None
-                log.warning("refreshing the etcd lease failed (retrying): %s", exc)
-                continue
-            if reply is None or reply.TTL <= 0:
+                reply, error = None, exc
+            if reply is not None and reply.TTL <= 0:
                 raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
-            last_ok = loop.time()
+            if reply is None:
+                if not failing_since:
+                    failing_since = sent
+                    log.warning(
+                        "refreshing the etcd lease failed (retrying): %s",
+                        error or "no answer",
+                    )
+                if not self.fenced and loop.time() >= fence_at():
+                    self._fence(ttl, loop.time() - self.lease_valid_until + ttl)
+                delay = backoff.next_delay()
+                continue
+            backoff.reset()
+            self.lease_valid_until = sent + reply.TTL
+            if failing_since:
+                log.info("etcd lease refreshed again after %.1fs", loop.time() - failing_since)
+                failing_since = 0.0
+            if self.fenced:
+                self._unfence()
+            delay = interval
+
+    def _fence(self, ttl: float, silent: float) -> None:
+        """Our lease may have lapsed in etcd: stop taking appends (see `_keep_lease_alive`)."""
+        self.fenced = True
+        log.warning(
+            "etcd answered no lease refresh for %.1fs (TTL %gs): %s may have lost its lease; "
+            "appends are paused until etcd answers (the broker exits if etcd says the lease "
+            "is gone)",
+            silent, ttl, self.member_key,
+        )  # fmt: skip
+        self._apply_fence()
+
+    def _unfence(self) -> None:
+        self.fenced = False
+        log.warning("etcd lease of %s is alive: appends resume", self.member_key)
+        self._apply_fence()
+
+    def _apply_fence(self) -> None:
+        replicas = self.service.resolver.replicas if self.service is not None else None
+        for replica in (replicas or {}).values():
+            if self.fenced:
+                replica.fence()
+            else:
+                replica.unfence()
+
+    def _on_keyspace_update(self, _update: object) -> None:
+        if self.fenced:
+            self._apply_fence()  # Replicas started meanwhile.
 
     async def _await_drain(self) -> None:
         """Until the allocator returns (drained), the timeout passes, or no live member is left
@@ -299,9 +404,14 @@ class Broker:
             await self.server.stop(grace)
             self.server = None
         if self.service is not None:
+            # Its replicas complete their open fragments and the persister puts what they held
+            # in the stores (bounded): after a lapsed lease too, as every replica of a journal
+            # may be going at once (etcd is often what failed, and the stores still answer).
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.service.stop(), 30)
+                await asyncio.wait_for(self.service.stop(), SERVICE_STOP_TIMEOUT)
             self.service = None
+        with contextlib.suppress(ValueError):
+            self.ks.remove_observer(self._on_keyspace_update)
         if self._spool_dir is not None:
             self._spool_dir.cleanup()
             self._spool_dir = None

@@ -4,7 +4,7 @@ As upstream: the journal's primary persists a fragment as soon as the spool comp
 replicas wait `persist_interval` and then usually find it already persisted (an `exists` check).
 Fragments are content-addressed, so persisting is idempotent: a fragment already in the store is
 never written again, and a put never overwrites. Failures retry with backoff until the fragment is
-persisted, the journal is deleted, or the broker stops (when it makes one last attempt).
+persisted, the journal is deleted, or the broker stops (when it keeps trying, for a bounded time).
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def store_backoff() -> Backoff:
     return Backoff(initial=0.1, factor=3.0, maximum=60.0)
 
 
-# How long a stopping broker keeps trying to persist what it still holds.
+# How long a stopping broker keeps trying to persist what it still holds (its spools' content,
+# the open fragments included: see Replica.shutdown), and how soon it tries again meanwhile.
 FINAL_ATTEMPT_TIMEOUT = 30.0
+STOPPING_RETRY_DELAY = 0.5
 
 
 @functools.lru_cache(maxsize=256)
@@ -128,8 +130,13 @@ class Persister:
                     fragment = await asyncio.to_thread(self._persist_blocking, spec, completed)
                 except Exception as exc:
                     if self._stopping.is_set():
-                        log.error("could not persist %r before stopping: %s", completed, exc)
-                        return
+                        # The broker is exiting, and this may be the last copy: try again
+                        # until `stop` gives up on it.
+                        log.warning(
+                            "persisting %r before stopping failed (retrying): %s", completed, exc
+                        )
+                        await asyncio.sleep(STOPPING_RETRY_DELAY)
+                        continue
                     delay = backoff.next_delay()
                     log.warning(
                         "persisting %r failed (attempt %d, retrying in %.1fs): %s",
@@ -140,6 +147,10 @@ class Persister:
                 if not replica.stopped:
                     replica.index.add_remote(fragment)
                 return
+        except asyncio.CancelledError:
+            if self._stopping.is_set():
+                log.error("could not persist %r before stopping", completed)
+            raise
         finally:
             completed.close()
 
@@ -207,6 +218,7 @@ class Persister:
     # ---- lifetime -----------------------------------------------------------------------------
 
     async def stop(self, timeout: float = FINAL_ATTEMPT_TIMEOUT) -> None:
-        """Persist what is still held at once (the last attempt for each), then stop."""
+        """Persist what is still held at once, trying again after a failure, for up to
+        `timeout` seconds (what is not persisted by then is given up, and logged), then stop."""
         self._stopping.set()
         await self.tasks.close(grace=timeout)
