@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -35,9 +36,31 @@ log = logging.getLogger(__name__)
 PERSIST_INTERVAL = 60.0
 
 
-def store_backoff() -> Backoff:
-    """Between failed persists or listings: 0.1 s, growing threefold to a minute."""
-    return Backoff(initial=0.1, factor=3.0, maximum=60.0)
+# Between failed persists or listings: 0.1 s, doubling to STORE_RETRY_MAX, so that once a store
+# is back, what waits for it goes on within seconds. (A cap of a minute let a series of short
+# store outages hold a journal for half a minute: fault campaign finding 6.)
+STORE_RETRY_MAX = 5.0
+# Until a replica's first listing succeeds, appends to it wait for one: retried sooner.
+FIRST_LISTING_RETRY_MAX = 1.0
+# A store client may also retry a failed call within itself, for long: the GCS client backs off
+# up to a minute, for up to two, so a listing begun in an outage may end well after the store is
+# back. Until a replica's first listing succeeds, a listing still out after this long does not
+# hold its appends: another starts beside it, while fewer than FIRST_LISTINGS younger than
+# FIRST_LISTING_AGE are out, and the first to succeed is taken.
+FIRST_LISTING_PATIENCE = 1.5
+FIRST_LISTINGS = 4
+FIRST_LISTING_AGE = 6.0
+
+# Store calls run on threads of their own: calls held in a store client's retries must not hold
+# the event loop's default executor (reads and the allocator use it), nor listings wait behind
+# persists.
+_LISTERS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="store-list")
+_PERSISTERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="store-persist")
+
+
+def store_backoff(maximum: float = STORE_RETRY_MAX) -> Backoff:
+    """Between failed persists or listings: 0.1 s, doubling to `maximum`."""
+    return Backoff(initial=0.1, factor=2.0, maximum=maximum)
 
 
 # How long a stopping broker keeps trying to persist what it still holds (its spools' content,
@@ -127,7 +150,9 @@ class Persister:
                 if spec is None or not spec.fragment.stores:
                     return  # No stores: the journal works, but never persists (as upstream).
                 try:
-                    fragment = await asyncio.to_thread(self._persist_blocking, spec, completed)
+                    fragment = await asyncio.get_running_loop().run_in_executor(
+                        _PERSISTERS, self._persist_blocking, spec, completed
+                    )
                 except Exception as exc:
                     if self._stopping.is_set():
                         # The broker is exiting, and this may be the last copy: try again
@@ -191,29 +216,78 @@ class Persister:
     async def refresh_loop(self, replica: JournalReplica) -> None:
         """The fragment refresh daemon of a replica: list its stores every refresh_interval (or
         sooner when the index asks, after a persist) and replace the index's remote fragments.
-        The first listing releases waiting appends."""
-        backoff = store_backoff()
+        The first listing releases waiting appends: until it succeeds, failures are retried
+        within FIRST_LISTING_RETRY_MAX, and a listing held in the store client's own retries
+        does not hold the appends (see `_first_listing`)."""
+        backoff = store_backoff(FIRST_LISTING_RETRY_MAX)
+        loop = asyncio.get_running_loop()
         while not replica.stopped:
             spec = replica.spec
             if spec is None:
                 await replica.spec_changed_event.wait()
                 continue
+            first = not replica.index.first_refresh.is_set()
+            interval = spec.fragment.refresh_interval.seconds or 60
             try:
-                listed = await asyncio.to_thread(self.list_blocking, replica.journal, spec)
+                if first:
+                    listed = await self._first_listing(replica, spec)
+                else:
+                    listed = await loop.run_in_executor(
+                        _LISTERS, self.list_blocking, replica.journal, spec
+                    )
             except Exception as exc:
-                delay = backoff.next_delay()
+                delay = min(backoff.next_delay(), interval)
                 replica.index.refresh_error = f"listing fragments: {exc}"
                 log.warning("listing fragments of %s failed: %s", replica.journal, exc)
             else:
-                backoff.reset()
+                backoff = store_backoff()  # Reset; and past the first listing, capped higher.
                 replica.index.refresh_error = ""
                 if replica.stopped:
                     return
                 replica.index.replace_remote(listed)
-                delay = spec.fragment.refresh_interval.seconds or 60
+                delay = interval
             requested = replica.index.refresh_requested
             await wait_any(requested, replica.spec_changed_event, timeout=delay)
             requested.clear()
+
+    async def _first_listing(
+        self, replica: JournalReplica, spec: pb.JournalSpec
+    ) -> list[pb.Fragment]:
+        """A listing of `spec`'s stores for a replica whose appends wait for its first one. A
+        call out for FIRST_LISTING_PATIENCE (held in the store client's retries, typically) is
+        not waited for alone: another starts beside it, so that one begins soon after the store
+        is back. Raises the error of the first call to fail (the caller retries); calls still out
+        then are let go (a thread cannot be stopped: each ends with its client's retries, and
+        its result is dropped)."""
+        loop = asyncio.get_running_loop()
+        calls: dict[asyncio.Future[list[pb.Fragment]], float] = {}  # -> when it started
+        try:
+            while True:
+                now = loop.time()
+                young = sum(1 for at in calls.values() if now - at < FIRST_LISTING_AGE)
+                if young < FIRST_LISTINGS:
+                    if len(calls) == 1:
+                        log.warning(
+                            "listing fragments of %s: no answer from its store for %.1fs; "
+                            "listing again beside it", replica.journal, now - min(calls.values()),
+                        )  # fmt: skip
+                    spec = replica.spec or spec
+                    call = loop.run_in_executor(_LISTERS, self.list_blocking, replica.journal, spec)
+                    calls[call] = now
+                done, _ = await asyncio.wait(
+                    calls, timeout=FIRST_LISTING_PATIENCE, return_when=asyncio.FIRST_COMPLETED
+                )
+                error: BaseException | None = None
+                for call in done:
+                    del calls[call]
+                    if call.exception() is None:
+                        return call.result()
+                    error = call.exception()
+                if error is not None:
+                    raise error
+        finally:
+            for call in calls:
+                call.cancel()  # One not started yet never runs.
 
     # ---- lifetime -----------------------------------------------------------------------------
 
