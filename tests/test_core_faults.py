@@ -693,14 +693,20 @@ async def test_the_primary_tells_the_operator_of_a_hole_in_its_journal(
         service = brokers[0].broker.service
         replica = service.resolver.replicas[journal]  # type: ignore[union-attr,index]
         assert replica.index.holes() == []
+
+        def listed_and_refreshed(want: bool) -> bool:
+            # The local copy goes once a listing covers it; then a listing misses it.
+            replica.index.refresh_requested.set()
+            local = [(f.begin, f.end) for f in replica.index.local_fragments()]
+            every = [(f.begin, f.end) for f in replica.index.fragments()]
+            return (4, 12) not in local and ((4, 12) in every) == want
+
+        await until(lambda: listed_and_refreshed(True), timeout=30)
         for path in directory.iterdir():
             if path.name.startswith("0000000000000004-000000000000000c-"):
                 path.unlink()  # Gone from the store (a too eager retention, say).
-        # The local copies go once a listing covers them; the next listing then misses it.
-        for _ in range(2):
-            replica.index.refresh_requested.set()
-            await asyncio.sleep(0.3)
-        await until(lambda: replica.index.holes() == [(4, 12)])
+        await until(lambda: listed_and_refreshed(False), timeout=30)
+        assert replica.index.holes() == [(4, 12)]
         with caplog.at_level(logging.WARNING, logger="broker.service"):
             await service.pulse(replica)  # type: ignore[union-attr]
             await service.pulse(replica)  # type: ignore[union-attr]

@@ -1322,7 +1322,9 @@ def test_an_append_with_another_clusters_header_is_refused_cleanly(live: Live) -
 
 def test_an_append_past_the_largest_offset_is_refused_cleanly(live: Live) -> None:
     spec = spec_of(EDGE, stores=())
-    spec.suspend.offset = MAX64 - 1  # Where the journal's next write begins.
+    # Suspended where the journal's next write begins: its first append resumes it there.
+    spec.suspend.level = pb.JournalSpec.Suspend.PARTIAL
+    spec.suspend.offset = MAX64 - 1
     applied = pb.ApplyRequest(changes=[pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=-1)])
     _, error = invoke(live.channel, "Apply", [payload(applied)], LONG)
     assert error is None, error
