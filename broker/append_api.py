@@ -176,6 +176,24 @@ def peer_error(member: pb.ProcessSpec.ID, exc: grpc.aio.AioRpcError) -> str:
     return f"proxying to broker {member.zone}/{member.suffix}: {exc.code().name}: {exc.details()}"
 
 
+# What gRPC's own client says when a message could not be sent on a stream the peer already
+# ended or reset: the peer's answer, if it gave one, is lost.
+_CORE_SEND_FAILURE = "Internal error from Core"
+
+
+def relayed_code(exc: grpc.aio.AioRpcError) -> grpc.StatusCode:
+    """The status a proxying broker answers for a call to a peer that failed: the peer's own,
+    except where the call failed on the way rather than at the peer (a stream it reset, its
+    server stopping under us): the peer is unavailable, which every client retries, not
+    INTERNAL or CANCELLED, which none does."""
+    code = exc.code()
+    if code == grpc.StatusCode.CANCELLED or (
+        code == grpc.StatusCode.INTERNAL and exc.details() == _CORE_SEND_FAILURE
+    ):
+        return grpc.StatusCode.UNAVAILABLE
+    return code
+
+
 async def proxy_append(
     ctx: BrokerContext,
     fsm: AppendFSM,
@@ -195,17 +213,23 @@ async def proxy_append(
     out.header.CopyFrom(res.header)
     call = ctx.dialer.journal_stub(endpoint).Append()
     try:
-        await call.write(out)
-        async for request in iterator:
-            await call.write(request)
-        await call.done_writing()
+        try:
+            await call.write(out)
+            async for request in iterator:
+                if call.done():
+                    break  # The primary answered before the stream's end; it reads no more.
+                await call.write(request)
+            else:
+                await call.done_writing()
+        except asyncio.InvalidStateError:
+            pass  # As above, between the check and the write: its answer is what we relay.
         response: pb.AppendResponse = await call
         return response
     except grpc.aio.AioRpcError as exc:
         call.cancel()  # The primary rolls back a stream that ends without its commit.
         # The client sees the primary's own status (UNAVAILABLE when it is down), which it
         # knows to retry, rather than UNKNOWN.
-        await context.abort(exc.code(), peer_error(route.members[route.primary], exc))
+        await context.abort(relayed_code(exc), peer_error(route.members[route.primary], exc))
         raise  # (abort raises)
     except BaseException:
         call.cancel()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker.append_api import peer_error
+from broker.append_api import peer_error, relayed_code
 from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
@@ -64,7 +64,7 @@ async def serve_read(
                 yield response
         except grpc.aio.AioRpcError as exc:
             # The replica's own status (UNAVAILABLE when it is down), not UNKNOWN.
-            await context.abort(exc.code(), peer_error(res.header.process_id, exc))
+            await context.abort(relayed_code(exc), peer_error(res.header.process_id, exc))
         return
 
     replica = res.replica

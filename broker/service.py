@@ -194,6 +194,8 @@ class JournalService(pb_grpc.JournalServicer):
         backoff = Backoff(initial=0.1, factor=2.0, maximum=1.0)
         while not replica.stopped and replica.journal not in self.ctx.sealed:
             spec = replica.spec
+            if spec is not None and not spec.fragment.stores:
+                return  # Nothing to persist it to: its content lives only as long as a replica.
             if not replica.primary:
                 if spec is not None and spec.suspend.level != pb.JournalSpec.Suspend.NONE:
                     return  # Its primary flushed and suspended it.

@@ -617,6 +617,31 @@ async def test_an_exiting_broker_does_not_resume_a_journal_another_one_flushed(
         assert outcome == grpc.StatusCode.UNAVAILABLE, outcome
 
 
+async def test_the_exit_flush_leaves_a_journal_without_stores_alone(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A journal with no fragment store cannot be flushed (its content lives as long as a
+    replica does): the exit flush must not try again and again until its timeout (it did, for
+    20 s, at every stop of a broker holding one), nor suspend it."""
+    import logging
+
+    journal = "faults/no-stores"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS[:1]) as brokers:
+        spec = journal_spec(journal, replication=1)
+        await set_journal(etcd, etcd_prefix, spec, [("local", IDS[0])])
+        await append(stub(brokers[0]), journal, b"kept only here;")
+        with caplog.at_level(logging.WARNING, logger="broker.service"):
+            await brokers[0].broker.service.flush_for_exit(timeout=3)  # type: ignore[union-attr]
+        async with brokers[0].client() as client:
+            spec = (await client.list(pb.LabelSelector())).journals[0].spec
+    assert spec.suspend.level == pb.JournalSpec.Suspend.NONE, spec.suspend
+    warnings = [r.getMessage() for r in caplog.records]
+    assert not any("flush" in w for w in warnings), warnings
+
+
 # ---- the fault campaign's finding 2: a fragment rolled by a new primary's synchronization -----
 
 
