@@ -25,6 +25,7 @@ from broker.append_fsm import (
     OffsetOverflow,
     State,
 )
+from broker.client.routes import CORE_SEND_FAILURE
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
@@ -176,11 +177,6 @@ def peer_error(member: pb.ProcessSpec.ID, exc: grpc.aio.AioRpcError) -> str:
     return f"proxying to broker {member.zone}/{member.suffix}: {exc.code().name}: {exc.details()}"
 
 
-# What gRPC's own client says when a message could not be sent on a stream the peer already
-# ended or reset: the peer's answer, if it gave one, is lost.
-_CORE_SEND_FAILURE = "Internal error from Core"
-
-
 def relayed_code(exc: grpc.aio.AioRpcError) -> grpc.StatusCode:
     """The status a proxying broker answers for a call to a peer that failed: the peer's own,
     except where the call failed on the way rather than at the peer (a stream it reset, its
@@ -188,7 +184,7 @@ def relayed_code(exc: grpc.aio.AioRpcError) -> grpc.StatusCode:
     INTERNAL or CANCELLED, which none does."""
     code = exc.code()
     if code == grpc.StatusCode.CANCELLED or (
-        code == grpc.StatusCode.INTERNAL and exc.details() == _CORE_SEND_FAILURE
+        code == grpc.StatusCode.INTERNAL and exc.details() == CORE_SEND_FAILURE
     ):
         return grpc.StatusCode.UNAVAILABLE
     return code

@@ -17,8 +17,10 @@ import aetcd
 import grpc
 import pytest
 
+from broker.append_api import relayed_code
 from broker.client.append_service import AppendService
 from broker.client.appender import append
+from broker.client.routes import CORE_SEND_FAILURE, is_transient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from tests.journals_testing import journal_spec, set_journal, started_brokers
@@ -135,3 +137,29 @@ async def test_append_service_retries_a_proxied_append_through_a_primary_change(
     # Every batch once (a batch the stopped primary acknowledged may repeat only if it was
     # retried without an answer; here each got one).
     assert sorted(set(pieces)) == [b"%03d" % i for i in range(40)]
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "transient", "relayed"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "Cancelling all calls", True, grpc.StatusCode.UNAVAILABLE),
+        (grpc.StatusCode.INTERNAL, CORE_SEND_FAILURE, True, grpc.StatusCode.UNAVAILABLE),
+        (grpc.StatusCode.CANCELLED, "Locally cancelled", False, grpc.StatusCode.UNAVAILABLE),
+        (grpc.StatusCode.INTERNAL, "a bug at the peer", False, grpc.StatusCode.INTERNAL),
+        (grpc.StatusCode.INVALID_ARGUMENT, "bad name", False, grpc.StatusCode.INVALID_ARGUMENT),
+        (grpc.StatusCode.UNKNOWN, "Unexpected error", False, grpc.StatusCode.UNKNOWN),
+    ],
+)
+def test_which_failures_clients_retry_and_proxies_answer_unavailable(
+    code: grpc.StatusCode, details: str, transient: bool, relayed: grpc.StatusCode
+) -> None:
+    """A send that failed in gRPC's own client (the peer had reset the stream) carried no
+    answer: clients retry it (for an append, its commit was never sent), and a proxy answers it
+    UNAVAILABLE; a peer's own INTERNAL or UNKNOWN is relayed as it is, and not retried."""
+    exc = rpc_error(code, details)
+    assert is_transient(exc) is transient
+    assert relayed_code(exc) == relayed

@@ -20,7 +20,7 @@ from typing import IO, Any, NamedTuple
 import grpc
 
 from broker.client.appender import AppendError, append
-from broker.client.routes import RETRYABLE, Router
+from broker.client.routes import RETRYABLE, Router, is_transient
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.retry import Backoff
 
@@ -159,11 +159,7 @@ class _Journal:
                     return
                 error: BaseException = exc
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.ABORTED,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
+                if not is_transient(exc):
                     self._fail(batch, exc)
                     return
                 error = exc

@@ -32,6 +32,19 @@ RETRYABLE = frozenset(
 RETRYABLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
+# What gRPC's own client reports (as INTERNAL) when a message could not be sent on a stream the
+# peer already ended or reset; the peer's answer, if it gave one, is lost.
+CORE_SEND_FAILURE = "Internal error from Core"
+
+
+def is_transient(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the same call can succeed a moment later: the broker was unreachable, or the
+    call failed on its way to it (for an append, before its commit was sent, so nothing was
+    written by it)."""
+    code = exc.code()
+    return code in RETRYABLE_CODES or (
+        code == grpc.StatusCode.INTERNAL and exc.details() == CORE_SEND_FAILURE
+    )
 
 
 class RouteCache:
@@ -110,7 +123,7 @@ async def append_routed(
                 raise
         except grpc.aio.AioRpcError as exc:
             router.cache.drop(journal)
-            if exc.code() not in RETRYABLE_CODES or attempt == attempts - 1:
+            if not is_transient(exc) or attempt == attempts - 1:
                 raise
         else:
             router.observe(journal, response.header)
