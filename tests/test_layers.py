@@ -1,7 +1,7 @@
 """The layers of the code, checked on its imports: production code never imports the test
 harness; the fragment layer knows nothing of replicas, resolvers or pipelines; the handlers
 and the append FSM never import the service (they get a BrokerContext); the client library
-imports nothing of the broker server."""
+imports nothing of the broker server; consumers build on the broker's public parts only."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def python_files(*folders: str) -> list[Path]:
 
 def test_production_code_never_imports_the_test_harness() -> None:
     files = [
-        p for p in python_files("broker", "spec", "gazctl") if "broker/testing" not in p.as_posix()
+        p
+        for p in python_files("broker", "consumer", "spec", "gazctl")
+        if "broker/testing" not in p.as_posix()
     ]
     assert offenders(files, ("broker.testing", "tests")) == []
 
@@ -81,3 +83,29 @@ def test_the_client_library_imports_nothing_of_the_broker_server() -> None:
         "broker.context",
     )
     assert offenders(python_files("broker/client", "broker/message"), forbidden) == []
+
+
+# What consumers may use of `broker`: its client library, protocol, keyspace mirror, allocator,
+# messages, and the small shared helpers (retries, task ownership, etcd connection settings).
+CONSUMER_MAY_USE = (
+    "broker.client",
+    "broker.protocol",
+    "broker.keyspace",
+    "broker.allocator",
+    "broker.message",
+    "broker.retry",
+    "broker.tasks",
+    "broker.etcd",
+)
+
+
+def test_consumers_build_on_the_public_parts_of_the_broker() -> None:
+    found = []
+    for path in python_files("consumer"):
+        for module in sorted(imports_of(path)):
+            if module == "broker" or (
+                module.startswith("broker.") and not module.startswith(CONSUMER_MAY_USE)
+            ):
+                found.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert python_files("consumer"), "no consumer package"
+    assert found == []

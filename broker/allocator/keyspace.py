@@ -115,7 +115,9 @@ def build_route(
     for assignment in decoded:
         member = members(assignment.member_zone, assignment.member_suffix)
         spec = member.spec if member is not None else None
-        endpoints.append(spec.process_spec.endpoint if isinstance(spec, pb.BrokerSpec) else "")
+        # A BrokerSpec's or a ConsumerSpec's process: routes of shards carry consumer endpoints.
+        process = getattr(spec, "process_spec", None)
+        endpoints.append(process.endpoint if isinstance(process, pb.ProcessSpec) else "")
     if any(endpoints):
         route.endpoints.extend(endpoints)
     return route

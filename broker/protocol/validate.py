@@ -46,7 +46,11 @@ __all__ = [
     "PATH_SYMBOLS",
     "TOKEN_SYMBOLS",
     "ValidationError",
+    "at_field",
     "clean_path",
+    "duration_ns",
+    "format_duration",
+    "show",
     "validate_apply_request",
     "validate_broker_spec",
     "validate_endpoint",
@@ -176,6 +180,13 @@ def _duration(ns: int) -> str:
 
 def _nanos(duration: duration_pb2.Duration) -> int:
     return int(duration.seconds) * _SECOND_NS + int(duration.nanos)
+
+
+# Public names of the renderers, for the specs of other packages (consumer shards).
+format_duration = _duration
+duration_ns = _nanos
+at_field = _at
+show = _show
 
 
 # --- Tokens and paths ---------------------------------------------------------------------------
