@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from broker.protocol import consumer_pb2 as cpb
 from broker.protocol import labels as broker_labels
+from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import (
     ValidationError,
     at_field,
@@ -235,6 +236,14 @@ def _copy(spec: cpb.ShardSpec) -> cpb.ShardSpec:
     return out
 
 
+def _set_labels(spec: cpb.ShardSpec, labels: pb.LabelSet) -> None:
+    # An empty set is left absent, so that specs compare equal however they were built.
+    if labels.labels:
+        spec.labels.CopyFrom(labels)
+    else:
+        spec.ClearField("labels")
+
+
 def union_shard_specs(a: cpb.ShardSpec, b: cpb.ShardSpec) -> cpb.ShardSpec:
     """`a` with each of its zero-valued fields taken from `b` (labels: the union, `a`'s value
     where both name a single-valued label). The id is `a`'s."""
@@ -245,9 +254,9 @@ def union_shard_specs(a: cpb.ShardSpec, b: cpb.ShardSpec) -> cpb.ShardSpec:
         if not getattr(out, name):
             setattr(out, name, getattr(b, name))
     for name in _DURATIONS:
-        if duration_ns(getattr(out, name)) == 0:
+        if duration_ns(getattr(out, name)) == 0 and duration_ns(getattr(b, name)) != 0:
             getattr(out, name).CopyFrom(getattr(b, name))
-    out.labels.CopyFrom(broker_labels.union(a.labels, b.labels))
+    _set_labels(out, broker_labels.union(a.labels, b.labels))
     return out
 
 
@@ -262,7 +271,7 @@ def intersect_shard_specs(a: cpb.ShardSpec, b: cpb.ShardSpec) -> cpb.ShardSpec:
     for name in _DURATIONS:
         if duration_ns(getattr(a, name)) != duration_ns(getattr(b, name)):
             out.ClearField(name)
-    out.labels.CopyFrom(broker_labels.intersect(a.labels, b.labels))
+    _set_labels(out, broker_labels.intersect(a.labels, b.labels))
     return out
 
 
@@ -277,5 +286,5 @@ def subtract_shard_specs(a: cpb.ShardSpec, b: cpb.ShardSpec) -> cpb.ShardSpec:
     for name in _DURATIONS:
         if duration_ns(getattr(a, name)) == duration_ns(getattr(b, name)):
             out.ClearField(name)
-    out.labels.CopyFrom(broker_labels.subtract(a.labels, b.labels))
+    _set_labels(out, broker_labels.subtract(a.labels, b.labels))
     return out
