@@ -1,0 +1,288 @@
+"""The Shard service's keyspace RPCs (List, Apply, GetHints, Unassign) against a real etcd, with
+the consumer keyspace mirrored and watched as a consumer process mirrors it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aetcd
+import pytest
+from google.protobuf import duration_pb2
+
+from broker.allocator import keyspace as aks
+from broker.keyspace import KeySpace
+from broker.protocol import labels
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import recorded_op_pb2 as rpb
+from broker.protocol.validate import ValidationError
+from consumer.keyspace import consumer_decoder
+from consumer.protocol import cpb
+from consumer.recoverylog.hints import encode_hints
+from consumer.shard_api import (
+    HintsError,
+    ShardState,
+    apply_shards,
+    get_hints,
+    list_shards,
+    unassign_shards,
+)
+
+PID = pb.ProcessSpec.ID(zone="local", suffix="consumer-a")
+HINTS = "/gazette-test-hints"
+
+
+@pytest.fixture
+async def state(etcd: aetcd.Client, etcd_prefix: str) -> AsyncIterator[ShardState]:
+    root = etcd_prefix + "/consumers"
+    ks = KeySpace(root, consumer_decoder(root), apply_delay=0.0)
+    await ks.load(etcd)
+    watch = asyncio.create_task(ks.watch(etcd))
+    try:
+        yield ShardState(etcd, ks, root, PID)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        await etcd.delete_prefix(HINTS.encode())  # Hints live outside the consumer's root.
+
+
+def spec(shard_id: str, **fields: object) -> cpb.ShardSpec:
+    out = cpb.ShardSpec(
+        id=shard_id,
+        sources=[cpb.ShardSpec.Source(journal=f"input/{shard_id}")],
+        recovery_log_prefix="recovery/logs",
+        hint_prefix=HINTS,
+        hint_backups=2,
+        max_txn_duration=duration_pb2.Duration(seconds=1),
+    )
+    for name, value in fields.items():
+        if hasattr(value, "CopyFrom"):
+            getattr(out, name).CopyFrom(value)
+        else:
+            setattr(out, name, value)
+    return out
+
+
+def upsert(s: cpb.ShardSpec, revision: int = 0, **kw: object) -> cpb.ApplyRequest.Change:
+    return cpb.ApplyRequest.Change(upsert=s, expect_mod_revision=revision, **kw)  # type: ignore[arg-type]
+
+
+def hints_for(log: str) -> rpb.FSMHints:
+    hints = rpb.FSMHints(log=log)
+    hints.live_nodes.add(fnode=3).segments.add(
+        author=0x1234, first_seq_no=3, first_offset=100, last_seq_no=9
+    )
+    return hints
+
+
+async def test_apply_creates_and_list_shows_shards_by_selector(state: ShardState) -> None:
+    hints = hints_for("recovery/logs/shard-a")
+    shard_a = spec("shard-a", labels=labels.label_set(("app", "sum")))
+    shard_b = spec("shard-b", labels=labels.label_set(("app", "count")))
+    applied = await apply_shards(
+        state,
+        cpb.ApplyRequest(changes=[upsert(shard_a, primary_hints=hints), upsert(shard_b)]),
+    )
+    assert applied.status == cpb.OK and applied.header.etcd.revision > 0
+    assert applied.header.process_id == PID
+
+    listed = list_shards(state, cpb.ListRequest())  # Read-your-writes: no wait needed.
+    assert [s.spec for s in listed.shards] == [shard_a, shard_b]
+    for shard in listed.shards:
+        assert shard.mod_revision == shard.create_revision == applied.header.etcd.revision
+        assert shard.route.primary == -1 and not shard.status
+    by_id = cpb.ListRequest(selector=pb.LabelSelector(include=labels.label_set(("id", "shard-b"))))
+    assert [s.spec.id for s in list_shards(state, by_id).shards] == ["shard-b"]
+    by_label = cpb.ListRequest(
+        selector=pb.LabelSelector(exclude=labels.label_set(("app", "count")))
+    )
+    assert [s.spec.id for s in list_shards(state, by_label).shards] == ["shard-a"]
+
+    stored = await state.etcd.get(f"{HINTS}/shard-a.primary".encode())
+    assert stored is not None and stored.value == encode_hints(hints)
+
+
+async def test_apply_is_all_or_nothing_on_revisions(state: ShardState) -> None:
+    first = await apply_shards(state, cpb.ApplyRequest(changes=[upsert(spec("shard-a"))]))
+    revision = first.header.etcd.revision
+    again = cpb.ApplyRequest(changes=[upsert(spec("shard-b")), upsert(spec("shard-a"))])
+    failed = await apply_shards(state, again)  # shard-a exists: 0 no longer matches.
+    assert failed.status == cpb.ETCD_TRANSACTION_FAILED
+    assert [s.spec.id for s in list_shards(state, cpb.ListRequest()).shards] == ["shard-a"]
+
+    updated = spec("shard-a", hot_standbys=2)
+    ok = await apply_shards(state, cpb.ApplyRequest(changes=[upsert(updated, revision)]))
+    assert ok.status == cpb.OK
+    stale = cpb.ApplyRequest(
+        changes=[cpb.ApplyRequest.Change(delete="shard-a", expect_mod_revision=revision)]
+    )
+    assert (await apply_shards(state, stale)).status == cpb.ETCD_TRANSACTION_FAILED
+    forced = cpb.ApplyRequest(
+        changes=[cpb.ApplyRequest.Change(delete="shard-a", expect_mod_revision=-1)]
+    )
+    assert (await apply_shards(state, forced)).status == cpb.OK
+    assert list_shards(state, cpb.ListRequest()).shards == []
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (cpb.ApplyRequest.Change(), "changes[0]", "neither upsert nor delete"),
+        (
+            cpb.ApplyRequest.Change(upsert=spec("shard-a"), delete="shard-a"),
+            "changes[0]",
+            "both upsert and delete",
+        ),
+        (cpb.ApplyRequest.Change(delete="shard-a"), "changes[0].expect_mod_revision", "delete"),
+        (
+            cpb.ApplyRequest.Change(upsert=spec("shard-a", hint_prefix="relative")),
+            "changes[0].upsert.hint_prefix",
+            "absolute",
+        ),
+        (
+            cpb.ApplyRequest.Change(upsert=spec("shard-a"), expect_mod_revision=-2),
+            "changes[0].expect_mod_revision",
+            "-2",
+        ),
+        (
+            cpb.ApplyRequest.Change(
+                delete="shard-a", expect_mod_revision=5, primary_hints=rpb.FSMHints()
+            ),
+            "changes[0].primary_hints",
+            "only with an upsert",
+        ),
+        (
+            cpb.ApplyRequest.Change(
+                upsert=spec("shard-a"),
+                primary_hints=rpb.FSMHints(
+                    live_nodes=[rpb.FnodeSegments(segments=[rpb.Segment(first_seq_no=1)])]
+                ),
+            ),
+            "changes[0].primary_hints.live_nodes[0].segments[0]",
+            "author is zero",
+        ),
+    ],
+)
+async def test_a_malformed_apply_names_the_change_and_writes_nothing(
+    state: ShardState, change: cpb.ApplyRequest.Change, field: str, words: str
+) -> None:
+    fine = upsert(spec("shard-z"))
+    with pytest.raises(ValidationError) as caught:
+        await apply_shards(state, cpb.ApplyRequest(changes=[change, fine]))
+    assert caught.value.field == field, str(caught.value)
+    assert words in str(caught.value)
+    assert list_shards(state, cpb.ListRequest()).shards == []
+
+
+async def test_a_shard_changed_twice_in_one_apply_is_refused(state: ShardState) -> None:
+    twice = cpb.ApplyRequest(changes=[upsert(spec("shard-a")), upsert(spec("shard-a"))])
+    with pytest.raises(ValidationError, match=r"also changed by changes\[0\]"):
+        await apply_shards(state, twice)
+
+
+async def put_assignment(
+    state: ShardState, shard_id: str, suffix: str, slot: int, status: cpb.ReplicaStatus
+) -> int:
+    key = aks.assignment_key(state.root, shard_id, "local", suffix, slot)
+    put = await state.etcd.put(key.encode(), status.SerializeToString())
+    revision: int = put.header.revision
+    return revision
+
+
+async def put_member(state: ShardState, suffix: str, port: int) -> None:
+    member = cpb.ConsumerSpec(
+        process_spec=pb.ProcessSpec(
+            id=pb.ProcessSpec.ID(zone="local", suffix=suffix),
+            endpoint=f"http://127.0.0.1:{port}",
+        ),
+        shard_limit=8,
+    )
+    await state.etcd.put(
+        aks.member_key(state.root, "local", suffix).encode(), member.SerializeToString()
+    )
+
+
+FAILED = cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=["store: unreachable"])
+PRIMARY = cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
+STANDBY = cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY)
+
+
+async def test_list_gives_routes_with_endpoints_and_a_status_per_member(
+    state: ShardState,
+) -> None:
+    await apply_shards(state, cpb.ApplyRequest(changes=[upsert(spec("shard-a", hot_standbys=1))]))
+    await put_member(state, "consumer-a", 9001)
+    await put_member(state, "consumer-b", 9002)
+    await put_assignment(state, "shard-a", "consumer-b", 0, PRIMARY)
+    revision = await put_assignment(state, "shard-a", "consumer-a", 1, STANDBY)
+    await state.ks.wait_for_revision(revision, timeout=5)
+
+    (shard,) = list_shards(state, cpb.ListRequest()).shards
+    assert [m.suffix for m in shard.route.members] == ["consumer-a", "consumer-b"]
+    assert shard.route.primary == 1
+    assert list(shard.route.endpoints) == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    assert [s.code for s in shard.status] == [cpb.ReplicaStatus.STANDBY, cpb.ReplicaStatus.PRIMARY]
+
+
+async def test_get_hints_reads_primary_and_backups_checked(state: ShardState) -> None:
+    shard_a = spec("shard-a")
+    log = "recovery/logs/shard-a"
+    await apply_shards(
+        state, cpb.ApplyRequest(changes=[upsert(shard_a, primary_hints=hints_for(log))])
+    )
+    backup = hints_for(log)
+    backup.live_nodes[0].segments[0].last_seq_no = 5
+    # A backup stored as protobuf (older tooling), the other missing.
+    await state.etcd.put(f"{HINTS}/shard-a.backup.0".encode(), backup.SerializeToString())
+    got = await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
+    assert got.status == cpb.OK
+    assert got.primary_hints.hints == hints_for(log)
+    assert [b.HasField("hints") for b in got.backup_hints] == [True, False]
+    assert got.backup_hints[0].hints == backup
+
+    missing = await get_hints(state, cpb.GetHintsRequest(shard="shard-x"))
+    assert missing.status == cpb.SHARD_NOT_FOUND
+
+    await state.etcd.put(f"{HINTS}/shard-a.backup.1".encode(), encode_hints(hints_for("a/b/c")))
+    with pytest.raises(HintsError, match="not the shard's 'recovery/logs/shard-a'"):
+        await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
+    await state.etcd.put(f"{HINTS}/shard-a.backup.1".encode(), b'{"log": 7}')
+    with pytest.raises(HintsError, match=r"backup\.1: hints\.log: expected a JSON str"):
+        await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
+
+
+async def test_unassign_removes_failed_replicas_and_the_primary_unless_only_failed(
+    state: ShardState,
+) -> None:
+    await apply_shards(
+        state,
+        cpb.ApplyRequest(changes=[upsert(spec("shard-a")), upsert(spec("shard-b"))]),
+    )
+    await put_assignment(state, "shard-a", "consumer-a", 0, PRIMARY)
+    await put_assignment(state, "shard-a", "consumer-b", 1, FAILED)
+    revision = await put_assignment(state, "shard-b", "consumer-b", 0, PRIMARY)
+    await state.ks.wait_for_revision(revision, timeout=5)
+
+    def assigned() -> list[str]:
+        return [kv.key.rsplit("/", 1)[-1] for kv in state.ks.prefixed(state.root + aks.ASSIGNMENTS)]
+
+    before = assigned()
+    dry = await unassign_shards(
+        state, cpb.UnassignRequest(shards=["shard-a", "shard-b"], dry_run=True)
+    )
+    assert list(dry.shards) == ["shard-a", "shard-b"] and assigned() == before
+
+    only = await unassign_shards(
+        state, cpb.UnassignRequest(shards=["shard-a", "shard-b"], only_failed=True)
+    )
+    assert only.status == cpb.OK and list(only.shards) == ["shard-a"]
+    assert assigned() == ["shard-a#local#consumer-a#0", "shard-b#local#consumer-b#0"]
+
+    every = await unassign_shards(state, cpb.UnassignRequest(shards=["shard-a"]))
+    assert list(every.shards) == ["shard-a"]
+    assert assigned() == ["shard-b#local#consumer-b#0"]
+    with pytest.raises(ValidationError) as caught:
+        await unassign_shards(state, cpb.UnassignRequest(shards=["shard-b", "no"]))
+    assert caught.value.field == "shards[1]"
