@@ -1,0 +1,150 @@
+"""Stores: where a shard keeps its state, committed atomically with its checkpoint.
+
+A `Store` restores the last committed checkpoint when a shard becomes primary and commits each
+transaction's checkpoint together with the application's changes, or not at all. Restoring
+*fences* the store: a commit by an older instance of the same shard (a zombie primary that has
+not noticed it lost the shard) fails with `FencedOut` rather than overwriting the new primary's
+state. Upstream's SQL store does this with a fence column; the JSON-file store here with a fence
+number in the file, checked under a lock.
+
+`JSONFileStore` keeps a JSON document (`state`, any JSON-encodable value the application
+changes in place) in `{root}/{shard id}/state.json`, replaced by an atomic rename at each commit.
+Until recovery logs carry it between processes, the root must be shared by the processes that
+may host the shard (one machine, as `gazctl dev` runs them). File I/O runs on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from consumer.protocol import cpb
+
+__all__ = ["FencedOut", "JSONFileStore", "Store"]
+
+
+class FencedOut(Exception):
+    """A commit by a store instance that a newer one (another primary) has fenced out."""
+
+
+class Store(Protocol):
+    async def restore_checkpoint(self) -> cpb.Checkpoint:
+        """The last committed checkpoint (empty for a new shard); fences out older instances."""
+        ...
+
+    async def commit(self, checkpoint: cpb.Checkpoint) -> None:
+        """Durably commit the application's changes with `checkpoint`, atomically; FencedOut
+        if a newer instance restored since this one did."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the store holds (the shard stopped here)."""
+        ...
+
+
+_STATE = "state.json"
+_LOCK = ".lock"
+
+
+class JSONFileStore:
+    """A JSON document per shard in a directory, replaced atomically at each commit."""
+
+    def __init__(self, root: str | Path, shard_id: str, initial: Any = None) -> None:
+        self.directory = Path(root) / urllib.parse.quote(shard_id, safe="")
+        self.state: Any = {} if initial is None else initial
+        self._fence: int | None = None
+
+    async def restore_checkpoint(self) -> cpb.Checkpoint:
+        return await asyncio.to_thread(self._restore)
+
+    async def commit(self, checkpoint: cpb.Checkpoint) -> None:
+        if self._fence is None:
+            raise RuntimeError("commit before restore_checkpoint: the store is not fenced yet")
+        # Encode on the loop (the application may change `state` once we return), write on a
+        # thread.
+        text = json.dumps(self.state, separators=(",", ":"), sort_keys=True)
+        await asyncio.to_thread(self._commit, self._fence, checkpoint.SerializeToString(), text)
+
+    async def close(self) -> None:
+        self._fence = None
+
+    # ---- on a thread -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / _LOCK, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            raw = (self.directory / _STATE).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            document = json.loads(raw)
+            if not isinstance(document, dict) or not isinstance(document.get("fence"), int):
+                raise ValueError("not a store document")
+            return document
+        except ValueError as exc:
+            raise ValueError(
+                f"{self.directory / _STATE} is not a store's state ({exc}): move it away to "
+                "start the shard afresh"
+            ) from None
+
+    def _write(self, document: dict[str, Any]) -> None:
+        path = self.directory / _STATE
+        temporary = path.with_name(f".{_STATE}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as out:
+            out.write(json.dumps(document, separators=(",", ":")).encode())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # The rename itself is durable.
+        finally:
+            os.close(directory)
+
+    def _restore(self) -> cpb.Checkpoint:
+        with self._locked():
+            document = self._read()
+            checkpoint = cpb.Checkpoint()
+            if document is None:
+                document = {"fence": 0, "checkpoint": "", "state": self.state}
+            else:
+                checkpoint.ParseFromString(base64.b64decode(document.get("checkpoint", "")))
+                self.state = document.get("state")
+            document["fence"] += 1
+            self._write(document)
+            self._fence = document["fence"]
+            return checkpoint
+
+    def _commit(self, fence: int, checkpoint: bytes, state_text: str) -> None:
+        with self._locked():
+            document = self._read()
+            current = document["fence"] if document is not None else None
+            if current != fence:
+                raise FencedOut(
+                    f"{self.directory}: another instance restored this shard (fence {current}, "
+                    f"ours {fence}); this one must stop"
+                )
+            self._write(
+                {
+                    "fence": fence,
+                    "checkpoint": base64.b64encode(checkpoint).decode(),
+                    "state": json.loads(state_text),
+                }
+            )
