@@ -22,7 +22,7 @@ import fcntl
 import json
 import os
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,9 +40,14 @@ class Store(Protocol):
         """The last committed checkpoint (empty for a new shard); fences out older instances."""
         ...
 
-    async def commit(self, checkpoint: cpb.Checkpoint) -> None:
-        """Durably commit the application's changes with `checkpoint`, atomically; FencedOut
-        if a newer instance restored since this one did."""
+    def start_commit(
+        self, checkpoint: cpb.Checkpoint, wait_for: Sequence[Awaitable[object]] = ()
+    ) -> Awaitable[None]:
+        """Take the application's changes so far, with `checkpoint`, as one commit, now (the
+        next transaction may change the state as soon as this returns); the returned awaitable
+        completes once it is durable, which is only after everything in `wait_for` (the
+        transaction's own appends) completed, and raises FencedOut if a newer instance
+        restored since this one did. Nothing of it is committed if it fails."""
         ...
 
     async def close(self) -> None:
@@ -65,13 +70,25 @@ class JSONFileStore:
     async def restore_checkpoint(self) -> cpb.Checkpoint:
         return await asyncio.to_thread(self._restore)
 
-    async def commit(self, checkpoint: cpb.Checkpoint) -> None:
+    def start_commit(
+        self, checkpoint: cpb.Checkpoint, wait_for: Sequence[Awaitable[object]] = ()
+    ) -> Awaitable[None]:
         if self._fence is None:
             raise RuntimeError("commit before restore_checkpoint: the store is not fenced yet")
-        # Encode on the loop (the application may change `state` once we return), write on a
-        # thread.
+        # The snapshot is taken now; the application may change `state` once we return.
         text = json.dumps(self.state, separators=(",", ":"), sort_keys=True)
-        await asyncio.to_thread(self._commit, self._fence, checkpoint.SerializeToString(), text)
+        return self._finish_commit(self._fence, checkpoint.SerializeToString(), text, wait_for)
+
+    async def commit(self, checkpoint: cpb.Checkpoint) -> None:
+        """`start_commit` and wait for it."""
+        await self.start_commit(checkpoint)
+
+    async def _finish_commit(
+        self, fence: int, checkpoint: bytes, text: str, wait_for: Sequence[Awaitable[object]]
+    ) -> None:
+        for awaitable in wait_for:
+            await awaitable
+        await asyncio.to_thread(self._commit, fence, checkpoint, text)
 
     async def close(self) -> None:
         self._fence = None

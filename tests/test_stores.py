@@ -89,3 +89,26 @@ async def test_a_commit_needs_a_restore_and_a_broken_file_says_what_to_do(tmp_pa
     (tmp_path / "shard-1" / "state.json").unlink()
     (tmp_path / "shard-1" / ".state.json.123.tmp").write_text('{"fence": 7}')
     assert await store.restore_checkpoint() == cpb.Checkpoint()
+
+
+async def test_start_commit_snapshots_at_once_and_waits_for_the_appends(tmp_path: Path) -> None:
+    """The next transaction changes the state while the previous one commits: the commit holds
+    the state as it was when it started, and is durable only after the appends it waits for."""
+    import asyncio
+
+    store = JSONFileStore(tmp_path, "shard-1")
+    await store.restore_checkpoint()
+    store.state["n"] = 1
+    appended = asyncio.get_running_loop().create_future()
+    committing = asyncio.ensure_future(
+        store.start_commit(build_checkpoint({"in/a": 10}, {}), [appended])
+    )
+    store.state["n"] = 2  # The next transaction, already at work.
+    await asyncio.sleep(0.1)
+    assert not committing.done()
+    assert not (tmp_path / "shard-1" / "state.json").read_text().count('"n"')
+    appended.set_result(None)
+    await committing
+    reader = JSONFileStore(tmp_path, "shard-1")
+    assert read_through_of(await reader.restore_checkpoint()) == {"in/a": 10}
+    assert reader.state == {"n": 1}
