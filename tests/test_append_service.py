@@ -92,3 +92,38 @@ async def test_retries_until_the_journal_is_placed_and_fails_on_permanent_errors
         with pytest.raises(AppendError) as info:
             await missing
         assert info.value.status == pb.JOURNAL_NOT_FOUND
+
+
+async def test_a_write_after_a_dependency_holds_the_journal_until_it_completes(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """An ACK intent queued as its transaction starts to commit: written before it lands
+    first; written after it waits behind it; nothing of it is appended until the commit is
+    done, and a commit that fails fails it, while the journal goes on. `pending_except` gives
+    the batches to wait for, but those of the journals it is told to leave out."""
+    name = "svc/ordered"
+    await set_journal(
+        etcd, etcd_prefix, journal_spec(name, replication=2), [("local", i) for i in IDS]
+    )
+    loop = asyncio.get_running_loop()
+    async with AppendService(stub(brokers[0])) as service:
+        before = await service.write(name, b"before;")
+        commit: asyncio.Future[None] = loop.create_future()
+        ack = service.write_after(name, b"ack;", commit)
+        after = await service.write(name, b"after;")
+        assert len(service.pending_except()) == 3 and service.pending_except(name) == []
+        await before
+        await asyncio.sleep(0.2)
+        assert not ack.done() and not after.done()
+        assert await read_all(brokers[0], name) == b"before;"
+        commit.set_result(None)
+        assert (await ack).begin == len(b"before;") and (await after).begin == len(b"before;ack;")
+
+        failed: asyncio.Future[None] = loop.create_future()
+        lost = service.write_after(name, b"never;", failed)
+        later = await service.write(name, b"later;")
+        failed.set_exception(RuntimeError("the store refused the commit"))
+        with pytest.raises(RuntimeError, match="refused"):
+            await lost
+        await later
+    assert await read_all(brokers[0], name) == b"before;ack;after;later;"

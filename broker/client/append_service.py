@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple
 
@@ -44,13 +44,15 @@ class _Batch:
     """Records buffered for one Append RPC; `done` resolves with the offset where the batch
     began once it commits (one future per batch, not per record: the publish path's cost)."""
 
-    __slots__ = ("count", "done", "file", "size")
+    __slots__ = ("count", "dependency", "done", "file", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, dependency: Awaitable[object] | None = None) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(prefix="gazette-append-")  # noqa: SIM115 (closed by the sender)
         self.size = 0
         self.count = 0
         self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        # Sent only once this completes (its failure is the batch's): `write_after`.
+        self.dependency = dependency
 
     def add(self, journal: str, data: bytes) -> PendingSpan:
         self.file.write(data)
@@ -114,6 +116,21 @@ class _Journal:
         self.wake.set()
         return pending
 
+    def write_after(self, data: bytes, dependency: Awaitable[object]) -> PendingSpan:
+        # Its own batch, queued after what was written before it: what is written after it
+        # waits behind it.
+        if self.open.size:
+            self.closed.append(self.open)
+            self.open = _Batch()
+        batch = _Batch(dependency)
+        pending = batch.add(self.name, data)
+        self.closed.append(batch)
+        self.pending += len(data)
+        if self.pending >= self.service.max_pending:
+            self.room.clear()
+        self.wake.set()
+        return pending
+
     def _next(self) -> _Batch | None:
         if self.closed:
             return self.closed.pop(0)
@@ -133,6 +150,18 @@ class _Journal:
                 continue
             self.sending = batch
             try:
+                if batch.dependency is not None:
+                    try:
+                        await batch.dependency
+                    except asyncio.CancelledError as exc:
+                        task = asyncio.current_task()
+                        if task is not None and task.cancelling():
+                            raise  # We are cancelled, not the dependency.
+                        self._fail(batch, exc)
+                        continue
+                    except Exception as exc:
+                        self._fail(batch, exc)
+                        continue
                 await self._send(batch)
             finally:
                 self.sending = None
@@ -227,6 +256,14 @@ class AppendService:
             await j.room.wait()
         return j.write(data)
 
+    def write_after(self, journal: str, data: bytes, dependency: Awaitable[object]) -> PendingSpan:
+        """Queue `data` as one record of `journal` that is appended only once `dependency`
+        completes (failing with its error if it fails), with the records written to the journal
+        after it waiting behind it: upstream's appends with dependencies. A consumer queues its
+        transaction's ACK intents this way as it starts to commit, ahead of the next
+        transaction's messages to the same journals."""
+        return self._journal(journal).write_after(data, dependency)
+
     def write_nowait(self, journal: str, data: bytes) -> PendingSpan:
         """As `write`, without back-pressure (for callers that bound their own pending)."""
         return self._journal(journal).write(data)
@@ -234,6 +271,18 @@ class AppendService:
     async def append(self, journal: str, data: bytes) -> Span:
         """Queue and wait for the commit."""
         return await (await self.write(journal, data))
+
+    def pending_except(self, *journals: str) -> list[asyncio.Future[int]]:
+        """The batches written so far of every journal but `journals`, to await: each resolves
+        once committed, and raises if its append failed (upstream's PendingExcept). A consumer
+        transaction commits only once every write it made has."""
+        return [
+            batch.done
+            for name, j in self._journals.items()
+            if name not in journals
+            for batch in [j.sending, *j.closed, j.open]
+            if batch is not None and batch.count
+        ]
 
     async def flush(self) -> None:
         """Wait until everything written so far has committed (or failed)."""

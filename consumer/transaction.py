@@ -1,0 +1,474 @@
+"""A shard's transactions, as upstream runs them (the exactly-once design's consumer loop).
+
+`run_shard` restores the store's checkpoint, appends again the ACK intents it recorded (their
+appends may not have happened before the last primary stopped), reads every source journal
+read-uncommitted from the checkpoint's offsets (or `min_offset`) and sequences what it reads, so
+that the application sees each committed message once. Messages go to the application in
+transactions:
+
+* A transaction begins with its first message and goes on while there is input, until the
+  shard's `min_txn_duration` has passed, the previous transaction has committed and its ACKs
+  are written, and, unless `disable_wait_for_ack`, no span of pending messages read in it still
+  waits for its ACK (waiting is bounded by `max_txn_duration`). It then closes at the first
+  stall of its input. At `max_txn_duration` it stops reading and closes as soon as it may.
+* Closing it: the application's `finalize_txn`; a checkpoint of the offsets read through, the
+  producers' states (pruned after 24 h) and the publisher's ACK intents; the store's commit of
+  that checkpoint with the application's state, made durable only once every append the
+  transaction made has committed. Only after the commit are the ACK intents appended: readers
+  then see the transaction's messages committed.
+* Two transactions overlap: the next consumes while the previous commits.
+
+A message the application defers (`DeferToNextTransaction`) ends the transaction and begins
+the next. Progress (`read_through`, `publish_at`) is what Stat reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from broker.client.append_service import AppendService
+from broker.client.appender import AppendError
+from broker.client.reader import ReadError, read_retrying
+from broker.message.framing import FrameReader, Framing, MessageType
+from broker.message.publisher import Publisher, Reader
+from broker.message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from consumer.checkpoint import build_checkpoint, producer_states_of, read_through_of
+from consumer.protocol import cpb
+from consumer.store import Store
+
+__all__ = [
+    "Application",
+    "DeferToNextTransaction",
+    "Progress",
+    "Shard",
+    "Source",
+    "run_shard",
+]
+
+log = logging.getLogger(__name__)
+
+# Producers not seen for this long are pruned from checkpoints (upstream's horizon).
+PRUNE_HORIZON = 24 * 3600.0
+DEFAULT_READ_CHANNEL_SIZE = 8192
+DEFAULT_RING_BUFFER_SIZE = 8192
+
+
+class DeferToNextTransaction(Exception):
+    """Raised by `consume_message`: this message belongs to the next transaction."""
+
+
+@dataclass
+class Progress:
+    """What the shard has committed: per source the offset read through, per journal it
+    published to the offset its last ACK ended at. `changed` is set at each update."""
+
+    read_through: dict[str, int] = field(default_factory=dict)
+    publish_at: dict[str, int] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The offsets the commit in flight will report once its ACKs are written; what is read
+    # meanwhile and belongs to no transaction (duplicates, rollbacks) is added there, so it is
+    # not reported read before the messages ahead of it are committed.
+    committing: dict[str, int] | None = None
+
+    def read_past(self, journal: str, offset: int) -> None:
+        """Report `journal` read through `offset` by a message no transaction takes."""
+        if self.committing is not None:
+            self.committing[journal] = max(self.committing.get(journal, 0), offset)
+        else:
+            self.update({journal: offset}, {})
+
+    def update(self, read_through: Mapping[str, int], publish_at: Mapping[str, int]) -> None:
+        # Never backwards: a duplicate read past a commit in flight is reported before it.
+        for journal, offset in read_through.items():
+            self.read_through[journal] = max(self.read_through.get(journal, 0), offset)
+        for journal, offset in publish_at.items():
+            self.publish_at[journal] = max(self.publish_at.get(journal, 0), offset)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def wait_for(self, read_through: Mapping[str, int]) -> None:
+        """Return once every given source was read through its offset."""
+        while any(self.read_through.get(j, 0) < o for j, o in read_through.items()):
+            await self.changed.wait()
+
+
+@dataclass
+class Source:
+    """A source journal as the shard reads it: its name, its message type and framing, and
+    the offset to start from when the checkpoint has none (`min_offset`)."""
+
+    journal: str
+    messages: MessageType[Any]
+    framing: Framing
+    min_offset: int = 0
+
+
+@dataclass
+class Shard:
+    """What the application sees of a shard: its spec and the means to publish."""
+
+    spec: cpb.ShardSpec
+    service: AppendService
+    publisher: Publisher[Any]
+    progress: Progress = field(default_factory=Progress)
+
+
+class Application(Protocol):
+    """A consumer application. `consume_message` may change the store and publish through the
+    publisher (uncommitted: the transaction's ACK intents commit what it published);
+    `finalize_txn` is the last chance to do both before the commit. Optional hooks:
+    `begin_txn(shard, store)` as a transaction begins, `finished_txn(shard, store, committed)`
+    once it starts to commit (`committed` resolves with its commit)."""
+
+    async def consume_message(
+        self, shard: Shard, store: Any, envelope: Envelope, publisher: Publisher[Any]
+    ) -> None: ...
+
+    async def finalize_txn(self, shard: Shard, store: Any, publisher: Publisher[Any]) -> None: ...
+
+
+def _duration(d: Any) -> float:  # A google.protobuf.Duration.
+    seconds: float = float(d.seconds) + d.nanos / 1e9
+    return seconds
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+async def _read_source(
+    stubs: Callable[[], pb_grpc.JournalStub],
+    source: Source,
+    offset: int,
+    into: asyncio.Queue[list[Envelope] | BaseException],
+) -> None:
+    """Read `source` from `offset` for good (retrying), putting batches of envelopes on `into`;
+    a failure is put there too, for the transaction loop to raise."""
+    reader = Reader(source.messages, source.framing)
+    frames = FrameReader(source.framing)
+    try:
+        async for chunk in read_retrying(stubs, source.journal, offset, block=True):
+            batch = reader.envelopes(source.journal, frames.feed(chunk.offset, chunk.content))
+            if batch:
+                await into.put(batch)
+    except asyncio.CancelledError:
+        raise
+    except (ReadError, Exception) as exc:
+        await into.put(exc)
+
+
+async def _replay(
+    stubs: Callable[[], pb_grpc.JournalStub], source: Source, begin: int, end: int
+) -> list[Envelope]:
+    """Envelopes of [begin, end) of a source, read again for a commit that left the ring."""
+    reader = Reader(source.messages, source.framing)
+    frames = FrameReader(source.framing)
+    out: list[Envelope] = []
+    async for chunk in read_retrying(stubs, source.journal, begin, block=True):
+        out.extend(reader.envelopes(source.journal, frames.feed(chunk.offset, chunk.content)))
+        if chunk.offset + len(chunk.content) >= end:
+            break
+    return [e for e in out if e.begin < end]
+
+
+# ---- the loop --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Txn:
+    consumed: int = 0
+    began_at: float = 0.0
+    reading: bool = True
+    min_done: bool = False
+    max_done: bool = False
+
+
+async def run_shard(
+    shard: Shard,
+    app: Application,
+    store: Store,
+    sources: Sequence[Source],
+    stubs: Callable[[], pb_grpc.JournalStub],
+    *,
+    recovery_log: str = "",
+    now: Callable[[], float] = time.monotonic,
+) -> None:
+    """Run the shard's transactions until cancelled (or until a failure, which it raises: the
+    shard is then FAILED). Cancellation abandons the open transaction; a commit in flight is
+    awaited only if already durable-bound (its store write), never half-applied."""
+    spec = shard.spec
+    checkpoint = await store.restore_checkpoint()
+    offsets = read_through_of(checkpoint)
+    for source in sources:
+        offsets[source.journal] = max(offsets.get(source.journal, 0), source.min_offset)
+    sequencer = Sequencer(
+        producer_states_of(checkpoint),
+        offsets=offsets,
+        ring_size=spec.ring_buffer_size or DEFAULT_RING_BUFFER_SIZE,
+    )
+    shard.progress.update(read_through_of(checkpoint), {})
+    by_journal = {s.journal: s for s in sources}
+    queue: asyncio.Queue[list[Envelope] | BaseException] = asyncio.Queue(
+        maxsize=max(1, (spec.read_channel_size or DEFAULT_READ_CHANNEL_SIZE) // 64)
+    )
+
+    async with asyncio.TaskGroup() as tasks:
+        # ACK intents of the recovered checkpoint: written again (idempotent for readers).
+        acks = [
+            shard.service.write_nowait(journal, intent)
+            for journal, intent in checkpoint.ack_intents.items()
+        ]
+        previous: asyncio.Task[None] | None = tasks.create_task(
+            _await_acks(shard, acks, {}, recovered=True)
+        )
+        for source in sources:
+            tasks.create_task(
+                _read_source(stubs, source, offsets[source.journal], queue), name=source.journal
+            )
+        # Runs until cancelled or failed; either way the group cancels the readers and commits.
+        while True:
+            previous = await _transaction(
+                shard, app, store, sequencer, queue, previous, by_journal, stubs, tasks,
+                recovery_log, now,
+            )  # fmt: skip
+
+
+async def _await_acks(
+    shard: Shard,
+    acks: Sequence[Awaitable[Any]],
+    read_through: dict[str, int],
+    *,
+    recovered: bool = False,
+    committed: Awaitable[None] | None = None,
+) -> None:
+    """Wait for the commit (if any), then for each ACK append; then signal progress."""
+    if committed is not None:
+        await committed
+    publish_at: dict[str, int] = {}
+    for ack in acks:
+        try:
+            span = await ack
+        except AppendError as exc:
+            if recovered and exc.status == pb.JOURNAL_NOT_FOUND:
+                log.warning("discarding the recovered ACK intent of %s: no such journal", exc)
+                continue
+            raise
+        publish_at[span.journal] = span.end
+    if shard.progress.committing is read_through:
+        shard.progress.committing = None
+    shard.progress.update(read_through, publish_at)
+
+
+async def _transaction(
+    shard: Shard,
+    app: Application,
+    store: Store,
+    sequencer: Sequencer,
+    queue: asyncio.Queue[list[Envelope] | BaseException],
+    previous: asyncio.Task[None] | None,
+    sources: Mapping[str, Source],
+    stubs: Callable[[], pb_grpc.JournalStub],
+    tasks: asyncio.TaskGroup,
+    recovery_log: str,
+    now: Callable[[], float],
+) -> asyncio.Task[None]:
+    """Run one transaction; return the task that commits it and appends its ACKs."""
+    spec = shard.spec
+    min_dur, max_dur = _duration(spec.min_txn_duration), _duration(spec.max_txn_duration)
+    wait_for_ack = not spec.disable_wait_for_ack
+    txn = _Txn()
+    pending: list[Envelope] = []
+
+    def deadline() -> float | None:
+        if txn.consumed == 0:
+            return None
+        if not txn.min_done:
+            return txn.began_at + min_dur
+        if not txn.max_done:
+            return txn.began_at + max_dur
+        return None
+
+    def tick() -> None:
+        if txn.consumed == 0:
+            return
+        t = now()
+        if not txn.min_done and t >= txn.began_at + min_dur:
+            txn.min_done = True
+        if not txn.max_done and t >= txn.began_at + max_dur:
+            txn.max_done = True
+            txn.reading = False
+
+    def blocks() -> bool:
+        if previous is not None and not previous.done():
+            return True
+        if not txn.reading and txn.consumed == 0:
+            return False
+        return (
+            txn.consumed == 0
+            or not txn.min_done
+            or (wait_for_ack and txn.reading and not txn.max_done and sequencer.has_pending())
+        )
+
+    async def consume(envelope: Envelope) -> bool:
+        """The application consumes one committed message; False if it deferred it."""
+        if txn.consumed == 0:
+            begin = getattr(app, "begin_txn", None)
+            if begin is not None:
+                await begin(shard, store)
+            txn.began_at = now()
+            shard.publisher.clock.update()  # The message clock follows wall time.
+        try:
+            await app.consume_message(shard, store, envelope, shard.publisher)
+        except DeferToNextTransaction:
+            if txn.consumed == 0:
+                raise RuntimeError(
+                    "the application deferred the first message of a transaction"
+                ) from None
+            txn.reading = False
+            return False
+        txn.consumed += 1
+        return True
+
+    if sequencer.dequeued is not None:
+        # The last transaction ended on a deferred message: it begins this one.
+        await consume(sequencer.dequeued)
+        await _dequeue_rest(sequencer, consume)
+
+    while True:
+        if previous is not None and previous.done():
+            previous.result()  # Its failure (a commit or an ACK that failed) fails the shard.
+        tick()
+        if txn.reading and pending:
+            envelope = pending.pop(0)
+            outcome = sequencer.queue_uncommitted(envelope)
+            if outcome in COMMITTING:
+                if not await _dequeue(sequencer, consume, sources, stubs):
+                    break  # Deferred: the next transaction begins with it.
+            elif txn.consumed == 0 and outcome in _DUPLICATES:
+                # Read, and never to be part of a transaction: report it read, so that a Stat
+                # waiting for it does not wait for good.
+                shard.progress.read_past(envelope.journal, envelope.end)
+            continue
+        if txn.reading and not pending:
+            try:
+                item = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                item = None
+            if item is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                pending = item
+                continue
+        if not blocks():
+            break  # Input stalled (or reading is over): commit.
+        # Wait for input, the next deadline, or the previous transaction's commit.
+        waiters: list[asyncio.Future[Any]] = []
+        getter: asyncio.Task[Any] | None = None
+        if txn.reading and not pending:
+            getter = asyncio.ensure_future(queue.get())
+            waiters.append(getter)
+        if previous is not None and not previous.done():
+            waiters.append(previous)
+        until = deadline()
+        timeout = None if until is None else max(0.0, until - now())
+        try:
+            if waiters:
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            elif timeout is not None:
+                await asyncio.sleep(timeout)
+        finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await getter
+        if getter is not None and getter.done() and not getter.cancelled():
+            item = getter.result()
+            if isinstance(item, BaseException):
+                raise item
+            pending = item
+
+    if pending:
+        # Read but not yet sequenced: put them back first in line for the next transaction.
+        _unread(queue, pending)
+    if txn.consumed == 0:
+        return previous if previous is not None else tasks.create_task(_noop())
+    if previous is not None:
+        await previous  # Its commit comes first, and its failure is ours.
+    await app.finalize_txn(shard, store, shard.publisher)
+    states = sequencer.checkpoint(PRUNE_HORIZON)
+    read_through = sequencer.offsets
+    shard.progress.committing = read_through
+    intents = shard.publisher.build_ack_intents()
+    checkpoint = build_checkpoint(read_through, states, intents)
+    wait_for = shard.service.pending_except(*([recovery_log] if recovery_log else []))
+    committed = asyncio.ensure_future(store.start_commit(checkpoint, wait_for))
+    finished = getattr(app, "finished_txn", None)
+    if finished is not None:
+        await finished(shard, store, committed)
+    # Queued now, ahead of the next transaction's messages to the same journals (an ACK must
+    # precede them: readers roll back what a producer wrote past its ACK's clock before the
+    # ACK), and appended once the commit is durable.
+    acks = [shard.service.write_after(journal, intent, committed) for journal, intent in intents]
+    return tasks.create_task(
+        _await_acks(shard, acks, read_through, committed=committed), name="commit"
+    )
+
+
+_DUPLICATES = frozenset(
+    {
+        QueueOutcome.ACK_ROLLBACK,
+        QueueOutcome.CONTINUE_ALREADY_ACKED,
+        QueueOutcome.CONTINUE_TXN_CLOCK_LARGER,
+        QueueOutcome.OUTSIDE_ALREADY_ACKED,
+    }
+)
+
+
+async def _noop() -> None:
+    return None
+
+
+def _unread(queue: asyncio.Queue[list[Envelope] | BaseException], batch: list[Envelope]) -> None:
+    # asyncio.Queue has no push-front: rebuild its deque with the batch first.
+    inner: Any = queue._queue  # type: ignore[attr-defined]
+    inner.appendleft(batch)
+    queue._unfinished_tasks += 1  # type: ignore[attr-defined]
+    queue._wakeup_next(queue._getters)  # type: ignore[attr-defined]
+
+
+async def _dequeue(
+    sequencer: Sequencer,
+    consume: Callable[[Envelope], Awaitable[bool]],
+    sources: Mapping[str, Source],
+    stubs: Callable[[], pb_grpc.JournalStub],
+) -> bool:
+    """Hand every committed message to `consume` (ACKs skipped); False if one was deferred
+    (it stays `dequeued` for the next transaction)."""
+    replay = sequencer.replay_range()
+    if replay is not None:
+        journal, begin, end = replay
+        sequencer.start_replay(await _replay(stubs, sources[journal], begin, end))
+    while (envelope := sequencer.step()) is not None:
+        if envelope.is_ack:
+            continue
+        if not await consume(envelope):
+            return False
+    return True
+
+
+async def _dequeue_rest(
+    sequencer: Sequencer, consume: Callable[[Envelope], Awaitable[bool]]
+) -> bool:
+    while (envelope := sequencer.step()) is not None:
+        if envelope.is_ack:
+            continue
+        if not await consume(envelope):
+            return False
+    return True

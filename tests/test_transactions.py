@@ -1,0 +1,308 @@
+"""A shard's transactions against a real broker: every committed input message affects the store
+exactly once, across a shard stopped at any point and started again from its store (a new
+primary), with its outputs read-committed exactly once; an aborted input transaction is never
+applied; a fenced-out instance commits nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf import duration_pb2
+
+from broker.client.append_service import AppendService
+from broker.client.journals import dial
+from broker.message.framing import DictMessages, JSONLines
+from broker.message.mapping import Partition
+from broker.message.publisher import Publisher, Reader, read_committed
+from broker.message.sequencer import Envelope, Sequencer
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import BrokerHarness, EtcdServer
+from consumer.protocol import cpb
+from consumer.store import FencedOut, JSONFileStore
+from consumer.transaction import Shard, Source, run_shard
+from tests.journals_testing import started_brokers
+from tests.test_persistence import routed
+
+INPUT, OUTPUT = "sums/input", "sums/output"
+KEYS = [f"key-{i}" for i in range(5)]
+
+
+def spec(name: str) -> pb.JournalSpec:
+    out = pb.JournalSpec(name=name, replication=1)
+    out.fragment.length = 1 << 20
+    out.fragment.compression_codec = pb.NONE
+    out.fragment.refresh_interval.seconds = 60
+    out.labels.labels.add(name="content-type", value="application/x-ndjson")
+    return out
+
+
+def shard_spec(**fields: Any) -> cpb.ShardSpec:
+    out = cpb.ShardSpec(
+        id="summer-0",
+        sources=[cpb.ShardSpec.Source(journal=INPUT)],
+        max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+    )
+    for name, value in fields.items():
+        if isinstance(value, duration_pb2.Duration):
+            getattr(out, name).CopyFrom(value)
+        else:
+            setattr(out, name, value)
+    return out
+
+
+class Summer:
+    """Adds each input's `n` to its key's sum, and publishes the new sum (uncommitted)."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    async def consume_message(
+        self, shard: Shard, store: JSONFileStore, envelope: Envelope, publisher: Publisher[Any]
+    ) -> None:
+        key, n = envelope.message["key"], envelope.message["n"]
+        store.state[key] = store.state.get(key, 0) + n
+        self.consumed += 1
+        await publisher.publish_uncommitted(
+            lambda _m: Partition(OUTPUT, "application/x-ndjson"),
+            {"key": key, "sum": store.state[key]},
+        )
+
+    async def finalize_txn(
+        self, shard: Shard, store: JSONFileStore, publisher: Publisher[Any]
+    ) -> None:
+        return None
+
+
+@pytest.fixture
+async def broker(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[BrokerHarness]:
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["bk-txn"], run_allocator=True
+    ) as (harness,):
+        async with harness.client() as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec(j)) for j in (INPUT, OUTPUT)])
+            for journal in (INPUT, OUTPUT):
+                await routed(client, journal, 1)
+        yield harness
+
+
+class Expected(Counter[str]):
+    """The expected sums, and per key the running sums in input order (what the outputs must
+    be, read committed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: dict[str, list[int]] = {}
+
+    def add(self, key: str, n: int) -> None:
+        self[key] += n
+        self.running.setdefault(key, []).append(self[key])
+
+
+async def publish_inputs(stub: pb_grpc.JournalStub, count: int, seed: int) -> Expected:
+    """`count` committed inputs in transactions of random sizes, and an aborted transaction
+    between them; returns the expected sums."""
+    rng = random.Random(seed)
+    expected = Expected()
+    to_input = lambda _m: Partition(INPUT, "application/x-ndjson")  # noqa: E731
+    async with AppendService(stub) as service:
+        publisher = Publisher(service, DictMessages(), JSONLines())
+        sent = 0
+        while sent < count:
+            size = min(count - sent, rng.randint(1, 7))
+            for _ in range(size):
+                key, n = rng.choice(KEYS), rng.randint(1, 100)
+                expected.add(key, n)
+                await publisher.publish_uncommitted(to_input, {"key": key, "n": n})
+            await publisher.commit()
+            sent += size
+            if rng.random() < 0.2:
+                for _ in range(3):
+                    await publisher.publish_uncommitted(to_input, {"key": KEYS[0], "n": 10_000})
+                await publisher.abort()
+        await service.flush()
+    return expected
+
+
+def source() -> Source:
+    return Source(INPUT, DictMessages(), JSONLines())
+
+
+async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:
+    from broker.client.reader import write_head as head
+
+    return await head(stub, journal)
+
+
+async def run_until(
+    stub: pb_grpc.JournalStub,
+    store: JSONFileStore,
+    app: Summer,
+    *,
+    stop_after: int | None = None,
+    through: int | None = None,
+    spec_fields: dict[str, Any] | None = None,
+) -> Shard:
+    """Run the shard until `app` consumed `stop_after` more messages (then cancel it at that
+    point, mid-transaction or mid-commit as it happens), or until it committed `through`."""
+    async with AppendService(stub) as service:
+        shard = Shard(
+            shard_spec(**(spec_fields or {})),
+            service,
+            Publisher(service, DictMessages(), JSONLines()),
+        )
+        task = asyncio.create_task(run_shard(shard, app, store, [source()], lambda: stub))
+        try:
+            async with asyncio.timeout(60):
+                if stop_after is not None:
+                    start = app.consumed
+                    while app.consumed < start + stop_after and not task.done():
+                        await asyncio.sleep(0.001)
+                else:
+                    assert through is not None
+                    await shard.progress.wait_for({INPUT: through})
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return shard
+
+
+async def committed_outputs(stub: pb_grpc.JournalStub) -> list[tuple[str, int]]:
+    reader = Reader(DictMessages(), JSONLines())
+    out = []
+    async for envelope in read_committed(stub, OUTPUT, reader, Sequencer()):
+        if not envelope.is_ack:
+            out.append((envelope.message["key"], envelope.message["sum"]))
+    return out
+
+
+def check_outputs(outputs: list[tuple[str, int]], expected: Expected) -> None:
+    """Per key, the published sums read committed are the running sums of its inputs, each
+    once and in order: no output of a rolled-back or repeated transaction, and none lost."""
+    by_key: dict[str, list[int]] = {}
+    for key, total in outputs:
+        by_key.setdefault(key, []).append(total)
+    for key in KEYS:
+        assert by_key.get(key, []) == expected.running.get(key, []), key
+
+
+async def test_every_input_is_applied_once(broker: BrokerHarness, tmp_path: Path) -> None:
+    stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+    expected = await publish_inputs(stub, 300, seed=1)
+    head = await write_head(stub, INPUT)
+    app = Summer()
+    shard = await run_until(stub, JSONFileStore(tmp_path, "summer-0"), app, through=head)
+    assert app.consumed == 300
+    restored = JSONFileStore(tmp_path, "summer-0")
+    await restored.restore_checkpoint()
+    assert restored.state == dict(expected)
+    assert shard.progress.publish_at[OUTPUT] > 0
+    check_outputs(await committed_outputs(stub), expected)
+
+
+async def test_a_shard_stopped_anywhere_resumes_exactly_once(
+    broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """Stopped after a random number of messages, again and again (each time a new instance,
+    as a new primary would be): the store's sums are exact and no output repeats."""
+    stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+    expected = await publish_inputs(stub, 400, seed=2)
+    head = await write_head(stub, INPUT)
+    rng = random.Random(3)
+    for _ in range(8):
+        await run_until(
+            stub,
+            JSONFileStore(tmp_path, "summer-0"),
+            Summer(),
+            stop_after=rng.randint(1, 80),
+            spec_fields={
+                "min_txn_duration": duration_pb2.Duration(nanos=rng.choice([0, 5_000_000]))
+            },
+        )
+    await run_until(stub, JSONFileStore(tmp_path, "summer-0"), Summer(), through=head)
+    restored = JSONFileStore(tmp_path, "summer-0")
+    await restored.restore_checkpoint()
+    assert restored.state == dict(expected)
+    check_outputs(await committed_outputs(stub), expected)
+
+
+async def test_a_fenced_out_instance_fails_and_commits_nothing(
+    broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """A zombie primary: another instance restored the shard's store meanwhile. The zombie's
+    next commit fails (the shard fails), and what it consumed is not in the store."""
+    stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+    await publish_inputs(stub, 20, seed=4)
+    zombie_store = JSONFileStore(tmp_path, "summer-0")
+    app = Summer()
+
+    class Usurped(Summer):
+        async def finalize_txn(
+            self, shard: Shard, store: JSONFileStore, publisher: Publisher[Any]
+        ) -> None:
+            await JSONFileStore(tmp_path, "summer-0").restore_checkpoint()  # A new primary.
+
+    async with AppendService(stub) as service:
+        shard = Shard(shard_spec(), service, Publisher(service, DictMessages(), JSONLines()))
+        with pytest.raises(ExceptionGroup) as failed:
+            async with asyncio.timeout(30):
+                await run_shard(shard, Usurped(), zombie_store, [source()], lambda: stub)
+    assert failed.group_contains(FencedOut)
+    fresh = JSONFileStore(tmp_path, "summer-0")
+    await fresh.restore_checkpoint()
+    assert fresh.state == {} and app.consumed == 0
+    assert await committed_outputs(stub) == []
+
+
+class SlowStore(JSONFileStore):
+    """A store whose commits take a while on their thread, saying when one began."""
+
+    def __init__(self, root: Path, shard_id: str) -> None:
+        super().__init__(root, shard_id)
+        import threading
+
+        self.began = threading.Event()
+
+    def _commit(self, fence: int, checkpoint: bytes, state_text: str) -> None:
+        import time
+
+        self.began.set()
+        time.sleep(0.3)
+        super()._commit(fence, checkpoint, state_text)
+
+
+async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
+    broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """The shard stops while its store commits: the commit still becomes durable, but its ACK
+    intents are never appended. The next instance restores the checkpoint and appends them
+    first, so the outputs of that transaction are committed for readers all the same."""
+    stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+    expected = await publish_inputs(stub, 50, seed=5)
+    head = await write_head(stub, INPUT)
+    store = SlowStore(tmp_path, "summer-0")
+    async with AppendService(stub) as service:
+        shard = Shard(shard_spec(), service, Publisher(service, DictMessages(), JSONLines()))
+        task = asyncio.create_task(run_shard(shard, Summer(), store, [source()], lambda: stub))
+        async with asyncio.timeout(30):
+            while not store.began.is_set():
+                await asyncio.sleep(0.001)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await asyncio.sleep(0.5)  # The commit's thread finishes it.
+    committed = JSONFileStore(tmp_path, "summer-0")
+    checkpoint = await committed.restore_checkpoint()
+    assert checkpoint.ack_intents, "the cut-short commit is durable, with its intents"
+    assert await committed_outputs(stub) == []  # Its ACKs were never appended.
+
+    await run_until(stub, JSONFileStore(tmp_path, "summer-0"), Summer(), through=head)
+    check_outputs(await committed_outputs(stub), expected)
