@@ -25,6 +25,7 @@ the next. Progress (`read_through`, `publish_at`) is what Stat reports.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -181,6 +182,20 @@ async def _replay(
 # ---- the loop --------------------------------------------------------------------------------
 
 
+class _Input:
+    """What the readers put on the queue, and the envelopes taken from it but not yet
+    sequenced (a transaction may close in the middle of a batch; the next goes on from there)."""
+
+    def __init__(self, queue: asyncio.Queue[list[Envelope] | BaseException]) -> None:
+        self.queue = queue
+        self.pending: collections.deque[Envelope] = collections.deque()
+
+    def take(self, item: list[Envelope] | BaseException) -> None:
+        if isinstance(item, BaseException):
+            raise item  # A source that cannot be read fails the shard.
+        self.pending.extend(item)
+
+
 @dataclass
 class _Txn:
     consumed: int = 0
@@ -218,6 +233,7 @@ async def run_shard(
     queue: asyncio.Queue[list[Envelope] | BaseException] = asyncio.Queue(
         maxsize=max(1, (spec.read_channel_size or DEFAULT_READ_CHANNEL_SIZE) // 64)
     )
+    source_input = _Input(queue)
 
     async with asyncio.TaskGroup() as tasks:
         # ACK intents of the recovered checkpoint: written again (idempotent for readers).
@@ -225,7 +241,7 @@ async def run_shard(
             shard.service.write_nowait(journal, intent)
             for journal, intent in checkpoint.ack_intents.items()
         ]
-        previous: asyncio.Task[None] | None = tasks.create_task(
+        previous: asyncio.Task[None] = tasks.create_task(
             _await_acks(shard, acks, {}, recovered=True)
         )
         for source in sources:
@@ -235,7 +251,7 @@ async def run_shard(
         # Runs until cancelled or failed; either way the group cancels the readers and commits.
         while True:
             previous = await _transaction(
-                shard, app, store, sequencer, queue, previous, by_journal, stubs, tasks,
+                shard, app, store, sequencer, source_input, previous, by_journal, stubs, tasks,
                 recovery_log, now,
             )  # fmt: skip
 
@@ -271,8 +287,8 @@ async def _transaction(
     app: Application,
     store: Store,
     sequencer: Sequencer,
-    queue: asyncio.Queue[list[Envelope] | BaseException],
-    previous: asyncio.Task[None] | None,
+    source_input: _Input,
+    previous: asyncio.Task[None],
     sources: Mapping[str, Source],
     stubs: Callable[[], pb_grpc.JournalStub],
     tasks: asyncio.TaskGroup,
@@ -284,7 +300,7 @@ async def _transaction(
     min_dur, max_dur = _duration(spec.min_txn_duration), _duration(spec.max_txn_duration)
     wait_for_ack = not spec.disable_wait_for_ack
     txn = _Txn()
-    pending: list[Envelope] = []
+    pending, queue = source_input.pending, source_input.queue
 
     def deadline() -> float | None:
         if txn.consumed == 0:
@@ -306,7 +322,7 @@ async def _transaction(
             txn.reading = False
 
     def blocks() -> bool:
-        if previous is not None and not previous.done():
+        if not previous.done():
             return True
         if not txn.reading and txn.consumed == 0:
             return False
@@ -342,11 +358,11 @@ async def _transaction(
         await _dequeue_rest(sequencer, consume)
 
     while True:
-        if previous is not None and previous.done():
+        if previous.done():
             previous.result()  # Its failure (a commit or an ACK that failed) fails the shard.
         tick()
         if txn.reading and pending:
-            envelope = pending.pop(0)
+            envelope = pending.popleft()
             outcome = sequencer.queue_uncommitted(envelope)
             if outcome in COMMITTING:
                 if not await _dequeue(sequencer, consume, sources, stubs):
@@ -362,9 +378,7 @@ async def _transaction(
             except asyncio.QueueEmpty:
                 item = None
             if item is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                pending = item
+                source_input.take(item)
                 continue
         if not blocks():
             break  # Input stalled (or reading is over): commit.
@@ -374,7 +388,7 @@ async def _transaction(
         if txn.reading and not pending:
             getter = asyncio.ensure_future(queue.get())
             waiters.append(getter)
-        if previous is not None and not previous.done():
+        if not previous.done():
             waiters.append(previous)
         until = deadline()
         timeout = None if until is None else max(0.0, until - now())
@@ -389,18 +403,11 @@ async def _transaction(
                 with contextlib.suppress(asyncio.CancelledError):
                     await getter
         if getter is not None and getter.done() and not getter.cancelled():
-            item = getter.result()
-            if isinstance(item, BaseException):
-                raise item
-            pending = item
+            source_input.take(getter.result())
 
-    if pending:
-        # Read but not yet sequenced: put them back first in line for the next transaction.
-        _unread(queue, pending)
     if txn.consumed == 0:
-        return previous if previous is not None else tasks.create_task(_noop())
-    if previous is not None:
-        await previous  # Its commit comes first, and its failure is ours.
+        return previous
+    await previous  # Its commit comes first, and its failure is ours.
     await app.finalize_txn(shard, store, shard.publisher)
     states = sequencer.checkpoint(PRUNE_HORIZON)
     read_through = sequencer.offsets
@@ -429,18 +436,6 @@ _DUPLICATES = frozenset(
         QueueOutcome.OUTSIDE_ALREADY_ACKED,
     }
 )
-
-
-async def _noop() -> None:
-    return None
-
-
-def _unread(queue: asyncio.Queue[list[Envelope] | BaseException], batch: list[Envelope]) -> None:
-    # asyncio.Queue has no push-front: rebuild its deque with the batch first.
-    inner: Any = queue._queue  # type: ignore[attr-defined]
-    inner.appendleft(batch)
-    queue._unfinished_tasks += 1  # type: ignore[attr-defined]
-    queue._wakeup_next(queue._getters)  # type: ignore[attr-defined]
 
 
 async def _dequeue(
