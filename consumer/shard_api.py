@@ -46,6 +46,7 @@ __all__ = [
     "ShardState",
     "apply_shards",
     "get_hints",
+    "in_route_order",
     "list_shards",
     "unassign_shards",
     "validate_apply_request",
@@ -110,7 +111,7 @@ def list_shards(state: ShardState, request: cpb.ListRequest) -> cpb.ListResponse
             continue
         if not labels.matches(request.selector, labels.shard_meta_labels(item.spec)):
             continue
-        assignments = _in_route_order(state.assignments_of(item.id))
+        assignments = in_route_order(state.assignments_of(item.id))
         shard = response.shards.add(
             spec=item.spec, mod_revision=kv.mod_revision, create_revision=kv.create_revision
         )
@@ -119,7 +120,7 @@ def list_shards(state: ShardState, request: cpb.ListRequest) -> cpb.ListResponse
     return response
 
 
-def _in_route_order(assignments: Sequence[KeyValue]) -> list[KeyValue]:
+def in_route_order(assignments: Sequence[KeyValue]) -> list[KeyValue]:
     def key(kv: KeyValue) -> tuple[str, str]:
         a = kv.decoded
         assert isinstance(a, aks.Assignment)

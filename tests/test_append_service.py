@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from broker.client.append_service import AppendService, Span
+from broker.client.append_service import AppendService, DependencyFailed, Span
 from broker.client.appender import AppendError
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
@@ -123,7 +123,7 @@ async def test_a_write_after_a_dependency_holds_the_journal_until_it_completes(
         lost = service.write_after(name, b"never;", failed)
         later = await service.write(name, b"later;")
         failed.set_exception(RuntimeError("the store refused the commit"))
-        with pytest.raises(RuntimeError, match="refused"):
+        with pytest.raises(DependencyFailed, match="failed: the store refused the commit"):
             await lost
         await later
     assert await read_all(brokers[0], name) == b"before;ack;after;later;"

@@ -68,6 +68,15 @@ class _Batch:
             yield chunk
 
 
+class DependencyFailed(RuntimeError):
+    """A `write_after` record not appended, because its dependency failed or was cancelled."""
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # Marks it retrieved: no "never retrieved" warning at collection.
+
+
 class PendingSpan(NamedTuple):
     """Where a written record will land: await it for its `Span` once its batch commits (or
     for the batch's error). `done()` says whether it is settled. It is awaitable any number of
@@ -153,14 +162,13 @@ class _Journal:
                 if batch.dependency is not None:
                     try:
                         await batch.dependency
-                    except asyncio.CancelledError as exc:
+                    except (Exception, asyncio.CancelledError) as exc:
                         task = asyncio.current_task()
-                        if task is not None and task.cancelling():
+                        if isinstance(exc, asyncio.CancelledError) and (
+                            task is not None and task.cancelling()
+                        ):
                             raise  # We are cancelled, not the dependency.
-                        self._fail(batch, exc)
-                        continue
-                    except Exception as exc:
-                        self._fail(batch, exc)
+                        self._fail_dependent(batch, exc)
                         continue
                 await self._send(batch)
             finally:
@@ -212,6 +220,17 @@ class _Journal:
     def _fail(batch: _Batch, error: BaseException) -> None:
         if not batch.done.done():
             batch.done.set_exception(error)
+
+    def _fail_dependent(self, batch: _Batch, cause: BaseException) -> None:
+        """A `write_after` whose dependency failed: it fails too, with DependencyFailed. The
+        dependency's failure is its owner's to report, so nobody need await this one."""
+        error = DependencyFailed(
+            f"append to {self.name} was not made: what it waited for "
+            + ("was cancelled" if isinstance(cause, asyncio.CancelledError) else f"failed: {cause}")
+        )
+        error.__cause__ = cause
+        self._fail(batch, error)
+        batch.done.add_done_callback(_retrieve)
 
 
 class AppendService:

@@ -1,0 +1,508 @@
+"""A consumer process: it announces a ConsumerSpec under an etcd lease, mirrors the shard
+keyspace, runs the allocator for shards (the same one brokers run for journals, with consumer
+rules), hosts the replicas of shards assigned to it, and serves the Shard service.
+
+A replica in slot 0 is the shard's primary: it asks the application for a store, reads the
+sources' specs from the brokers (their content types pick the framing), and runs the shard's
+transactions (`consumer.transaction.run_shard`), reporting PRIMARY in its assignment, or FAILED
+with the error when they fail (a FAILED shard stays so until `gazctl shards unassign`). A replica
+in another slot is a hot standby: without a recovery log there is nothing to play, so it is
+STANDBY at once. Statuses are written into the assignment keys, guarded by their revisions and
+keeping their leases, as upstream's.
+
+Stat is answered by the primary (proxied there by any other process): it waits until the
+shard's progress covers the requested offsets (`read_through`) and returns its progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aetcd
+import grpc
+from aetcd import transactions
+
+from broker import etcd as etcdx
+from broker.allocator import MemberKeyMissing, allocate
+from broker.allocator import keyspace as aks
+from broker.client.append_service import AppendService
+from broker.client.journals import JournalsClient
+from broker.client.routes import Router
+from broker.keyspace import KeySpace, KeyValue
+from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
+from broker.message.publisher import Publisher
+from broker.protocol import consumer_pb2_grpc as cpb_grpc
+from broker.protocol import labels
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol.validate import ValidationError, validate_process_id
+from broker.tasks import TaskOwner
+from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
+from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, truncate_error
+from consumer.shard_api import (
+    HintsError,
+    ShardState,
+    apply_shards,
+    get_hints,
+    in_route_order,
+    list_shards,
+    unassign_shards,
+)
+from consumer.store import Store
+from consumer.transaction import Application, Progress, Shard, Source, run_shard
+
+__all__ = ["Consumer", "ConsumerApplication", "ConsumerConfig", "LeaseLost"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLost(RuntimeError):
+    """etcd says our lease is gone: our assignments went with it."""
+
+
+class ConsumerApplication(Application, Protocol):
+    """An application a consumer process hosts: a store per shard (`new_store`), and what it
+    does with messages (`Application`). `message_type(journal_spec)` may pick the message type
+    of each source journal (default: JSON objects, as dicts)."""
+
+    async def new_store(self, shard: Shard) -> Store: ...
+
+
+@dataclass
+class ConsumerConfig:
+    """Upstream's --consumer.*, --broker.* and --etcd.* flags, by their names."""
+
+    id: str
+    broker_address: str
+    etcd_address: str
+    etcd_prefix: str
+    zone: str = "local"
+    host: str = "127.0.0.1"
+    port: int = 0
+    limit: int = 32
+    max_hot_standbys: int = DEFAULT_MAX_HOT_STANDBYS
+    watch_delay: float = 0.03
+    etcd_lease: float = 20.0
+    run_allocator: bool = True
+    drain_timeout: float = 30.0
+
+
+@dataclass
+class _Replica:
+    shard_id: str
+    assignment: KeyValue
+    task: asyncio.Task[None] | None = None
+    shard: Shard | None = None
+    progress: Progress = field(default_factory=Progress)
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def slot(self) -> int:
+        a = self.assignment.decoded
+        assert isinstance(a, aks.Assignment)
+        return a.slot
+
+
+class Consumer:
+    """One consumer process's runtime; every task it starts is owned here and awaited on stop."""
+
+    def __init__(self, config: ConsumerConfig, app: ConsumerApplication) -> None:
+        self.config = config
+        self.app = app
+        self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
+        self.root = config.etcd_prefix
+        self.etcd: aetcd.Client = etcdx.connect(config.etcd_address)
+        self.ks = KeySpace(self.root, consumer_decoder(self.root), apply_delay=config.watch_delay)
+        self.state = ShardState(self.etcd, self.ks, self.root, self.process_id)
+        self.router = Router(config.broker_address)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.lease_id = 0
+        self.tasks = TaskOwner("consumer")
+        self.shards = TaskOwner("shards")
+        self.replicas: dict[str, _Replica] = {}
+        self._changed = asyncio.Event()
+        self._allocator: asyncio.Task[None] | None = None
+        self.done = asyncio.Event()
+        self.failure: BaseException | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def member_key(self) -> str:
+        return aks.member_key(self.root, self.config.zone, self.config.id)
+
+    def spec(self, exiting: bool = False) -> cpb.ConsumerSpec:
+        return cpb.ConsumerSpec(
+            process_spec=pb.ProcessSpec(id=self.process_id, endpoint=self.endpoint),
+            shard_limit=self.config.limit,
+            exiting=exiting,
+        )
+
+    # ---- lifetime ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        validate_process_id(self.process_id, field="consumer id")
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
+        bind = f"{self.config.host}:{self.config.port}"
+        self.port = self.server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {bind}: the port is in use or not permitted")
+        try:
+            await self.etcd.connect()
+            await self.ks.load(self.etcd)
+            self.ks.add_observer(lambda _update: self._changed.set())
+            self._changed.set()  # Assignments we may hold already (a quick restart).
+            self._spawn(self.ks.watch(self.etcd), "keyspace watch")
+            lease = await self.etcd.lease(max(1, round(self.config.etcd_lease)))
+            self.lease_id = lease.id
+            self._spawn(self._keep_lease_alive(int(lease.ttl) or 1), "lease keep-alive")
+            await self._announce()
+            await self.server.start()
+            self._spawn(self._reconcile_loop(), "shard replicas")
+            if self.config.run_allocator:
+                rules = consumer_rules(self.config.max_hot_standbys)
+                self._allocator = self._spawn(
+                    allocate(self.ks, self.etcd, self.root, self.member_key, rules=rules),
+                    "allocator",
+                )
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("consumer %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self.tasks.spawn(coro, name)
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or (task is self._allocator and task.exception() is None):
+            return
+        exc = task.exception()
+        if exc is not None:
+            if isinstance(exc, MemberKeyMissing):
+                exc = LeaseLost(f"member key {self.member_key} vanished: its lease is gone")
+            log.error("consumer task %r failed: %s", task.get_name(), exc)
+            self.failure = self.failure or exc
+            self.done.set()
+
+    async def _announce(self) -> None:
+        key = self.member_key.encode()
+        deadline = asyncio.get_running_loop().time() + 2 * self.config.etcd_lease + 2
+        while True:
+            result = await etcdx.txn(
+                self.etcd,
+                [transactions.Version(key) == 0],
+                [transactions.Put(key, self.spec().SerializeToString(), lease=self.lease_id)],
+            )
+            if result.succeeded:
+                await self.ks.wait_for_revision(result.revision)
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(
+                    f"member key {self.member_key} is held by another live process: give this "
+                    "consumer a different --consumer.id or stop the other one"
+                )
+            await asyncio.sleep(1.0)
+
+    async def _keep_lease_alive(self, ttl: int) -> None:
+        """Refresh every third of the TTL, retrying soon after a failure; the lease is lost when
+        etcd says so, or when no refresh was answered for a whole TTL (then other processes may
+        already run our shards: the stores' fences refuse our commits, and we stop)."""
+        loop = asyncio.get_running_loop()
+        answered = loop.time()
+        while True:
+            await asyncio.sleep(ttl / 3 if loop.time() - answered < ttl / 3 else 0.25)
+            sent = loop.time()
+            try:
+                reply = await asyncio.wait_for(self.etcd.refresh_lease(self.lease_id), ttl / 5)
+            except Exception as exc:
+                if loop.time() - answered > ttl:
+                    raise LeaseLost(f"no etcd lease refresh answered for {ttl}s: {exc}") from exc
+                continue
+            if reply.TTL <= 0:
+                raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
+            answered = sent
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Graceful exit: mark the member exiting, let the allocator move our shards, stop the
+        replicas, stop serving, revoke the lease."""
+        if self.lease_id and self.failure is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.etcd.put(
+                        self.member_key.encode(),
+                        self.spec(exiting=True).SerializeToString(),
+                        lease=self.lease_id,
+                    ),
+                    5.0,
+                )
+            if self._allocator is not None and not self._allocator.done():
+                await self._await_drain()
+                if not self._allocator.done():
+                    log.warning(
+                        "shards not drained from %s within %gs; stopping anyway",
+                        self.member_key, self.config.drain_timeout,
+                    )  # fmt: skip
+        await self.shards.close()
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+        await self.tasks.close()
+        if self.lease_id:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.etcd.revoke_lease(self.lease_id), 5.0)
+            self.lease_id = 0
+        await self.router.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.etcd.close(), 5.0)
+        self.done.set()
+
+    async def _await_drain(self) -> None:
+        """Until the allocator returns (our shards moved), the drain timeout passes, or no
+        live member is left that could take them (then waiting cannot help)."""
+        assert self._allocator is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout
+        while not self._allocator.done() and loop.time() < deadline:
+            others = [
+                kv
+                for kv in self.ks.prefixed(self.root + aks.MEMBERS)
+                if kv.key != self.member_key
+                and isinstance(kv.decoded, aks.Member)
+                and isinstance(kv.decoded.spec, cpb.ConsumerSpec)
+                and not kv.decoded.spec.exiting
+            ]
+            if not others:
+                return
+            await asyncio.wait({self._allocator}, timeout=min(0.25, deadline - loop.time()))
+
+    # ---- replicas ------------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            await self._reconcile()
+
+    def _local_assignments(self) -> dict[str, KeyValue]:
+        out: dict[str, KeyValue] = {}
+        for kv in self.ks.prefixed(self.root + aks.ASSIGNMENTS):
+            a = kv.decoded
+            if (
+                isinstance(a, aks.Assignment)
+                and a.member_zone == self.config.zone
+                and a.member_suffix == self.config.id
+            ):
+                out[a.item_id] = kv
+        return out
+
+    async def _reconcile(self) -> None:
+        wanted = self._local_assignments()
+        for shard_id in list(self.replicas):
+            replica = self.replicas[shard_id]
+            kv = wanted.get(shard_id)
+            if kv is None or (replica.slot == 0) != (aks_slot(kv) == 0):
+                # Unassigned, or promoted/demoted: stop this replica (a promoted standby starts
+                # afresh as primary below).
+                await self._stop_replica(replica)
+                del self.replicas[shard_id]
+            else:
+                replica.assignment = kv
+        for shard_id, kv in wanted.items():
+            if shard_id in self.replicas:
+                continue
+            replica = _Replica(shard_id, kv)
+            self.replicas[shard_id] = replica
+            if aks_slot(kv) == 0:
+                replica.task = self.shards.spawn(self._run_primary(replica), shard_id)
+            else:
+                await self._set_status(replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY))
+
+    async def _stop_replica(self, replica: _Replica) -> None:
+        if replica.task is not None and not replica.task.done():
+            replica.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await replica.task
+        replica.stopped.set()
+
+    async def _set_status(self, replica: _Replica, status: cpb.ReplicaStatus) -> None:
+        """Write `status` into the replica's assignment, if it is still the same assignment."""
+        kv = self.ks.get(replica.assignment.key)
+        if kv is None or kv.create_revision != replica.assignment.create_revision:
+            return
+        if replica_status(kv.decoded) == status:
+            return
+        result = await etcdx.txn(
+            self.etcd,
+            [transactions.Mod(kv.key.encode()) == kv.mod_revision],
+            [etcdx.put_keeping_lease(kv.key.encode(), status.SerializeToString())],
+        )
+        if result.succeeded:
+            await self.ks.wait_for_revision(result.revision)
+            replica.assignment = self.ks.get(kv.key) or kv
+
+    async def _sources(self, spec: cpb.ShardSpec) -> list[Source]:
+        async with JournalsClient(self.config.broker_address) as client:
+            snapshot = await client.list()
+        specs = {j.spec.name: j.spec for j in snapshot.journals}
+        out = []
+        for source in spec.sources:
+            name = source.journal.partition(";")[0]
+            journal = specs.get(name)
+            if journal is None:
+                raise ValueError(f"source journal {name} of shard {spec.id} does not exist")
+            content_type = labels.value_of(journal.labels, "content-type")
+            chooser = getattr(self.app, "message_type", None)
+            messages: MessageType[Any] = chooser(journal) if chooser else DictMessages()
+            out.append(
+                Source(source.journal, messages, framing_for(content_type), source.min_offset)
+            )
+        return out
+
+    async def _run_primary(self, replica: _Replica) -> None:
+        spec = self._spec_of(replica.shard_id)
+        try:
+            if spec is None:
+                raise ValueError(f"shard {replica.shard_id} has no spec")
+            sources = await self._sources(spec)
+            async with AppendService(self.router) as service:
+                shard = Shard(
+                    spec,
+                    service,
+                    Publisher(service, DictMessages(), JSONLines()),
+                    replica.progress,
+                )
+                replica.shard = shard
+                store = await self.app.new_store(shard)
+                try:
+                    await self._set_status(
+                        replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
+                    )
+                    await run_shard(
+                        shard, self.app, store, sources, lambda: self.router.stub_for("")
+                    )
+                finally:
+                    await store.close()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            error = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
+            text = truncate_error(f"{type(error).__name__}: {error}")
+            log.error("shard %s failed: %s", replica.shard_id, text)
+            await self._set_status(
+                replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=[text])
+            )
+
+    def _spec_of(self, shard_id: str) -> cpb.ShardSpec | None:
+        found = self.state.spec_of(shard_id)
+        return found[0] if found is not None else None
+
+    # ---- Stat --------------------------------------------------------------------------------
+
+    async def stat(self, request: cpb.StatRequest) -> cpb.StatResponse:
+        header = self.state.unrouted_header()
+        response = cpb.StatResponse(status=cpb.OK, header=header)
+        found = self.state.spec_of(request.shard)
+        if found is None:
+            response.status = cpb.SHARD_NOT_FOUND
+            return response
+        spec, _ = found
+        assignments = in_route_order(self.state.assignments_of(request.shard))
+        route = aks.build_route(assignments, self.state.member)
+        response.header.route.CopyFrom(route)
+        sources = {s.journal for s in spec.sources}
+        for journal in request.read_through:
+            if journal not in sources:
+                raise ValidationError(
+                    "read_through", journal, f"{journal} is not a source of shard {spec.id}"
+                )
+        replica = self.replicas.get(request.shard)
+        local_primary = replica is not None and replica.slot == 0 and replica.task is not None
+        if not local_primary:
+            if route.primary == -1:
+                response.status = cpb.NO_SHARD_PRIMARY
+                return response
+            if request.HasField("header"):
+                response.status = cpb.NOT_SHARD_PRIMARY  # Proxied once already.
+                return response
+            endpoint = route.endpoints[route.primary] if route.endpoints else ""
+            proxied = cpb.StatRequest()
+            proxied.CopyFrom(request)
+            proxied.header.CopyFrom(response.header)
+            async with grpc.aio.insecure_channel(endpoint.removeprefix("http://")) as channel:
+                stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
+                answer: cpb.StatResponse = await stub.Stat(proxied)
+                return answer
+        assert replica is not None and replica.task is not None
+        waiting = asyncio.ensure_future(replica.progress.wait_for(dict(request.read_through)))
+        try:
+            await asyncio.wait({waiting, replica.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        if replica.task.done():
+            response.status = cpb.SHARD_STOPPED
+            return response
+        response.read_through.update(replica.progress.read_through)
+        response.publish_at.update(replica.progress.publish_at)
+        return response
+
+
+def aks_slot(kv: KeyValue) -> int:
+    a = kv.decoded
+    assert isinstance(a, aks.Assignment)
+    return a.slot
+
+
+class _ShardServicer(cpb_grpc.ShardServicer):
+    """The Shard service over gRPC: malformed requests are INVALID_ARGUMENT with one line."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    async def _guard(self, context: Any, call: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            return await call
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except HintsError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    async def Stat(self, request: cpb.StatRequest, context: Any) -> cpb.StatResponse:
+        return await self._guard(context, self.consumer.stat(request))  # type: ignore[no-any-return]
+
+    async def List(self, request: cpb.ListRequest, context: Any) -> cpb.ListResponse:
+        async def answer() -> cpb.ListResponse:
+            return list_shards(self.consumer.state, request)
+
+        return await self._guard(context, answer())  # type: ignore[no-any-return]
+
+    async def Apply(self, request: cpb.ApplyRequest, context: Any) -> cpb.ApplyResponse:
+        return await self._guard(context, apply_shards(self.consumer.state, request))  # type: ignore[no-any-return]
+
+    async def GetHints(self, request: cpb.GetHintsRequest, context: Any) -> cpb.GetHintsResponse:
+        return await self._guard(context, get_hints(self.consumer.state, request))  # type: ignore[no-any-return]
+
+    async def Unassign(self, request: cpb.UnassignRequest, context: Any) -> cpb.UnassignResponse:
+        return await self._guard(context, unassign_shards(self.consumer.state, request))  # type: ignore[no-any-return]
+
+
+@contextlib.asynccontextmanager
+async def running(config: ConsumerConfig, app: ConsumerApplication) -> AsyncIterator[Consumer]:
+    """A started consumer for the block, stopped after it."""
+    consumer = Consumer(config, app)
+    await consumer.start()
+    try:
+        yield consumer
+    finally:
+        await consumer.stop()
