@@ -367,6 +367,10 @@ async def _transaction(
             if outcome in COMMITTING:
                 if not await _dequeue(sequencer, consume, sources, stubs):
                     break  # Deferred: the next transaction begins with it.
+                if txn.consumed == 0:
+                    # An ACK that committed nothing to consume (an aborted transaction's, say):
+                    # read, and no transaction's to report.
+                    shard.progress.read_past(envelope.journal, envelope.end)
             elif txn.consumed == 0 and outcome in _DUPLICATES:
                 # Read, and never to be part of a transaction: report it read, so that a Stat
                 # waiting for it does not wait for good.

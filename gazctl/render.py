@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
@@ -76,7 +77,7 @@ class PlannedChange:
     conflict: str = ""
 
 
-def spec_diff(before: pb.JournalSpec, after: pb.JournalSpec) -> list[str]:
+def spec_diff(before: Message, after: Message) -> list[str]:
     """Human-readable `field: old -> new` lines between two specs."""
     a = _flat(json_format.MessageToDict(before, preserving_proto_field_name=True))
     b = _flat(json_format.MessageToDict(after, preserving_proto_field_name=True))

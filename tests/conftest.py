@@ -122,7 +122,11 @@ def run_cli(
     """Run a console command (`gazctl`, `gazette`) as the user would, in a subprocess."""
     module = {"gazctl": "gazctl.cli", "gazette": "broker.main"}[args[0]]
     full_env = dict(os.environ)
-    for inherited in ("BROKER_ADDRESS", "BROKER_FILE_ROOT"):  # As `gazctl dev up` exports them.
+    for inherited in (
+        "BROKER_ADDRESS",
+        "BROKER_FILE_ROOT",
+        "CONSUMER_ADDRESS",
+    ):  # As `gazctl dev up` exports them.
         full_env.pop(inherited, None)
     full_env.update(env or {})
     proc = subprocess.run(
@@ -133,6 +137,8 @@ def run_cli(
 
 
 from tests.store_servers import gcs_server, s3_server  # noqa: E402,F401
+
+pytest_plugins = ["tests.consumer_testing"]
 
 
 @pytest.fixture(scope="session")

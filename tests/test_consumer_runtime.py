@@ -24,15 +24,8 @@ from consumer.protocol import cpb
 from consumer.runtime import Consumer, ConsumerConfig
 from consumer.store import JSONFileStore
 from consumer.transaction import Shard
-from tests.test_transactions import (
-    INPUT,
-    Summer,
-    broker,  # noqa: F401 (a fixture)
-    committed_outputs,
-    publish_inputs,
-    stub,  # noqa: F401 (a fixture)
-    write_head,
-)
+from tests.consumer_testing import INPUT
+from tests.test_transactions import Summer, committed_outputs, publish_inputs, write_head
 
 
 class StoredSummer(Summer):
@@ -94,11 +87,11 @@ async def until(predicate: Any, timeout: float = 30.0) -> None:
 async def test_shards_run_with_a_standby_and_hand_off_on_exit(
     etcd_server: EtcdServer,
     etcd_prefix: str,
-    broker: BrokerHarness,  # noqa: F811
-    stub: pb_grpc.JournalStub,  # noqa: F811
+    sums_broker: BrokerHarness,
+    sums_stub: pb_grpc.JournalStub,
     tmp_path: Path,
 ) -> None:
-    journals = stub
+    broker, journals = sums_broker, sums_stub
     # Apart from the brokers' root, as upstream lays them out (a keyspace watches its root as a
     # string prefix: the brokers' must not extend to it).
     root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"

@@ -22,26 +22,14 @@ from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition
 from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Envelope, Sequencer
-from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import BrokerHarness, EtcdServer
+from broker.testing import BrokerHarness
 from consumer.protocol import cpb
 from consumer.store import FencedOut, JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
-from tests.journals_testing import started_brokers
-from tests.test_persistence import routed
+from tests.consumer_testing import INPUT, OUTPUT
 
-INPUT, OUTPUT = "sums/input", "sums/output"
 KEYS = [f"key-{i}" for i in range(5)]
-
-
-def spec(name: str) -> pb.JournalSpec:
-    out = pb.JournalSpec(name=name, replication=1)
-    out.fragment.length = 1 << 20
-    out.fragment.compression_codec = pb.NONE
-    out.fragment.refresh_interval.seconds = 60
-    out.labels.labels.add(name="content-type", value="application/x-ndjson")
-    return out
 
 
 def shard_spec(**fields: Any) -> cpb.ShardSpec:
@@ -79,18 +67,6 @@ class Summer:
         self, shard: Shard, store: JSONFileStore, publisher: Publisher[Any]
     ) -> None:
         return None
-
-
-@pytest.fixture
-async def broker(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[BrokerHarness]:
-    async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["bk-txn"], run_allocator=True
-    ) as (harness,):
-        async with harness.client() as client:
-            await client.apply([pb.ApplyRequest.Change(upsert=spec(j)) for j in (INPUT, OUTPUT)])
-            for journal in (INPUT, OUTPUT):
-                await routed(client, journal, 1)
-        yield harness
 
 
 class Expected(Counter[str]):
@@ -203,7 +179,8 @@ def check_outputs(outputs: list[tuple[str, int]], expected: Expected) -> None:
         assert by_key.get(key, []) == expected.running.get(key, []), key
 
 
-async def test_every_input_is_applied_once(stub: pb_grpc.JournalStub, tmp_path: Path) -> None:
+async def test_every_input_is_applied_once(sums_stub: pb_grpc.JournalStub, tmp_path: Path) -> None:
+    stub = sums_stub
     expected = await publish_inputs(stub, 300, seed=1)
     head = await write_head(stub, INPUT)
     app = Summer()
@@ -217,8 +194,9 @@ async def test_every_input_is_applied_once(stub: pb_grpc.JournalStub, tmp_path: 
 
 
 async def test_a_shard_stopped_anywhere_resumes_exactly_once(
-    stub: pb_grpc.JournalStub, tmp_path: Path
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    stub = sums_stub
     """Stopped after a random number of messages, again and again (each time a new instance,
     as a new primary would be): the store's sums are exact and no output repeats."""
     expected = await publish_inputs(stub, 400, seed=2)
@@ -242,8 +220,9 @@ async def test_a_shard_stopped_anywhere_resumes_exactly_once(
 
 
 async def test_a_fenced_out_instance_fails_and_commits_nothing(
-    stub: pb_grpc.JournalStub, tmp_path: Path
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    stub = sums_stub
     """A zombie primary: another instance restored the shard's store meanwhile. The zombie's
     next commit fails (the shard fails), and what it consumed is not in the store."""
     await publish_inputs(stub, 20, seed=4)
@@ -286,8 +265,9 @@ class SlowStore(JSONFileStore):
 
 
 async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
-    stub: pb_grpc.JournalStub, tmp_path: Path
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    stub = sums_stub
     """The shard stops while its store commits: the commit still becomes durable, but its ACK
     intents are never appended. The next instance restores the checkpoint and appends them
     first, so the outputs of that transaction are committed for readers all the same."""
@@ -311,3 +291,36 @@ async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
 
     await run_until(stub, JSONFileStore(tmp_path, "summer-0"), Summer(), through=head)
     check_outputs(await committed_outputs(stub), expected)
+
+
+async def test_a_source_that_ends_with_an_aborted_transaction_is_read_through(
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """The shard is idle at the write head when an aborted transaction is appended: its ACK
+    commits nothing to consume, and no transaction of the shard follows to report it read.
+    Progress (what Stat waits on) must still reach the new write head."""
+    stub = sums_stub
+    to_input = lambda _m: Partition(INPUT, "application/x-ndjson")  # noqa: E731
+    async with AppendService(stub) as service:
+        # One producer: a committed transaction, then (once the shard read it) an aborted one,
+        # whose ACK is above the last: it commits, but nothing of its span is delivered.
+        producer = Publisher(service, DictMessages(), JSONLines())
+        await producer.publish_uncommitted(to_input, {"key": KEYS[1], "n": 5})
+        await producer.commit()
+        head = await write_head(stub, INPUT)
+        shard = Shard(shard_spec(), service, Publisher(service, DictMessages(), JSONLines()))
+        store = JSONFileStore(tmp_path, "summer-0")
+        task = asyncio.create_task(run_shard(shard, Summer(), store, [source()], lambda: stub))
+        try:
+            async with asyncio.timeout(20):
+                await shard.progress.wait_for({INPUT: head})
+            for n in (1, 2):
+                await producer.publish_uncommitted(to_input, {"key": KEYS[1], "n": n})
+            await producer.abort()
+            head = await write_head(stub, INPUT)
+            async with asyncio.timeout(20):
+                await shard.progress.wait_for({INPUT: head})
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,331 @@
+"""`gazctl shards ...`: manage shard specs (apply, list) through a consumer's Shard service."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import click
+from google.protobuf import json_format
+from rich.table import Table
+
+from broker import config as cfg
+from broker.client import ApplyConflict, JournalsClient
+from broker.client.reader import write_head
+from broker.message.framing import framing_for
+from broker.protocol import labels
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol.validate import ValidationError
+from consumer.client import ShardsClient
+from consumer.protocol import cpb, recovery_log, reduce_status, validate_shard_spec
+from gazctl import render
+from gazctl.journals import max_txn_size_option, parse_selector, read_specs
+from spec import SpecError
+from spec import shards as sspec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+RECOVERY_LOG_CONTENT_TYPE = "application/x-gazette-recoverylog"
+
+
+def consumer_options(f: F) -> F:
+    """The Consumer and Broker option groups of upstream gazctl's `shards` commands."""
+    for decorator in reversed(
+        [
+            cfg.option("--consumer.address", default="http://localhost:8080", help="Service address of a Gazette consumer"),
+            cfg.option("--broker.address", default="http://localhost:8080", help="Service address of a Gazette broker"),
+            cfg.option("--broker.cache.size", default=0, type=int, help="Size of client route cache (0 disables it: the broker proxies)"),
+            cfg.option("--broker.cache.ttl", default="1m", help="Time-to-live of route cache entries"),
+            cfg.option("--zone", env="ZONE", default="local", help="Availability zone within which this process is running"),
+            cfg.option("--log.level", default="warn", type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]), help="Logging level"),
+            cfg.option("--log.format", default="text", type=click.Choice(["json", "text", "color"]), help="Logging output format"),
+        ]
+    ):  # fmt: skip
+        f = decorator(f)
+    return f
+
+
+@click.group()
+def shards() -> None:
+    """Interact with consumer shards."""
+
+
+def shards_client(opts: dict[str, Any]) -> ShardsClient:
+    try:
+        return ShardsClient(opts["consumer_address"])
+    except ValueError as exc:
+        raise click.ClickException(str(exc).replace("broker address", "consumer address")) from None
+
+
+# ---- list -----------------------------------------------------------------------------------
+
+
+def _code(status: cpb.ReplicaStatus) -> str:
+    return cpb.ReplicaStatus.Code.Name(status.code)
+
+
+def _rf(spec: cpb.ShardSpec) -> int:
+    return 0 if spec.disable else spec.hot_standbys + 1
+
+
+def shards_table(
+    listed: Sequence[cpb.ListResponse.Shard],
+    *,
+    label_columns: Sequence[str] = (),
+    primary: bool = False,
+    replicas: bool = False,
+    rf: bool = False,
+    lag: dict[str, str] | None = None,
+) -> None:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    table.add_column("ID")
+    table.add_column("Status")
+    if rf:
+        table.add_column("RF", justify="right")
+    if primary:
+        table.add_column("Primary")
+    if replicas:
+        table.add_column("Replicas")
+    for name in label_columns:
+        table.add_column(name)
+    if lag is not None:
+        table.add_column("Lag")
+    for shard in listed:
+        route = shard.route
+        primary_cell = "<none>"
+        replica_cells = []
+        for index, (member, status) in enumerate(zip(route.members, shard.status, strict=False)):
+            cell = f"{member.suffix}:{_code(status)}"
+            if index == route.primary:
+                primary_cell = cell
+            else:
+                replica_cells.append(cell)
+        row = [shard.spec.id, _code(reduce_status(shard.status))]
+        if rf:
+            row.append(str(_rf(shard.spec)))
+        if primary:
+            row.append(primary_cell)
+        if replicas:
+            row.append(", ".join(replica_cells))
+        for name in label_columns:
+            values = labels.values_of(shard.spec.labels, name)
+            row.append(",".join(values) if values else "<none>")
+        if lag is not None:
+            row.append(lag.get(shard.spec.id, ""))
+        table.add_row(*row)
+    render.console.print(table)
+
+
+async def _lags(opts: dict[str, Any], listed: cpb.ListResponse) -> dict[str, str]:
+    """Per shard, `journal:N, ...`: each source's write head less what the shard read through
+    (by Stat, answered by its primary); shards without a primary have none."""
+    out: dict[str, str] = {}
+    async with JournalsClient(opts["broker_address"]) as brokers, shards_client(opts) as client:
+        heads: dict[str, int] = {}
+        for shard in listed.shards:
+            if shard.route.primary == -1:
+                continue
+            stat = await client.stat(shard.spec.id)
+            parts = []
+            for source in shard.spec.sources:
+                journal = source.journal
+                if journal not in heads:
+                    heads[journal] = await write_head(brokers.stub, journal)
+                parts.append(
+                    f"{journal}:{max(0, heads[journal] - stat.read_through.get(journal, 0))}"
+                )
+            out[shard.spec.id] = ", ".join(parts)
+    return out
+
+
+async def _list(opts: dict[str, Any], selector: pb.LabelSelector, fmt: str, lag: bool) -> None:
+    async with shards_client(opts) as client:
+        listed = await client.list(selector)
+    if fmt == "yaml":
+        entries = [sspec.ShardEntry(s.spec, revision=s.mod_revision) for s in listed.shards]
+        click.echo(sspec.encode_shards(entries) if entries else "", nl=False)
+    elif fmt == "json":
+        for shard in listed.shards:
+            doc = json_format.MessageToDict(shard, preserving_proto_field_name=True)
+            click.echo(json.dumps(doc, sort_keys=True))
+    elif fmt == "proto":
+        click.echo(str(listed), nl=False)
+    else:
+        shards_table(
+            listed.shards,
+            label_columns=list(opts["label_columns"]),
+            primary=opts["primary"],
+            replicas=opts["replicas"],
+            rf=opts["rf"],
+            lag=await _lags(opts, listed) if lag else None,
+        )
+
+
+@shards.command("list")
+@consumer_options
+@click.option("-l", "--selector", default="", help="Label selector of shards to list")
+@click.option(
+    "-o", "--format", "fmt", default="table", show_default=True,
+    type=click.Choice(["table", "yaml", "json", "proto"]), help="Output format",
+)  # fmt: skip
+@click.option("-L", "--label-columns", multiple=True, help="Labels to present as columns")
+@click.option("-p", "--primary", is_flag=True, help="Show the primary column")
+@click.option("-r", "--replicas", is_flag=True, help="Show the replicas column")
+@click.option("--rf", is_flag=True, help="Show the replication factor column")
+@click.option("--lag", is_flag=True, help="Show the amount of unread data for each shard")
+def list_cmd(selector: str, fmt: str, lag: bool, **opts: Any) -> None:
+    """List shard specifications and status.
+
+    The selector supports the meta-label "id", e.g. `-l "id=word-count-000"`. Output formats:
+    table, yaml (a shardspace `shards apply` accepts), json (one shard per line), proto.
+    """
+    from gazctl.cli import run
+
+    run(_list(opts, parse_selector(selector), fmt, lag))
+
+
+# ---- apply ----------------------------------------------------------------------------------
+
+
+def decode_entries(origin: str, text: str) -> list[sspec.ShardEntry]:
+    """Decode and validate a shardspace; any problem names the shard or the line."""
+    try:
+        entries = sspec.decode_shards(text)
+    except SpecError as exc:
+        raise click.ClickException(f"{origin}: {exc}") from None
+    for entry in entries:
+        if entry.delete:
+            continue
+        try:
+            validate_shard_spec(entry.spec)
+        except ValidationError as exc:
+            where = f" (line {entry.line})" if entry.line else ""
+            raise click.ClickException(f"{origin}: shard {entry.spec.id}{where}: {exc}") from None
+    return entries
+
+
+async def check_journals(opts: dict[str, Any], entries: Sequence[sspec.ShardEntry]) -> None:
+    """Every source journal exists with a framed content type, and every recovery log exists
+    labelled as one (upstream's check before an apply)."""
+    async with JournalsClient(opts["broker_address"]) as client:
+        listed = {j.spec.name: j.spec for j in (await client.list()).journals}
+    for entry in entries:
+        if entry.delete:
+            continue
+        spec = entry.spec
+        for source in spec.sources:
+            name = source.journal.partition(";")[0]
+            journal = listed.get(name)
+            if journal is None:
+                raise click.ClickException(
+                    f"shard {spec.id}: source journal {name} does not exist: create it first "
+                    "(`gazctl journals apply`)"
+                )
+            content_type = labels.value_of(journal.labels, "content-type")
+            try:
+                framing_for(content_type)
+            except ValueError as exc:
+                raise click.ClickException(
+                    f"shard {spec.id}: source journal {name}: {exc}"
+                ) from None
+        log = recovery_log(spec)
+        if log:
+            journal = listed.get(log)
+            if journal is None:
+                raise click.ClickException(
+                    f"shard {spec.id}: recovery log {log} does not exist: create it first, "
+                    f"labelled content-type: {RECOVERY_LOG_CONTENT_TYPE}"
+                )
+            if labels.value_of(journal.labels, "content-type") != RECOVERY_LOG_CONTENT_TYPE:
+                raise click.ClickException(
+                    f"shard {spec.id}: journal {log} is not a recovery log (label it "
+                    f"content-type: {RECOVERY_LOG_CONTENT_TYPE})"
+                )
+
+
+def plan(
+    entries: Sequence[sspec.ShardEntry], current: cpb.ListResponse
+) -> list[render.PlannedChange]:
+    by_id = {s.spec.id: s for s in current.shards}
+    out = []
+    for entry in entries:
+        existing = by_id.get(entry.spec.id)
+        conflict = ""
+        if entry.revision != -1:
+            have = existing.mod_revision if existing else 0
+            if have != entry.revision:
+                conflict = (
+                    f"revision {entry.revision} but the shard is at {have}"
+                    if have
+                    else f"revision {entry.revision} but the shard does not exist"
+                )
+        diff: list[str] = []
+        if entry.delete:
+            action = "delete" if existing else "delete (absent)"
+        elif existing is None:
+            action = "create"
+        else:
+            diff = render.spec_diff(existing.spec, entry.spec)
+            action = "update" if diff else "unchanged"
+        out.append(render.PlannedChange(entry.spec.id, action, diff, conflict))
+    return out
+
+
+def changes_of(entries: Sequence[sspec.ShardEntry]) -> list[cpb.ApplyRequest.Change]:
+    return [
+        cpb.ApplyRequest.Change(expect_mod_revision=e.revision, delete=e.spec.id)
+        if e.delete
+        else cpb.ApplyRequest.Change(expect_mod_revision=e.revision, upsert=e.spec)
+        for e in entries
+    ]
+
+
+async def _apply(
+    opts: dict[str, Any], entries: list[sspec.ShardEntry], dry_run: bool, max_txn_size: int
+) -> list[render.PlannedChange]:
+    await check_journals(opts, entries)
+    async with shards_client(opts) as client:
+        planned = plan(entries, await client.list())
+        if dry_run:
+            return planned
+        try:
+            await client.apply(changes_of(entries), max_txn_size=max_txn_size)
+        except ApplyConflict as exc:
+            ids = [p.name for p in planned if p.conflict]
+            detail = f": {', '.join(ids)}" if ids else ""
+            raise click.ClickException(
+                f"revision conflict{detail} changed since the specs were read; nothing in the "
+                f"failed transaction was applied (batch {exc.batch + 1}). List the shards "
+                "again (`gazctl shards list -o yaml`) and re-apply, or use revision: -1"
+            ) from None
+        return planned
+
+
+@shards.command("apply")
+@consumer_options
+@click.option(
+    "--specs",
+    default="-",
+    show_default=True,
+    help="Input specifications path to apply (- for stdin)",
+)
+@click.option("--dry-run", is_flag=True, help="Show what would change, and change nothing")
+@max_txn_size_option
+def apply_cmd(specs: str, dry_run: bool, max_txn_size: int, **opts: Any) -> None:
+    """Apply a shardspace (as `shards list -o yaml` prints) to the consumers.
+
+    First checks that every source journal exists with a framed content type, and every
+    recovery log exists labelled as one.
+    """
+    origin, text = read_specs(specs)
+    entries = decode_entries(origin, text)
+    if not entries:
+        raise click.ClickException(f"{origin}: no shards to apply")
+    from gazctl.cli import run
+
+    planned = run(_apply(opts, entries, dry_run, max_txn_size))
+    render.print_plan(planned, dry_run=dry_run)
+    if dry_run and any(change.conflict for change in planned):
+        sys.exit(1)

@@ -1,0 +1,168 @@
+"""`gazctl shards apply|list` as the user runs them (a subprocess), against a consumer process
+and a broker: the shardspace applied after its journals are checked, listed back as the same
+YAML, in a table with statuses, replicas and lag, and bad input in one line with nothing applied."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aetcd
+import pytest
+
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import BrokerHarness, EtcdServer
+from consumer.runtime import Consumer, ConsumerConfig
+from tests.conftest import Result, run_cli
+from tests.consumer_testing import INPUT, spec
+from tests.test_consumer_runtime import StoredSummer
+from tests.test_transactions import publish_inputs, write_head
+
+SHARDSPACE = """\
+common:
+  sources:
+  - journal: sums/input
+  max_txn_duration: 1s
+  labels:
+  - name: app
+    value: summer
+shards:
+- id: sum-a
+- id: sum-b
+  hot_standbys: 1
+  labels:
+  - name: tier
+    value: gold
+"""
+
+
+def one_shard(source: str, max_txn: str = "1s") -> str:
+    return (
+        f"shards:\n- id: sum-a\n  sources:\n  - journal: {source}\n  max_txn_duration: {max_txn}\n"
+    )
+
+
+@pytest.fixture
+async def consumer(
+    etcd_server: EtcdServer,
+    sums_broker: BrokerHarness,
+    tmp_path: Path,
+) -> AsyncIterator[Consumer]:
+    broker = sums_broker
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        id="consumer-0",
+        broker_address=broker.endpoint,
+        etcd_address=etcd_server.endpoint,
+        etcd_prefix=root,
+        etcd_lease=5.0,
+    )
+    c = Consumer(config, StoredSummer(tmp_path / "stores"))
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.stop()
+        async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
+            await client.delete_prefix(root.encode())
+
+
+async def gazctl(
+    consumer: Consumer, broker: BrokerHarness, *args: str, input: str | None = None
+) -> Result:
+    env = {"CONSUMER_ADDRESS": consumer.endpoint, "BROKER_ADDRESS": broker.endpoint}
+    return await asyncio.to_thread(run_cli, "gazctl", "shards", *args, input=input, env=env)
+
+
+def one_line_error(r: Result) -> str:
+    assert r.code != 0, r
+    assert "Traceback" not in r.err, r.err
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1, r.err
+    return lines[0]
+
+
+async def test_apply_checks_journals_then_lists_back_the_same_shardspace(
+    consumer: Consumer, sums_broker: BrokerHarness
+) -> None:
+    broker = sums_broker
+    # A source that does not exist, one that is not framed, a bad spec: refused, nothing
+    # applied.
+    error = one_line_error(await gazctl(consumer, broker, "apply", input=one_shard("sums/nope")))
+    assert "shard sum-a: source journal sums/nope does not exist" in error
+    async with broker.client() as client:
+        raw = spec("sums/raw")
+        raw.labels.Clear()
+        raw.labels.labels.add(name="content-type", value="application/octet-stream")
+        await client.apply([pb.ApplyRequest.Change(upsert=raw)])
+    error = one_line_error(await gazctl(consumer, broker, "apply", input=one_shard("sums/raw")))
+    assert "shard sum-a: source journal sums/raw: unknown content-type" in error
+    bad = one_shard("sums/input", max_txn="0s")
+    error = one_line_error(await gazctl(consumer, broker, "apply", input=bad))
+    assert "shard sum-a (line 2): max_txn_duration" in error
+    listed = await gazctl(consumer, broker, "list", "-o", "json")
+    assert listed.code == 0 and listed.out == ""
+
+    dry = await gazctl(consumer, broker, "apply", "--dry-run", input=SHARDSPACE)
+    assert dry.code == 0 and "create" in dry.out and "dry run" in dry.err
+    applied = await gazctl(consumer, broker, "apply", input=SHARDSPACE)
+    assert applied.code == 0, applied
+    assert "applied: 2 create" in applied.err
+
+    as_yaml = await gazctl(consumer, broker, "list", "-o", "yaml")
+    assert as_yaml.code == 0, as_yaml
+    without_revisions = (
+        "\n".join(
+            line for line in as_yaml.out.splitlines() if not line.strip().startswith("revision:")
+        )
+        + "\n"
+    )
+    assert without_revisions == SHARDSPACE
+    # Applied again as listed (with its revisions): nothing changes.
+    again = await gazctl(consumer, broker, "apply", input=as_yaml.out)
+    assert again.code == 0 and "applied: 2 unchanged" in again.err
+    # With a stale revision the dry run predicts the conflict, and the apply refuses.
+    stale = as_yaml.out.replace("revision: ", "revision: 1", 1)
+    predicted = await gazctl(consumer, broker, "apply", "--dry-run", input=stale)
+    assert predicted.code == 1 and "conflict" in predicted.out
+    error = one_line_error(await gazctl(consumer, broker, "apply", input=stale))
+    assert "revision conflict" in error
+
+    lines = (await gazctl(consumer, broker, "list", "-o", "json")).out.splitlines()
+    assert [json.loads(line)["spec"]["id"] for line in lines] == ["sum-a", "sum-b"]
+
+
+async def test_list_shows_statuses_replicas_labels_and_lag(
+    consumer: Consumer,
+    sums_broker: BrokerHarness,
+    sums_stub: pb_grpc.JournalStub,
+) -> None:
+    broker, stub = sums_broker, sums_stub
+    applied = await gazctl(consumer, broker, "apply", input=SHARDSPACE)
+    assert applied.code == 0, applied
+    expected = await publish_inputs(stub, 30, seed=9)
+    head = await write_head(stub, INPUT)
+    async with asyncio.timeout(30):
+        while True:
+            table = await gazctl(
+                consumer, broker, "list", "-p", "-r", "--rf", "-L", "tier", "--lag"
+            )
+            assert table.code == 0, table
+            if table.out.count(f"{INPUT}:0") == 2:
+                break
+            await asyncio.sleep(0.2)
+    rows = [line.split() for line in table.out.splitlines()]
+    assert rows[0] == ["ID", "Status", "RF", "Primary", "Replicas", "tier", "Lag"]
+    by_id = {row[0]: row for row in rows[1:]}
+    # One consumer process: sum-b's standby cannot be placed, its primary runs all the same.
+    assert by_id["sum-a"][1:4] == ["PRIMARY", "1", "consumer-0:PRIMARY"]
+    assert by_id["sum-b"][1:4] == ["PRIMARY", "2", "consumer-0:PRIMARY"]
+    assert by_id["sum-b"][-2:] == ["gold", f"{INPUT}:0"] and by_id["sum-a"][-2:] == [
+        "<none>",
+        f"{INPUT}:0",
+    ]
+    assert head > 0 and sum(expected.values()) > 0
