@@ -86,7 +86,8 @@ def test_the_client_library_imports_nothing_of_the_broker_server() -> None:
 
 
 # What consumers may use of `broker`: its client library, protocol, keyspace mirror, allocator,
-# messages, and the small shared helpers (retries, task ownership, etcd connection settings).
+# messages, and the small shared helpers (retries, task ownership, etcd connection settings,
+# command-line options bound to environment variables).
 CONSUMER_MAY_USE = (
     "broker.client",
     "broker.protocol",
@@ -96,6 +97,7 @@ CONSUMER_MAY_USE = (
     "broker.retry",
     "broker.tasks",
     "broker.etcd",
+    "broker.config",
 )
 
 

@@ -1,0 +1,1 @@
+"""Example consumer applications, each runnable: `python -m consumer.examples.NAME --help`."""

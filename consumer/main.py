@@ -1,0 +1,168 @@
+"""The command line of a consumer application (upstream's `runconsumer`): `serve` runs a
+consumer process with upstream's flags (`--consumer.*`, `--broker.*`, `--etcd.*`, `--log.*`,
+each also from its environment variable) until SIGTERM or SIGINT, then exits gracefully (its
+shards handed to other processes). Bad flags are one line and exit 2; a process that cannot
+start, or whose lease is lost, says why in one line and exits 1."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from broker import config as cfg
+from broker.etcd import parse_etcd_address
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol.validate import ValidationError
+from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_spec
+from consumer.runtime import Consumer, ConsumerApplication, ConsumerConfig
+from spec.durations import DurationError, parse_go_duration
+
+__all__ = ["serve_command"]
+
+AppFactory = Callable[[dict[str, Any]], ConsumerApplication]
+
+
+def _seconds(flag: str, value: str) -> float:
+    try:
+        return parse_go_duration(value) / 1e9
+    except DurationError as exc:
+        raise click.BadParameter(str(exc), param_hint=flag) from None
+
+
+def consumer_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for decorator in reversed(
+        [
+            cfg.option("--consumer.zone", default="local", help="Availability zone within which this process is running"),
+            cfg.option("--consumer.id", default=socket.gethostname, show_default="hostname", help="Unique ID of this process"),
+            cfg.option("--consumer.host", default="127.0.0.1", help="Addressable, advertised hostname or IP of this process"),
+            cfg.option("--consumer.port", default=8080, type=click.IntRange(0, 65535), help="Service port for gRPC requests (0 picks a free port)"),
+            cfg.option("--consumer.limit", default=32, type=click.IntRange(0), help="Maximum number of shards this process will allocate"),
+            cfg.option("--consumer.max-hot-standbys", default=DEFAULT_MAX_HOT_STANDBYS, type=click.IntRange(0), help="Maximum effective hot standbys of any one shard"),
+            cfg.option("--consumer.watch-delay", default="30ms", help="Delay applied to the application of watched etcd events"),
+            cfg.option("--consumer.drain-timeout", default="30s", help="On SIGTERM, how long to wait for this process's shards to move elsewhere"),
+            cfg.option("--broker.address", default="http://localhost:8080", help="Service address of a Gazette broker"),
+            cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address"),
+            cfg.option("--etcd.lease", env="ETCD_LEASE_TTL", default="20s", help="Time-to-live of the etcd lease"),
+            cfg.option("--etcd.prefix", required=True, help="etcd base prefix of this application's shards and processes (as upstream: one per application and release)"),
+            cfg.option("--log.level", default="info", type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]), help="Logging level"),
+            cfg.option("--log.format", default="text", type=click.Choice(["json", "text", "color"]), help="Logging output format"),
+        ]
+    ):  # fmt: skip
+        f = decorator(f)
+    return f
+
+
+def config_of(opts: dict[str, Any]) -> ConsumerConfig:
+    """The process's configuration, each bad flag refused in one line naming it."""
+    config = ConsumerConfig(
+        id=opts["consumer_id"],
+        zone=opts["consumer_zone"],
+        host=opts["consumer_host"],
+        port=opts["consumer_port"],
+        limit=opts["consumer_limit"],
+        max_hot_standbys=opts["consumer_max_hot_standbys"],
+        watch_delay=_seconds("--consumer.watch-delay", opts["consumer_watch_delay"]),
+        drain_timeout=_seconds("--consumer.drain-timeout", opts["consumer_drain_timeout"]),
+        broker_address=opts["broker_address"],
+        etcd_address=opts["etcd_address"],
+        etcd_lease=_seconds("--etcd.lease", opts["etcd_lease"]),
+        etcd_prefix=opts["etcd_prefix"].rstrip("/"),
+    )
+    spec = cpb.ConsumerSpec(
+        process_spec=pb.ProcessSpec(
+            id=pb.ProcessSpec.ID(zone=config.zone, suffix=config.id),
+            endpoint=f"http://{config.host}:{config.port or 8080}",
+        )
+    )
+    flags = {
+        "process_spec.id.zone": "--consumer.zone",
+        "process_spec.id.suffix": "--consumer.id",
+        "process_spec.endpoint": "--consumer.host",
+    }
+    try:
+        validate_consumer_spec(spec)
+    except ValidationError as exc:
+        raise click.BadParameter(exc.problem, param_hint=flags.get(exc.field, exc.field)) from None
+    for flag, address in (
+        ("--etcd.address", config.etcd_address),
+        ("--broker.address", config.broker_address),
+    ):
+        if urllib.parse.urlparse(address).scheme == "https":
+            raise click.BadParameter(
+                f"{address!r}: https:// needs TLS, which gazette-py does not support yet",
+                param_hint=flag,
+            )
+    try:
+        parse_etcd_address(config.etcd_address)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--etcd.address") from None
+    if not config.etcd_prefix.startswith("/"):
+        raise click.BadParameter(
+            f"{config.etcd_prefix!r} must start with '/'", param_hint="--etcd.prefix"
+        )
+    if config.etcd_lease < 1:
+        raise click.BadParameter(f"{config.etcd_lease:g}s is below 1s", param_hint="--etcd.lease")
+    return config
+
+
+async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) -> int:
+    consumer = Consumer(config, app)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await consumer.start()
+    except Exception as exc:
+        click.echo(f"{name}: cannot start: {exc}", err=True)
+        return 1
+    stop_wait = asyncio.ensure_future(stop.wait())
+    done_wait = asyncio.ensure_future(consumer.done.wait())
+    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    done_wait.cancel()
+    failure = consumer.failure
+    await consumer.stop()
+    if failure is not None:
+        click.echo(f"{name}: {failure}", err=True)
+        return 1
+    return 0
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+              "warn": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}  # fmt: skip
+    if fmt == "json":
+        format_ = (
+            '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+        )
+    else:
+        format_ = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=levels[level], format=format_, stream=sys.stderr)
+
+
+def serve_command(
+    name: str, app_factory: AppFactory, *app_options: Callable[[Any], Any]
+) -> click.Command:
+    """A `serve` command for an application: upstream's consumer flags, plus the application's
+    own options (`app_options`, click decorators), whose values `app_factory` receives."""
+
+    def serve(**opts: Any) -> None:
+        """Serve as a consumer of this application until SIGTERM or SIGINT."""
+        setup_logging(opts["log_level"], opts["log_format"])
+        config = config_of(opts)
+        app = app_factory(opts)
+        sys.exit(asyncio.run(_serve(config, app, name)))
+
+    command: Any = serve
+    for option in reversed(app_options):
+        command = option(command)
+    return click.command("serve")(consumer_options(command))
