@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+import grpc
 
 from broker import config as cfg
 from broker.etcd import parse_etcd_address
@@ -34,7 +35,7 @@ def _seconds(flag: str, value: str) -> float:
     try:
         return parse_go_duration(value) / 1e9
     except DurationError as exc:
-        raise click.BadParameter(str(exc), param_hint=flag) from None
+        raise click.ClickException(f"{flag}: {exc}") from None
 
 
 def consumer_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,7 +52,7 @@ def consumer_options(f: Callable[..., Any]) -> Callable[..., Any]:
             cfg.option("--broker.address", default="http://localhost:8080", help="Service address of a Gazette broker"),
             cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address"),
             cfg.option("--etcd.lease", env="ETCD_LEASE_TTL", default="20s", help="Time-to-live of the etcd lease"),
-            cfg.option("--etcd.prefix", required=True, help="etcd base prefix of this application's shards and processes (as upstream: one per application and release)"),
+            cfg.option("--etcd.prefix", default="", help="etcd base prefix of this application's shards and processes (default: /gazette/consumers/APPLICATION; one per application and release)"),
             cfg.option("--log.level", default="info", type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]), help="Logging level"),
             cfg.option("--log.format", default="text", type=click.Choice(["json", "text", "color"]), help="Logging output format"),
         ]
@@ -60,7 +61,7 @@ def consumer_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def config_of(opts: dict[str, Any]) -> ConsumerConfig:
+def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
     """The process's configuration, each bad flag refused in one line naming it."""
     config = ConsumerConfig(
         id=opts["consumer_id"],
@@ -74,7 +75,7 @@ def config_of(opts: dict[str, Any]) -> ConsumerConfig:
         broker_address=opts["broker_address"],
         etcd_address=opts["etcd_address"],
         etcd_lease=_seconds("--etcd.lease", opts["etcd_lease"]),
-        etcd_prefix=opts["etcd_prefix"].rstrip("/"),
+        etcd_prefix=(opts["etcd_prefix"] or f"/gazette/consumers/{name}").rstrip("/"),
     )
     spec = cpb.ConsumerSpec(
         process_spec=pb.ProcessSpec(
@@ -90,27 +91,34 @@ def config_of(opts: dict[str, Any]) -> ConsumerConfig:
     try:
         validate_consumer_spec(spec)
     except ValidationError as exc:
-        raise click.BadParameter(exc.problem, param_hint=flags.get(exc.field, exc.field)) from None
+        raise click.ClickException(f"{flags.get(exc.field, exc.field)}: {exc.problem}") from None
     for flag, address in (
         ("--etcd.address", config.etcd_address),
         ("--broker.address", config.broker_address),
     ):
         if urllib.parse.urlparse(address).scheme == "https":
-            raise click.BadParameter(
-                f"{address!r}: https:// needs TLS, which gazette-py does not support yet",
-                param_hint=flag,
+            raise click.ClickException(
+                f"{flag} {address!r}: https:// needs TLS, which gazette-py does not support yet; "
+                "give the plaintext http:// address"
             )
     try:
         parse_etcd_address(config.etcd_address)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--etcd.address") from None
+        raise click.ClickException(str(exc)) from None
     if not config.etcd_prefix.startswith("/"):
-        raise click.BadParameter(
-            f"{config.etcd_prefix!r} must start with '/'", param_hint="--etcd.prefix"
-        )
+        raise click.ClickException(f"--etcd.prefix {config.etcd_prefix!r}: must start with '/'")
     if config.etcd_lease < 1:
-        raise click.BadParameter(f"{config.etcd_lease:g}s is below 1s", param_hint="--etcd.lease")
+        raise click.ClickException(f"--etcd.lease: {config.etcd_lease:g}s is below 1s")
     return config
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: gRPC's own (etcd's or a broker's) by its code and first detail."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        detail = (exc.details() or "").split("\n")[0]
+        return f"{exc.code().name}: {detail}"
+    text = str(exc).strip().split("\n")[0]
+    return text or type(exc).__name__
 
 
 async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) -> int:
@@ -122,7 +130,7 @@ async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) ->
     try:
         await consumer.start()
     except Exception as exc:
-        click.echo(f"{name}: cannot start: {exc}", err=True)
+        click.echo(f"{name}: cannot start: {one_line(exc)}", err=True)
         return 1
     stop_wait = asyncio.ensure_future(stop.wait())
     done_wait = asyncio.ensure_future(consumer.done.wait())
@@ -132,7 +140,7 @@ async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) ->
     failure = consumer.failure
     await consumer.stop()
     if failure is not None:
-        click.echo(f"{name}: {failure}", err=True)
+        click.echo(f"{name}: {one_line(failure)}", err=True)
         return 1
     return 0
 
@@ -158,7 +166,7 @@ def serve_command(
     def serve(**opts: Any) -> None:
         """Serve as a consumer of this application until SIGTERM or SIGINT."""
         setup_logging(opts["log_level"], opts["log_format"])
-        config = config_of(opts)
+        config = config_of(opts, name)
         app = app_factory(opts)
         sys.exit(asyncio.run(_serve(config, app, name)))
 

@@ -137,3 +137,28 @@ def test_every_sum_is_exact_while_summers_are_killed(
     for summer_id in ids:  # No summer saw a chunk out of sequence (a shard would fail).
         log = (summers.logs / f"{summer_id}.log").read_text()
         assert "OutOfSequence" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--consumer.id", "ab"], '--consumer.id: "ab" is too short'),
+        (["--etcd.address", "https://etcd:2379"], "--etcd.address 'https://etcd:2379': https://"),
+        (["--broker.address", "https://b:1"], "--broker.address 'https://b:1': https://"),
+        (["--etcd.prefix", "relative"], "--etcd.prefix 'relative': must start with '/'"),
+        (["--etcd.lease", "0s"], "--etcd.lease: 0s is below 1s"),
+        (["--consumer.watch-delay", "soon"], '--consumer.watch-delay: invalid duration "soon"'),
+        (["--etcd.address", "http://127.0.0.1:1"], "stream-sum: cannot start: UNAVAILABLE"),
+    ],
+)
+def test_a_consumer_given_bad_flags_says_so_in_one_line(
+    args: list[str], words: str, tmp_path: Path
+) -> None:
+    r = run(
+        "serve", "--consumer.id", "summer-x", "--consumer.port", "0",
+        "--summer.store-root", str(tmp_path), *args, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 1, r
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
