@@ -246,8 +246,7 @@ class Consumer:
                     5.0,
                 )
             if self._allocator is not None and not self._allocator.done():
-                await self._await_drain()
-                if not self._allocator.done():
+                if not await self._await_drain():
                     log.warning(
                         "shards not drained from %s within %gs; stopping anyway",
                         self.member_key, self.config.drain_timeout,
@@ -266,9 +265,10 @@ class Consumer:
             await asyncio.wait_for(self.etcd.close(), 5.0)
         self.done.set()
 
-    async def _await_drain(self) -> None:
+    async def _await_drain(self) -> bool:
         """Until the allocator returns (our shards moved), the drain timeout passes, or no
-        live member is left that could take them (then waiting cannot help)."""
+        live member is left that could take them (then waiting cannot help); False only when
+        the timeout passed."""
         assert self._allocator is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout
@@ -282,8 +282,9 @@ class Consumer:
                 and not kv.decoded.spec.exiting
             ]
             if not others:
-                return
+                return True
             await asyncio.wait({self._allocator}, timeout=min(0.25, deadline - loop.time()))
+        return self._allocator.done()
 
     # ---- replicas ------------------------------------------------------------------------
 

@@ -147,7 +147,9 @@ def choose_ports(previous: Ports | None, brokers: int) -> tuple[Ports, list[str]
 
 
 def print_exports(state: ClusterState) -> None:
-    """The environment the other gazctl commands take (stdout's last lines: `eval` them)."""
+    """The environment the other gazctl commands take (stdout's last lines: `eval` them);
+    ETCD_ADDRESS is for consumer processes (`--etcd.address`)."""
+    click.echo(f"export ETCD_ADDRESS={state.etcd.address}")
     click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
     click.echo(f"export BROKER_FILE_ROOT={Path(state.dir) / 'fragments'}")
 
