@@ -245,12 +245,12 @@ class Consumer:
                     ),
                     5.0,
                 )
-            if self._allocator is not None and not self._allocator.done():
-                if not await self._await_drain():
-                    log.warning(
-                        "shards not drained from %s within %gs; stopping anyway",
-                        self.member_key, self.config.drain_timeout,
-                    )  # fmt: skip
+            draining = self._allocator is not None and not self._allocator.done()
+            if draining and not await self._await_drain():
+                log.warning(
+                    "shards not drained from %s within %gs; stopping anyway",
+                    self.member_key, self.config.drain_timeout,
+                )  # fmt: skip
         await self.shards.close()
         if self.server is not None:
             await self.server.stop(grace)
