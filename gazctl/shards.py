@@ -329,3 +329,45 @@ def apply_cmd(specs: str, dry_run: bool, max_txn_size: int, **opts: Any) -> None
     render.print_plan(planned, dry_run=dry_run)
     if dry_run and any(change.conflict for change in planned):
         sys.exit(1)
+
+
+# ---- unassign -------------------------------------------------------------------------------
+
+UNASSIGN_BATCH = 100  # Shards per Unassign request, as upstream's.
+
+
+async def _unassign(
+    opts: dict[str, Any], selector: pb.LabelSelector, only_failed: bool, dry_run: bool
+) -> list[str]:
+    async with shards_client(opts) as client:
+        listed = await client.list(selector)
+        ids = [s.spec.id for s in listed.shards]
+        out: list[str] = []
+        for start in range(0, len(ids), UNASSIGN_BATCH):
+            response = await client.unassign(
+                ids[start : start + UNASSIGN_BATCH], only_failed=only_failed, dry_run=dry_run
+            )
+            if response.status != cpb.OK:
+                raise click.ClickException(
+                    f"unassign failed ({cpb.Status.Name(response.status)}): assignments changed "
+                    "meanwhile; list the shards again and retry"
+                )
+            out.extend(response.shards)
+        return out
+
+
+@shards.command("unassign")
+@consumer_options
+@click.option("-l", "--selector", required=True, help="Label selector of shards to unassign")
+@click.option("--failed", is_flag=True, help="Only remove assignments of FAILED replicas")
+@click.option("--dry-run", is_flag=True, help="Show which shards would change, and change nothing")
+def unassign_cmd(selector: str, failed: bool, dry_run: bool, **opts: Any) -> None:
+    """Remove the assignments of the selected shards' FAILED replicas (and, unless --failed,
+    their primaries), so the allocator assigns them afresh: how a FAILED shard is restarted."""
+    from gazctl.cli import run
+
+    changed = run(_unassign(opts, parse_selector(selector), failed, dry_run))
+    for shard_id in changed:
+        click.echo(shard_id)
+    verb = "would be unassigned" if dry_run else "unassigned"
+    render.err_console.print(f"{len(changed)} shard(s) {verb}")

@@ -9,6 +9,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aetcd
 import pytest
@@ -46,6 +47,17 @@ def one_shard(source: str, max_txn: str = "1s") -> str:
     )
 
 
+class PoisonableSummer(StoredSummer):
+    """Fails every transaction while `poisoned`: its shards go FAILED."""
+
+    poisoned = False
+
+    async def consume_message(self, *args: Any) -> None:
+        if self.poisoned:
+            raise RuntimeError("poisoned: cannot sum this")
+        await super().consume_message(*args)
+
+
 @pytest.fixture
 async def consumer(
     etcd_server: EtcdServer,
@@ -61,7 +73,7 @@ async def consumer(
         etcd_prefix=root,
         etcd_lease=5.0,
     )
-    c = Consumer(config, StoredSummer(tmp_path / "stores"))
+    c = Consumer(config, PoisonableSummer(tmp_path / "stores"))
     await c.start()
     try:
         yield c
@@ -166,3 +178,41 @@ async def test_list_shows_statuses_replicas_labels_and_lag(
         f"{INPUT}:0",
     ]
     assert head > 0 and sum(expected.values()) > 0
+
+
+async def test_unassign_restarts_a_failed_shard(
+    consumer: Consumer, sums_broker: BrokerHarness, sums_stub: pb_grpc.JournalStub
+) -> None:
+    broker = sums_broker
+    app = consumer.app
+    assert isinstance(app, PoisonableSummer)
+    app.poisoned = True
+    assert (await gazctl(consumer, broker, "apply", input=SHARDSPACE)).code == 0
+    await publish_inputs(sums_stub, 5, seed=11)
+
+    async def statuses() -> dict[str, str]:
+        table = await gazctl(consumer, broker, "list")
+        assert table.code == 0, table
+        return {row.split()[0]: row.split()[1] for row in table.out.splitlines()[1:]}
+
+    async with asyncio.timeout(30):
+        while await statuses() != {"sum-a": "FAILED", "sum-b": "FAILED"}:
+            await asyncio.sleep(0.2)
+    as_json = await gazctl(consumer, broker, "list", "-o", "json")
+    errors = [json.loads(line)["status"][0].get("errors") for line in as_json.out.splitlines()]
+    assert all(e and "poisoned: cannot sum this" in e[0] for e in errors), errors
+
+    dry = await gazctl(consumer, broker, "unassign", "-l", "id=sum-a", "--failed", "--dry-run")
+    assert dry.code == 0 and dry.out.split() == ["sum-a"], dry
+    assert "would be unassigned" in dry.err
+    assert (await statuses())["sum-a"] == "FAILED"
+
+    app.poisoned = False  # The cause is gone: unassigning restarts the shard.
+    done = await gazctl(consumer, broker, "unassign", "-l", "id=sum-a", "--failed")
+    assert done.code == 0 and done.out.split() == ["sum-a"], done
+    async with asyncio.timeout(30):
+        while (await statuses())["sum-a"] != "PRIMARY":
+            await asyncio.sleep(0.2)
+    assert (await statuses())["sum-b"] == "FAILED"  # Only what the selector named.
+    missing = await gazctl(consumer, broker, "unassign")
+    assert missing.code == 2 and "--selector" in missing.err
