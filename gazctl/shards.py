@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -371,3 +373,74 @@ def unassign_cmd(selector: str, failed: bool, dry_run: bool, **opts: Any) -> Non
         click.echo(shard_id)
     verb = "would be unassigned" if dry_run else "unassigned"
     render.err_console.print(f"{len(changed)} shard(s) {verb}")
+
+
+# ---- edit -----------------------------------------------------------------------------------
+
+EDIT_HEADER = """\
+# Editing shards matching the selector: {selector}
+# Save and close to apply; an empty file or unchanged content applies nothing.
+# Lines starting with '#' are ignored.
+"""
+
+
+async def _edit(
+    opts: dict[str, Any], selector_text: str, max_txn_size: int
+) -> list[render.PlannedChange]:
+    from gazctl.journals import ERROR_MARK, run_editor, strip_error_comments
+
+    async with shards_client(opts) as client:
+        listed = await client.list(parse_selector(selector_text))
+    if not listed.shards:
+        raise click.ClickException(f"no shards match the selector {selector_text!r}")
+    entries = [sspec.ShardEntry(s.spec, revision=s.mod_revision) for s in listed.shards]
+    original = EDIT_HEADER.format(selector=selector_text) + sspec.encode_shards(entries)
+    with tempfile.TemporaryDirectory(prefix="gazctl-edit-") as tmp:
+        path = Path(tmp) / "shards.yaml"
+        path.write_text(original)
+        while True:
+            run_editor(path)
+            body = strip_error_comments(path.read_text())
+            if not body.strip() or body == strip_error_comments(original):
+                click.echo("no changes to apply", err=True)
+                return []
+            try:
+                edited = decode_entries("edited specs", body)
+                return await _apply(opts, edited, dry_run=False, max_txn_size=max_txn_size)
+            except click.ClickException as exc:
+                # Re-open the editor with the error at the top, keeping the user's edits.
+                path.write_text(f"{ERROR_MARK} {exc.message}\n{body}")
+                click.echo(f"error: {exc.message} (re-opening the editor)", err=True)
+
+
+@shards.command("edit")
+@consumer_options
+@click.option("-l", "--selector", required=True, help="Label selector of shards to edit")
+@max_txn_size_option
+def edit_cmd(selector: str, max_txn_size: int, **opts: Any) -> None:
+    """Edit shard specifications in $GAZ_EDITOR (or $EDITOR) and apply the result.
+
+    If the edit does not decode or apply, the editor re-opens with the error shown at the top.
+    """
+    from gazctl.cli import run
+
+    planned = run(_edit(opts, selector, max_txn_size))
+    if planned:
+        render.print_plan(planned, dry_run=False)
+
+
+# ---- prune ----------------------------------------------------------------------------------
+
+
+@shards.command("prune")
+@consumer_options
+@click.option(
+    "-l", "--selector", required=True, help="Label selector of shards whose recovery logs to prune"
+)
+@click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing")
+def prune_cmd(selector: str, dry_run: bool, **opts: Any) -> None:
+    """Remove recovery-log fragments no shard's hints still need (not built yet)."""
+    raise click.ClickException(
+        "shards prune removes recovery-log fragments, and gazette-py does not record recovery "
+        "logs yet (they come with the recovery-log issue): nothing to prune"
+    )

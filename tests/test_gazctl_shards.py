@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -216,3 +217,45 @@ async def test_unassign_restarts_a_failed_shard(
     assert (await statuses())["sum-b"] == "FAILED"  # Only what the selector named.
     missing = await gazctl(consumer, broker, "unassign")
     assert missing.code == 2 and "--selector" in missing.err
+
+
+SHARD_EDITOR = """\
+import sys, pathlib
+path = pathlib.Path(sys.argv[1])
+state = pathlib.Path(sys.argv[0] + ".count")
+n = int(state.read_text()) if state.exists() else 0
+state.write_text(str(n + 1))
+text = path.read_text()
+if n == 0:
+    path.write_text(text.replace("hot_standbys: 1", "hot_standby: 2"))  # a typo first
+else:
+    path.write_text(text.replace("hot_standby: 2", "hot_standbys: 2"))
+"""
+
+
+async def test_edit_applies_and_reopens_on_error(
+    consumer: Consumer, sums_broker: BrokerHarness, tmp_path: Path
+) -> None:
+    broker = sums_broker
+    assert (await gazctl(consumer, broker, "apply", input=SHARDSPACE)).code == 0
+    editor = tmp_path / "editor.py"
+    editor.write_text(SHARD_EDITOR)
+    env = {
+        "CONSUMER_ADDRESS": consumer.endpoint,
+        "BROKER_ADDRESS": broker.endpoint,
+        "GAZ_EDITOR": f"{sys.executable} {editor}",
+        "EDITOR": "false",
+    }
+    r = await asyncio.to_thread(run_cli, "gazctl", "shards", "edit", "-l", "id=sum-b", env=env)
+    assert r.code == 0, r.err
+    assert int((tmp_path / "editor.py.count").read_text()) == 2
+    assert "hot_standby" in r.err  # The error was shown before re-opening.
+    lines = (await gazctl(consumer, broker, "list", "-l", "id=sum-b", "-o", "json")).out
+    assert json.loads(lines)["spec"]["hot_standbys"] == 2
+
+    nothing = await asyncio.to_thread(
+        run_cli, "gazctl", "shards", "edit", "-l", "id=none-such", env={**env, "GAZ_EDITOR": "true"}
+    )
+    assert "no shards match" in one_line_error(nothing)
+    prune = await gazctl(consumer, broker, "prune", "-l", "id=sum-b")
+    assert "recovery logs" in one_line_error(prune)
