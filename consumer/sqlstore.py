@@ -1,0 +1,149 @@
+"""A store on PostgreSQL, with upstream's fence (`store-sqlstore`).
+
+The shard's checkpoint lives in `gazette_checkpoints(shard_fqn PRIMARY KEY, fence, checkpoint)`.
+Restoring increments the row's fence, and each commit updates the checkpoint only `WHERE fence`
+is the one this instance restored with, in the same SQL transaction as the application's own
+writes: a zombie primary's commit finds no row, fails with FencedOut, and everything it wrote in
+that transaction is rolled back.
+
+The application writes through `await store.transaction()`, the connection of the consumer
+transaction in progress (begun on first use). `start_commit` takes that SQL transaction as the
+commit: the next consumer transaction gets a new one, once this one has committed (so it reads
+what this one wrote). Needs the `sql` extra (asyncpg).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from consumer.protocol import cpb
+from consumer.store import FencedOut
+
+__all__ = ["SQLStore"]
+
+TABLE = "gazette_checkpoints"
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS {TABLE} (
+    shard_fqn  TEXT PRIMARY KEY NOT NULL,
+    fence      INTEGER NOT NULL,
+    checkpoint BYTEA NOT NULL
+)"""
+
+
+class SQLStore:
+    def __init__(self, dsn: str, shard_fqn: str) -> None:
+        self.dsn = dsn
+        self.shard_fqn = shard_fqn
+        self._pool: Any = None
+        self._fence: int | None = None
+        self._current: tuple[Any, Any] | None = None  # (connection, SQL transaction)
+        self._committing: asyncio.Future[None] | None = None
+
+    async def _connect(self) -> Any:
+        if self._pool is None:
+            import asyncpg
+
+            self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=3)
+            async with self._pool.acquire() as conn:
+                await conn.execute(_SCHEMA)
+        return self._pool
+
+    async def restore_checkpoint(self) -> cpb.Checkpoint:
+        pool = await self._connect()
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                f"INSERT INTO {TABLE} (shard_fqn, fence, checkpoint) VALUES ($1, 0, '')"
+                " ON CONFLICT (shard_fqn) DO NOTHING",
+                self.shard_fqn,
+            )
+            row = await conn.fetchrow(
+                f"UPDATE {TABLE} SET fence = fence + 1 WHERE shard_fqn = $1"
+                " RETURNING fence, checkpoint",
+                self.shard_fqn,
+            )
+        self._fence = int(row["fence"])
+        return cpb.Checkpoint.FromString(bytes(row["checkpoint"]))
+
+    async def transaction(self) -> Any:
+        """The connection of the consumer transaction in progress, inside its SQL transaction:
+        the application's reads and writes go through it."""
+        if self._fence is None:
+            raise RuntimeError("transaction before restore_checkpoint: the store is not fenced yet")
+        if self._current is None:
+            if self._committing is not None:
+                # The previous consumer transaction commits first: this one reads its writes.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._committing)
+            pool = await self._connect()
+            conn = await pool.acquire()
+            txn = conn.transaction()
+            await txn.start()
+            self._current = (conn, txn)
+        return self._current[0]
+
+    def start_commit(
+        self, checkpoint: cpb.Checkpoint, wait_for: Sequence[Awaitable[object]] = ()
+    ) -> Awaitable[None]:
+        if self._fence is None:
+            raise RuntimeError("commit before restore_checkpoint: the store is not fenced yet")
+        current, self._current = self._current, None
+        committing = asyncio.ensure_future(
+            self._commit(current, self._fence, checkpoint.SerializeToString(), wait_for)
+        )
+        self._committing = committing
+        return committing
+
+    async def _commit(
+        self,
+        current: tuple[Any, Any] | None,
+        fence: int,
+        checkpoint: bytes,
+        wait_for: Sequence[Awaitable[object]],
+    ) -> None:
+        pool = await self._connect()
+        if current is None:
+            conn = await pool.acquire()
+            txn = conn.transaction()
+            await txn.start()
+        else:
+            conn, txn = current
+        try:
+            for awaitable in wait_for:
+                await awaitable
+            status = await conn.execute(
+                f"UPDATE {TABLE} SET checkpoint = $1 WHERE shard_fqn = $2 AND fence = $3",
+                checkpoint,
+                self.shard_fqn,
+                fence,
+            )
+            if status != "UPDATE 1":
+                raise FencedOut(
+                    f"shard {self.shard_fqn}: another instance restored it (fence {fence} is "
+                    "no longer current); this one must stop, and its transaction is rolled back"
+                )
+            await txn.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await txn.rollback()
+            raise
+        finally:
+            await pool.release(conn)
+
+    async def close(self) -> None:
+        if self._current is not None:
+            conn, txn = self._current
+            self._current = None
+            with contextlib.suppress(Exception):
+                await txn.rollback()
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn)
+        if self._committing is not None:
+            with contextlib.suppress(BaseException):
+                await self._committing
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        self._fence = None
