@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "spark_replay": "benchmarks.spark_replay",
     "failover": "benchmarks.failover",
     "idle_tails": "benchmarks.idle_tails",
+    "consumer_throughput": "benchmarks.consumer_throughput",
 }
 
 if __name__ == "__main__":

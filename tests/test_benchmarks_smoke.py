@@ -132,3 +132,15 @@ def test_idle_tails_quick(brokers_started: list[_cluster.BrokerProcess]) -> None
         assert result[key] >= 0, key
     assert len(brokers_started) == 3
     assert all(b.proc.poll() is not None for b in brokers_started)
+
+
+@pytest.mark.slow
+def test_consumer_throughput_quick() -> None:
+    """The benchmark runs end to end: the shard's store counted every message (it asserts
+    so), and both rates and their ratio are reported (never asserted: speed is nox -s bench's)."""
+    from benchmarks import consumer_throughput
+
+    assert BENCHMARKS["consumer_throughput"] == "benchmarks.consumer_throughput"
+    result = _runner.check("consumer_throughput", consumer_throughput.run(quick=True))
+    assert result["unit"] == "messages/s" and result["messages"] == 20_000
+    assert result["value"] > 0 and result["baseline"] > 0 and result["ratio"] > 0
