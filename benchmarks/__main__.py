@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "failover": "benchmarks.failover",
     "idle_tails": "benchmarks.idle_tails",
     "consumer_throughput": "benchmarks.consumer_throughput",
+    "shard_failover": "benchmarks.shard_failover",
 }
 
 if __name__ == "__main__":

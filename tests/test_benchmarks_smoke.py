@@ -144,3 +144,15 @@ def test_consumer_throughput_quick() -> None:
     result = _runner.check("consumer_throughput", consumer_throughput.run(quick=True))
     assert result["unit"] == "messages/s" and result["messages"] == 20_000
     assert result["value"] > 0 and result["baseline"] > 0 and result["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_shard_failover_quick() -> None:
+    """One kill of the process hosting a shard's primary (stream-sum summers, lease 2 s): the
+    shard comes back (Stat through the survivor reads past the kill) after the lease expired."""
+    from benchmarks import shard_failover
+
+    assert BENCHMARKS["shard_failover"] == "benchmarks.shard_failover"
+    result = _runner.check("shard_failover", shard_failover.run(quick=True))
+    assert result["unit"] == "s" and result["kills"] == 1 and result["lease_ttl"] == 2
+    assert 0 < result["baseline"] <= result["value"] == result["max"]
