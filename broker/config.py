@@ -130,3 +130,19 @@ def render_ini(command: click.Command, ini: dict[str, dict[str, str]]) -> str:
             lines.append(comment)
         lines.append(f"{key} = {value}")
     return "\n".join(f"[{s}]\n" + "\n".join(lines) + "\n" for s, lines in sections.items())
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    """Logging as `--log.level` and `--log.format` ask, on stderr (servers and consumers)."""
+    import logging
+    import sys
+
+    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+              "warn": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}  # fmt: skip
+    if fmt == "json":
+        format_ = (
+            '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+        )
+    else:
+        format_ = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=levels[level], format=format_, stream=sys.stderr)

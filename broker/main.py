@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import socket
 import sys
@@ -133,7 +132,7 @@ def cli(ctx: click.Context) -> None:
 )
 def serve(**opts: Any) -> None:
     """Serve as a Gazette broker with the provided configuration, until SIGTERM or SIGINT."""
-    _setup_logging(opts["log_level"], opts["log_format"])
+    cfg.setup_logging(opts["log_level"], opts["log_format"])
     config = BrokerConfig(
         zone=opts["broker_zone"],
         id=opts["broker_id"],
@@ -232,18 +231,6 @@ async def _serve(config: BrokerConfig) -> int:
 def print_config(ctx: click.Context) -> None:
     """Print the combined configuration (gazette.ini, environment, defaults) in INI form."""
     click.echo(cfg.render_ini(cli, ctx.obj or {}), nl=False)
-
-
-def _setup_logging(level: str, fmt: str) -> None:
-    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
-              "warn": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}  # fmt: skip
-    if fmt == "json":
-        format_ = (
-            '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-        )
-    else:
-        format_ = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=levels[level], format=format_, stream=sys.stderr)
 
 
 def main() -> None:

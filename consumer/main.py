@@ -7,7 +7,6 @@ start, or whose lease is lost, says why in one line and exits 1."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import socket
 import sys
@@ -145,18 +144,6 @@ async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) ->
     return 0
 
 
-def setup_logging(level: str, fmt: str) -> None:
-    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
-              "warn": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}  # fmt: skip
-    if fmt == "json":
-        format_ = (
-            '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-        )
-    else:
-        format_ = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=levels[level], format=format_, stream=sys.stderr)
-
-
 def serve_command(
     name: str, app_factory: AppFactory, *app_options: Callable[[Any], Any]
 ) -> click.Command:
@@ -165,7 +152,7 @@ def serve_command(
 
     def serve(**opts: Any) -> None:
         """Serve as a consumer of this application until SIGTERM or SIGINT."""
-        setup_logging(opts["log_level"], opts["log_format"])
+        cfg.setup_logging(opts["log_level"], opts["log_format"])
         config = config_of(opts, name)
         app = app_factory(opts)
         sys.exit(asyncio.run(_serve(config, app, name)))

@@ -454,17 +454,13 @@ async def _dequeue(
     if replay is not None:
         journal, begin, end = replay
         sequencer.start_replay(await _replay(stubs, sources[journal], begin, end))
-    while (envelope := sequencer.step()) is not None:
-        if envelope.is_ack:
-            continue
-        if not await consume(envelope):
-            return False
-    return True
+    return await _dequeue_rest(sequencer, consume)
 
 
 async def _dequeue_rest(
     sequencer: Sequencer, consume: Callable[[Envelope], Awaitable[bool]]
 ) -> bool:
+    """As `_dequeue`, once any replay has started (or for the rest after a deferral)."""
     while (envelope := sequencer.step()) is not None:
         if envelope.is_ack:
             continue

@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -298,21 +298,32 @@ async def _edit(
     entries = [jspec.JournalEntry(spec=j.spec, revision=j.mod_revision) for j in snapshot.journals]
     original = EDIT_HEADER.format(selector=selector_text) + jspec.encode_tree(jspec.hoist(entries))
 
+    async def apply_text(body: str) -> list[render.PlannedChange]:
+        edited = decode_entries("edited specs", body)
+        return await _apply(opts, edited, dry_run=False, max_txn_size=max_txn_size)
+
+    return await edit_and_apply(original, "journals.yaml", apply_text)
+
+
+async def edit_and_apply(
+    original: str,
+    filename: str,
+    apply_text: Callable[[str], Awaitable[list[render.PlannedChange]]],
+) -> list[render.PlannedChange]:
+    """Open `original` in the editor and apply what comes back; when that fails, re-open the
+    editor with the error at the top, keeping the user's edits. Unchanged or empty: nothing."""
     with tempfile.TemporaryDirectory(prefix="gazctl-edit-") as tmp:
-        path = Path(tmp) / "journals.yaml"
+        path = Path(tmp) / filename
         path.write_text(original)
         while True:
             run_editor(path)
-            text = path.read_text()
-            body = strip_error_comments(text)
+            body = strip_error_comments(path.read_text())
             if not body.strip() or body == strip_error_comments(original):
                 click.echo("no changes to apply", err=True)
                 return []
             try:
-                edited = decode_entries("edited specs", body)
-                return await _apply(opts, edited, dry_run=False, max_txn_size=max_txn_size)
+                return await apply_text(body)
             except click.ClickException as exc:
-                # Re-open the editor with the error at the top, keeping the user's edits.
                 path.write_text(f"{ERROR_MARK} {exc.message}\n{body}")
                 click.echo(f"error: {exc.message} (re-opening the editor)", err=True)
 

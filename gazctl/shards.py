@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -387,7 +385,7 @@ EDIT_HEADER = """\
 async def _edit(
     opts: dict[str, Any], selector_text: str, max_txn_size: int
 ) -> list[render.PlannedChange]:
-    from gazctl.journals import ERROR_MARK, run_editor, strip_error_comments
+    from gazctl.journals import edit_and_apply
 
     async with shards_client(opts) as client:
         listed = await client.list(parse_selector(selector_text))
@@ -395,22 +393,12 @@ async def _edit(
         raise click.ClickException(f"no shards match the selector {selector_text!r}")
     entries = [sspec.ShardEntry(s.spec, revision=s.mod_revision) for s in listed.shards]
     original = EDIT_HEADER.format(selector=selector_text) + sspec.encode_shards(entries)
-    with tempfile.TemporaryDirectory(prefix="gazctl-edit-") as tmp:
-        path = Path(tmp) / "shards.yaml"
-        path.write_text(original)
-        while True:
-            run_editor(path)
-            body = strip_error_comments(path.read_text())
-            if not body.strip() or body == strip_error_comments(original):
-                click.echo("no changes to apply", err=True)
-                return []
-            try:
-                edited = decode_entries("edited specs", body)
-                return await _apply(opts, edited, dry_run=False, max_txn_size=max_txn_size)
-            except click.ClickException as exc:
-                # Re-open the editor with the error at the top, keeping the user's edits.
-                path.write_text(f"{ERROR_MARK} {exc.message}\n{body}")
-                click.echo(f"error: {exc.message} (re-opening the editor)", err=True)
+
+    async def apply_text(body: str) -> list[render.PlannedChange]:
+        edited = decode_entries("edited specs", body)
+        return await _apply(opts, edited, dry_run=False, max_txn_size=max_txn_size)
+
+    return await edit_and_apply(original, "shards.yaml", apply_text)
 
 
 @shards.command("edit")

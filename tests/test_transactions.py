@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,11 @@ import pytest
 from google.protobuf import duration_pb2
 
 from broker.client.append_service import AppendService
-from broker.client.journals import dial
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition
 from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Envelope, Sequencer
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import BrokerHarness
 from consumer.protocol import cpb
 from consumer.store import FencedOut, JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
@@ -80,15 +77,6 @@ class Expected(Counter[str]):
     def add(self, key: str, n: int) -> None:
         self[key] += n
         self.running.setdefault(key, []).append(self[key])
-
-
-@pytest.fixture
-async def stub(broker: BrokerHarness) -> AsyncIterator[pb_grpc.JournalStub]:
-    channel = dial(broker.endpoint)
-    try:
-        yield pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-    finally:
-        await channel.close()
 
 
 async def publish_inputs(stub: pb_grpc.JournalStub, count: int, seed: int) -> Expected:
