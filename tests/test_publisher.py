@@ -138,3 +138,58 @@ async def test_corrupt_frames_are_reported_and_skipped(
         assert [e.begin for e in envelopes] == [0, len(good) + len(bad)]
         (error,) = reader.errors
         assert error.offset == len(good)
+
+
+async def test_one_producer_publishes_to_journals_of_different_content_types(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A publisher and the one it shares its identity with (`sharing`) write JSON lines and
+    fixed-frame protobuf under one ProducerID and Clock; one set of ACK intents, each framed as
+    its journal's messages, commits both journals' messages, and an abort rolls back both."""
+    from google.protobuf import descriptor_pb2
+
+    from broker.message.framing import FixedProtobuf, ProtobufMessages
+    from tests.test_framing import _proto_class
+
+    lines, protos = "mixed/lines", "mixed/protos"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True) as (
+        broker,
+    ):
+        async with broker.client() as client:
+            specs = [spec(lines), spec(protos)]
+            specs[0].labels.labels.add(name="content-type", value="application/x-ndjson")
+            specs[1].labels.labels.add(name="content-type", value="application/x-protobuf-fixed")
+            await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
+            for journal in (lines, protos):
+                await routed(client, journal, 1)
+        stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+        count = _proto_class(descriptor_pb2.FieldDescriptorProto.TYPE_BYTES)
+        to_lines = lambda _m: Partition(lines, "application/x-ndjson")  # noqa: E731
+        to_protos = lambda _m: Partition(protos, "application/x-protobuf-fixed")  # noqa: E731
+        async with AppendService(stub) as service:
+            dicts = Publisher(service, DictMessages(), JSONLines())
+            counts = dicts.sharing(ProtobufMessages(count), FixedProtobuf())
+            assert counts.producer == dicts.producer and counts.clock is dicts.clock
+            await dicts.publish_uncommitted(to_lines, {"n": 1})
+            await counts.publish_uncommitted(to_protos, count(ngram="one", count=1))
+            await dicts.commit()  # Commits what `counts` published too.
+            await counts.publish_uncommitted(to_protos, count(ngram="two", count=2))
+            await dicts.publish_uncommitted(to_lines, {"n": 2})
+            await counts.abort()  # Rolls back both.
+            await dicts.publish_uncommitted(to_lines, {"n": 3})
+            await counts.publish_uncommitted(to_protos, count(ngram="three", count=3))
+            await counts.commit()
+            await service.flush()
+
+        async def committed(journal: str, reader: Reader[Any]) -> list[Any]:
+            out = []
+            async for envelope in read_committed(stub, journal, reader, Sequencer()):
+                assert envelope.producer == dicts.producer
+                if not envelope.is_ack:
+                    out.append(envelope.message)
+            return out
+
+        got_lines = await committed(lines, Reader(DictMessages(), JSONLines()))
+        assert [m["n"] for m in got_lines] == [1, 3]
+        got_protos = await committed(protos, Reader(ProtobufMessages(count), FixedProtobuf()))
+        assert [(m.ngram, m.count) for m in got_protos] == [("one", 1), ("three", 3)]

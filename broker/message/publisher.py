@@ -8,6 +8,10 @@ its checkpoint); `commit` writes them itself. Writes go through AppendService, s
 messages become few appends. A message type that cannot carry a UUID is published as it is:
 at-least-once.
 
+One producer may publish to journals of different content types: `sharing(messages, framing)`
+gives a publisher of another message type with the same ProducerID, Clock and pending set, so
+one set of ACK intents (each framed as its journal's messages are) commits all of them.
+
 `read_uncommitted` iterates a journal's messages with their UUID fields as Envelopes;
 `read_committed` passes them through a Sequencer, so each committed message comes once and rolled
 back ones never (ACKs themselves are delivered too, with `is_ack`, as upstream: skip them).
@@ -36,6 +40,7 @@ from broker.message.uuid import Clock, Flags, TextFormatter, build, new_producer
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
+N = TypeVar("N")
 _NO_PRODUCER = bytes(6)
 _new_tuple = tuple.__new__
 # Plain ints, not IntFlag: the per-message paths compare and combine them.
@@ -61,8 +66,10 @@ class Publisher(Generic[M]):
         self.framing = framing
         self.producer = producer or new_producer_id()
         self.clock = Clock()
-        # Journals with uncommitted messages, and the Clock of the first of them in each.
+        # Journals with uncommitted messages, and the Clock of the first of them in each; and
+        # how each such journal's messages are encoded (its ACK is encoded the same way).
         self._pending: dict[str, int] = {}
+        self._codecs: dict[str, tuple[MessageType[Any], Framing]] = {}
         # Per-message hot path: bound once. A type that takes UUID text (DictMessages) skips
         # building a uuid.UUID only to format it.
         self._uuid_text = TextFormatter(self.producer).text
@@ -72,6 +79,16 @@ class Publisher(Generic[M]):
         self._encode = messages.encode
         self._marshal = framing.marshal
         self._service_write = service.write
+
+    def sharing(self, messages: MessageType[N], framing: Framing) -> Publisher[N]:
+        """A publisher of another message type and framing under this one's identity: the
+        same ProducerID and Clock, and one set of pending journals, so that the ACK intents
+        either builds commit (or abort) what both published."""
+        other: Publisher[N] = Publisher(self.service, messages, framing, producer=self.producer)
+        other.clock = self.clock
+        other._pending = self._pending
+        other._codecs = self._codecs
+        return other
 
     def _stamp(self, msg: M, flags: int) -> int:
         # The clock follows wall time, never backwards; a tick makes each message's unique.
@@ -102,6 +119,7 @@ class Publisher(Generic[M]):
         clock = self._stamp(msg, _CONTINUE_TXN)
         if journal not in self._pending:
             self._pending[journal] = clock
+            self._codecs[journal] = (self.messages, self.framing)
         return await self._service_write(journal, self._framed(msg))
 
     def build_ack_intents(self) -> list[tuple[str, bytes]]:
@@ -119,12 +137,14 @@ class Publisher(Generic[M]):
     def _acks(self, clocks: dict[str, int]) -> list[tuple[str, bytes]]:
         intents = []
         for journal in sorted(clocks):
-            msg = self.messages.new_acknowledgement(journal)
-            self.messages.set_uuid(msg, build(self.producer, clocks[journal], Flags.ACK_TXN))
+            messages, framing = self._codecs.get(journal, (self.messages, self.framing))
+            msg = messages.new_acknowledgement(journal)
+            messages.set_uuid(msg, build(self.producer, clocks[journal], Flags.ACK_TXN))
             out = bytearray()
-            self.framing.marshal(self.messages.encode(msg), out)
+            framing.marshal(messages.encode(msg), out)
             intents.append((journal, bytes(out)))
         self._pending.clear()
+        self._codecs.clear()
         return intents
 
     async def commit(self) -> list[Span]:
