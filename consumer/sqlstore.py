@@ -9,7 +9,8 @@ that transaction is rolled back.
 The application writes through `await store.transaction()`, the connection of the consumer
 transaction in progress (begun on first use). `start_commit` takes that SQL transaction as the
 commit: the next consumer transaction gets a new one, once this one has committed (so it reads
-what this one wrote). Needs the `sql` extra (asyncpg).
+what this one wrote). `await store.pool()` is the connection pool, for reads of what is committed
+(queries) and for schema changes. Needs the `sql` extra (asyncpg).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any
 from consumer.protocol import cpb
 from consumer.store import FencedOut
 
-__all__ = ["SQLStore"]
+__all__ = ["SQLStore", "ensure_table"]
+
+# Serializes CREATE TABLE IF NOT EXISTS across processes (an advisory lock's key).
+_DDL_LOCK = 0x67617A65747465
 
 TABLE = "gazette_checkpoints"
 _SCHEMA = f"""
@@ -31,6 +35,14 @@ CREATE TABLE IF NOT EXISTS {TABLE} (
     fence      INTEGER NOT NULL,
     checkpoint BYTEA NOT NULL
 )"""
+
+
+async def ensure_table(pool: Any, ddl: str) -> None:
+    """Run a `CREATE TABLE IF NOT EXISTS`, under a lock: PostgreSQL's own check is not safe
+    against concurrent creators (one fails on a unique index of its catalog)."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1)", _DDL_LOCK)
+        await conn.execute(ddl)
 
 
 class SQLStore:
@@ -47,9 +59,12 @@ class SQLStore:
             import asyncpg
 
             self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=3)
-            async with self._pool.acquire() as conn:
-                await conn.execute(_SCHEMA)
+            await ensure_table(self._pool, _SCHEMA)
         return self._pool
+
+    async def pool(self) -> Any:
+        """The store's asyncpg pool: its connections see only what is committed."""
+        return await self._connect()
 
     async def restore_checkpoint(self) -> cpb.Checkpoint:
         pool = await self._connect()

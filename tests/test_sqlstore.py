@@ -157,3 +157,23 @@ async def test_a_shard_on_postgres_stopped_anywhere_applies_each_input_once(
     await run_once(None)
     assert await rows(postgres_dsn, table) == dict(expected)
     check_outputs(await committed_outputs(stub), expected)
+
+
+async def test_stores_of_many_shards_start_together_on_a_new_database(postgres_dsn: str) -> None:
+    """Shards of several processes starting at once on a database without the checkpoints
+    table: each creates it if missing, and none fails on PostgreSQL's catalog race."""
+    name = f"fresh_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(postgres_dsn)
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+        dsn = postgres_dsn.rsplit("/", 1)[0] + f"/{name}"
+        stores = [SQLStore(dsn, f"/consumers/items/shard-{i}") for i in range(8)]
+        try:
+            checkpoints = await asyncio.gather(*(s.restore_checkpoint() for s in stores))
+            assert all(c == cpb.Checkpoint() for c in checkpoints)
+        finally:
+            for store in stores:
+                await store.close()
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.close()
