@@ -55,7 +55,7 @@ from consumer.shard_api import (
 from consumer.store import Store
 from consumer.transaction import Application, Progress, Shard, Source, run_shard
 
-__all__ = ["Consumer", "ConsumerApplication", "ConsumerConfig", "LeaseLost"]
+__all__ = ["Consumer", "ConsumerApplication", "ConsumerConfig", "LeaseLost", "Resolution"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,11 @@ class LeaseLost(RuntimeError):
 
 class ConsumerApplication(Application, Protocol):
     """An application a consumer process hosts: a store per shard (`new_store`), and what it
-    does with messages (`Application`). `message_type(journal_spec)` may pick the message type
-    of each source journal (default: JSON objects, as dicts)."""
+    does with messages (`Application`). Optional: `message_type(journal_spec)` picks the message
+    type of each source journal (default: JSON objects, as dicts); `async
+    init_application(consumer)` runs as the process starts, before it serves (an application's
+    own gRPC services go on `consumer.server` there, as upstream's `InitApplication`), and
+    `async close_application()` as it stops, after its shards stopped."""
 
     async def new_store(self, shard: Shard) -> Store: ...
 
@@ -92,11 +95,26 @@ class ConsumerConfig:
 
 
 @dataclass
+class Resolution:
+    """Where a shard is served, as `Consumer.resolve` found it: `status` OK with the local
+    primary's `replica`, or OK with the `endpoint` of the primary elsewhere; otherwise why not
+    (SHARD_NOT_FOUND, NO_SHARD_PRIMARY, or NOT_SHARD_PRIMARY for a request proxied already).
+    `header` names this process and the shard's route."""
+
+    status: cpb.Status
+    header: pb.Header
+    spec: cpb.ShardSpec | None = None
+    replica: _Replica | None = None
+    endpoint: str = ""
+
+
+@dataclass
 class _Replica:
     shard_id: str
     assignment: KeyValue
     task: asyncio.Task[None] | None = None
     shard: Shard | None = None
+    store: Store | None = None
     progress: Progress = field(default_factory=Progress)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -129,6 +147,8 @@ class Consumer:
         self._allocator: asyncio.Task[None] | None = None
         self.done = asyncio.Event()
         self.failure: BaseException | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._app_started = False
 
     @property
     def endpoint(self) -> str:
@@ -165,6 +185,10 @@ class Consumer:
             self.lease_id = lease.id
             self._spawn(self._keep_lease_alive(int(lease.ttl) or 1), "lease keep-alive")
             await self._announce()
+            init = getattr(self.app, "init_application", None)
+            if init is not None:
+                await init(self)
+            self._app_started = True
             await self.server.start()
             self._spawn(self._reconcile_loop(), "shard replicas")
             if self.config.run_allocator:
@@ -255,7 +279,16 @@ class Consumer:
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
+        close = getattr(self.app, "close_application", None)
+        if self._app_started and close is not None:
+            self._app_started = False
+            with contextlib.suppress(Exception):
+                await close()
         await self.tasks.close()
+        for channel in self._channels.values():
+            with contextlib.suppress(Exception):
+                await channel.close(None)
+        self._channels.clear()
         if self.lease_id:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.etcd.revoke_lease(self.lease_id), 5.0)
@@ -381,9 +414,11 @@ class Consumer:
                     service,
                     Publisher(service, DictMessages(), JSONLines()),
                     replica.progress,
+                    fqn=aks.item_key(self.root, replica.shard_id),
                 )
                 replica.shard = shard
                 store = await self.app.new_store(shard)
+                replica.store = store
                 try:
                     await self._set_status(
                         replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
@@ -392,6 +427,7 @@ class Consumer:
                         shard, self.app, store, sources, lambda: self.router.stub_for("")
                     )
                 finally:
+                    replica.store = None
                     await store.close()
         except asyncio.CancelledError:
             raise
@@ -409,41 +445,56 @@ class Consumer:
 
     # ---- Stat --------------------------------------------------------------------------------
 
-    async def stat(self, request: cpb.StatRequest) -> cpb.StatResponse:
+    def resolve(self, shard_id: str, proxied: bool = False) -> Resolution:
+        """Where `shard_id` is served: here (its running primary replica) or at the primary's
+        endpoint, to proxy to; a request `proxied` once already is not proxied again."""
         header = self.state.unrouted_header()
-        response = cpb.StatResponse(status=cpb.OK, header=header)
-        found = self.state.spec_of(request.shard)
+        found = self.state.spec_of(shard_id)
         if found is None:
-            response.status = cpb.SHARD_NOT_FOUND
-            return response
+            return Resolution(cpb.SHARD_NOT_FOUND, header)
         spec, _ = found
-        assignments = in_route_order(self.state.assignments_of(request.shard))
+        assignments = in_route_order(self.state.assignments_of(shard_id))
         route = aks.build_route(assignments, self.state.member)
-        response.header.route.CopyFrom(route)
-        sources = {s.journal for s in spec.sources}
+        header.route.CopyFrom(route)
+        replica = self.replicas.get(shard_id)
+        if replica is not None and replica.slot == 0 and replica.task is not None:
+            return Resolution(cpb.OK, header, spec, replica=replica)
+        if route.primary == -1:
+            return Resolution(cpb.NO_SHARD_PRIMARY, header, spec)
+        if proxied:
+            return Resolution(cpb.NOT_SHARD_PRIMARY, header, spec)
+        endpoint = route.endpoints[route.primary] if route.endpoints else ""
+        return Resolution(cpb.OK, header, spec, endpoint=endpoint)
+
+    def channel_to(self, endpoint: str) -> grpc.aio.Channel:
+        """A channel to another consumer process (kept, and closed when this one stops)."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(endpoint.removeprefix("http://"))
+            self._channels[endpoint] = channel
+        return channel
+
+    async def stat(self, request: cpb.StatRequest) -> cpb.StatResponse:
+        resolution = self.resolve(request.shard, proxied=request.HasField("header"))
+        response = cpb.StatResponse(status=resolution.status, header=resolution.header)
+        if resolution.status != cpb.OK:
+            return response
+        assert resolution.spec is not None
+        sources = {s.journal for s in resolution.spec.sources}
         for journal in request.read_through:
             if journal not in sources:
                 raise ValidationError(
-                    "read_through", journal, f"{journal} is not a source of shard {spec.id}"
+                    "read_through", journal, f"{journal} is not a source of shard {request.shard}"
                 )
-        replica = self.replicas.get(request.shard)
-        local_primary = replica is not None and replica.slot == 0 and replica.task is not None
-        if not local_primary:
-            if route.primary == -1:
-                response.status = cpb.NO_SHARD_PRIMARY
-                return response
-            if request.HasField("header"):
-                response.status = cpb.NOT_SHARD_PRIMARY  # Proxied once already.
-                return response
-            endpoint = route.endpoints[route.primary] if route.endpoints else ""
+        replica = resolution.replica
+        if replica is None:
             proxied = cpb.StatRequest()
             proxied.CopyFrom(request)
             proxied.header.CopyFrom(response.header)
-            async with grpc.aio.insecure_channel(endpoint.removeprefix("http://")) as channel:
-                stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
-                answer: cpb.StatResponse = await stub.Stat(proxied)
-                return answer
-        assert replica is not None and replica.task is not None
+            stub = cpb_grpc.ShardStub(self.channel_to(resolution.endpoint))  # type: ignore[no-untyped-call]
+            answer: cpb.StatResponse = await stub.Stat(proxied)
+            return answer
+        assert replica.task is not None
         waiting = asyncio.ensure_future(replica.progress.wait_for(dict(request.read_through)))
         try:
             await asyncio.wait({waiting, replica.task}, return_when=asyncio.FIRST_COMPLETED)

@@ -93,6 +93,15 @@ class ShardState:
             return None
         return item.spec, kv
 
+    def specs(self) -> list[cpb.ShardSpec]:
+        """Every shard's spec, in id order."""
+        out = []
+        for kv in self.ks.prefixed(self.root + aks.ITEMS):
+            item = kv.decoded
+            if isinstance(item, aks.Item) and isinstance(item.spec, cpb.ShardSpec):
+                out.append(item.spec)
+        return out
+
     def assignments_of(self, shard_id: str) -> list[KeyValue]:
         prefix = f"{self.root}{aks.ASSIGNMENTS}{shard_id}{aks.SEP}"
         return [kv for kv in self.ks.prefixed(prefix) if isinstance(kv.decoded, aks.Assignment)]

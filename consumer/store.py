@@ -8,7 +8,9 @@ state. Upstream's SQL store does this with a fence column; the JSON-file store h
 number in the file, checked under a lock.
 
 `JSONFileStore` keeps a JSON document (`state`, any JSON-encodable value the application
-changes in place) in `{root}/{shard id}/state.json`, replaced by an atomic rename at each commit.
+changes in place) in `{root}/{shard id}/state.json`, replaced by an atomic rename at each commit;
+`committed` is the state as last committed (None until restored), for queries that must not see
+a transaction in progress.
 Until recovery logs carry it between processes, the root must be shared by the processes that
 may host the shard (one machine, as `gazctl dev` runs them). File I/O runs on a thread.
 """
@@ -65,10 +67,13 @@ class JSONFileStore:
     def __init__(self, root: str | Path, shard_id: str, initial: Any = None) -> None:
         self.directory = Path(root) / urllib.parse.quote(shard_id, safe="")
         self.state: Any = {} if initial is None else initial
+        self.committed: Any = None
         self._fence: int | None = None
 
     async def restore_checkpoint(self) -> cpb.Checkpoint:
-        return await asyncio.to_thread(self._restore)
+        checkpoint = await asyncio.to_thread(self._restore)
+        self.committed = json.loads(json.dumps(self.state))
+        return checkpoint
 
     def start_commit(
         self, checkpoint: cpb.Checkpoint, wait_for: Sequence[Awaitable[object]] = ()
@@ -89,6 +94,7 @@ class JSONFileStore:
         for awaitable in wait_for:
             await awaitable
         await asyncio.to_thread(self._commit, fence, checkpoint, text)
+        self.committed = json.loads(text)
 
     async def close(self) -> None:
         self._fence = None

@@ -114,12 +114,14 @@ class Source:
 
 @dataclass
 class Shard:
-    """What the application sees of a shard: its spec and the means to publish."""
+    """What the application sees of a shard: its spec and the means to publish; `fqn`, its
+    fully-qualified name (its etcd item key, as upstream's), names its state in a shared store."""
 
     spec: cpb.ShardSpec
     service: AppendService
     publisher: Publisher[Any]
     progress: Progress = field(default_factory=Progress)
+    fqn: str = ""
 
 
 class Application(Protocol):

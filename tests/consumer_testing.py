@@ -1,16 +1,27 @@
 """Fixtures of the consumer tests (a pytest plugin, registered in conftest): one in-process
-broker with an input and an output journal of JSON lines, and a Journal stub to it."""
+broker with an input and an output journal of JSON lines, and a Journal stub to it; and
+`ConsumerProcesses`, an example application's consumer processes started, killed and stopped by
+pid."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import grpc
 import pytest
 
 from broker.client.journals import dial
+from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import BrokerHarness, EtcdServer
+from broker.testing import BrokerHarness, EtcdServer, free_port, stop_process
+from consumer.protocol import cpb
+from tests.conftest import BrokerProcess
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed
 
@@ -45,3 +56,70 @@ async def sums_stub(sums_broker: BrokerHarness) -> AsyncIterator[pb_grpc.Journal
         yield pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
     finally:
         await channel.close()
+
+
+class ConsumerProcesses:
+    """Consumer processes of an example (`example`: its command line, `app_args`: its own
+    flags) by id, each started (again) on its own port, and stopped by pid."""
+
+    def __init__(
+        self,
+        example: list[str],
+        app_args: list[str],
+        etcd: EtcdServer,
+        broker: BrokerProcess,
+        root: str,
+        logs: Path,
+    ) -> None:
+        self.example, self.app_args = example, app_args
+        self.etcd, self.broker, self.root, self.logs = etcd, broker, root, logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: dict[str, int] = {}
+
+    def start(self, consumer_id: str, *, wait: bool = True, lease: str = "2s") -> None:
+        port = self.ports.setdefault(consumer_id, free_port())
+        with (self.logs / f"{consumer_id}.log").open("ab") as out:
+            self.procs[consumer_id] = subprocess.Popen(
+                [
+                    *self.example, "serve", "--consumer.id", consumer_id,
+                    "--consumer.port", str(port), "--consumer.drain-timeout", "5s",
+                    "--broker.address", self.broker.address, "--etcd.address", self.etcd.endpoint,
+                    "--etcd.prefix", self.root, "--etcd.lease", lease, *self.app_args,
+                ],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        if wait:
+            self.wait_ready(consumer_id)
+
+    def address(self, consumer_id: str) -> str:
+        return f"http://127.0.0.1:{self.ports[consumer_id]}"
+
+    def log(self, consumer_id: str) -> str:
+        return (self.logs / f"{consumer_id}.log").read_text()
+
+    def wait_ready(self, consumer_id: str) -> None:
+        deadline = time.monotonic() + 30
+        with grpc.insecure_channel(f"127.0.0.1:{self.ports[consumer_id]}") as channel:
+            stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
+            while True:
+                proc = self.procs[consumer_id]
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{consumer_id} exited {proc.returncode}: {self.log(consumer_id)[-2000:]}"
+                    )
+                try:
+                    stub.List(cpb.ListRequest(), timeout=1)
+                    return
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, f"{consumer_id} did not become ready"
+                    time.sleep(0.05)
+
+    def kill(self, consumer_id: str) -> None:
+        os.kill(self.procs[consumer_id].pid, signal.SIGKILL)
+        self.procs[consumer_id].wait()
+
+    def stop(self, consumer_id: str) -> int:
+        return stop_process(self.procs[consumer_id])
+
+    def stop_all(self) -> list[int]:
+        return [stop_process(proc) for proc in self.procs.values()]

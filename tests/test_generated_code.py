@@ -18,12 +18,18 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTOS = ["protocol", "recorded_op", "consumer"]
+# Each generated module's dotted name, by its .proto file.
+PROTOS = {
+    "broker/protocol/protocol.proto": "broker.protocol.protocol",
+    "broker/protocol/recorded_op.proto": "broker.protocol.recorded_op",
+    "broker/protocol/consumer.proto": "broker.protocol.consumer",
+    "consumer/examples/word_count.proto": "consumer.examples.word_count",
+}
 
 
 def compiled_descriptors(tmp_path: Path) -> dict[str, descriptor_pb2.FileDescriptorProto]:
     out = tmp_path / "set.pb"
-    files = [f"broker/protocol/{name}.proto" for name in PROTOS]
+    files = list(PROTOS)
     subprocess.run(
         [
             sys.executable,
@@ -51,18 +57,26 @@ def strip_json_names(messages: Iterable[descriptor_pb2.DescriptorProto]) -> None
         strip_json_names(message.nested_type)
 
 
-@pytest.mark.parametrize("name", PROTOS)
-def test_generated_pb2_matches_proto(name: str, tmp_path: Path) -> None:
-    expected = compiled_descriptors(tmp_path)[f"broker/protocol/{name}.proto"]
-    module = importlib.import_module(f"broker.protocol.{name}_pb2")
+@pytest.mark.parametrize("proto", PROTOS)
+def test_generated_pb2_matches_proto(proto: str, tmp_path: Path) -> None:
+    expected = compiled_descriptors(tmp_path)[proto]
+    module = importlib.import_module(f"{PROTOS[proto]}_pb2")
     embedded = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
-    assert embedded == expected, f"broker/protocol/{name}_pb2.py is stale: run `nox -s proto`"
+    assert embedded == expected, f"{module.__file__} is stale: run `nox -s proto`"
 
 
-@pytest.mark.parametrize("name", ["protocol", "consumer"])
-def test_generated_grpc_matches_services(name: str, tmp_path: Path) -> None:
-    fd = compiled_descriptors(tmp_path)[f"broker/protocol/{name}.proto"]
-    source = (ROOT / "broker" / "protocol" / f"{name}_pb2_grpc.py").read_text()
+@pytest.mark.parametrize(
+    "proto",
+    [
+        "broker/protocol/protocol.proto",
+        "broker/protocol/consumer.proto",
+        "consumer/examples/word_count.proto",
+    ],
+)
+def test_generated_grpc_matches_services(proto: str, tmp_path: Path) -> None:
+    fd = compiled_descriptors(tmp_path)[proto]
+    name = PROTOS[proto]
+    source = (ROOT / f"{name.replace('.', '/')}_pb2_grpc.py").read_text()
     kinds = {
         (False, False): "unary_unary",
         (False, True): "unary_stream",

@@ -5,9 +5,7 @@ again and again mid-transaction (and started again); every sum must still be exa
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -15,76 +13,25 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from broker.protocol import consumer_pb2_grpc as cpb_grpc
-from broker.testing import EtcdServer, free_port, stop_process
-from consumer.protocol import cpb
+from broker.testing import EtcdServer, stop_process
 from tests.conftest import BrokerProcess
+from tests.consumer_testing import ConsumerProcesses
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
-
-
-class Summers:
-    """Summer processes by id, each started (again) on its own port, and stopped by pid."""
-
-    def __init__(
-        self, etcd: EtcdServer, broker: BrokerProcess, root: str, stores: Path, logs: Path
-    ) -> None:
-        self.etcd, self.broker, self.root, self.stores, self.logs = etcd, broker, root, stores, logs
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.ports: dict[str, int] = {}
-
-    def start(self, summer_id: str, *, wait: bool = True) -> None:
-        port = self.ports.setdefault(summer_id, free_port())
-        with (self.logs / f"{summer_id}.log").open("ab") as out:
-            self.procs[summer_id] = subprocess.Popen(
-                [
-                    *EXAMPLE, "serve", "--consumer.id", summer_id, "--consumer.port", str(port),
-                    "--consumer.drain-timeout", "5s", "--broker.address", self.broker.address,
-                    "--etcd.address", self.etcd.endpoint, "--etcd.prefix", self.root,
-                    "--etcd.lease", "2s", "--summer.store-root", str(self.stores),
-                ],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        if wait:
-            self.wait_ready(summer_id)
-
-    def address(self, summer_id: str) -> str:
-        return f"http://127.0.0.1:{self.ports[summer_id]}"
-
-    def wait_ready(self, summer_id: str) -> None:
-        deadline = time.monotonic() + 30
-        with grpc.insecure_channel(f"127.0.0.1:{self.ports[summer_id]}") as channel:
-            stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
-            while True:
-                proc = self.procs[summer_id]
-                if proc.poll() is not None:
-                    log = (self.logs / f"{summer_id}.log").read_text()
-                    raise RuntimeError(f"{summer_id} exited {proc.returncode}: {log[-2000:]}")
-                try:
-                    stub.List(cpb.ListRequest(), timeout=1)
-                    return
-                except grpc.RpcError:
-                    assert time.monotonic() < deadline, f"{summer_id} did not become ready"
-                    time.sleep(0.05)
-
-    def kill(self, summer_id: str) -> None:
-        os.kill(self.procs[summer_id].pid, signal.SIGKILL)
-        self.procs[summer_id].wait()
-
-    def stop_all(self) -> list[int]:
-        return [stop_process(proc) for proc in self.procs.values()]
 
 
 @pytest.fixture
 def summers(
     etcd_server: EtcdServer, broker_process: BrokerProcess, tmp_path: Path
-) -> Iterator[Summers]:
+) -> Iterator[ConsumerProcesses]:
     root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
     (tmp_path / "stores").mkdir()
-    group = Summers(etcd_server, broker_process, root, tmp_path / "stores", tmp_path)
+    group = ConsumerProcesses(
+        EXAMPLE, ["--summer.store-root", str(tmp_path / "stores")],
+        etcd_server, broker_process, root, tmp_path,
+    )  # fmt: skip
     try:
         yield group
     finally:
@@ -97,7 +44,7 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_every_sum_is_exact_while_summers_are_killed(
-    summers: Summers, broker_process: BrokerProcess
+    summers: ConsumerProcesses, broker_process: BrokerProcess
 ) -> None:
     ids = ["summer-0", "summer-1", "summer-2"]
     for summer_id in ids:

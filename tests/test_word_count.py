@@ -1,0 +1,203 @@
+"""word-count with real processes: a broker (`gazette serve`), word-count consumer processes
+(`python -m consumer.examples.word_count serve`) on JSON-file stores or on a real PostgreSQL,
+texts published through the NGram service's Publish, and queries answered by the shard that owns
+the n-grams, proxied there by whichever process took them; a process SIGKILLed, its shards taken
+over with every count unchanged."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from broker.testing import EtcdServer
+from consumer.examples import word_count_pb2 as wpb
+from consumer.examples import word_count_pb2_grpc as wpb_grpc
+from consumer.examples.word_count import matches, ngrams_of, partition_of, words_of
+from tests.conftest import BrokerProcess
+from tests.consumer_testing import ConsumerProcesses
+
+EXAMPLE = [sys.executable, "-m", "consumer.examples.word_count"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs.",
+    "It's the fox's den, said the dog. THE END of the story, or the end of the fox?",
+    "A dog and a fox and a cat: the cat watches the quick dog and the lazy fox.",
+]
+
+
+def test_ngrams_of_a_text() -> None:
+    assert words_of("It's THE fox's den, 2 dogs_x!") == [
+        "it's",
+        "the",
+        "fox's",
+        "den",
+        "2",
+        "dogs",
+        "x",
+    ]
+    counts = ngrams_of("the dog and the dog", 2)
+    assert counts == {"the": 2, "dog": 2, "and": 1, "the dog": 2, "dog and": 1, "and the": 1}
+    assert ngrams_of("", 2) == {}
+    assert matches("the dog", "the") and matches("the", "the")
+    assert not matches("there", "the") and not matches("a the", "the")
+    # Every n-gram goes where its first word goes: a prefix of whole words finds them together.
+    for gram in ("the", "the dog", "the end"):
+        assert partition_of(gram, 7) == partition_of("the", 7)
+
+
+def expected_counts(texts: list[str], n: int = 2) -> collections.Counter[str]:
+    out: collections.Counter[str] = collections.Counter()
+    for text in texts:
+        out.update(ngrams_of(text, n))
+    return out
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*EXAMPLE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def query(address: str, prefix: str) -> wpb.QueryResponse:
+    with grpc.insecure_channel(address.removeprefix("http://")) as channel:
+        stub = wpb_grpc.NGramStub(channel)  # type: ignore[no-untyped-call]
+        answer: wpb.QueryResponse = stub.Query(wpb.QueryRequest(prefix=prefix), timeout=30)
+        return answer
+
+
+def publish(address: str, text: str) -> int:
+    with grpc.insecure_channel(address.removeprefix("http://")) as channel:
+        stub = wpb_grpc.NGramStub(channel)  # type: ignore[no-untyped-call]
+        return int(stub.Publish(wpb.PublishRequest(text=text), timeout=30).n_grams)
+
+
+def wait_counts(
+    address: str, prefix: str, expected: collections.Counter[str], timeout: float = 60
+) -> wpb.QueryResponse:
+    """Query until the committed counts of `prefix` are the expected ones (the shards commit
+    after Publish returns); fail with the last answer."""
+    want = {g: c for g, c in expected.items() if matches(g, prefix)}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            answer = query(address, prefix)
+            got = {g.n_gram: g.count for g in answer.grams}
+            if got == want:
+                return answer
+        except grpc.RpcError as exc:  # A shard moving between processes: UNAVAILABLE.
+            got = {"error": exc.code().name}  # type: ignore[dict-item]
+        assert time.monotonic() < deadline, f"{prefix!r}: {got} != {want}"
+        time.sleep(0.1)
+
+
+def counters(
+    etcd_server: EtcdServer, broker: BrokerProcess, tmp_path: Path, app_args: list[str]
+) -> Iterator[ConsumerProcesses]:
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    group = ConsumerProcesses(EXAMPLE, app_args, etcd_server, broker, root, tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture
+def json_counters(
+    etcd_server: EtcdServer, broker_process: BrokerProcess, tmp_path: Path
+) -> Iterator[ConsumerProcesses]:
+    (tmp_path / "stores").mkdir()
+    yield from counters(
+        etcd_server, broker_process, tmp_path, ["--wordcount.store-root", str(tmp_path / "stores")]
+    )
+
+
+@pytest.fixture
+def sql_counters(
+    etcd_server: EtcdServer, broker_process: BrokerProcess, tmp_path: Path, postgres_dsn: str
+) -> Iterator[ConsumerProcesses]:
+    yield from counters(
+        etcd_server, broker_process, tmp_path, ["--wordcount.postgres", postgres_dsn]
+    )
+
+
+def set_up(group: ConsumerProcesses, broker: BrokerProcess, ids: list[str]) -> None:
+    for consumer_id in ids:
+        group.start(consumer_id)
+    setup = run(
+        "setup", "--partitions", "4", "--broker.address", broker.address,
+        "--consumer.address", group.address(ids[0]),
+        "--deltas", f"test/word-count/{uuid.uuid4().hex[:8]}/",
+    )  # fmt: skip
+    assert setup.returncode == 0, setup.stderr
+    assert "4 journal(s) and 4 shard(s) created" in setup.stdout
+
+
+@pytest.mark.slow
+def test_counts_are_queried_where_they_live_and_survive_a_kill(
+    json_counters: ConsumerProcesses, broker_process: BrokerProcess
+) -> None:
+    ids = ["counter-a", "counter-b"]
+    set_up(json_counters, broker_process, ids)
+    a, b = (json_counters.address(i) for i in ids)
+    published = sum(publish(a if i % 2 else b, text) for i, text in enumerate(TEXTS))
+    expected = expected_counts(TEXTS)
+    assert published == sum(len(ngrams_of(t, 2)) for t in TEXTS)
+
+    # Each process answers every prefix: its own shards' from its store, the others' proxied.
+    answered_by = set()
+    for prefix in ("the", "fox", "dog", "a", "it's", "quick brown"):
+        for address in (a, b):
+            answer = wait_counts(address, prefix, expected)
+            answered_by.add(answer.header.process_id.suffix)
+            assert answer.shard.startswith("word-count-")
+    assert answered_by == set(ids), "every query was answered by one process: nothing proxied"
+
+    # The CLI: one query, with its rows.
+    out = run("query", "the", "--consumer.address", b)
+    assert out.returncode == 0, out.stderr
+    assert f"{expected['the']:>8}  the" in out.stdout
+    assert f"{expected['the fox']:>8}  the fox" in out.stdout
+    bad = run("query", "  ...  ", "--consumer.address", b)
+    assert bad.returncode != 0 and "holds no word" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+    # counter-a dies; counter-b takes its shards over from their stores: counts unchanged,
+    # and what is published afterwards adds to them once.
+    json_counters.kill("counter-a")
+    for prefix in ("the", "fox", "dog", "a"):
+        wait_counts(b, prefix, expected)
+    more = "the end of the fox and the dog"
+    publish(b, more)
+    expected.update(ngrams_of(more, 2))
+    for prefix in ("the", "fox", "dog", "end"):
+        wait_counts(b, prefix, expected)
+
+
+@pytest.mark.slow
+def test_counts_in_postgresql_are_exact_across_a_graceful_hand_off(
+    sql_counters: ConsumerProcesses, broker_process: BrokerProcess
+) -> None:
+    ids = ["sql-counter-a", "sql-counter-b"]
+    set_up(sql_counters, broker_process, ids)
+    a, b = (sql_counters.address(i) for i in ids)
+    publish_out = subprocess.run(
+        [*EXAMPLE, "publish", "--consumer.address", a],
+        input="\n\n".join(TEXTS), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert publish_out.returncode == 0, publish_out.stderr
+    assert "of 3 paragraph(s)" in publish_out.stdout
+    expected = expected_counts(TEXTS)
+    for prefix in ("the", "fox", "dog"):
+        wait_counts(b, prefix, expected)
+    assert sql_counters.stop("sql-counter-a") == 0  # Graceful: its shards are handed over.
+    for prefix in ("the", "fox", "dog", "a"):
+        wait_counts(b, prefix, expected)
+    publish(b, TEXTS[0])
+    expected.update(ngrams_of(TEXTS[0], 2))
+    for prefix in ("the", "fox", "dog"):
+        wait_counts(b, prefix, expected)
