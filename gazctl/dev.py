@@ -1,4 +1,6 @@
-"""`gazctl dev up|down|status`: a local cluster (etcd and N brokers) on loopback.
+"""`gazctl dev up|down|status`: a local cluster (etcd and N brokers) on loopback; with
+`--consumers N --app NAME` also N consumer processes of an application, and with `--postgres` a
+PostgreSQL server for SQL stores.
 
 Processes run detached so `up` can return; their pids and addresses live in `<dir>/cluster.json`
 and `down` stops exactly those pids (after checking each still runs what we started). The ports
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -53,9 +57,18 @@ class ClusterState:
     dir: str
     etcd: Proc
     brokers: list[Proc] = field(default_factory=list)
+    postgres: Proc | None = None
+    consumers: list[Proc] = field(default_factory=list)
+    app: str = ""
 
     def all(self) -> list[Proc]:
-        return [*self.brokers, self.etcd]
+        """Every process, in the order to stop them: consumers, brokers, PostgreSQL, etcd."""
+        return [
+            *self.consumers,
+            *self.brokers,
+            *([self.postgres] if self.postgres else []),
+            self.etcd,
+        ]
 
     def save(self) -> None:
         Path(self.dir, STATE).write_text(json.dumps(asdict(self), indent=2))
@@ -71,6 +84,9 @@ class ClusterState:
                 dir=doc["dir"],
                 etcd=Proc(**doc["etcd"]),
                 brokers=[Proc(**b) for b in doc["brokers"]],
+                postgres=Proc(**doc["postgres"]) if doc.get("postgres") else None,
+                consumers=[Proc(**c) for c in doc.get("consumers", [])],
+                app=str(doc.get("app", "")),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -83,6 +99,8 @@ class Ports:
     etcd_client: int
     etcd_peer: int
     brokers: list[int]
+    consumers: list[int] = field(default_factory=list)
+    postgres: int = 0
 
     def save(self, directory: Path) -> None:
         (directory / PORTS).write_text(json.dumps(asdict(self), indent=2))
@@ -92,7 +110,11 @@ class Ports:
         try:
             doc = json.loads((directory / PORTS).read_text())
             ports = Ports(
-                int(doc["etcd_client"]), int(doc["etcd_peer"]), [int(p) for p in doc["brokers"]]
+                int(doc["etcd_client"]),
+                int(doc["etcd_peer"]),
+                [int(p) for p in doc["brokers"]],
+                [int(p) for p in doc.get("consumers", [])],
+                int(doc.get("postgres", 0)),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -111,11 +133,13 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def choose_ports(previous: Ports | None, brokers: int) -> tuple[Ports, list[str]]:
-    """The previous run's ports where still free, new ones where not (or for new brokers);
+def choose_ports(
+    previous: Ports | None, brokers: int, consumers: int = 0, postgres: bool = False
+) -> tuple[Ports, list[str]]:
+    """The previous run's ports where still free, new ones where not (or for new processes);
     and a line for each process that moved."""
     old = previous or Ports(0, 0, [])
-    reserved = {old.etcd_client, old.etcd_peer, *old.brokers}
+    reserved = {old.etcd_client, old.etcd_peer, *old.brokers, *old.consumers, old.postgres}
     moved: list[str] = []
 
     def pick(role: str, before: int, then: str = "") -> int:
@@ -142,6 +166,15 @@ def choose_ports(previous: Ports | None, brokers: int) -> tuple[Ports, list[str]
             )
             for i in range(brokers)
         ],
+        [
+            pick(
+                f"consumer-{i}",
+                old.consumers[i] if i < len(old.consumers) else 0,
+                "; export CONSUMER_ADDRESS again (as printed below)" if i == 0 else "",
+            )
+            for i in range(consumers)
+        ],
+        pick("postgres", old.postgres, "; export POSTGRES_DSN again") if postgres else old.postgres,
     )
     return ports, moved
 
@@ -152,6 +185,10 @@ def print_exports(state: ClusterState) -> None:
     click.echo(f"export ETCD_ADDRESS={state.etcd.address}")
     click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
     click.echo(f"export BROKER_FILE_ROOT={Path(state.dir) / 'fragments'}")
+    if state.postgres is not None:
+        click.echo(f"export POSTGRES_DSN={state.postgres.address}")
+    if state.consumers:
+        click.echo(f"export CONSUMER_ADDRESS={state.consumers[0].address}")
 
 
 def is_running(proc: Proc) -> bool:
@@ -166,10 +203,11 @@ def is_running(proc: Proc) -> bool:
 
 
 def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
-    """SIGTERM, then SIGKILL after `timeout`. Returns whether the process was running."""
+    """SIGTERM (PostgreSQL: SIGINT, its fast shutdown, which does not wait for clients), then
+    SIGKILL after `timeout`. Returns whether the process was running."""
     if not is_running(proc):
         return False
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGINT if proc.role == "postgres" else signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not is_running(proc):
@@ -181,13 +219,16 @@ def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
     return True
 
 
-def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env={**os.environ, **env} if env else None,
             start_new_session=True,  # Outlives `gazctl dev up`, and ignores the terminal's ^C.
         )
 
@@ -226,13 +267,18 @@ async def wait_brokers_ready(
 
 
 async def revoke_stale_members(etcd_endpoint: str) -> None:
-    """Brokers of an earlier run of this folder are all stopped, but etcd restored their leases
-    with its data: revoke them, so new brokers need not wait for them to expire."""
+    """Brokers and consumers of an earlier run of this folder are all stopped, but etcd
+    restored their leases with its data: revoke them, so new processes need not wait for them
+    to expire."""
     from broker import etcd as etcdx
 
     client = etcdx.connect(etcd_endpoint)
     try:
-        for kv in await client.get_prefix(f"{ETCD_PREFIX}/members/".encode()):
+        stale = list(await client.get_prefix(f"{ETCD_PREFIX}/members/".encode()))
+        stale += [
+            kv for kv in await client.get_prefix(b"/gazette/consumers/") if b"/members/" in kv.key
+        ]
+        for kv in stale:
             if kv.lease:
                 with contextlib.suppress(Exception):
                     await client.revoke_lease(kv.lease)
@@ -255,6 +301,119 @@ def broker_command(i: int, port: int, etcd: str, file_root: Path) -> list[str]:
     ]  # fmt: skip
 
 
+# The examples `--app` takes by short name: their module, and the flags of their stores.
+EXAMPLES = {
+    "word-count": "consumer.examples.word_count",
+    "stream-sum": "consumer.examples.stream_sum",
+}
+
+
+def app_name(app: str) -> str:
+    """The application's name, which names its etcd prefix (/gazette/consumers/NAME)."""
+    if app in EXAMPLES:
+        return app
+    return app.partition(":")[2].lower() or app
+
+
+def check_app(app: str) -> None:
+    """An --app that names an example, or module:Name with an importable module; else one
+    line."""
+    if app in EXAMPLES:
+        return
+    module, _, name = app.partition(":")
+    if not module or not name:
+        raise click.BadParameter(
+            f"{app!r} is neither an example ({', '.join(EXAMPLES)}) nor module:Name",
+            param_hint="--app",
+        )
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise click.BadParameter(f"{app!r}: no module {module} to import", param_hint="--app")
+
+
+def consumer_command(
+    app: str, i: int, port: int, etcd: str, broker: str, stores: Path, postgres: str | None
+) -> list[str]:
+    if app in EXAMPLES:
+        cmd = [sys.executable, "-m", EXAMPLES[app], "serve"]
+        if app == "word-count":
+            cmd += ["--wordcount.postgres", postgres] if postgres else []
+            cmd += [] if postgres else ["--wordcount.store-root", str(stores)]
+        else:
+            cmd += ["--summer.store-root", str(stores)]
+    else:
+        cmd = [sys.executable, "-m", "consumer", "serve", "--app", app]
+    return [
+        *cmd,
+        "--consumer.zone", "local",
+        "--consumer.id", f"consumer-{i}",
+        "--consumer.port", str(port),
+        "--consumer.host", "127.0.0.1",
+        "--broker.address", broker,
+        "--etcd.address", etcd,
+        "--etcd.prefix", f"/gazette/consumers/{app_name(app)}",
+        "--etcd.lease", "10s",
+        "--consumer.drain-timeout", "5s",
+    ]  # fmt: skip
+
+
+async def wait_consumers_ready(
+    consumers: list[Proc], procs: list[subprocess.Popen[bytes]], timeout: float
+) -> None:
+    from consumer.client import ConsumerUnavailable, ShardsClient
+
+    deadline = time.monotonic() + timeout
+    for proc, popen in zip(consumers, procs, strict=True):
+        async with ShardsClient(proc.address, timeout=2.0) as client:
+            while True:
+                if popen.poll() is not None:
+                    raise click.ClickException(
+                        f"{proc.role} exited with status {popen.returncode} during start-up; "
+                        f"see {proc.log}:\n{tail(proc.log)}"
+                    )
+                try:
+                    await client.list()
+                    break
+                except ConsumerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise click.ClickException(
+                            f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}"
+                        ) from None
+                    await asyncio.sleep(0.1)
+
+
+def start_postgres(root: Path, port: int, state: ClusterState, timeout: float) -> str:
+    """PostgreSQL in `root/postgres` on `port` (its cluster made on first use); its DSN."""
+    from consumer import local_postgres
+
+    pg_root = root / "postgres"
+    if os.geteuid() == 0 and not pg_root.exists():
+        # PostgreSQL runs as its own user, who may not reach this folder (under /root, say):
+        # its data lives in /var/tmp, linked from here (and removed by `down --purge`).
+        digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+        real = Path("/var/tmp") / f"gazette-dev-postgres-{digest}"
+        real.mkdir(parents=True, exist_ok=True)
+        pg_root.symlink_to(real)
+    try:
+        local_postgres.init_cluster(pg_root.resolve())
+    except (local_postgres.PostgresNotFound, RuntimeError, OSError) as exc:
+        raise click.ClickException(f"--postgres: {exc}") from None
+    log_path = root / "postgres.log"
+    pg_root = pg_root.resolve()
+    popen = spawn(local_postgres.postgres_command(pg_root, port), log_path)
+    dsn = local_postgres.postgres_dsn(port)
+    state.postgres = Proc("postgres", popen.pid, dsn, str(log_path), str(pg_root / "data"))
+    state.save()
+    try:
+        local_postgres.wait_postgres_ready(popen, pg_root, port, log_path, timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        raise click.ClickException(f"PostgreSQL did not start: {exc}; see {log_path}") from None
+    return dsn
+
+
 def print_status(state: ClusterState) -> None:
     table = Table(box=None, header_style="bold", pad_edge=False)
     for column in ("Process", "PID", "Address", "State", "Log"):
@@ -270,7 +429,7 @@ def print_status(state: ClusterState) -> None:
 
 @click.group()
 def dev() -> None:
-    """A local development cluster: etcd and brokers on loopback."""
+    """A local development cluster: etcd, brokers, and consumers, on loopback."""
 
 
 dir_option = click.option(
@@ -285,17 +444,45 @@ dir_option = click.option(
     "--brokers", default=3, show_default=True, type=click.IntRange(1, 32), help="Number of brokers"
 )
 @click.option(
+    "--consumers", default=None, type=click.IntRange(1, 32),
+    help="Consumer processes of --app to start (default 2 with --app)",
+)  # fmt: skip
+@click.option(
+    "--app", default=None,
+    help="The consumers' application: an example (word-count, stream-sum) or module:Name",
+)  # fmt: skip
+@click.option(
+    "--postgres", is_flag=True,
+    help="Also run PostgreSQL (word-count keeps its counts there; others get POSTGRES_DSN)",
+)  # fmt: skip
+@click.option(
     "--timeout",
     default=60.0,
     show_default=True,
     help="Seconds to wait for the cluster to become ready",
 )
-def up(directory: str, brokers: int, timeout: float) -> None:
-    """Start etcd and brokers, wait until all are ready, and print BROKER_ADDRESS and
-    BROKER_FILE_ROOT (the file:// fragment stores' root) to export.
+def up(
+    directory: str,
+    brokers: int,
+    consumers: int | None,
+    app: str | None,
+    postgres: bool,
+    timeout: float,
+) -> None:
+    """Start etcd and brokers (and PostgreSQL, and consumer processes of an application), wait
+    until all are ready, and print BROKER_ADDRESS, BROKER_FILE_ROOT (the file:// fragment
+    stores' root), CONSUMER_ADDRESS and POSTGRES_DSN to export.
 
-    Started again on the same folder, the cluster keeps its data and its addresses (each
-    port that is still free), so exported variables keep working."""
+    Consumers run with CONSUMER_STORE_ROOT (a folder for JSON-file stores) and POSTGRES_DSN in
+    their environment, under the etcd prefix /gazette/consumers/NAME. Started again on the same
+    folder, the cluster keeps its data and its addresses (each port that is still free), so
+    exported variables keep working."""
+    if consumers is not None and app is None:
+        raise click.UsageError("--consumers needs --app: the application they run")
+    if app is not None:
+        check_app(app)
+        consumers = consumers or 2
+    consumers = consumers or 0
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     existing = ClusterState.load(root)
@@ -316,7 +503,7 @@ def up(directory: str, brokers: int, timeout: float) -> None:
         etcd_binary = find_etcd_binary()
     except EtcdNotFound as exc:
         raise click.ClickException(str(exc)) from None
-    ports, moved = choose_ports(Ports.load(root), brokers)
+    ports, moved = choose_ports(Ports.load(root), brokers, consumers, postgres)
     for line in moved:
         click.echo(line, err=True)
     ports.save(root)
@@ -357,6 +544,31 @@ def up(directory: str, brokers: int, timeout: float) -> None:
             )
             state.save()
         asyncio.run(wait_brokers_ready(state.brokers, popens, timeout))
+        dsn = start_postgres(root, ports.postgres, state, timeout) if postgres else None
+        if app is not None:
+            stores = root / "stores"
+            stores.mkdir(exist_ok=True)
+            env = {"CONSUMER_STORE_ROOT": str(stores), **({"POSTGRES_DSN": dsn} if dsn else {})}
+            state.app = app
+            consumer_popens = []
+            for i, port in enumerate(ports.consumers):
+                log_path = root / f"consumer-{i}.log"
+                cmd = consumer_command(
+                    app, i, port, etcd_endpoint, state.brokers[0].address, stores, dsn
+                )
+                popen = spawn(cmd, log_path, env)
+                consumer_popens.append(popen)
+                state.consumers.append(
+                    Proc(
+                        f"consumer-{i}",
+                        popen.pid,
+                        f"http://127.0.0.1:{port}",
+                        str(log_path),
+                        f"--consumer.id consumer-{i} --consumer.port {port}",
+                    )
+                )
+                state.save()
+            asyncio.run(wait_consumers_ready(state.consumers, consumer_popens, timeout))
     except BaseException:
         for proc in state.all():
             stop_pid(proc)
@@ -380,6 +592,8 @@ def down(directory: str, purge: bool) -> None:
         (root / STATE).unlink(missing_ok=True)
         click.echo(f"stopped {stopped} process(es) of the dev cluster in {root}", err=True)
     if purge and root.exists():
+        if (root / "postgres").is_symlink():
+            shutil.rmtree((root / "postgres").resolve(), ignore_errors=True)
         shutil.rmtree(root)
 
 

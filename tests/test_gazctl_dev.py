@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,3 +142,105 @@ def test_dev_up_again_keeps_addresses(cluster_dir: Path) -> None:
         assert f"port {port}" in r.err and "BROKER_ADDRESS" in r.err, r.err
         assert r.out.strip().splitlines()[-2] == f"export BROKER_ADDRESS={third.brokers[0].address}"
     assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
+
+
+def exported(out: str) -> dict[str, str]:
+    return dict(
+        line.removeprefix("export ").split("=", 1)
+        for line in out.splitlines()
+        if line.startswith("export ")
+    )
+
+
+def word_count(
+    *args: str, env: dict[str, str], input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "consumer.examples.word_count", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env}, input=input,
+    )  # fmt: skip
+
+
+def query_until(prefix: str, want: str, env: dict[str, str], timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = word_count("query", prefix, env=env)
+        if answer.returncode == 0 and want in answer.stdout:
+            return answer.stdout
+        assert time.monotonic() < deadline, (answer.stdout, answer.stderr)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_up_with_word_count_consumers_on_postgres(cluster_dir: Path) -> None:
+    r = run_cli(
+        "gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1",
+        "--app", "word-count", "--consumers", "2", "--postgres", timeout=120,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    state = ClusterState.load(cluster_dir)
+    assert state is not None and state.postgres is not None and len(state.consumers) == 2
+    assert state.app == "word-count"
+    env = exported(r.out)
+    assert env["CONSUMER_ADDRESS"] == state.consumers[0].address
+    assert env["POSTGRES_DSN"] == state.postgres.address
+    assert all(is_running(p) for p in state.all())
+    for proc in state.all():
+        assert proc.address.removeprefix("postgresql://postgres@").startswith(
+            ("http://127.0.0.1:", "127.0.0.1:")
+        )
+
+    assert word_count("setup", "--partitions", "2", env=env).returncode == 0
+    published = word_count("publish", env=env, input="the fox and the dog\n\nthe fox\n")
+    assert published.returncode == 0, published.stderr
+    query_until("the", "       2  the fox", env)
+    listed = run_cli("gazctl", "shards", "list", "--lag", env=env)
+    assert listed.code == 0 and listed.out.count("PRIMARY") == 2, listed.err
+
+    # A consumer dies: the other takes its shards over, the counts (in PostgreSQL) unchanged.
+    os.kill(state.consumers[0].pid, signal.SIGKILL)
+    other = {**env, "CONSUMER_ADDRESS": state.consumers[1].address}
+    out = query_until("the", "       2  the fox", other)
+    assert "       3  the\n" in out
+
+    pg_data = (cluster_dir / "postgres").resolve()
+    assert (pg_data / "data" / "PG_VERSION").exists()
+    down = run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir), "--purge")
+    assert down.code == 0, down.err
+    assert "stopped 4" in down.err  # consumer-1, the broker, PostgreSQL, etcd (consumer-0 died)
+    assert not any(is_running(p) for p in state.all())
+    assert not pg_data.exists() and not cluster_dir.exists()
+
+
+@pytest.mark.slow
+def test_up_with_an_application_by_module_and_name(cluster_dir: Path) -> None:
+    r = run_cli(
+        "gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1",
+        "--app", "consumer.examples.word_count:from_environment", timeout=120,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    state = ClusterState.load(cluster_dir)
+    assert state is not None and len(state.consumers) == 2 and state.postgres is None
+    env = exported(r.out)
+    assert word_count("setup", "--partitions", "1", env=env).returncode == 0
+    assert word_count("publish", env=env, input="one two two").returncode == 0
+    query_until("two", "       2  two", env)
+    # Its JSON-file stores are in the cluster's folder.
+    assert list((cluster_dir / "stores").iterdir())
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
+    assert not any(is_running(p) for p in state.all())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--consumers", "2"], "--consumers needs --app"),
+        (["--app", "nonsense"], "neither an example"),
+        (["--app", "no_such_module_here:App"], "no module no_such_module_here"),
+    ],
+)
+def test_up_refuses_a_bad_application(cluster_dir: Path, args: list[str], message: str) -> None:
+    r = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), *args)
+    assert r.code == 2 and message in r.err, r.err
+    assert "Traceback" not in r.err
+    assert ClusterState.load(cluster_dir) is None  # Nothing started.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import re
 import sys
 from collections.abc import Callable, Coroutine
@@ -431,6 +432,13 @@ def query(prefix: str, shard: str, limit: int, **opts: Any) -> None:
     click.echo(f"shard {answer.shard}: {len(answer.grams)} n-gram(s)")
     for gram in answer.grams[: limit or None]:
         click.echo(f"{gram.count:>8}  {gram.n_gram}")
+
+
+def from_environment() -> Counter:
+    """A Counter configured by the environment `gazctl dev up` gives consumer processes:
+    POSTGRES_DSN if set, else CONSUMER_STORE_ROOT (`--app
+    consumer.examples.word_count:from_environment`)."""
+    return Counter(os.environ.get("CONSUMER_STORE_ROOT"), os.environ.get("POSTGRES_DSN"))
 
 
 def _paragraphs(text: str) -> list[str]:
