@@ -6,7 +6,9 @@ bytes read back; and the cluster stopped (always, even on failure). Between them
 exactly-once step (`exactly_once.py`): transactions published into a partitioned topic, one
 aborted, an append duplicated, and each committed message read once, then the topic replayed by
 Spark from its fragments into Parquet (`gazctl spark replay`); and the persisted journal's small
-fragments merged by `gazctl spark compact` before the restart."""
+fragments merged by `gazctl spark compact` before the restart. Last, the consumer step
+(`word_count_demo.py`): word-count's shards on two consumer processes with PostgreSQL, a text
+counted, a query answered, a consumer killed and its shards taken over, the counts unchanged."""
 
 from __future__ import annotations
 
@@ -17,8 +19,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import word_count_demo  # Beside this file (the script's folder is on sys.path).
+
 HERE = Path(__file__).resolve().parent
 GAZCTL = [sys.executable, "-m", "gazctl.cli"]
+UP = [
+    "dev",
+    "up",
+    "--brokers",
+    "3",
+    "--app",
+    "word-count",
+    "--consumers",
+    "2",
+    "--postgres",
+    "--dir",
+]
 
 
 def gazctl(title: str, *args: str, env: dict[str, str], check: bool = True) -> str:
@@ -61,9 +77,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gazette-demo-") as tmp:
         cluster = str(Path(tmp) / "cluster")
         try:
-            up = gazctl(
-                "etcd + 3 brokers", "dev", "up", "--dir", cluster, "--brokers", "3", env=env
-            )
+            up = gazctl("etcd, 3 brokers, PostgreSQL and 2 word-count consumers", *UP, cluster,
+                        env=env)  # fmt: skip
             env.update(exports(up))
 
             specs = str(HERE / "journals.yaml")
@@ -101,8 +116,10 @@ def main() -> None:
 
             exactly_once(tmp, cluster, env)
             persisted(tmp, cluster, env)
+            word_count_demo.run(cluster, env, gazctl)
         finally:
-            gazctl("stop every process by pid", "dev", "down", "--dir", cluster, env=env)
+            gazctl("stop every process by pid, and remove the cluster's data", "dev", "down",
+                   "--purge", "--dir", cluster, env=env)  # fmt: skip
 
 
 def exactly_once(tmp: str, cluster: str, env: dict[str, str]) -> None:
@@ -159,9 +176,15 @@ def persisted(tmp: str, cluster: str, env: dict[str, str]) -> None:
     gazctl("fewer, larger fragments, the same offsets", "journals", "fragments", "-l", selector,
            env=env)  # fmt: skip
 
-    gazctl("stop every broker (and etcd)", "dev", "down", "--dir", cluster, env=env)
-    up = gazctl("start them again (on the same addresses)", "dev", "up", "--dir", cluster,
-                "--brokers", "3", env=env)  # fmt: skip
+    gazctl(
+        "stop every process (consumers, brokers, PostgreSQL, etcd)",
+        "dev",
+        "down",
+        "--dir",
+        cluster,
+        env=env,
+    )
+    up = gazctl("start them again (on the same addresses)", *UP, cluster, env=env)
     env.update(exports(up))
     out = Path(tmp) / "events.ndjson"
     deadline = time.monotonic() + 30
