@@ -127,3 +127,60 @@ async def test_a_write_after_a_dependency_holds_the_journal_until_it_completes(
             await lost
         await later
     assert await read_all(brokers[0], name) == b"before;ack;after;later;"
+
+
+async def test_register_checks_and_barriers_go_in_order_and_a_mismatch_is_not_retried(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """A write with registers is an append of its own, in order: a union takes the journal,
+    a check that holds commits, one that does not fails with REGISTER_MISMATCH at once (not
+    retried), and what waits on it fails too; barriers resolve at the write head once
+    everything before them committed, and change registers without content."""
+    from broker.client.append_service import Registers
+
+    await set_journal(
+        etcd, etcd_prefix, journal_spec("svc/reg", replication=2), [("local", i) for i in IDS]
+    )
+
+    def owner(name: str) -> pb.LabelSet:
+        return pb.LabelSet(labels=[pb.Label(name="owner", value=name)])
+
+    def owned_by(name: str) -> pb.LabelSelector:
+        return pb.LabelSelector(include=owner(name))
+
+    async with AppendService(stub(brokers[0]), max_retry_delay=0.05) as service:
+        first = await service.write("svc/reg", b"one\n")
+        taken = await service.write("svc/reg", b"two\n", Registers(union=owner("a")))
+        more = await service.write("svc/reg", b"three\n")
+        checked = await service.write("svc/reg", b"four\n", Registers(check=owned_by("a")))
+        barrier = service.barrier("svc/reg")
+        spans = [await f for f in (first, taken, more, checked)]
+        assert [(s.begin, s.end) for s in spans] == [(0, 4), (4, 8), (8, 14), (14, 19)]
+        assert await barrier == Span("svc/reg", 19, 19)
+
+        appends_before = service.appends
+        refused = await service.write("svc/reg", b"five\n", Registers(check=owned_by("b")))
+        dependent = service.write_after("svc/reg", b"six\n", refused)
+        with pytest.raises(AppendError) as caught:
+            await refused
+        assert caught.value.status == pb.REGISTER_MISMATCH
+        with pytest.raises(DependencyFailed):
+            await dependent
+        assert service.appends == appends_before  # Nothing more committed: not retried.
+
+        # A barrier checks registers without content; it cannot change them (brokers refuse
+        # register changes without content, as upstream's).
+        held = service.barrier("svc/reg", registers=Registers(check=owned_by("a")))
+        assert await held == Span("svc/reg", 19, 19)
+        with pytest.raises(AppendError) as caught:
+            await service.barrier("svc/reg", registers=Registers(check=owned_by("b")))
+        assert caught.value.status == pb.REGISTER_MISMATCH
+        with pytest.raises(ValueError, match="cannot change registers"):
+            service.barrier("svc/reg", registers=Registers(union=owner("b")))
+        moved = await service.write(
+            "svc/reg", b"seven\n", Registers(union=owner("b"), subtract=owner("a"))
+        )
+        assert await moved == Span("svc/reg", 19, 25)
+        last = await service.write("svc/reg", b"eight\n", Registers(check=owned_by("b")))
+        assert await last == Span("svc/reg", 25, 31)
+    assert await read_all(brokers[1], "svc/reg") == b"one\ntwo\nthree\nfour\nseven\neight\n"

@@ -5,6 +5,12 @@ Append RPC per batch, in order: while one batch is in flight, the next accumulat
 returns a `PendingSpan`, awaited for the record's own span once its batch commits. Writers wait when a
 journal has too much pending (back-pressure); transient failures are retried, so a record is
 appended at least once and, once acknowledged, exactly where its PendingSpan says.
+
+A write may carry `Registers` (check, union, subtract): it is then an append of its own, sent in
+order with the others; a REGISTER_MISMATCH fails it (AppendError), never retried, and what waits
+on it with `write_after` fails with DependencyFailed. `barrier` is a zero-byte append in that
+order: it resolves once everything written to the journal before it has committed, and with
+`Registers(check=...)` it checks them (brokers change registers only with content, as upstream).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import grpc
 
 from broker.client.appender import AppendError, append
 from broker.client.routes import RETRYABLE, Router, is_transient
+from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.retry import Backoff
 
@@ -40,19 +47,32 @@ class Span:
     end: int
 
 
+@dataclass(frozen=True)
+class Registers:
+    """The journal registers an append checks (`check`: a selector they must match) and
+    changes once it commits (`union` adds labels, `subtract` removes them)."""
+
+    check: pb.LabelSelector | None = None
+    union: pb.LabelSet | None = None
+    subtract: pb.LabelSet | None = None
+
+
 class _Batch:
     """Records buffered for one Append RPC; `done` resolves with the offset where the batch
     began once it commits (one future per batch, not per record: the publish path's cost)."""
 
-    __slots__ = ("count", "dependency", "done", "file", "size")
+    __slots__ = ("count", "dependency", "done", "file", "registers", "size")
 
-    def __init__(self, dependency: Awaitable[object] | None = None) -> None:
+    def __init__(
+        self, dependency: Awaitable[object] | None = None, registers: Registers | None = None
+    ) -> None:
         self.file: IO[bytes] = tempfile.TemporaryFile(prefix="gazette-append-")  # noqa: SIM115 (closed by the sender)
         self.size = 0
         self.count = 0
         self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         # Sent only once this completes (its failure is the batch's): `write_after`.
         self.dependency = dependency
+        self.registers = registers
 
     def add(self, journal: str, data: bytes) -> PendingSpan:
         self.file.write(data)
@@ -99,6 +119,9 @@ class PendingSpan(NamedTuple):
 _new_tuple = tuple.__new__
 
 
+_NO_REGISTERS = Registers()
+
+
 class _Journal:
     """The ordered queue of batches of one journal, and the task sending them."""
 
@@ -125,13 +148,18 @@ class _Journal:
         self.wake.set()
         return pending
 
-    def write_after(self, data: bytes, dependency: Awaitable[object]) -> PendingSpan:
+    def write_alone(
+        self,
+        data: bytes,
+        dependency: Awaitable[object] | None = None,
+        registers: Registers | None = None,
+    ) -> PendingSpan:
         # Its own batch, queued after what was written before it: what is written after it
         # waits behind it.
-        if self.open.size:
+        if self.open.count:
             self.closed.append(self.open)
             self.open = _Batch()
-        batch = _Batch(dependency)
+        batch = _Batch(dependency, registers)
         pending = batch.add(self.name, data)
         self.closed.append(batch)
         self.pending += len(data)
@@ -143,7 +171,7 @@ class _Journal:
     def _next(self) -> _Batch | None:
         if self.closed:
             return self.closed.pop(0)
-        if self.open.size:
+        if self.open.count:
             batch, self.open = self.open, _Batch()
             return batch
         return None
@@ -182,11 +210,15 @@ class _Journal:
         backoff = Backoff(maximum=self.service.max_retry_delay)
         while True:
             try:
+                registers = batch.registers or _NO_REGISTERS
                 response = await append(
                     self.service.stub_for(self.name),
                     self.name,
                     batch.chunks(),
                     chunk_size=BATCH_CHUNK,
+                    check_registers=registers.check,
+                    union_registers=registers.union,
+                    subtract_registers=registers.subtract,
                 )
             except AppendError as exc:
                 if self.service.router is not None:
@@ -267,13 +299,37 @@ class AppendService:
             journal = self._journals[name] = _Journal(self, name)
         return journal
 
-    async def write(self, journal: str, data: bytes) -> PendingSpan:
+    async def write(
+        self, journal: str, data: bytes, registers: Registers | None = None
+    ) -> PendingSpan:
         """Queue `data` as one record of `journal`, waiting while too much is pending; the
-        future resolves with where the record was committed."""
+        future resolves with where the record was committed. With `registers`, it is an
+        append of its own that checks and changes them (REGISTER_MISMATCH: AppendError)."""
         j = self._journal(journal)
         if not j.room.is_set():
             await j.room.wait()
+        if registers is not None:
+            return j.write_alone(data, registers=registers)
         return j.write(data)
+
+    def barrier(
+        self,
+        journal: str,
+        dependency: Awaitable[object] | None = None,
+        registers: Registers | None = None,
+    ) -> PendingSpan:
+        """A zero-byte append of `journal`, after everything written to it so far (and after
+        `dependency`, if given): it resolves, at the journal's write head, once they committed.
+        With `registers`, it also checks them (only: brokers refuse register changes without
+        content)."""
+        if registers is not None and (
+            registers.union is not None or registers.subtract is not None
+        ):
+            raise ValueError(
+                f"a barrier of {journal} cannot change registers: brokers change them only "
+                "with content (give the union or subtraction to a write)"
+            )
+        return self._journal(journal).write_alone(b"", dependency, registers)
 
     def write_after(self, journal: str, data: bytes, dependency: Awaitable[object]) -> PendingSpan:
         """Queue `data` as one record of `journal` that is appended only once `dependency`
@@ -281,7 +337,7 @@ class AppendService:
         after it waiting behind it: upstream's appends with dependencies. A consumer queues its
         transaction's ACK intents this way as it starts to commit, ahead of the next
         transaction's messages to the same journals."""
-        return self._journal(journal).write_after(data, dependency)
+        return self._journal(journal).write_alone(data, dependency)
 
     def write_nowait(self, journal: str, data: bytes) -> PendingSpan:
         """As `write`, without back-pressure (for callers that bound their own pending)."""
