@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -141,18 +142,23 @@ async def test_shards_run_with_a_standby_and_hand_off_on_exit(
             c for c in everyone if "summer-0" in c.replicas and c.replicas["summer-0"].slot == 0
         )
         survivor = next(c for c in everyone if c is not primary)
+        # Inputs published just before the hand-off: Stat through the new primary, with the
+        # offsets written, returns only once they are applied (read-your-writes across it).
+        more = await publish_inputs(journals, 80, seed=8)
+        head = await write_head(journals, INPUT)
         stopping = asyncio.get_running_loop().time()
         await primary.stop()
         assert primary.failure is None
         # Drained: its shard moved before it stopped, well within the drain timeout.
         assert asyncio.get_running_loop().time() - stopping < 10
-        more = await publish_inputs(journals, 80, seed=8)
-        head = await write_head(journals, INPUT)
         s, ch = shard_stub(survivor)
         async with asyncio.timeout(30):
             stat = await s.Stat(cpb.StatRequest(shard="summer-0", read_through={INPUT: head}))
         await ch.close()
-        assert stat.status == cpb.OK
+        assert stat.status == cpb.OK and stat.read_through[INPUT] >= head
+        assert stat.header.process_id.suffix != primary.config.id  # The new primary answered.
+        document = json.loads((tmp_path / "summer-0" / "state.json").read_text())
+        assert document["state"] == dict(expected + more)  # Every input once, none twice.
         await channel.close()
 
     store = JSONFileStore(tmp_path, "summer-0")
