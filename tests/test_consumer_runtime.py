@@ -166,3 +166,85 @@ async def test_shards_run_with_a_standby_and_hand_off_on_exit(
     total = dict(expected + more)
     assert store.state == total
     assert len(await committed_outputs(journals)) == 200
+
+
+class MixedStores(StoredSummer):
+    """A JSON-file store for most shards; for `sum-sql`, PostgreSQL at an address where
+    nothing listens (an unreachable store)."""
+
+    def __init__(self, root: Path, unreachable_dsn: str) -> None:
+        super().__init__(root)
+        self.unreachable_dsn = unreachable_dsn
+
+    async def new_store(self, shard: Shard) -> Any:
+        if shard.spec.id == "sum-sql":
+            from consumer.sqlstore import SQLStore
+
+            store = SQLStore(self.unreachable_dsn, shard.fqn)
+            await store.pool()  # Connects: fails here.
+            return store
+        return await super().new_store(shard)
+
+
+async def test_a_shard_whose_store_is_unreachable_fails_alone(
+    etcd_server: EtcdServer,
+    sums_broker: BrokerHarness,
+    sums_stub: pb_grpc.JournalStub,
+    tmp_path: Path,
+) -> None:
+    from broker.testing import free_port
+
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        id="consumer-0",
+        broker_address=sums_broker.endpoint,
+        etcd_address=etcd_server.endpoint,
+        etcd_prefix=root,
+        etcd_lease=5.0,
+    )
+    dsn = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    consumer = Consumer(config, MixedStores(tmp_path, dsn))
+    await consumer.start()
+    try:
+        shards, channel = shard_stub(consumer)
+        specs = [
+            cpb.ShardSpec(
+                id=shard_id,
+                sources=[cpb.ShardSpec.Source(journal=INPUT)],
+                max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+            )
+            for shard_id in ("sum-json", "sum-sql")
+        ]
+        await shards.Apply(
+            cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=s) for s in specs])
+        )
+
+        async def settled() -> bool:
+            listed = await shards.List(cpb.ListRequest())
+            codes = {s.spec.id: [st.code for st in s.status] for s in listed.shards}
+            return codes == {
+                "sum-json": [cpb.ReplicaStatus.PRIMARY],
+                "sum-sql": [cpb.ReplicaStatus.FAILED],
+            }
+
+        await until(settled)
+        listed = await shards.List(cpb.ListRequest())
+        failed = next(s for s in listed.shards if s.spec.id == "sum-sql")
+        error = failed.status[0].errors[0]
+        assert "\n" not in error and ("Connect" in error or "refused" in error), error
+
+        # The process goes on serving its other shard.
+        expected = await publish_inputs(sums_stub, 30, seed=3)
+        head = await write_head(sums_stub, INPUT)
+        async with asyncio.timeout(30):
+            stat = await shards.Stat(cpb.StatRequest(shard="sum-json", read_through={INPUT: head}))
+        assert stat.status == cpb.OK
+        document = json.loads((tmp_path / "sum-json" / "state.json").read_text())
+        assert document["state"] == dict(expected)
+        stopped = await shards.Stat(cpb.StatRequest(shard="sum-sql"))
+        assert stopped.status == cpb.SHARD_STOPPED
+        await channel.close()
+    finally:
+        await consumer.stop()
+        async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
+            await client.delete_prefix(root.encode())
