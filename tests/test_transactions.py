@@ -312,3 +312,67 @@ async def test_a_source_that_ends_with_an_aborted_transaction_is_read_through(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def test_a_shard_publishes_two_content_types_under_one_producer(
+    sums_broker: Any, sums_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """Each input's sum goes out as JSON (the shard's publisher) and as fixed-frame protobuf
+    (`publisher.sharing`) to a journal of that content type: one producer, one set of ACK
+    intents per transaction, and across a shard stopped anywhere, each output of both once."""
+    from google.protobuf import descriptor_pb2
+
+    from broker.message.framing import FixedProtobuf, ProtobufMessages
+    from broker.protocol import protocol_pb2 as pb
+    from tests.consumer_testing import spec as journal_spec
+    from tests.test_framing import _proto_class
+    from tests.test_persistence import routed
+
+    protos = "sums/protos"
+    async with sums_broker.client() as client:
+        proto_spec = journal_spec(protos)
+        del proto_spec.labels.labels[:]
+        proto_spec.labels.labels.add(name="content-type", value="application/x-protobuf-fixed")
+        await client.apply([pb.ApplyRequest.Change(upsert=proto_spec)])
+        await routed(client, protos, 1)
+    count = _proto_class(descriptor_pb2.FieldDescriptorProto.TYPE_BYTES)
+    to_protos = lambda _m: Partition(protos, "application/x-protobuf-fixed")  # noqa: E731
+
+    class TwoTypes(Summer):
+        async def consume_message(
+            self, shard: Shard, store: JSONFileStore, envelope: Envelope, publisher: Publisher[Any]
+        ) -> None:
+            await super().consume_message(shard, store, envelope, publisher)
+            key = envelope.message["key"]
+            counts = publisher.sharing(ProtobufMessages(count), FixedProtobuf())
+            await counts.publish_uncommitted(to_protos, count(ngram=key, count=store.state[key]))
+
+    expected = await publish_inputs(sums_stub, 200, seed=9)
+    head = await write_head(sums_stub, INPUT)
+    rng = random.Random(10)
+    for _ in range(4):
+        app = TwoTypes()
+        await run_until(
+            sums_stub, JSONFileStore(tmp_path, "summer-0"), app, stop_after=rng.randint(1, 60)
+        )  # type: ignore[arg-type]
+    await run_until(sums_stub, JSONFileStore(tmp_path, "summer-0"), TwoTypes(), through=head)  # type: ignore[arg-type]
+    outputs = await committed_outputs(sums_stub)
+    check_outputs(outputs, expected)
+
+    # Both journals' messages of each instance carry its one producer id.
+    json_producers = [
+        e.producer
+        async for e in read_committed(
+            sums_stub, OUTPUT, Reader(DictMessages(), JSONLines()), Sequencer()
+        )
+        if not e.is_ack
+    ]
+    proto_producers = []
+    as_protos = []
+    reader = Reader(ProtobufMessages(count), FixedProtobuf())
+    async for envelope in read_committed(sums_stub, protos, reader, Sequencer()):
+        if not envelope.is_ack:
+            proto_producers.append(envelope.producer)
+            as_protos.append((envelope.message.ngram, envelope.message.count))
+    assert as_protos == outputs  # The same outputs, in the same order, each once.
+    assert proto_producers == json_producers
