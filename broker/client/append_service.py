@@ -6,9 +6,10 @@ returns a `PendingSpan`, awaited for the record's own span once its batch commit
 journal has too much pending (back-pressure); transient failures are retried, so a record is
 appended at least once and, once acknowledged, exactly where its PendingSpan says.
 
-A write may carry `Registers` (check, union, subtract): it is then an append of its own, sent in
-order with the others; a REGISTER_MISMATCH fails it (AppendError), never retried, and what waits
-on it with `write_after` fails with DependencyFailed. `barrier` is a zero-byte append in that
+A write may carry `Registers` (check, union, subtract): it goes in order with the others, in a
+batch of writes with the same registers (upstream's appends with equal requests); a
+REGISTER_MISMATCH fails the batch (AppendError), never retried, and what waits on it with
+`write_after` fails with DependencyFailed. `barrier` is a zero-byte append in that
 order: it resolves once everything written to the journal before it has committed, and with
 `Registers(check=...)` it checks them (brokers change registers only with content, as upstream).
 """
@@ -137,12 +138,21 @@ class _Journal:
         self.wake = asyncio.Event()
         self.task = asyncio.ensure_future(self._serve())
 
-    def write(self, data: bytes) -> PendingSpan:
+    def write(self, data: bytes, registers: Registers | None = None) -> PendingSpan:
+        if registers is not self.open.registers and (
+            registers != self.open.registers or self.open.dependency is not None
+        ):
+            # Another batch: these registers apply to the whole of it.
+            if self.open.count:
+                self.closed.append(self.open)
+            else:
+                self.open.file.close()
+            self.open = _Batch(registers=registers)
         pending = self.open.add(self.name, data)
         self.pending += len(data)
         if self.open.size >= self.service.max_batch:
             self.closed.append(self.open)
-            self.open = _Batch()
+            self.open = _Batch(registers=registers)
         if self.pending >= self.service.max_pending:
             self.room.clear()
         self.wake.set()
@@ -303,14 +313,13 @@ class AppendService:
         self, journal: str, data: bytes, registers: Registers | None = None
     ) -> PendingSpan:
         """Queue `data` as one record of `journal`, waiting while too much is pending; the
-        future resolves with where the record was committed. With `registers`, it is an
-        append of its own that checks and changes them (REGISTER_MISMATCH: AppendError)."""
+        future resolves with where the record was committed. With `registers`, it goes in a
+        batch of writes with the same registers, which checks and changes them
+        (REGISTER_MISMATCH: AppendError)."""
         j = self._journal(journal)
         if not j.room.is_set():
             await j.room.wait()
-        if registers is not None:
-            return j.write_alone(data, registers=registers)
-        return j.write(data)
+        return j.write(data, registers)
 
     def barrier(
         self,
