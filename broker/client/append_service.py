@@ -348,9 +348,11 @@ class AppendService:
         transaction's messages to the same journals."""
         return self._journal(journal).write_alone(data, dependency)
 
-    def write_nowait(self, journal: str, data: bytes) -> PendingSpan:
+    def write_nowait(
+        self, journal: str, data: bytes, registers: Registers | None = None
+    ) -> PendingSpan:
         """As `write`, without back-pressure (for callers that bound their own pending)."""
-        return self._journal(journal).write(data)
+        return self._journal(journal).write(data, registers)
 
     async def append(self, journal: str, data: bytes) -> Span:
         """Queue and wait for the commit."""

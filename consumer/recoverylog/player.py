@@ -1,0 +1,386 @@
+"""The player (upstream's `recoverylog.Player`): a recovery log played into a local directory.
+
+`play(hints, directory, ...)` empties the directory, learns each hinted log's write head with a
+barrier, and reads the log segment by segment as the hints direct (skipping what they say is
+dead), applying each operation the FSM takes: files are staged under `.fnodes/` by fnode, written
+as the log says, and removed when their last link goes. Operations the FSM does not take (another
+author's branch, out of sequence, of files the hints know to be dead) are skipped, their write
+payloads read past. Once the hints are used up it reads on to the write head, and then tails the
+log (`tailing` is set): a hot standby. Playback ends on request:
+
+* `finish_at_write_head()`: at the write head, the files are made live (linked at their paths)
+  and `play` returns the FSM (`gazctl shards recover`, a backup);
+* `inject_handoff(author)`: at the write head, a no-op of `author`, sequenced after the last
+  applied operation, is appended with `union_registers` of the author (fencing out the previous
+  recorder, whose appends check its own); the player reads until it sees it. Applied, the log is
+  ours: the files are made live. Not applied (the old recorder appended first), it reads on and
+  injects again.
+
+Any inconsistency it cannot skip (a corrupt frame, a hinted segment that is not there, an offset
+jump over a hinted segment) raises PlaybackError, and the directory is removed: nothing half
+played is left to be mistaken for a store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import IO
+
+from google.protobuf.message import DecodeError
+
+from broker.client.append_service import AppendService, Registers
+from broker.client.reader import Chunk, read_retrying
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.protocol import recorded_op_pb2 as rpb
+from consumer.recoverylog.fsm import (
+    FSM,
+    HEADER,
+    Applied,
+    FSMError,
+    author_fence,
+    decode_header,
+    encode_frame,
+)
+
+__all__ = ["FNODE_STAGING", "PlaybackError", "Player"]
+
+log = logging.getLogger(__name__)
+
+FNODE_STAGING = ".fnodes"
+
+
+class PlaybackError(Exception):
+    """The log cannot be played as its hints say (the directory was removed)."""
+
+
+class _State(enum.Enum):
+    BACKFILL = "backfill"
+    TAIL = "tail"
+    EXIT_AT_HEAD = "exit at head"
+    INJECT_AT_HEAD = "inject hand-off at head"
+    READ_HANDOFF = "read hand-off"
+
+
+class _LogReader:
+    """Bytes of a log from an offset, buffered, read blocking or not; cancellation of a read
+    loses nothing already buffered (the next read resumes after it)."""
+
+    def __init__(self, stubs: Callable[[], pb_grpc.JournalStub]) -> None:
+        self.stubs = stubs
+        self.log = ""
+        self.offset = 0  # Of the first buffered byte: the next to consume.
+        self.buffer = bytearray()
+        self.jumped_to: int | None = None
+        self._chunks: AsyncIterator[Chunk] | None = None
+        self._block = True
+
+    def seek(self, log_name: str, offset: int) -> None:
+        if log_name == self.log and self.offset <= offset <= self.offset + len(self.buffer):
+            del self.buffer[: offset - self.offset]
+        else:
+            self._drop_reads()
+            self.buffer.clear()
+        self.log, self.offset = log_name, offset
+
+    def _drop_reads(self) -> None:
+        chunks, self._chunks = self._chunks, None
+        if chunks is not None:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                asyncio.ensure_future(aclose()).add_done_callback(_retrieve)
+
+    async def fill(self, size: int, block: bool) -> bool:
+        """Buffer at least `size` bytes; False if a non-blocking read reached the write head
+        first. An offset jump (a hole in the journal) is taken only with nothing buffered, and
+        noted in `jumped_to` for the caller to judge."""
+        while len(self.buffer) < size:
+            if self._chunks is None or self._block != block:
+                self._drop_reads()
+                end = self.offset + len(self.buffer)
+                self._chunks = read_retrying(self.stubs, self.log, end, block=block).__aiter__()
+                self._block = block
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                self._chunks = None
+                return False
+            except BaseException:
+                self._chunks = None  # Cancelled, or failed: the next fill reads afresh.
+                raise
+            end = self.offset + len(self.buffer)
+            if chunk.offset > end:
+                if self.buffer:
+                    raise PlaybackError(
+                        f"{self.log}: content jumps from {end} to {chunk.offset} inside a frame"
+                    )
+                self.jumped_to, self.offset = chunk.offset, chunk.offset
+                end = chunk.offset
+            skip = end - chunk.offset
+            if skip < len(chunk.content):
+                self.buffer += chunk.content[skip:] if skip > 0 else chunk.content
+        return True
+
+    def take(self, size: int) -> bytes:
+        out = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        self.offset += size
+        return out
+
+    def close(self) -> None:
+        self._drop_reads()
+
+
+def _retrieve(future: asyncio.Future[object]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class Player:
+    """Plays a recovery log into a directory (see the module's doc); `tailing` is set once it
+    reached the write head; `fsm` is the recovered state once `play` returned."""
+
+    def __init__(self) -> None:
+        self.tailing = asyncio.Event()
+        self._requested = asyncio.Event()
+        self._handoff: int | None = None
+        self.fsm: FSM | None = None
+
+    def finish_at_write_head(self) -> None:
+        self._request(0)
+
+    def inject_handoff(self, author: int) -> None:
+        if author == 0:
+            raise ValueError("a hand-off needs a non-zero author")
+        self._request(author)
+
+    def _request(self, author: int) -> None:
+        if self._handoff is not None:
+            raise RuntimeError("playback's end was requested already")
+        self._handoff = author
+        self._requested.set()
+
+    async def play(
+        self,
+        hints: rpb.FSMHints,
+        directory: str | Path,
+        stubs: Callable[[], pb_grpc.JournalStub],
+        service: AppendService,
+    ) -> FSM:
+        directory = Path(directory)
+        files: dict[int, IO[bytes]] = {}
+        try:
+            fsm = await self._play(hints, directory, stubs, service, files)
+        except BaseException:
+            for f in files.values():
+                f.close()
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.fsm = fsm
+        return fsm
+
+    async def _play(
+        self,
+        hints: rpb.FSMHints,
+        directory: Path,
+        stubs: Callable[[], pb_grpc.JournalStub],
+        service: AppendService,
+        files: dict[int, IO[bytes]],
+    ) -> FSM:
+        try:
+            fsm = FSM(hints)
+        except ValueError as exc:
+            raise PlaybackError(f"hints of {hints.log}: {exc}") from None
+        shutil.rmtree(directory, ignore_errors=True)
+        (directory / FNODE_STAGING).mkdir(parents=True)
+
+        # The write heads of every log the hints name: reading past them is tailing.
+        heads: dict[str, int] = {}
+        for name in [hints.log, *(s.log for s in fsm.hinted_segments)]:
+            if name not in heads:
+                heads[name] = (await service.barrier(name)).end
+        for s in fsm.hinted_segments:
+            if s.first_offset >= heads[s.log] or s.last_offset > heads[s.log]:
+                raise PlaybackError(
+                    f"{s.log} ends at {heads[s.log]}, before the hinted segment of seq_no "
+                    f"{s.first_seq_no}-{s.last_seq_no} at {s.first_offset}-{s.last_offset}: "
+                    "possible data loss"
+                )
+
+        reader = _LogReader(stubs)
+        state = _State.BACKFILL
+        read_through = 0
+        handoff = 0
+        try:
+            while True:
+                if fsm.hinted_segments:
+                    segment = fsm.hinted_segments[0]
+                    if reader.log != segment.log or reader.offset < segment.first_offset:
+                        reader.seek(segment.log, segment.first_offset)
+                        read_through = heads[segment.log]
+                    elif reader.offset >= read_through:
+                        raise PlaybackError(
+                            f"{reader.log} read through its head {read_through} with hints "
+                            f"unused (next: seq_no {segment.first_seq_no}): possible data loss"
+                        )
+                elif not reader.log:
+                    reader.seek(hints.log, 0)
+                    read_through = heads[hints.log]
+                elif reader.log != hints.log:
+                    raise PlaybackError(f"read {reader.log} after the hints, not {hints.log}")
+
+                if self._requested.is_set() and state in (_State.BACKFILL, _State.TAIL):
+                    handoff = self._handoff or 0
+                    state = _State.INJECT_AT_HEAD if handoff else _State.EXIT_AT_HEAD
+
+                block = state in (_State.TAIL, _State.READ_HANDOFF) or reader.offset < read_through
+                if state == _State.TAIL:
+                    ready = await self._fill_or_request(reader)
+                    if ready is None:
+                        continue  # Asked to end: decide how, above.
+                else:
+                    ready = await reader.fill(HEADER, block)
+                if reader.jumped_to is not None:
+                    self._check_jump(reader, fsm)
+                if not ready:  # A non-blocking read reached the write head.
+                    self.tailing.set()
+                    if state == _State.BACKFILL:
+                        state = _State.TAIL
+                    elif state == _State.EXIT_AT_HEAD:
+                        _make_live(directory, fsm, files)
+                        return fsm
+                    elif state == _State.INJECT_AT_HEAD:
+                        noop = rpb.RecordedOp(
+                            seq_no=fsm.next_seq_no, checksum=fsm.next_checksum, author=handoff
+                        )
+                        span = await service.write(
+                            hints.log, encode_frame(noop), Registers(union=author_fence(handoff))
+                        )
+                        read_through = (await span).end
+                        state = _State.READ_HANDOFF
+                    continue
+
+                op, applied = await _play_operation(reader, fsm, directory, files)
+                if handoff and op.author == handoff:
+                    if applied:
+                        _make_live(directory, fsm, files)
+                        return fsm
+                    state = _State.INJECT_AT_HEAD  # Lost a race: inject again.
+        finally:
+            reader.close()
+
+    async def _fill_or_request(self, reader: _LogReader) -> bool | None:
+        """While tailing: the next frame's header buffered (True), or None if playback's end was
+        requested first (a partly buffered frame stays buffered)."""
+        filling = asyncio.ensure_future(reader.fill(HEADER, True))
+        requested = asyncio.ensure_future(self._requested.wait())
+        try:
+            await asyncio.wait({filling, requested}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            requested.cancel()
+            if not filling.done():
+                filling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await filling
+        if filling.cancelled():
+            return None
+        return filling.result()
+
+    @staticmethod
+    def _check_jump(reader: _LogReader, fsm: FSM) -> None:
+        to, reader.jumped_to = reader.jumped_to, None
+        assert to is not None
+        if fsm.hinted_segments:
+            s = fsm.hinted_segments[0]
+            if s.last_offset != 0 and s.last_offset < to:
+                raise PlaybackError(
+                    f"{reader.log}: content jumps to {to}, over the hinted segment at "
+                    f"{s.first_offset}-{s.last_offset}: possible data loss"
+                )
+        log.warning("recovery log %s: content jumps to offset %d", reader.log, to)
+
+
+async def _play_operation(
+    reader: _LogReader, fsm: FSM, directory: Path, files: dict[int, IO[bytes]]
+) -> tuple[rpb.RecordedOp, bool]:
+    """Decode the next operation, apply it to the FSM and, if applied, to the files."""
+    first = reader.offset
+    try:
+        length = decode_header(bytes(reader.buffer[:HEADER]))
+    except ValueError as exc:
+        raise PlaybackError(f"{reader.log}@{first}: {exc}") from None
+    if not await reader.fill(HEADER + length, True):
+        raise PlaybackError(f"{reader.log}@{first}: a frame ends past the write head")
+    frame = reader.take(HEADER + length)
+    body = frame[HEADER:]
+    try:
+        op = rpb.RecordedOp.FromString(body)
+    except DecodeError as exc:
+        raise PlaybackError(f"{reader.log}@{first}: not a RecordedOp ({exc})") from None
+    payload = op.write.length if op.HasField("write") else 0
+    if payload < 0:
+        raise PlaybackError(f"{reader.log}@{first}: a write of {payload} bytes")
+    op.first_offset, op.last_offset, op.log = first, first + HEADER + length + payload, reader.log
+
+    try:
+        outcome: Applied | None = fsm.apply(op, body)
+    except FSMError as exc:
+        outcome = None
+        log.debug("recovery log %s@%d: skipped op %d: %s", reader.log, first, op.seq_no, exc)
+    if payload and not await reader.fill(payload, True):
+        raise PlaybackError(f"{reader.log}@{first}: a write's data ends past the write head")
+    data = reader.take(payload) if payload else b""
+    if outcome is Applied.APPLIED:
+        _reenact(op, data, fsm, directory, files)
+    return op, outcome is not None
+
+
+def _staged(directory: Path, fnode: int) -> Path:
+    return directory / FNODE_STAGING / str(fnode)
+
+
+def _reenact(
+    op: rpb.RecordedOp, data: bytes, fsm: FSM, directory: Path, files: dict[int, IO[bytes]]
+) -> None:
+    if op.HasField("create"):
+        files[op.seq_no] = open(_staged(directory, op.seq_no), "xb")  # noqa: SIM115 (closed at make-live or unlink)
+    elif op.HasField("unlink"):
+        if op.unlink.fnode not in fsm.live_nodes:
+            files.pop(op.unlink.fnode).close()
+            os.unlink(_staged(directory, op.unlink.fnode))
+    elif op.HasField("write"):
+        f = files[op.write.fnode]
+        f.seek(op.write.offset)
+        f.write(data)
+
+
+def _make_live(directory: Path, fsm: FSM, files: dict[int, IO[bytes]]) -> None:
+    """Link each staged file at its paths, write the properties, remove the staging."""
+    if fsm.has_remaining_hints():
+        raise PlaybackError("playback ended with hints unused")
+    for fnode, node in fsm.live_nodes.items():
+        f = files.pop(fnode)
+        f.close()
+        for path in node.links:
+            target = directory / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(_staged(directory, fnode), target)
+        os.unlink(_staged(directory, fnode))
+    if files:
+        raise PlaybackError(f"staged files the FSM does not know: {sorted(files)}")
+    (directory / FNODE_STAGING).rmdir()
+    for path, content in fsm.properties.items():
+        target = directory / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "x") as out:
+            out.write(content)
+    log.info(
+        "played %s into %s: %d files, next seq_no %d",
+        fsm.last_log, directory, len(fsm.live_nodes), fsm.next_seq_no,
+    )  # fmt: skip

@@ -1,0 +1,171 @@
+"""The recorder (upstream's `recoverylog.Recorder`): file operations, as they happen in a local
+directory, appended to a recovery log in sequence.
+
+`start()` learns the log's write head with a barrier (a zero-byte append): it lower-bounds the
+offsets of every operation recorded afterwards, which the hints carry so a player can skip what
+precedes them. Recording into a log other than the one the FSM was recovered from first appends
+a no-op that takes the log (`union_registers` of this author); from then on every append checks
+that register (`check_registers`), so once another author took the log (a hand-off), this
+recorder's appends fail with REGISTER_MISMATCH and it records nothing more: it is fenced.
+
+Operations are queued in order on the AppendService as they are recorded (the call does not
+wait); `barrier()` resolves once everything recorded before it is durable, and `build_hints()`
+returns hints only once every operation they name is."""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from pathlib import PurePosixPath
+
+from broker.client.append_service import AppendService, PendingSpan, Registers
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import recorded_op_pb2 as rpb
+from consumer.recoverylog.fsm import FSM, HEADER, author_fence, encode_frame
+
+__all__ = ["Fenced", "Recorder"]
+
+
+class Fenced(Exception):
+    """The recorder's appends were refused: another author took the log, or an append failed
+    (its operations are not in the log, so nothing may be recorded after them)."""
+
+
+class Recorder:
+    def __init__(
+        self, log: str, fsm: FSM, author: int, directory: str, service: AppendService
+    ) -> None:
+        root = PurePosixPath(directory)
+        if not root.is_absolute() or posixpath.normpath(directory) != directory:
+            raise ValueError(f"recorder directory {directory!r} is not an absolute, clean path")
+        self.log, self.fsm, self.author, self.directory = log, fsm, author, directory
+        self.service = service
+        self.write_head = 0
+        self.failure: BaseException | None = None
+        self._registers: Registers | None = None
+        self._last: PendingSpan | None = None
+
+    async def start(self) -> None:
+        """Learn the write head; take the log if it is not the one recovered from; from then on
+        check this author's register with every append."""
+        self.write_head = (await self.service.barrier(self.log)).end
+        if self.log != self.fsm.last_log:
+            span = self._append(rpb.RecordedOp(), b"", Registers(union=author_fence(self.author)))
+            await self._settled(span)
+        self._registers = Registers(check=pb.LabelSelector(include=author_fence(self.author)))
+
+    # ---- recording ---------------------------------------------------------------------------
+
+    def _path(self, path: str) -> str:
+        relative = posixpath.relpath(path, self.directory)
+        if relative == "." or relative.startswith("../") or relative == "..":
+            raise ValueError(f"{path} is not under the recorder's directory {self.directory}")
+        return "/" + relative
+
+    def record_create(self, path: str) -> int:
+        """A file created or truncated at `path` (a truncated one is a new fnode); its fnode."""
+        path = self._path(path)
+        existing = self.fsm.links.get(path)
+        if existing is not None:
+            self._record(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=existing, path=path)))
+        self._record(rpb.RecordedOp(create=rpb.RecordedOp.Create(path=path)))
+        return self.fsm.links[path]
+
+    def record_open(self, path: str) -> int:
+        """The fnode of an existing file, or of a new one created at `path`."""
+        existing = self.fsm.links.get(self._path(path))
+        return existing if existing is not None else self.record_create(path)
+
+    def record_write(self, fnode: int, data: bytes, offset: int) -> PendingSpan:
+        """`data` written at `offset` of the file `fnode`."""
+        op = rpb.RecordedOp(
+            write=rpb.RecordedOp.Write(fnode=fnode, offset=offset, length=len(data))
+        )
+        return self._record(op, data)
+
+    def record_remove(self, path: str) -> None:
+        path = self._path(path)
+        fnode = self.fsm.links.get(path)
+        if fnode is None:
+            raise KeyError(f"remove of {path}, which the recorder does not know")
+        self._record(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=path)))
+
+    def record_link(self, source: str, target: str) -> None:
+        source, target = self._path(source), self._path(target)
+        fnode = self.fsm.links.get(source)
+        if fnode is None:
+            raise KeyError(f"link of {source}, which the recorder does not know")
+        self._record(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=fnode, path=target)))
+
+    def record_rename(self, source: str, target: str) -> None:
+        """A rename, as upstream records it: the target's old file unlinked, the file linked at
+        the target, then unlinked at the source."""
+        source, target = self._path(source), self._path(target)
+        fnode = self.fsm.links.get(source)
+        if fnode is None:
+            raise KeyError(f"rename of {source}, which the recorder does not know")
+        previous = self.fsm.links.get(target)
+        if previous is not None:
+            self._record(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=previous, path=target)))
+        self._record(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=fnode, path=target)))
+        self._record(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=source)))
+
+    def _record(self, op: rpb.RecordedOp, data: bytes = b"") -> PendingSpan:
+        if self._registers is None:
+            raise RuntimeError("record before start(): the recorder does not know the log yet")
+        return self._append(op, data, self._registers)
+
+    def _append(self, op: rpb.RecordedOp, data: bytes, registers: Registers) -> PendingSpan:
+        if self.failure is not None:
+            raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
+        op.author, op.seq_no, op.checksum = (
+            self.author,
+            self.fsm.next_seq_no,
+            self.fsm.next_checksum,
+        )
+        frame = encode_frame(op)
+        span = self.service.write_nowait(self.log, frame + data if data else frame, registers)
+        # Meta-fields, for the hints only: the write head lower-bounds where the op landed;
+        # its end is unknown (0: unbounded).
+        op.first_offset, op.last_offset, op.log = self.write_head, 0, self.log
+        self.fsm.apply(op, frame[HEADER:])
+        if self._last is None or span.batch is not self._last.batch:
+            span.batch.add_done_callback(self._landed)
+        self._last = span
+        return span
+
+    def _landed(self, batch: asyncio.Future[int]) -> None:
+        if batch.cancelled():
+            self.failure = self.failure or asyncio.CancelledError("an append was cancelled")
+        elif batch.exception() is not None:
+            self.failure = self.failure or batch.exception()
+        else:
+            # Its commit began here: a tighter lower bound for what is recorded next.
+            self.write_head = max(self.write_head, batch.result())
+
+    # ---- barriers and hints -------------------------------------------------------------------
+
+    def barrier(self) -> PendingSpan:
+        """A zero-byte append after everything recorded so far (checking the author's register):
+        it resolves once all of it is durable, or raises if any of it failed."""
+        return self.service.barrier(self.log, registers=self._registers)
+
+    async def _settled(self, span: PendingSpan) -> None:
+        try:
+            await span
+        except Exception as exc:
+            self.failure = self.failure or exc
+            raise Fenced(f"recording into {self.log} stopped: {exc}") from exc
+        if self.failure is not None:
+            raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
+
+    async def sync(self) -> None:
+        """Wait until everything recorded so far is durable; Fenced if it cannot be."""
+        await self._settled(self.barrier())
+
+    async def build_hints(self) -> rpb.FSMHints:
+        """Hints for a player to rebuild what was recorded so far, returned once all of it is
+        durable (hints must never name operations the log does not hold)."""
+        hints = self.fsm.build_hints(self.log)
+        await self.sync()
+        return hints
