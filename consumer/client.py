@@ -88,6 +88,18 @@ class ShardsClient:
             raise
         return response
 
+    async def get_hints(self, shard: str) -> cpb.GetHintsResponse:
+        """The shard's primary and backup hints, as stored in etcd."""
+        try:
+            response: cpb.GetHintsResponse = await self.stub.GetHints(
+                cpb.GetHintsRequest(shard=shard), timeout=self.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _TRANSIENT:
+                raise self._unavailable(exc) from None
+            raise
+        return response
+
     async def unassign(
         self, shards: Sequence[str], *, only_failed: bool = False, dry_run: bool = False
     ) -> cpb.UnassignResponse:

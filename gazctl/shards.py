@@ -432,3 +432,59 @@ def prune_cmd(selector: str, dry_run: bool, **opts: Any) -> None:
         "shards prune removes recovery-log fragments, and gazette-py does not record recovery "
         "logs yet (they come with the recovery-log issue): nothing to prune"
     )
+
+
+# ---- recover ----------------------------------------------------------------------------------
+
+
+async def _recover(opts: dict[str, Any], shard_id: str, directory: str) -> str:
+    from broker.client.append_service import AppendService
+    from broker.client.routes import Router
+    from consumer.recoverylog.hints import pick_first_hints
+    from consumer.recoverylog.player import PlaybackError, Player
+
+    async with shards_client(opts) as client:
+        listed = await client.list(
+            pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="id", value=shard_id)]))
+        )
+        if len(listed.shards) != 1:
+            raise click.ClickException(f"no shard exists with id {shard_id}")
+        spec = listed.shards[0].spec
+        log = recovery_log(spec)
+        if not log:
+            raise click.ClickException(
+                f"shard {shard_id} has no recovery log (its spec sets no recovery_log_prefix)"
+            )
+        hints = pick_first_hints(await client.get_hints(shard_id), log)
+    router = Router(opts["broker_address"])
+    try:
+        async with AppendService(router) as service:
+            player = Player()
+            player.finish_at_write_head()
+            try:
+                fsm = await player.play(hints, directory, lambda: router.stub_for(""), service)
+            except PlaybackError as exc:
+                raise click.ClickException(f"cannot recover shard {shard_id}: {exc}") from None
+    finally:
+        await router.close()
+    return (
+        f"recovered shard {shard_id} from {log} into {directory}: {len(fsm.live_nodes)} file(s), "
+        f"through seq_no {fsm.next_seq_no - 1}"
+    )
+
+
+@shards.command("recover")
+@consumer_options
+@click.option("--id", "shard_id", required=True, help="Shard ID")
+@click.option(
+    "-d", "--dir", "directory", required=True, type=click.Path(file_okay=False),
+    help="Directory to write the played recovery log into (emptied first)",
+)  # fmt: skip
+def recover_cmd(shard_id: str, directory: str, **opts: Any) -> None:
+    """Recover the latest checkpoint of a shard by playing its recovery log.
+
+    The log is played from the shard's hints (the primary's, else the first backup's, else from
+    its start) up to its write head, into the directory: for inspection, or a backup."""
+    from gazctl.cli import run
+
+    click.echo(run(_recover(opts, shard_id, directory)), err=True)

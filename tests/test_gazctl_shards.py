@@ -19,9 +19,11 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
 from consumer.runtime import Consumer, ConsumerConfig
+from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.conftest import Result, run_cli
 from tests.consumer_testing import INPUT, spec
 from tests.test_consumer_runtime import StoredSummer
+from tests.test_persistence import routed
 from tests.test_transactions import publish_inputs, write_head
 
 SHARDSPACE = """\
@@ -259,3 +261,61 @@ async def test_edit_applies_and_reopens_on_error(
     assert "no shards match" in one_line_error(nothing)
     prune = await gazctl(consumer, broker, "prune", "-l", "id=sum-b")
     assert "recovery logs" in one_line_error(prune)
+
+
+async def test_recover_plays_a_shards_log_into_a_directory(
+    consumer: Consumer, sums_broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """`shards recover` plays the shard's recovery log from its hints (the primary's, else a
+    backup's, else the log's start) to the write head; a shard without a log, or unknown, is
+    one line."""
+    from broker.client.append_service import AppendService
+    from broker.client.journals import dial
+    from broker.protocol import protocol_pb2_grpc as pb_grpc
+    from broker.protocol import recorded_op_pb2 as rpb
+    from consumer.recoverylog.fsm import FSM, new_author
+    from consumer.recoverylog.recorder import Recorder
+
+    broker = sums_broker
+    log = "recovery/logs/sum-r"
+    async with broker.client() as client:
+        log_spec = spec(log)
+        log_spec.labels.Clear()
+        log_spec.labels.labels.add(name="content-type", value=RECOVERY_LOG_CONTENT_TYPE)
+        await client.apply([pb.ApplyRequest.Change(upsert=log_spec)])
+        await routed(client, log, 1)
+    shardspace = (
+        "shards:\n- id: sum-r\n  sources:\n  - journal: sums/input\n"
+        "  recovery_log_prefix: recovery/logs\n  hint_prefix: /hints\n  hint_backups: 1\n"
+        "  max_txn_duration: 1s\n"
+    )
+    assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
+
+    source = tmp_path / "recorded"
+    source.mkdir()
+    channel = dial(broker.endpoint)
+    stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(source), service)
+        await recorder.start()
+        fnode = recorder.record_create(str(source / "data.db"))
+        recorder.record_write(fnode, b"checkpointed state", 0)
+        dead = recorder.record_create(str(source / "scratch"))
+        recorder.record_write(dead, b"x" * 1000, 0)
+        recorder.record_remove(str(source / "scratch"))
+        await recorder.sync()
+    await channel.close()
+
+    # Without hints: the log from its start.
+    out = await gazctl(consumer, broker, "recover", "--id", "sum-r", "--dir", str(tmp_path / "a"))
+    assert out.code == 0, out.err
+    assert "recovered shard sum-r from recovery/logs/sum-r" in out.err and "1 file(s)" in out.err
+    assert (tmp_path / "a" / "data.db").read_bytes() == b"checkpointed state"
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["data.db"]
+
+    bad = await gazctl(consumer, broker, "recover", "--id", "nope", "--dir", str(tmp_path / "b"))
+    assert "no shard exists with id nope" in one_line_error(bad)
+    assert (await gazctl(consumer, broker, "apply", input=one_shard("sums/input"))).code == 0
+    bad = await gazctl(consumer, broker, "recover", "--id", "sum-a", "--dir", str(tmp_path / "b"))
+    assert "shard sum-a has no recovery log" in one_line_error(bad)
+    assert not (tmp_path / "b").exists()

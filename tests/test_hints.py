@@ -92,3 +92,21 @@ def test_hints_follow_upstreams_rules() -> None:
     with pytest.raises(ValidationError) as caught:
         validate_hints(nameless)
     assert caught.value.field == "hints.live_nodes[0].segments[0].log"
+
+
+def test_recovery_picks_the_primary_hints_then_the_first_backup_then_none() -> None:
+    from consumer.protocol import cpb
+    from consumer.recoverylog.hints import pick_first_hints
+
+    log = "recovery/logs/a"
+    primary = rpb.FSMHints(log=log)
+    primary.live_nodes.add(fnode=1).segments.add(author=1, first_seq_no=1, last_seq_no=2)
+    backup = rpb.FSMHints(log=log)
+    response = cpb.GetHintsResponse()
+    assert pick_first_hints(response, log) == rpb.FSMHints(log=log)
+    response.backup_hints.add()  # Unset.
+    response.backup_hints.add(hints=backup)
+    assert pick_first_hints(response, log) is not None
+    assert pick_first_hints(response, log) == backup
+    response.primary_hints.hints.CopyFrom(primary)
+    assert pick_first_hints(response, log) == primary

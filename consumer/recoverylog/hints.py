@@ -12,7 +12,7 @@ from typing import Any
 from broker.protocol import recorded_op_pb2 as rpb
 from broker.protocol.validate import ValidationError, at_field, validate_journal_name
 
-__all__ = ["decode_hints", "encode_hints", "validate_hints"]
+__all__ = ["decode_hints", "encode_hints", "pick_first_hints", "validate_hints"]
 
 _SEGMENT_FIELDS = (
     "author",
@@ -150,3 +150,16 @@ def _segment_problem(s: rpb.Segment) -> str:
     if s.last_offset != 0 and s.last_offset <= s.first_offset:
         return f"last_offset {s.last_offset} is not past first_offset {s.first_offset}"
     return ""
+
+
+def pick_first_hints(response: Any, log: str) -> rpb.FSMHints:
+    """The hints to recover from, of a GetHintsResponse: the primary's if set, else the first
+    backup set, else none (the log is played from its start), as upstream picks them."""
+    if response.primary_hints.HasField("hints"):
+        hints: rpb.FSMHints = response.primary_hints.hints
+        return hints
+    for backup in response.backup_hints:
+        if backup.HasField("hints"):
+            found: rpb.FSMHints = backup.hints
+            return found
+    return rpb.FSMHints(log=log)
