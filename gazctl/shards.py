@@ -1,10 +1,12 @@
-"""`gazctl shards ...`: manage shard specs (apply, list) through a consumer's Shard service."""
+"""`gazctl shards ...`: manage shards (apply, list, edit, unassign) through a consumer's Shard
+service, and their recovery logs (recover, prune)."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -21,7 +23,7 @@ from broker.protocol.validate import ValidationError
 from consumer.client import ShardsClient
 from consumer.protocol import cpb, recovery_log, reduce_status, validate_shard_spec
 from gazctl import render
-from gazctl.journals import max_txn_size_option, parse_selector, read_specs
+from gazctl.journals import file_root_option, max_txn_size_option, parse_selector, read_specs
 from spec import SpecError
 from spec import shards as sspec
 
@@ -420,18 +422,79 @@ def edit_cmd(selector: str, max_txn_size: int, **opts: Any) -> None:
 # ---- prune ----------------------------------------------------------------------------------
 
 
+async def _prune_plan(
+    opts: dict[str, Any], selector: pb.LabelSelector
+) -> tuple[list[pb.Fragment], dict[str, str], int]:
+    """The fragments to remove, the logs skipped (with why), and the fragments examined."""
+    from consumer.recoverylog.prune import LogSegments, PruneRefused, prunable
+    from gazctl.fragments import list_fragments
+
+    hinted = LogSegments()
+    async with shards_client(opts) as client:
+        for shard in (await client.list(selector)).shards:
+            log = recovery_log(shard.spec)
+            if not log:
+                continue
+            response = await client.get_hints(shard.spec.id)
+            sets = [response.primary_hints, *response.backup_hints]
+            hinted.add_hints(
+                log, [h.hints if h.HasField("hints") else None for h in sets], shard.spec.id
+            )
+    doomed: list[pb.Fragment] = []
+    examined = 0
+    async with JournalsClient(opts["broker_address"]) as journals:
+        for log, segments in sorted(hinted.segments.items()):
+            if log in hinted.skipped:
+                continue
+            listed = [f.spec for f in await list_fragments(journals.stub, log)]
+            examined += len(listed)
+            try:
+                doomed.extend(prunable(listed, segments))
+            except PruneRefused as exc:
+                raise click.ClickException(f"{exc} (nothing was removed)") from None
+    return doomed, hinted.skipped, examined
+
+
 @shards.command("prune")
 @consumer_options
 @click.option(
     "-l", "--selector", required=True, help="Label selector of shards whose recovery logs to prune"
 )
 @click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing")
-def prune_cmd(selector: str, dry_run: bool, **opts: Any) -> None:
-    """Remove recovery-log fragments no shard's hints still need (not built yet)."""
-    raise click.ClickException(
-        "shards prune removes recovery-log fragments, and gazette-py does not record recovery "
-        "logs yet (they come with the recovery-log issue): nothing to prune"
-    )
+@file_root_option("Directory that roots file:// fragment stores (as brokers' --broker.file-root)")
+def prune_cmd(selector: str, dry_run: bool, file_root: Path | None, **opts: Any) -> None:
+    """Remove recovery-log fragments that no shard's hints still need.
+
+    For every selected shard with a recovery log, its hints (the primary's and every backup)
+    name the segments of the log that hold live files; fragments that hold none of them are
+    deleted from their stores, with gazctl's own credentials. The open end of each log (from
+    the last hinted segment on) is never removed. A log is skipped if any shard using it has
+    not written all its hints, or has hints without files.
+
+    CAUTION: select every shard that uses a log (a forked log is shared): hints of shards
+    left out are not consulted. An unpersisted fragment that no hints need stops the prune
+    before anything is removed, since it shows a shard was left out.
+    """
+    from gazctl.cli import run
+    from gazctl.fragments import _remove_all, _stores_of
+
+    doomed, skipped, examined = run(_prune_plan(opts, parse_selector(selector)))
+    for log, why in sorted(skipped.items()):
+        click.echo(f"skipping {log}: {why}", err=True)
+    for fragment in doomed:
+        click.echo(
+            f"{fragment.journal}\t{fragment.begin}\t{fragment.end}\t{fragment.backing_store}"
+        )
+    size = sum(f.end - f.begin for f in doomed)
+    if dry_run:
+        click.echo(
+            f"dry run: would remove {len(doomed)} of {examined} fragment(s), {size} bytes",
+            err=True,
+        )
+        return
+    if doomed:
+        _remove_all(doomed, _stores_of(doomed, file_root))
+    click.echo(f"removed {len(doomed)} of {examined} fragment(s), {size} bytes", err=True)
 
 
 # ---- recover ----------------------------------------------------------------------------------
