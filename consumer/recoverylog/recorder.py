@@ -10,7 +10,12 @@ recorder's appends fail with REGISTER_MISMATCH and it records nothing more: it i
 
 Operations are queued in order on the AppendService as they are recorded (the call does not
 wait); `barrier()` resolves once everything recorded before it is durable, and `build_hints()`
-returns hints only once every operation they name is."""
+returns hints only once every operation they name is.
+
+A recorder is used from one thread: the event loop's, or another (a store's database thread, whose
+file callbacks record as they happen). Off the loop, appends are handed to the loop in order
+(`call_soon_threadsafe`), and `sync_blocking()` waits there for durability without blocking the
+loop."""
 
 from __future__ import annotations
 
@@ -24,6 +29,13 @@ from broker.protocol import recorded_op_pb2 as rpb
 from consumer.recoverylog.fsm import FSM, HEADER, author_fence, encode_frame
 
 __all__ = ["Fenced", "Recorder"]
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class Fenced(Exception):
@@ -44,14 +56,16 @@ class Recorder:
         self.failure: BaseException | None = None
         self._registers: Registers | None = None
         self._last: PendingSpan | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         """Learn the write head; take the log if it is not the one recovered from; from then on
         check this author's register with every append."""
+        self._loop = asyncio.get_running_loop()
         self.write_head = (await self.service.barrier(self.log)).end
         if self.log != self.fsm.last_log:
-            span = self._append(rpb.RecordedOp(), b"", Registers(union=author_fence(self.author)))
-            await self._settled(span)
+            self._append(rpb.RecordedOp(), b"", Registers(union=author_fence(self.author)))
+            await self.durable()
         self._registers = Registers(check=pb.LabelSelector(include=author_fence(self.author)))
 
     # ---- recording ---------------------------------------------------------------------------
@@ -76,12 +90,12 @@ class Recorder:
         existing = self.fsm.links.get(self._path(path))
         return existing if existing is not None else self.record_create(path)
 
-    def record_write(self, fnode: int, data: bytes, offset: int) -> PendingSpan:
+    def record_write(self, fnode: int, data: bytes, offset: int) -> None:
         """`data` written at `offset` of the file `fnode`."""
         op = rpb.RecordedOp(
             write=rpb.RecordedOp.Write(fnode=fnode, offset=offset, length=len(data))
         )
-        return self._record(op, data)
+        self._record(op, data)
 
     def record_remove(self, path: str) -> None:
         path = self._path(path)
@@ -110,29 +124,35 @@ class Recorder:
         self._record(rpb.RecordedOp(link=rpb.RecordedOp.Link(fnode=fnode, path=target)))
         self._record(rpb.RecordedOp(unlink=rpb.RecordedOp.Link(fnode=fnode, path=source)))
 
-    def _record(self, op: rpb.RecordedOp, data: bytes = b"") -> PendingSpan:
+    def _record(self, op: rpb.RecordedOp, data: bytes = b"") -> None:
         if self._registers is None:
             raise RuntimeError("record before start(): the recorder does not know the log yet")
-        return self._append(op, data, self._registers)
+        self._append(op, data, self._registers)
 
-    def _append(self, op: rpb.RecordedOp, data: bytes, registers: Registers) -> PendingSpan:
+    def _append(self, op: rpb.RecordedOp, data: bytes, registers: Registers) -> None:
         if self.failure is not None:
             raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
-        op.author, op.seq_no, op.checksum = (
-            self.author,
-            self.fsm.next_seq_no,
-            self.fsm.next_checksum,
-        )
+        op.author = self.author
+        op.seq_no, op.checksum = self.fsm.next_seq_no, self.fsm.next_checksum
         frame = encode_frame(op)
-        span = self.service.write_nowait(self.log, frame + data if data else frame, registers)
         # Meta-fields, for the hints only: the write head lower-bounds where the op landed;
         # its end is unknown (0: unbounded).
         op.first_offset, op.last_offset, op.log = self.write_head, 0, self.log
         self.fsm.apply(op, frame[HEADER:])
+        content = frame + data if data else frame
+        loop = self._loop
+        assert loop is not None
+        if _on_loop(loop):
+            self._write(content, registers)
+        else:
+            loop.call_soon_threadsafe(self._write, content, registers)
+
+    def _write(self, content: bytes, registers: Registers) -> None:
+        """On the loop: queue one op's bytes, in order."""
+        span = self.service.write_nowait(self.log, content, registers)
         if self._last is None or span.batch is not self._last.batch:
             span.batch.add_done_callback(self._landed)
         self._last = span
-        return span
 
     def _landed(self, batch: asyncio.Future[int]) -> None:
         if batch.cancelled():
@@ -159,8 +179,22 @@ class Recorder:
         if self.failure is not None:
             raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
 
+    async def durable(self) -> None:
+        """On the loop: wait until everything recorded so far is in the log (no append of its
+        own: it waits for the last op's); Fenced if it cannot be."""
+        if self._last is not None:
+            await self._settled(self._last)
+        elif self.failure is not None:
+            raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
+
+    def sync_blocking(self) -> None:
+        """Off the loop (a database thread): `durable()`, waited for here."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.durable(), self._loop).result()
+
     async def sync(self) -> None:
-        """Wait until everything recorded so far is durable; Fenced if it cannot be."""
+        """Wait until everything recorded so far is durable, by a barrier that also checks the
+        author's register; Fenced if it cannot be."""
         await self._settled(self.barrier())
 
     async def build_hints(self) -> rpb.FSMHints:

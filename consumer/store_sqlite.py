@@ -1,0 +1,225 @@
+"""A SQLite store recorded into the shard's recovery log (upstream's `store-sqlite`).
+
+The database lives in the shard's local directory and is opened through a VFS of our own (apsw's
+VFS classes can be written in Python; the stdlib `sqlite3` cannot register one): every write to
+the database file and to its rollback journal, each creation, truncation and deletion, is recorded
+as it happens, in order, and each `xSync` waits until everything recorded so far is in the log.
+With `synchronous=FULL`, SQLite syncs before it considers a transaction committed, so a commit is
+durable exactly when its operations are durable in the log, and a player rebuilds the files as
+they were at any point (a rollback journal left by a transaction cut short is played too, and
+SQLite rolls it back when it opens the database). A truncation to zero is a new file (fnode), as
+upstream records it; to another size, the remaining content is recorded as a new file.
+
+The checkpoint is a row of `gazette_checkpoint` (rowid 0), written in the same SQLite transaction
+as the application's changes. Fencing is the recovery log's: a zombie primary's recorder finds
+its author register gone, its appends fail, and its SQLite commits with them (xSync raises).
+
+All SQLite work runs on one thread of the store's own, never on the event loop: the application
+runs its statements with `await store.run(fn)` (`fn(connection)` on that thread, inside the
+consumer transaction's SQLite transaction, begun on first use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import apsw
+
+from consumer.protocol import cpb
+from consumer.recoverylog.recorder import Recorder
+
+__all__ = ["DATABASE", "SQLiteStore"]
+
+T = TypeVar("T")
+DATABASE = "store.db"
+_MAIN_DB: int = apsw.SQLITE_OPEN_MAIN_DB
+_MAIN_JOURNAL: int = apsw.SQLITE_OPEN_MAIN_JOURNAL
+_RECORDED = _MAIN_DB | _MAIN_JOURNAL
+_names = itertools.count()
+
+
+class _RecordingVFS(apsw.VFS):
+    """The default VFS, recording what changes files under the recorder's directory."""
+
+    def __init__(self, name: str, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.base = apsw.vfs_names()[0]
+        super().__init__(name, self.base)
+
+    def recorded(self, filename: str | None) -> bool:
+        return filename is not None and filename.startswith(self.recorder.directory + "/")
+
+    def xOpen(self, name: Any, flags: list[int]) -> _RecordingFile:
+        filename = name.filename() if isinstance(name, apsw.URIFilename) else name
+        record = bool(flags[0] & _RECORDED) and self.recorded(filename)
+        return _RecordingFile(self, name, flags, filename if record else None)
+
+    def xDelete(self, filename: str, syncdir: bool) -> None:
+        super().xDelete(filename, syncdir)
+        if (
+            self.recorded(filename)
+            and self.recorder.fsm.links.get(self._path(filename)) is not None
+        ):
+            self.recorder.record_remove(filename)
+
+    def _path(self, filename: str) -> str:
+        return "/" + os.path.relpath(filename, self.recorder.directory)
+
+
+class _RecordingFile(apsw.VFSFile):
+    def __init__(
+        self, vfs: _RecordingVFS, name: Any, flags: list[int], recorded: str | None
+    ) -> None:
+        super().__init__(vfs.base, name, flags)
+        self.recorder = vfs.recorder
+        self.path = recorded
+        self.fnode = self.recorder.record_open(recorded) if recorded is not None else 0
+
+    def xWrite(self, data: bytes, offset: int) -> None:
+        super().xWrite(data, offset)
+        if self.path is not None:
+            self.recorder.record_write(self.fnode, bytes(data), offset)
+
+    def xTruncate(self, size: int) -> None:
+        super().xTruncate(size)
+        if self.path is None:
+            return
+        # A new fnode: truncation is not an operation of recovery logs.
+        self.fnode = self.recorder.record_create(self.path)
+        if size:
+            with open(self.path, "rb") as f:
+                content = f.read(size)
+            self.recorder.record_write(self.fnode, content, 0)
+
+    def xSync(self, flags: int) -> None:
+        super().xSync(flags)
+        if self.path is not None:
+            self.recorder.sync_blocking()  # Durable only once it is in the log.
+
+
+class SQLiteStore:
+    """A store on SQLite in the recorder's directory (see the module's doc). Made once the
+    directory holds what the recovery log recorded (playback), with the recorder started."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.path = str(Path(recorder.directory) / DATABASE)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sqlite-store")
+        self._vfs_name = f"gazette-recorded-{os.getpid()}-{next(_names)}"
+        self._vfs: _RecordingVFS | None = None
+        self.db: apsw.Connection | None = None
+        self._in_txn = False
+        self._committing: asyncio.Future[None] | None = None
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    # ---- on the store's thread ---------------------------------------------------------------
+
+    def _open(self) -> cpb.Checkpoint:
+        self._vfs = _RecordingVFS(self._vfs_name, self.recorder)
+        self.db = apsw.Connection(self.path, vfs=self._vfs_name)
+        self.db.execute("PRAGMA journal_mode=DELETE")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS gazette_checkpoint (id INTEGER PRIMARY KEY, checkpoint BLOB)"
+        )
+        row = self.db.execute("SELECT checkpoint FROM gazette_checkpoint WHERE id = 0").fetchone()
+        return cpb.Checkpoint.FromString(bytes(row[0])) if row and row[0] else cpb.Checkpoint()
+
+    def _begin(self) -> None:
+        assert self.db is not None
+        if not self._in_txn:
+            self.db.execute("BEGIN")
+            self._in_txn = True
+
+    def _commit(self, checkpoint: bytes) -> None:
+        assert self.db is not None
+        self._begin()
+        try:
+            self.db.execute(
+                "INSERT OR REPLACE INTO gazette_checkpoint (id, checkpoint) VALUES (0, ?)",
+                (checkpoint,),
+            )
+            self.db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(apsw.Error):
+                self.db.execute("ROLLBACK")
+            raise
+        finally:
+            self._in_txn = False
+
+    def _run(self, fn: Callable[[apsw.Connection], T]) -> T:
+        assert self.db is not None
+        self._begin()
+        return fn(self.db)
+
+    def _close(self) -> None:
+        if self.db is not None:
+            with contextlib.suppress(apsw.Error):
+                if self._in_txn:
+                    self.db.execute("ROLLBACK")
+            self.db.close()
+            self.db = None
+        if self._vfs is not None:
+            self._vfs.unregister()
+            self._vfs = None
+
+    # ---- the Store protocol -------------------------------------------------------------------
+
+    async def restore_checkpoint(self) -> cpb.Checkpoint:
+        return await self._call(self._open)
+
+    async def run(self, fn: Callable[[apsw.Connection], T]) -> T:
+        """`fn(connection)` on the store's thread, in the consumer transaction's SQLite
+        transaction (after the previous transaction's commit)."""
+        if self._committing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._committing)
+        return await self._call(self._run, fn)
+
+    def start_commit(
+        self, checkpoint: cpb.Checkpoint, wait_for: Sequence[Awaitable[object]] = ()
+    ) -> Awaitable[None]:
+        if self.db is None and self._vfs is None:
+            raise RuntimeError("commit before restore_checkpoint: the store is not open")
+        previous = self._committing
+        committing = asyncio.ensure_future(
+            self._finish_commit(previous, checkpoint.SerializeToString(), wait_for)
+        )
+        self._committing = committing
+        return committing
+
+    async def _finish_commit(
+        self,
+        previous: asyncio.Future[None] | None,
+        checkpoint: bytes,
+        wait_for: Sequence[Awaitable[object]],
+    ) -> None:
+        if previous is not None:
+            await asyncio.shield(previous)
+        for awaitable in wait_for:
+            await awaitable
+        await self._call(self._commit, checkpoint)
+
+    async def build_hints(self) -> Any:
+        """The recorder's hints, taken on the store's thread (which records), once durable."""
+        hints = await self._call(self.recorder.fsm.build_hints, self.recorder.log)
+        await self.recorder.durable()
+        return hints
+
+    async def close(self) -> None:
+        if self._committing is not None:
+            with contextlib.suppress(BaseException):
+                await self._committing
+        with contextlib.suppress(Exception):
+            await self._call(self._close)
+        self._thread.shutdown(wait=False)

@@ -1,0 +1,182 @@
+"""The SQLite store recorded into a recovery log, on a real broker: committed transactions and
+their checkpoint play back into another directory; a transaction cut short after SQLite spilled
+pages (its rollback journal recorded) plays back as the last commit; a zombie whose log was taken
+by a hand-off cannot commit, and nothing of it is played."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import apsw
+import pytest
+
+from broker.client.append_service import AppendService
+from broker.client.journals import dial
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.protocol import recorded_op_pb2 as rpb
+from broker.testing import BrokerHarness, EtcdServer
+from consumer.protocol import cpb
+from consumer.recoverylog.fsm import FSM, new_author
+from consumer.recoverylog.player import Player
+from consumer.recoverylog.recorder import Fenced, Recorder
+from consumer.store_sqlite import DATABASE, SQLiteStore
+from tests.journals_testing import started_brokers
+from tests.test_persistence import routed
+from tests.test_recoverylog_playback import RECOVERYLOG
+
+
+@pytest.fixture
+async def broker(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[BrokerHarness]:
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["bk-sqlite"], run_allocator=True
+    ) as (harness,):
+        yield harness
+
+
+@pytest.fixture
+async def stub(broker: BrokerHarness) -> AsyncIterator[pb_grpc.JournalStub]:
+    channel = dial(broker.endpoint)
+    try:
+        yield pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+    finally:
+        await channel.close()
+
+
+async def new_log(broker: BrokerHarness) -> str:
+    name = f"recovery/logs/{uuid.uuid4().hex[:8]}"
+    spec = pb.JournalSpec(name=name, replication=1)
+    spec.fragment.length = 1 << 22
+    spec.fragment.compression_codec = pb.NONE
+    spec.fragment.refresh_interval.seconds = 60
+    spec.labels.labels.add(name="content-type", value=RECOVERYLOG)
+    async with broker.client() as client:
+        await client.apply([pb.ApplyRequest.Change(upsert=spec)])
+        await routed(client, name, 1)
+    return name
+
+
+def checkpoint(offset: int) -> cpb.Checkpoint:
+    out = cpb.Checkpoint()
+    out.sources["src/journal"].read_through = offset
+    return out
+
+
+def insert(rows: range, payload: int = 16) -> object:
+    def run(db: apsw.Connection) -> None:
+        db.execute("CREATE TABLE IF NOT EXISTS kv (k INTEGER PRIMARY KEY, v BLOB)")
+        db.executemany(
+            "INSERT OR REPLACE INTO kv VALUES (?, ?)",
+            [(k, bytes([k % 251]) * payload) for k in rows],
+        )
+
+    return run
+
+
+async def play(
+    hints: rpb.FSMHints, directory: Path, stub: pb_grpc.JournalStub, service: AppendService
+) -> FSM:
+    player = Player()
+    player.finish_at_write_head()
+    return await player.play(hints, directory, lambda: stub, service)
+
+
+def read_back(directory: Path) -> tuple[list[tuple[int, bytes]], cpb.Checkpoint]:
+    db = apsw.Connection(str(directory / DATABASE))
+    try:
+        rows = [(k, bytes(v)) for k, v in db.execute("SELECT k, v FROM kv ORDER BY k")]
+        (blob,) = db.execute("SELECT checkpoint FROM gazette_checkpoint WHERE id = 0").fetchone()
+        return rows, cpb.Checkpoint.FromString(bytes(blob))
+    finally:
+        db.close()
+
+
+async def test_commits_play_back_with_their_checkpoint(
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    log = await new_log(broker)
+    primary = tmp_path / "primary"
+    primary.mkdir()
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(primary), service)
+        await recorder.start()
+        store = SQLiteStore(recorder)
+        assert await store.restore_checkpoint() == cpb.Checkpoint()
+        for txn in range(5):
+            await store.run(insert(range(txn * 100, txn * 100 + 150)))
+            await store.start_commit(checkpoint(txn + 1))
+        hints = await store.build_hints()
+        await store.close()
+
+        expected = read_back(primary)
+        assert expected[1] == checkpoint(5) and len(expected[0]) == 550
+        await play(hints, tmp_path / "played", stub, service)
+        assert read_back(tmp_path / "played") == expected
+        # The journals of the five transactions are dead files: not played.
+        assert sorted(p.name for p in (tmp_path / "played").iterdir()) == [DATABASE]
+
+
+async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    log = await new_log(broker)
+    primary = tmp_path / "primary"
+    primary.mkdir()
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(primary), service)
+        await recorder.start()
+        store = SQLiteStore(recorder)
+        await store.restore_checkpoint()
+        await store.run(insert(range(100)))
+        await store.start_commit(checkpoint(1))
+        committed = ([(k, bytes([k % 251]) * 16) for k in range(100)], checkpoint(1))
+
+        def spill(db: apsw.Connection) -> None:
+            db.execute("PRAGMA cache_size=2")  # Pages spill to the file before the commit.
+            insert(range(100, 5000), payload=200)(db)  # type: ignore[operator]
+
+        await store.run(spill)
+        hints = await store.build_hints()
+        names = {p.name for p in primary.iterdir()}
+        assert f"{DATABASE}-journal" in names  # A hot journal: recorded, as the spilled pages.
+        # The process dies here: no commit. What the log holds is played elsewhere.
+        fsm = await play(hints, tmp_path / "played", stub, service)
+        assert "/store.db-journal" in fsm.links
+        assert read_back(tmp_path / "played") == committed  # SQLite rolled the journal back.
+        await store.close()
+
+
+async def test_a_zombie_store_cannot_commit_after_a_hand_off(
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    log = await new_log(broker)
+    zombie_dir = tmp_path / "zombie"
+    zombie_dir.mkdir()
+    async with AppendService(stub) as service:
+        zombie = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(zombie_dir), service)
+        await zombie.start()
+        store = SQLiteStore(zombie)
+        await store.restore_checkpoint()
+        await store.run(insert(range(10)))
+        await store.start_commit(checkpoint(1))
+        hints = await store.build_hints()
+
+        # A standby takes the log over: its no-op fences the zombie's author out.
+        successor = Player()
+        successor.inject_handoff(new_author())
+        await successor.play(hints, tmp_path / "successor", lambda: stub, service)
+
+        await store.run(insert(range(10, 20)))
+        with pytest.raises((apsw.Error, Fenced)):
+            await store.start_commit(checkpoint(2))
+        await store.close()
+        assert zombie.failure is not None and "REGISTER_MISMATCH" in str(zombie.failure)
+
+        final = await play(hints, tmp_path / "final", stub, service)
+        assert final.next_seq_no > 0
+        rows, done = read_back(tmp_path / "final")
+        assert [k for k, _ in rows] == list(range(10)) and done == checkpoint(1)
+        await asyncio.sleep(0)
