@@ -6,8 +6,11 @@ A replica in slot 0 is the shard's primary: it asks the application for a store,
 sources' specs from the brokers (their content types pick the framing), and runs the shard's
 transactions (`consumer.transaction.run_shard`), reporting PRIMARY in its assignment, or FAILED
 with the error when they fail (a FAILED shard stays so until `gazctl shards unassign`). A replica
-in another slot is a hot standby: without a recovery log there is nothing to play, so it is
-STANDBY at once. Statuses are written into the assignment keys, guarded by their revisions and
+in another slot is a hot standby: with a recovery log it plays the log into its local directory
+(BACKFILL) and tails it (STANDBY), and when promoted it completes that playback by a hand-off
+(`consumer.recovery`) rather than replaying the log; without one there is nothing to play, so it
+is STANDBY at once. A primary with a recovery log plays it (or takes over its standby's
+playback), records into it, and stores its hints on becoming primary and periodically. Statuses are written into the assignment keys, guarded by their revisions and
 keeping their leases, as upstream's.
 
 Stat is answered by the primary (proxied there by any other process): it waits until the
@@ -19,8 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
+import urllib.parse
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import aetcd
@@ -42,7 +49,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
 from broker.tasks import TaskOwner
 from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
-from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, truncate_error
+from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, truncate_error
+from consumer.recovery import HINTS_INTERVAL, Playback, fetch_hints, rotate_hints, store_hints
 from consumer.shard_api import (
     HintsError,
     ShardState,
@@ -92,6 +100,9 @@ class ConsumerConfig:
     etcd_lease: float = 20.0
     run_allocator: bool = True
     drain_timeout: float = 30.0
+    # Where replicas with a recovery log keep their files ("": a temporary directory).
+    local_dir: str = ""
+    hints_interval: float = HINTS_INTERVAL
 
 
 @dataclass
@@ -117,6 +128,8 @@ class _Replica:
     store: Store | None = None
     progress: Progress = field(default_factory=Progress)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    playback: Playback | None = None
+    standby: asyncio.Task[None] | None = None
 
     @property
     def slot(self) -> int:
@@ -149,6 +162,8 @@ class Consumer:
         self.failure: BaseException | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._app_started = False
+        self.local_dir = Path(config.local_dir) if config.local_dir else None
+        self._made_local_dir = False
 
     @property
     def endpoint(self) -> str:
@@ -169,6 +184,9 @@ class Consumer:
 
     async def start(self) -> None:
         validate_process_id(self.process_id, field="consumer id")
+        if self.local_dir is None:
+            self.local_dir = Path(tempfile.mkdtemp(prefix="gazette-consumer-"))
+            self._made_local_dir = True
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.host}:{self.config.port}"
@@ -296,6 +314,8 @@ class Consumer:
         await self.router.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.etcd.close(), 5.0)
+        if self._made_local_dir and self.local_dir is not None:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
         self.done.set()
 
     async def _await_drain(self) -> bool:
@@ -344,9 +364,14 @@ class Consumer:
         for shard_id in list(self.replicas):
             replica = self.replicas[shard_id]
             kv = wanted.get(shard_id)
-            if kv is None or (replica.slot == 0) != (aks_slot(kv) == 0):
-                # Unassigned, or promoted/demoted: stop this replica (a promoted standby starts
-                # afresh as primary below).
+            was_primary = replica.slot == 0
+            if kv is not None and not was_primary and aks_slot(kv) == 0 and replica.playback:
+                # A standby promoted: it completes its playback by a hand-off, no replay.
+                replica.assignment = kv
+                replica.task = self.shards.spawn(self._run_primary(replica), shard_id)
+            elif kv is None or was_primary != (aks_slot(kv) == 0):
+                # Unassigned, or demoted, or a standby with nothing played: stop this replica
+                # (one promoted starts afresh as primary below).
                 await self._stop_replica(replica)
                 del self.replicas[shard_id]
             else:
@@ -359,19 +384,67 @@ class Consumer:
             if aks_slot(kv) == 0:
                 replica.task = self.shards.spawn(self._run_primary(replica), shard_id)
             else:
-                await self._set_status(replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY))
+                replica.standby = self.shards.spawn(self._run_standby(replica), shard_id)
 
     async def _stop_replica(self, replica: _Replica) -> None:
-        if replica.task is not None and not replica.task.done():
-            replica.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await replica.task
+        for task in (replica.task, replica.standby):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if replica.playback is not None:
+            await replica.playback.stop()
+            replica.playback = None
         replica.stopped.set()
 
-    async def _set_status(self, replica: _Replica, status: cpb.ReplicaStatus) -> None:
-        """Write `status` into the replica's assignment, if it is still the same assignment."""
-        kv = self.ks.get(replica.assignment.key)
-        if kv is None or kv.create_revision != replica.assignment.create_revision:
+    def _replica_dir(self, shard_id: str) -> Path:
+        assert self.local_dir is not None
+        return self.local_dir / urllib.parse.quote(shard_id, safe="")
+
+    async def _run_standby(self, replica: _Replica) -> None:
+        """A hot standby: with a recovery log, play it (BACKFILL) and tail it (STANDBY) until
+        promoted (the primary completes the playback) or stopped."""
+        assignment = replica.assignment
+        spec = self._spec_of(replica.shard_id)
+        if spec is None or not recovery_log(spec):
+            await self._set_status(
+                replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY), assignment
+            )
+            return
+        try:
+            async with AppendService(self.router) as service:
+                playback = Playback(spec, self._replica_dir(replica.shard_id))
+                playback.start(
+                    await fetch_hints(self.state, spec), lambda: self.router.stub_for(""), service
+                )
+                replica.playback = playback
+                await self._set_status(
+                    replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.BACKFILL), assignment
+                )
+                await playback.wait_tailing()
+                await self._set_status(
+                    replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY), assignment
+                )
+                assert playback.task is not None
+                await asyncio.shield(playback.task)  # Until a hand-off completes it.
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            error = _first_error(exc)
+            text = truncate_error(f"{type(error).__name__}: {error}")
+            log.error("standby of shard %s failed: %s", replica.shard_id, text)
+            await self._set_status(
+                replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=[text]), assignment
+            )
+
+    async def _set_status(
+        self, replica: _Replica, status: cpb.ReplicaStatus, assignment: KeyValue | None = None
+    ) -> None:
+        """Write `status` into the replica's assignment (`assignment`, else its current one), if
+        it is still that assignment."""
+        assignment = assignment or replica.assignment
+        kv = self.ks.get(assignment.key)
+        if kv is None or kv.create_revision != assignment.create_revision:
             return
         if replica_status(kv.decoded) == status:
             return
@@ -408,13 +481,16 @@ class Consumer:
             if spec is None:
                 raise ValueError(f"shard {replica.shard_id} has no spec")
             sources = await self._sources(spec)
+            log_name = recovery_log(spec)
             async with AppendService(self.router) as service:
+                recorder = await self._recover(replica, spec, service) if log_name else None
                 shard = Shard(
                     spec,
                     service,
                     Publisher(service, DictMessages(), JSONLines()),
                     replica.progress,
                     fqn=aks.item_key(self.root, replica.shard_id),
+                    recorder=recorder,
                 )
                 replica.shard = shard
                 store = await self.app.new_store(shard)
@@ -423,21 +499,63 @@ class Consumer:
                     await self._set_status(
                         replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
                     )
-                    await run_shard(
-                        shard, self.app, store, sources, lambda: self.router.stub_for("")
-                    )
+                    async with asyncio.TaskGroup() as tasks:
+                        if recorder is not None:
+                            tasks.create_task(self._store_hints_periodically(replica, spec, store))
+                        await run_shard(
+                            shard, self.app, store, sources, lambda: self.router.stub_for(""),
+                            recovery_log=log_name,
+                        )  # fmt: skip
                 finally:
                     replica.store = None
                     await store.close()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            error = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
+            error = _first_error(exc)
             text = truncate_error(f"{type(error).__name__}: {error}")
             log.error("shard %s failed: %s", replica.shard_id, text)
             await self._set_status(
                 replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=[text])
             )
+
+    async def _recover(self, replica: _Replica, spec: cpb.ShardSpec, service: AppendService) -> Any:
+        """The shard's local files, played from its recovery log (or taken over from this
+        replica's standby playback) and handed off to a new recorder; the hints recovered from
+        rotated into the backups, and the recorder's stored as the primary's."""
+        playback = replica.playback
+        running = playback is not None and playback.task is not None and not playback.task.done()
+        if playback is not None and running:
+            log.info(
+                "shard %s: its standby takes over the log it %s", spec.id,
+                "tails" if playback.tailing else "plays",
+            )  # fmt: skip
+        else:
+            if playback is not None:
+                await playback.stop()
+            log.info("shard %s: playing its recovery log from its hints", spec.id)
+            playback = Playback(spec, self._replica_dir(replica.shard_id))
+            playback.start(
+                await fetch_hints(self.state, spec), lambda: self.router.stub_for(""), service
+            )
+            replica.playback = playback
+            await self._set_status(replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.BACKFILL))
+        recorder = await playback.hand_off(service)
+        if not await rotate_hints(self.etcd, spec, playback.hints, replica.assignment):
+            raise RuntimeError(f"shard {spec.id}: assignment lost while recovering")
+        await store_hints(self.etcd, spec, await recorder.build_hints(), replica.assignment)
+        return recorder
+
+    async def _store_hints_periodically(
+        self, replica: _Replica, spec: cpb.ShardSpec, store: Store
+    ) -> None:
+        shard = replica.shard
+        assert shard is not None and shard.recorder is not None
+        while True:
+            await asyncio.sleep(self.config.hints_interval)
+            build = getattr(store, "build_hints", None)
+            hints = await build() if build is not None else await shard.recorder.build_hints()
+            await store_hints(self.etcd, spec, hints, replica.assignment)
 
     def _spec_of(self, shard_id: str) -> cpb.ShardSpec | None:
         found = self.state.spec_of(shard_id)
@@ -508,6 +626,13 @@ class Consumer:
         response.read_through.update(replica.progress.read_through)
         response.publish_at.update(replica.progress.publish_at)
         return response
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def aks_slot(kv: KeyValue) -> int:

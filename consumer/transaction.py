@@ -115,13 +115,16 @@ class Source:
 @dataclass
 class Shard:
     """What the application sees of a shard: its spec and the means to publish; `fqn`, its
-    fully-qualified name (its etcd item key, as upstream's), names its state in a shared store."""
+    fully-qualified name (its etcd item key, as upstream's), names its state in a shared store;
+    with a recovery log, `recorder` records its local directory (`recorder.directory`), where
+    a store such as SQLiteStore keeps its files."""
 
     spec: cpb.ShardSpec
     service: AppendService
     publisher: Publisher[Any]
     progress: Progress = field(default_factory=Progress)
     fqn: str = ""
+    recorder: Any = None
 
 
 class Application(Protocol):

@@ -109,3 +109,72 @@ def test_a_consumer_given_bad_flags_says_so_in_one_line(
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def primaries(summers: ConsumerProcesses, alive: list[str]) -> set[str]:
+    """The processes hosting a shard's primary, as a live summer lists them."""
+    import grpc
+
+    from broker.protocol import consumer_pb2_grpc as cpb_grpc
+    from consumer.protocol import cpb
+
+    for summer_id in alive:
+        try:
+            with grpc.insecure_channel(summers.address(summer_id).removeprefix("http://")) as ch:
+                listed = cpb_grpc.ShardStub(ch).List(cpb.ListRequest(), timeout=2)  # type: ignore[no-untyped-call]
+        except grpc.RpcError:
+            continue
+        return {
+            s.route.members[s.route.primary].suffix for s in listed.shards if s.route.primary >= 0
+        }
+    return set()
+
+
+@pytest.mark.slow
+def test_sums_on_recorded_sqlite_are_exact_while_primaries_are_killed(
+    summers: ConsumerProcesses, broker_process: BrokerProcess
+) -> None:
+    """Shards on the SQLite store, recorded into recovery logs, each with a hot standby that
+    tails its log: the primaries' processes are SIGKILLed again and again, the standbys take
+    over without replaying the log, and every sum is exact."""
+    ids = ["sql-summer-0", "sql-summer-1", "sql-summer-2"]
+    for summer_id in ids:
+        summers.start(summer_id)
+    setup = run(
+        "setup", "--partitions", "2", "--store", "sqlite",
+        "--broker.address", broker_process.address, "--consumer.address", summers.address(ids[0]),
+    )  # fmt: skip
+    assert setup.returncode == 0, setup.stderr
+
+    chunker = subprocess.Popen(
+        [
+            *EXAMPLE, "chunker", "--streams", "200", "--chunks", "30", "--pace", "0.7",
+            "--seed", "21", "--timeout", "150", "--broker.address", broker_process.address,
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    rng = random.Random(22)
+    kills = 0
+    try:
+        deadline = time.monotonic() + 180
+        time.sleep(3)  # The standbys catch up with their logs first.
+        while chunker.poll() is None and time.monotonic() < deadline:
+            time.sleep(rng.uniform(2.5, 4.0))  # Past the lease: a standby is tailing again.
+            alive = [i for i in ids if summers.procs[i].poll() is None]
+            victims = sorted(primaries(summers, alive))
+            if kills < 5 and victims:
+                victim = rng.choice(victims)
+                summers.kill(victim)
+                kills += 1
+                summers.start(victim, wait=False)
+        out, err = chunker.communicate(timeout=180)
+    finally:
+        if chunker.poll() is None:
+            stop_process(chunker)  # type: ignore[arg-type]
+    logs = "".join((summers.logs / f"{i}.log").read_text() for i in ids)
+    assert chunker.returncode == 0, err + logs[-3000:]
+    assert kills >= 3, f"the chunker finished before the primaries were killed enough: {out}"
+    assert "200 sums of 30 chunks, all exact" in out
+    assert "OutOfSequence" not in logs
+    # Take-overs by standbys that tailed the log, not replays from scratch.
+    assert logs.count("its standby takes over the log it tails") >= 2, logs[-3000:]

@@ -9,7 +9,10 @@ a sum wrong, and a summer that sees a chunk out of sequence fails its shard. The
 sums back, read committed, and exits 0 only when every stream's sum arrived exactly right, or
 non-zero naming the first wrong or missing one.
 
-    python -m consumer.examples.stream_sum setup --partitions 2 --etcd.prefix /stream-sum
+A shard keeps its sums in a JSON-file store, or, labelled `store: sqlite` (`setup --store
+sqlite`), in a SQLite store recorded into its recovery log, with hot standbys that tail it.
+
+    python -m consumer.examples.stream_sum setup --partitions 2 [--store sqlite]
     python -m consumer.examples.stream_sum serve --etcd.prefix /stream-sum --summer.store-root DIR
     python -m consumer.examples.stream_sum chunker --streams 50 --chunks 20
 """
@@ -33,11 +36,13 @@ from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Envelope, Sequencer
+from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.main import serve_command
 from consumer.protocol import cpb
 from consumer.store import JSONFileStore
+from consumer.store_sqlite import SQLiteStore
 from consumer.transaction import Shard
 
 T = TypeVar("T")
@@ -62,32 +67,71 @@ class Summer:
     def __init__(self, store_root: str) -> None:
         self.store_root = store_root
 
-    async def new_store(self, shard: Shard) -> JSONFileStore:
+    async def new_store(self, shard: Shard) -> JSONFileStore | SQLiteStore:
+        if labels.value_of(shard.spec.labels, "store") == "sqlite":
+            if shard.recorder is None:
+                raise ValueError(
+                    f"shard {shard.spec.id}: store=sqlite needs a recovery log "
+                    "(set recovery_log_prefix)"
+                )
+            return SQLiteStore(shard.recorder)
         return JSONFileStore(self.store_root, shard.spec.id)
 
     async def consume_message(
-        self, shard: Shard, store: JSONFileStore, envelope: Envelope, publisher: Publisher[Any]
+        self,
+        shard: Shard,
+        store: JSONFileStore | SQLiteStore,
+        envelope: Envelope,
+        publisher: Publisher[Any],
     ) -> None:
         chunk = envelope.message
-        stream, seq = chunk["stream"], chunk["seq"]
-        state = store.state.setdefault(stream, {"seq": 0, "sum": 0})
-        if seq != state["seq"] + 1:
+        stream, seq, value, last = chunk["stream"], chunk["seq"], chunk["value"], chunk["last"]
+        if isinstance(store, SQLiteStore):
+            before, total = await store.run(lambda db: _sum_in_sqlite(db, stream, seq, value, last))
+        else:
+            state = store.state.setdefault(stream, {"seq": 0, "sum": 0})
+            before, total = state["seq"], state["sum"] + value
+            if seq == before + 1:
+                state["seq"], state["sum"] = seq, total
+                if last:
+                    del store.state[stream]
+        if seq != before + 1:
             raise OutOfSequence(
-                f"stream {stream}: chunk {seq} after chunk {state['seq']} (at {envelope.journal}"
+                f"stream {stream}: chunk {seq} after chunk {before} (at {envelope.journal}"
                 f":{envelope.begin})"
             )
-        state["seq"], state["sum"] = seq, state["sum"] + chunk["value"]
-        if chunk["last"]:
+        if last:
             await publisher.publish_uncommitted(
                 lambda _m: Partition(SUMS, NDJSON),
-                {"stream": stream, "sum": state["sum"], "chunks": seq},
+                {"stream": stream, "sum": total, "chunks": seq},
             )
-            del store.state[stream]
 
     async def finalize_txn(
         self, shard: Shard, store: JSONFileStore, publisher: Publisher[Any]
     ) -> None:
         return None
+
+
+def _sum_in_sqlite(db: Any, stream: str, seq: int, value: int, last: bool) -> tuple[int, int]:
+    """On the store's thread: add a chunk to its stream's row (removed at the last chunk);
+    the stream's sequence number before it, and its sum with it."""
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS sums (stream TEXT PRIMARY KEY, seq INTEGER, total INTEGER)"
+    )
+    row = db.execute("SELECT seq, total FROM sums WHERE stream = ?", (stream,)).fetchone()
+    before, total = (row[0], row[1]) if row else (0, 0)
+    if seq != before + 1:
+        return before, total
+    total += value
+    if last:
+        db.execute("DELETE FROM sums WHERE stream = ?", (stream,))
+    else:
+        db.execute("INSERT OR REPLACE INTO sums VALUES (?, ?, ?)", (stream, seq, total))
+    return before, total
+
+
+RECOVERY_PREFIX = f"{PREFIX}/recovery"
+RECOVERYLOG = "application/x-gazette-recoverylog"
 
 
 def journal_spec(name: str, replication: int) -> pb.JournalSpec:
@@ -100,16 +144,28 @@ def journal_spec(name: str, replication: int) -> pb.JournalSpec:
 
 
 async def _setup(
-    broker_address: str, consumer_address: str, partitions: int, replication: int
+    broker_address: str, consumer_address: str, partitions: int, replication: int, store: str
 ) -> None:
     names = [chunk_journal(i) for i in range(partitions)] + [SUMS]
+    logs = (
+        [f"{RECOVERY_PREFIX}/stream-sum-{i:03d}" for i in range(partitions)]
+        if store == "sqlite"
+        else []
+    )
     async with JournalsClient(broker_address) as journals:
         have = {j.spec.name for j in (await journals.list()).journals}
-        missing = [n for n in names if n not in have]
+        missing = [
+            pb.ApplyRequest.Change(upsert=journal_spec(n, replication))
+            for n in names
+            if n not in have
+        ]
+        for name in logs:
+            if name not in have:
+                log_spec = journal_spec(name, replication)
+                log_spec.labels.labels[0].value = RECOVERYLOG
+                missing.append(pb.ApplyRequest.Change(upsert=log_spec))
         if missing:
-            await journals.apply(
-                [pb.ApplyRequest.Change(upsert=journal_spec(n, replication)) for n in missing]
-            )
+            await journals.apply(missing)
     async with ShardsClient(consumer_address) as shards:
         listed = {s.spec.id for s in (await shards.list()).shards}
         changes = []
@@ -123,6 +179,11 @@ async def _setup(
                 hot_standbys=1,
             )
             spec.max_txn_duration.FromMilliseconds(500)
+            if store == "sqlite":
+                spec.recovery_log_prefix = RECOVERY_PREFIX
+                spec.hint_prefix = "/gazette/hints"
+                spec.hint_backups = 2
+                spec.labels.labels.add(name="store", value="sqlite")
             changes.append(cpb.ApplyRequest.Change(upsert=spec))
         if changes:
             await shards.apply(changes)
@@ -234,9 +295,13 @@ def cli() -> None:
     show_default=True,
     help="Replication of the journals",
 )
-def setup(partitions: int, replication: int, **opts: Any) -> None:
+@click.option(
+    "--store", default="json", type=click.Choice(["json", "sqlite"]), show_default=True,
+    help="The shards' store: JSON files, or SQLite recorded into a recovery log per shard",
+)  # fmt: skip
+def setup(partitions: int, replication: int, store: str, **opts: Any) -> None:
     """Create the chunk and sum journals, and a shard per chunk journal (with a hot standby)."""
-    _run(_setup(opts["broker_address"], opts["consumer_address"], partitions, replication))
+    _run(_setup(opts["broker_address"], opts["consumer_address"], partitions, replication, store))
 
 
 @cli.command()
