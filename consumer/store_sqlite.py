@@ -11,7 +11,13 @@ SQLite rolls it back when it opens the database). A truncation to zero is a new 
 upstream records it; to another size, the remaining content is recorded as a new file.
 
 The checkpoint is a row of `gazette_checkpoint` (rowid 0), written in the same SQLite transaction
-as the application's changes. Fencing is the recovery log's: a zombie primary's recorder finds
+as the application's changes.
+
+The playback horizon is bounded: once the log holds `compact_after` bytes recorded since the
+database was last written whole (and at least four times the database's size), the store writes
+a compacted copy (`VACUUM INTO`, recorded as a new file) and renames it over the database, between
+transactions. The old database file is then dead: hints no longer name the log before the copy,
+so a new replica plays only from there, and `gazctl shards prune` can remove the rest. Fencing is the recovery log's: a zombie primary's recorder finds
 its author register gone, its appends fail, and its SQLite commits with them (xSync raises).
 
 All SQLite work runs on one thread of the store's own, never on the event loop: the application
@@ -108,8 +114,11 @@ class SQLiteStore:
     """A store on SQLite in the recorder's directory (see the module's doc). Made once the
     directory holds what the recovery log recorded (playback), with the recorder started."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, *, compact_after: int = 64 << 20) -> None:
         self.recorder = recorder
+        self.compact_after = compact_after
+        self.compactions = 0
+        self._recorded_at_compaction = 0
         self.path = str(Path(recorder.directory) / DATABASE)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sqlite-store")
         self._vfs_name = f"gazette-recorded-{os.getpid()}-{next(_names)}"
@@ -123,12 +132,16 @@ class SQLiteStore:
 
     # ---- on the store's thread ---------------------------------------------------------------
 
+    def _connect(self) -> apsw.Connection:
+        db = apsw.Connection(self.path, vfs=self._vfs_name)
+        db.execute("PRAGMA journal_mode=DELETE")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        return db
+
     def _open(self) -> cpb.Checkpoint:
         self._vfs = _RecordingVFS(self._vfs_name, self.recorder)
-        self.db = apsw.Connection(self.path, vfs=self._vfs_name)
-        self.db.execute("PRAGMA journal_mode=DELETE")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        self.db = self._connect()
         self.db.execute(
             "CREATE TABLE IF NOT EXISTS gazette_checkpoint (id INTEGER PRIMARY KEY, checkpoint BLOB)"
         )
@@ -156,6 +169,25 @@ class SQLiteStore:
             raise
         finally:
             self._in_txn = False
+        since = self.recorder.recorded_bytes - self._recorded_at_compaction
+        if since >= self.compact_after and since >= 4 * os.path.getsize(self.path):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Write the database whole, compacted, as a new file, and rename it over the old one
+        (whose recorded history is then dead)."""
+        assert self.db is not None
+        copy = self.path + ".compact"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(copy)
+        self.db.execute("VACUUM INTO ?", (copy,))
+        self.db.close()
+        self.db = None
+        os.replace(copy, self.path)
+        self.recorder.record_rename(copy, self.path)
+        self.db = self._connect()
+        self.compactions += 1
+        self._recorded_at_compaction = self.recorder.recorded_bytes
 
     def _run(self, fn: Callable[[apsw.Connection], T]) -> T:
         assert self.db is not None

@@ -180,3 +180,35 @@ async def test_a_zombie_store_cannot_commit_after_a_hand_off(
         rows, done = read_back(tmp_path / "final")
         assert [k for k, _ in rows] == list(range(10)) and done == checkpoint(1)
         await asyncio.sleep(0)
+
+
+async def test_compaction_bounds_the_playback_horizon(
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """Rows rewritten again and again grow the log, not the database: once the log holds four
+    times the database since it was last written whole, a compacted copy replaces it, and the
+    hints name only the log from that copy on."""
+    log = await new_log(broker)
+    primary = tmp_path / "primary"
+    primary.mkdir()
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(primary), service)
+        await recorder.start()
+        store = SQLiteStore(recorder, compact_after=1)
+        await store.restore_checkpoint()
+        for txn in range(12):
+            await store.run(insert(range(50), payload=100 + txn))  # The same rows, rewritten.
+            await store.start_commit(checkpoint(txn + 1))
+        hints = await store.build_hints()
+        await store.close()
+        assert store.compactions >= 2
+        expected = read_back(primary)
+        assert expected[1] == checkpoint(12)
+
+        (database,) = [n for n in hints.live_nodes]
+        first = database.segments[0]
+        assert first.first_seq_no > 1 and first.first_offset > 0
+        # A player skips the log before the last copy, and rebuilds the same database.
+        await play(hints, tmp_path / "played", stub, service)
+        assert read_back(tmp_path / "played") == expected
+        assert sorted(p.name for p in (tmp_path / "played").iterdir()) == [DATABASE]

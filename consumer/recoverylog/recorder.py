@@ -53,6 +53,7 @@ class Recorder:
         self.log, self.fsm, self.author, self.directory = log, fsm, author, directory
         self.service = service
         self.write_head = 0
+        self.recorded_bytes = 0  # Of every op and its data, since this recorder began.
         self.failure: BaseException | None = None
         self._registers: Registers | None = None
         self._last: PendingSpan | None = None
@@ -140,6 +141,7 @@ class Recorder:
         op.first_offset, op.last_offset, op.log = self.write_head, 0, self.log
         self.fsm.apply(op, frame[HEADER:])
         content = frame + data if data else frame
+        self.recorded_bytes += len(content)
         loop = self._loop
         assert loop is not None
         if _on_loop(loop):
