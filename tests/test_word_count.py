@@ -201,3 +201,39 @@ def test_counts_in_postgresql_are_exact_across_a_graceful_hand_off(
     expected.update(ngrams_of(TEXTS[0], 2))
     for prefix in ("the", "fox", "dog"):
         wait_counts(b, prefix, expected)
+
+
+@pytest.mark.slow
+def test_counts_on_recorded_sqlite_survive_a_kill_through_a_hot_standby(
+    json_counters: ConsumerProcesses, broker_process: BrokerProcess
+) -> None:
+    group = json_counters
+    ids = ["sqlite-counter-a", "sqlite-counter-b"]
+    for consumer_id in ids:
+        group.start(consumer_id)
+    run_id = uuid.uuid4().hex[:8]
+    setup = run(
+        "setup", "--partitions", "2", "--store", "sqlite", "--hot-standbys", "1",
+        "--broker.address", broker_process.address, "--consumer.address", group.address(ids[0]),
+        "--deltas", f"test/word-count-sqlite/{run_id}/deltas/",
+    )  # fmt: skip
+    assert setup.returncode == 0, setup.stderr
+    assert "4 journal(s) and 2 shard(s) created" in setup.stdout  # Deltas and recovery logs.
+    a, b = (group.address(i) for i in ids)
+    for text in TEXTS:
+        publish(a, text)
+    expected = expected_counts(TEXTS)
+    for prefix in ("the", "fox", "dog"):
+        wait_counts(b, prefix, expected)
+    time.sleep(1.0)  # The standbys tail their logs.
+    from tests.test_stream_sum import primaries
+
+    assert "sqlite-counter-a" in primaries(group, ids), "a hosts no primary to take over"
+    group.kill("sqlite-counter-a")
+    for prefix in ("the", "fox", "dog", "a"):
+        wait_counts(b, prefix, expected)
+    publish(b, TEXTS[1])
+    expected.update(ngrams_of(TEXTS[1], 2))
+    for prefix in ("the", "fox"):
+        wait_counts(b, prefix, expected)
+    assert "its standby takes over the log it tails" in group.log("sqlite-counter-b")

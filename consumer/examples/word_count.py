@@ -36,6 +36,7 @@ from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, fnv1a32
 from broker.message.publisher import Publisher
 from broker.message.sequencer import Envelope
+from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import word_count_pb2 as wpb
@@ -45,12 +46,14 @@ from consumer.protocol import cpb
 from consumer.runtime import Consumer
 from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore, Store
+from consumer.store_sqlite import SQLiteStore
 from consumer.transaction import Shard
 
 T = TypeVar("T")
 PREFIX = "examples/word-count"
 DELTAS = f"{PREFIX}/deltas/"
 NDJSON = "application/x-ndjson"
+RECOVERYLOG = "application/x-gazette-recoverylog"
 SHARD_PREFIX = "word-count-"
 TABLE = "word_counts"
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)*")
@@ -115,6 +118,13 @@ class Counter:
             self.service = None
 
     async def new_store(self, shard: Shard) -> Store:
+        if labels.value_of(shard.spec.labels, "store") == "sqlite":
+            if shard.recorder is None:
+                raise ValueError(
+                    f"shard {shard.spec.id}: store=sqlite needs a recovery log "
+                    "(set recovery_log_prefix)"
+                )
+            return SQLiteStore(shard.recorder)
         if self.postgres:
             store = SQLStore(self.postgres, shard.fqn or shard.spec.id)
             await ensure_table(
@@ -143,7 +153,10 @@ class Counter:
 
     async def finalize_txn(self, shard: Shard, store: Any, publisher: Publisher[Any]) -> None:
         deltas = self.deltas.pop(shard.spec.id, None)
-        if deltas and isinstance(store, SQLStore):
+        if deltas and isinstance(store, SQLiteStore):
+            rows = list(deltas.items())
+            await store.run(lambda db: _add_in_sqlite(db, rows))
+        elif deltas and isinstance(store, SQLStore):
             conn = await store.transaction()
             await conn.executemany(
                 f"INSERT INTO {TABLE} (shard, ngram, count) VALUES ($1, $2, $3)"
@@ -192,7 +205,10 @@ class Counter:
 
     async def query_local(self, store: Store, shard_fqn: str, prefix: str) -> list[tuple[str, int]]:
         """Committed counts of the n-grams matching `prefix` in the store of a shard whose
-        primary is here."""
+        primary is here (on SQLite, read through the store's connection: a transaction between
+        its finalize and its commit is seen)."""
+        if isinstance(store, SQLiteStore):
+            return await store.run(lambda db: _query_sqlite(db, prefix))
         if isinstance(store, SQLStore):
             pool = await store.pool()
             rows = await pool.fetch(
@@ -208,6 +224,26 @@ class Counter:
         if committed is None:
             raise _Unavailable(f"shard {shard_fqn} is recovering its store: retry")
         return [(g, int(c)) for g, c in committed.items() if matches(g, prefix)]
+
+
+_SQLITE_TABLE = "CREATE TABLE IF NOT EXISTS counts (ngram TEXT PRIMARY KEY, count INTEGER NOT NULL)"
+
+
+def _add_in_sqlite(db: Any, rows: list[tuple[str, int]]) -> None:
+    db.execute(_SQLITE_TABLE)
+    db.executemany(
+        "INSERT INTO counts VALUES (?, ?) ON CONFLICT (ngram) DO UPDATE SET count = count + ?",
+        [(ngram, count, count) for ngram, count in rows],
+    )
+
+
+def _query_sqlite(db: Any, prefix: str) -> list[tuple[str, int]]:
+    db.execute(_SQLITE_TABLE)
+    rows = db.execute(
+        "SELECT ngram, count FROM counts WHERE ngram = ? OR substr(ngram, 1, ?) = ?",
+        (prefix, len(prefix) + 1, prefix + " "),
+    )
+    return [(str(g), int(c)) for g, c in rows]
 
 
 def _to(journal: str) -> Callable[[Any], Partition]:
@@ -297,15 +333,23 @@ async def _setup(
     replication: int,
     standbys: int,
     deltas: str,
+    store: str = "json",
 ) -> str:
     names = [deltas_journal(i, deltas) for i in range(partitions)]
+    recovery_prefix = deltas.rstrip("/").rsplit("/", 1)[0] + "/recovery"
+    logs = [f"{recovery_prefix}/{SHARD_PREFIX}{i:03d}" for i in range(partitions)]
     async with JournalsClient(broker_address) as journals:
         have = {j.spec.name for j in (await journals.list()).journals}
         missing = [n for n in names if n not in have]
-        if missing:
-            await journals.apply(
-                [pb.ApplyRequest.Change(upsert=journal_spec(n, replication)) for n in missing]
-            )
+        specs = [journal_spec(n, replication) for n in missing]
+        for name in logs if store == "sqlite" else []:
+            if name not in have:
+                missing.append(name)
+                log_spec = journal_spec(name, replication)
+                log_spec.labels.labels[0].value = RECOVERYLOG
+                specs.append(log_spec)
+        if specs:
+            await journals.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
     async with ShardsClient(consumer_address) as shards:
         listed = {s.spec.id for s in (await shards.list()).shards}
         changes = []
@@ -320,6 +364,11 @@ async def _setup(
             )
             spec.max_txn_duration.FromMilliseconds(500)
             spec.labels.labels.add(name="app.gazette.dev/example", value="word-count")
+            if store == "sqlite":
+                spec.recovery_log_prefix = recovery_prefix
+                spec.hint_prefix = "/gazette/hints"
+                spec.hint_backups = 2
+                spec.labels.labels.add(name="store", value="sqlite")
             changes.append(cpb.ApplyRequest.Change(upsert=spec))
         if changes:
             await shards.apply(changes)
@@ -392,7 +441,14 @@ def cli() -> None:
 @click.option(
     "--deltas", default=DELTAS, show_default=True, help="Prefix of the deltas journals' names"
 )
-def setup(partitions: int, replication: int, hot_standbys: int, deltas: str, **opts: Any) -> None:
+@click.option(
+    "--store", default="json", type=click.Choice(["json", "sqlite"]), show_default=True,
+    help="The shards' store: JSON files (or PostgreSQL, by serve's flag), or SQLite recorded "
+    "into a recovery log per shard (under the deltas' parent/recovery/)",
+)  # fmt: skip
+def setup(
+    partitions: int, replication: int, hot_standbys: int, deltas: str, store: str, **opts: Any
+) -> None:
     """Create the deltas journals and a shard per journal (where missing)."""
     if not deltas.endswith("/"):
         raise click.BadParameter(f"{deltas!r} must end with '/'", param_hint="--deltas")
@@ -400,7 +456,7 @@ def setup(partitions: int, replication: int, hot_standbys: int, deltas: str, **o
         _run(
             _setup(
                 opts["broker_address"], opts["consumer_address"], partitions, replication,
-                hot_standbys, deltas,
+                hot_standbys, deltas, store,
             )
         )
     )  # fmt: skip
