@@ -28,6 +28,9 @@ BENCHMARKS: dict[str, str] = {
     "idle_tails": "benchmarks.idle_tails",
     "consumer_throughput": "benchmarks.consumer_throughput",
     "shard_failover": "benchmarks.shard_failover",
+    "standby_takeover": "benchmarks.standby_takeover",
+    "recovery_playback": "benchmarks.recovery_playback",
+    "sqlite_store": "benchmarks.sqlite_store",
 }
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ async def _publish(broker: str, count: int, base: int) -> None:
         await service.flush()
 
 
-async def measure(kills: int, lease: int) -> dict[str, Any]:
+async def measure(kills: int, lease: int, store: str = "json") -> dict[str, Any]:
     times: list[float] = []
     expiries: list[float] = []
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
@@ -95,7 +95,7 @@ async def measure(kills: int, lease: int) -> dict[str, Any]:
             await _until_answers(addresses.values())
             setup = subprocess.run(
                 [*EXAMPLE, "setup", "--partitions", "1", "--broker.address", broker.address,
-                 "--consumer.address", addresses["summer-0"]],
+                 "--consumer.address", addresses["summer-0"], "--store", store],
                 capture_output=True, text=True, check=False,
             )  # fmt: skip
             if setup.returncode != 0:

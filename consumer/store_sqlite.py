@@ -3,10 +3,11 @@
 The database lives in the shard's local directory and is opened through a VFS of our own (apsw's
 VFS classes can be written in Python; the stdlib `sqlite3` cannot register one): every write to
 the database file and to its rollback journal, each creation, truncation and deletion, is recorded
-as it happens, in order, and each `xSync` waits until everything recorded so far is in the log.
-With `synchronous=FULL`, SQLite syncs before it considers a transaction committed, so a commit is
-durable exactly when its operations are durable in the log, and a player rebuilds the files as
-they were at any point (a rollback journal left by a transaction cut short is played too, and
+as it happens, in order, and each `xSync` sends everything recorded so far to the log. A commit
+completes (`start_commit`'s awaitable) only once its operations are durable in the log, as
+upstream's stores do: meanwhile the next transaction may run on the local database (a commit that
+never reaches the log fails the store, and the next primary recovers from the log without it).
+A player rebuilds the files as they were at any point (a rollback journal left by a transaction cut short is played too, and
 SQLite rolls it back when it opens the database). A truncation to zero is a new file (fnode), as
 upstream records it; to another size, the remaining content is recorded as a new file.
 
@@ -47,7 +48,8 @@ T = TypeVar("T")
 DATABASE = "store.db"
 _MAIN_DB: int = apsw.SQLITE_OPEN_MAIN_DB
 _MAIN_JOURNAL: int = apsw.SQLITE_OPEN_MAIN_JOURNAL
-_RECORDED = _MAIN_DB | _MAIN_JOURNAL
+_WAL: int = apsw.SQLITE_OPEN_WAL
+_RECORDED = _MAIN_DB | _MAIN_JOURNAL | _WAL
 _names = itertools.count()
 
 
@@ -65,7 +67,9 @@ class _RecordingVFS(apsw.VFS):
     def xOpen(self, name: Any, flags: list[int]) -> _RecordingFile:
         filename = name.filename() if isinstance(name, apsw.URIFilename) else name
         record = bool(flags[0] & _RECORDED) and self.recorded(filename)
-        return _RecordingFile(self, name, flags, filename if record else None)
+        return _RecordingFile(
+            self, name, flags, filename if record else None, wal=bool(flags[0] & _WAL)
+        )
 
     def xDelete(self, filename: str, syncdir: bool) -> None:
         super().xDelete(filename, syncdir)
@@ -81,17 +85,26 @@ class _RecordingVFS(apsw.VFS):
 
 class _RecordingFile(apsw.VFSFile):
     def __init__(
-        self, vfs: _RecordingVFS, name: Any, flags: list[int], recorded: str | None
+        self, vfs: _RecordingVFS, name: Any, flags: list[int], recorded: str | None, wal: bool
     ) -> None:
         super().__init__(vfs.base, name, flags)
         self.recorder = vfs.recorder
         self.path = recorded
+        self.wal = wal
+        self.written = False
         self.fnode = self.recorder.record_open(recorded) if recorded is not None else 0
 
     def xWrite(self, data: bytes, offset: int) -> None:
         super().xWrite(data, offset)
-        if self.path is not None:
-            self.recorder.record_write(self.fnode, bytes(data), offset)
+        if self.path is None:
+            return
+        if self.wal and offset == 0 and self.written:
+            # The WAL starts over (after a checkpoint): a new file, so that the log of the
+            # frames before it is dead (its stale tail, left in place locally, has other salts
+            # and SQLite ignores it).
+            self.fnode = self.recorder.record_create(self.path)
+        self.written = True
+        self.recorder.record_write(self.fnode, bytes(data), offset)
 
     def xTruncate(self, size: int) -> None:
         super().xTruncate(size)
@@ -107,15 +120,21 @@ class _RecordingFile(apsw.VFSFile):
     def xSync(self, flags: int) -> None:
         super().xSync(flags)
         if self.path is not None:
-            self.recorder.sync_blocking()  # Durable only once it is in the log.
+            # Sent to the log now; the store's commit completes once it is durable there.
+            self.recorder.flush()
 
 
 class SQLiteStore:
     """A store on SQLite in the recorder's directory (see the module's doc). Made once the
     directory holds what the recovery log recorded (playback), with the recorder started."""
 
-    def __init__(self, recorder: Recorder, *, compact_after: int = 64 << 20) -> None:
+    def __init__(
+        self, recorder: Recorder, *, compact_after: int = 64 << 20, journal_mode: str = "WAL"
+    ) -> None:
+        if journal_mode not in ("WAL", "DELETE"):
+            raise ValueError(f"journal_mode {journal_mode!r}: WAL or DELETE")
         self.recorder = recorder
+        self.journal_mode = journal_mode
         self.compact_after = compact_after
         self.compactions = 0
         self._recorded_at_compaction = 0
@@ -126,6 +145,7 @@ class SQLiteStore:
         self.db: apsw.Connection | None = None
         self._in_txn = False
         self._committing: asyncio.Future[None] | None = None
+        self._local: asyncio.Future[None] | None = None  # The last commit, done locally.
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -134,9 +154,10 @@ class SQLiteStore:
 
     def _connect(self) -> apsw.Connection:
         db = apsw.Connection(self.path, vfs=self._vfs_name)
-        db.execute("PRAGMA journal_mode=DELETE")
-        db.execute("PRAGMA synchronous=FULL")
+        # Exclusive first: WAL then needs no shared memory (which a Python VFS cannot map).
         db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        db.execute(f"PRAGMA journal_mode={self.journal_mode}")
+        db.execute("PRAGMA synchronous=FULL")
         return db
 
     def _open(self) -> cpb.Checkpoint:
@@ -212,10 +233,10 @@ class SQLiteStore:
 
     async def run(self, fn: Callable[[apsw.Connection], T]) -> T:
         """`fn(connection)` on the store's thread, in the consumer transaction's SQLite
-        transaction (after the previous transaction's commit)."""
-        if self._committing is not None:
+        transaction (after the previous transaction's local commit)."""
+        if self._local is not None:
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._committing)
+                await asyncio.shield(self._local)
         return await self._call(self._run, fn)
 
     def start_commit(
@@ -223,9 +244,11 @@ class SQLiteStore:
     ) -> Awaitable[None]:
         if self.db is None and self._vfs is None:
             raise RuntimeError("commit before restore_checkpoint: the store is not open")
-        previous = self._committing
+        previous = self._local
+        local: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._local = local
         committing = asyncio.ensure_future(
-            self._finish_commit(previous, checkpoint.SerializeToString(), wait_for)
+            self._finish_commit(previous, local, checkpoint.SerializeToString(), wait_for)
         )
         self._committing = committing
         return committing
@@ -233,18 +256,31 @@ class SQLiteStore:
     async def _finish_commit(
         self,
         previous: asyncio.Future[None] | None,
+        local: asyncio.Future[None],
         checkpoint: bytes,
         wait_for: Sequence[Awaitable[object]],
     ) -> None:
-        if previous is not None:
-            await asyncio.shield(previous)
-        for awaitable in wait_for:
-            await awaitable
-        await self._call(self._commit, checkpoint)
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)
+            for awaitable in wait_for:
+                await awaitable
+            await self._call(self._commit, checkpoint)
+        except BaseException as exc:
+            if not local.done():
+                local.set_exception(exc)
+                local.exception()  # Retrieved: the commit's own awaitable reports it.
+            raise
+        local.set_result(None)
+        await self.recorder.durable()  # Durable once its operations are in the log.
+
+    def _hints(self) -> Any:
+        self.recorder.flush()
+        return self.recorder.fsm.build_hints(self.recorder.log)
 
     async def build_hints(self) -> Any:
         """The recorder's hints, taken on the store's thread (which records), once durable."""
-        hints = await self._call(self.recorder.fsm.build_hints, self.recorder.log)
+        hints = await self._call(self._hints)
         await self.recorder.durable()
         return hints
 
@@ -254,4 +290,6 @@ class SQLiteStore:
                 await self._committing
         with contextlib.suppress(Exception):
             await self._call(self._close)
+        with contextlib.suppress(Exception):
+            await self._call(self.recorder.flush)
         self._thread.shutdown(wait=False)

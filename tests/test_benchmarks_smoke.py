@@ -156,3 +156,36 @@ def test_shard_failover_quick() -> None:
     result = _runner.check("shard_failover", shard_failover.run(quick=True))
     assert result["unit"] == "s" and result["kills"] == 1 and result["lease_ttl"] == 2
     assert 0 < result["baseline"] <= result["value"] == result["max"]
+
+
+@pytest.mark.slow
+def test_recovery_playback_quick() -> None:
+    """A recorded log played to its head and read raw; both rates reported (never asserted)."""
+    from benchmarks import recovery_playback
+
+    assert BENCHMARKS["recovery_playback"] == "benchmarks.recovery_playback"
+    result = _runner.check("recovery_playback", recovery_playback.run(quick=True))
+    assert result["unit"] == "MB/s" and result["log_mb"] > 3 and result["live_files"] == 2
+    assert result["value"] > 0 and result["baseline"] > 0
+
+
+@pytest.mark.slow
+def test_sqlite_store_quick() -> None:
+    from benchmarks import sqlite_store
+
+    assert BENCHMARKS["sqlite_store"] == "benchmarks.sqlite_store"
+    result = _runner.check("sqlite_store", sqlite_store.run(quick=True))
+    assert result["unit"] == "txn/s" and result["transactions"] == 100
+    assert result["value"] > 0 and result["baseline"] > 0 and result["log_kb_per_txn"] > 0
+
+
+@pytest.mark.slow
+def test_standby_takeover_quick() -> None:
+    """One kill each on the recorded SQLite store (its standby takes over) and on the JSON
+    store, lease 2 s: both come back after the lease expired."""
+    from benchmarks import standby_takeover
+
+    assert BENCHMARKS["standby_takeover"] == "benchmarks.standby_takeover"
+    result = _runner.check("standby_takeover", standby_takeover.run(quick=True))
+    assert result["unit"] == "s" and result["kills"] == 1 and result["lease_ttl"] == 2
+    assert 0 < result["baseline"] <= result["value"] and result["without_standby"] > 0

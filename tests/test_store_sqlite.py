@@ -115,12 +115,13 @@ async def test_commits_play_back_with_their_checkpoint(
         assert expected[1] == checkpoint(5) and len(expected[0]) == 550
         await play(hints, tmp_path / "played", stub, service)
         assert read_back(tmp_path / "played") == expected
-        # The journals of the five transactions are dead files: not played.
+        # The WAL went with the database's close (a checkpoint): only the database is live.
         assert sorted(p.name for p in (tmp_path / "played").iterdir()) == [DATABASE]
 
 
+@pytest.mark.parametrize("journal_mode", ["WAL", "DELETE"])
 async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path, journal_mode: str
 ) -> None:
     log = await new_log(broker)
     primary = tmp_path / "primary"
@@ -128,7 +129,7 @@ async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
     async with AppendService(stub) as service:
         recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(primary), service)
         await recorder.start()
-        store = SQLiteStore(recorder)
+        store = SQLiteStore(recorder, journal_mode=journal_mode)
         await store.restore_checkpoint()
         await store.run(insert(range(100)))
         await store.start_commit(checkpoint(1))
@@ -140,12 +141,13 @@ async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
 
         await store.run(spill)
         hints = await store.build_hints()
-        names = {p.name for p in primary.iterdir()}
-        assert f"{DATABASE}-journal" in names  # A hot journal: recorded, as the spilled pages.
+        # A hot journal (or WAL frames without a commit), recorded with the spilled pages.
+        side = f"{DATABASE}-journal" if journal_mode == "DELETE" else f"{DATABASE}-wal"
+        assert side in {p.name for p in primary.iterdir()}
         # The process dies here: no commit. What the log holds is played elsewhere.
         fsm = await play(hints, tmp_path / "played", stub, service)
-        assert "/store.db-journal" in fsm.links
-        assert read_back(tmp_path / "played") == committed  # SQLite rolled the journal back.
+        assert "/" + side in fsm.links
+        assert read_back(tmp_path / "played") == committed  # SQLite rolled it back.
         await store.close()
 
 
@@ -205,9 +207,10 @@ async def test_compaction_bounds_the_playback_horizon(
         expected = read_back(primary)
         assert expected[1] == checkpoint(12)
 
-        (database,) = [n for n in hints.live_nodes]
-        first = database.segments[0]
-        assert first.first_seq_no > 1 and first.first_offset > 0
+        # Every live file (the database, its WAL) begins after the last copy's start.
+        assert hints.live_nodes
+        for node in hints.live_nodes:
+            assert node.segments[0].first_seq_no > 1 and node.segments[0].first_offset > 0
         # A player skips the log before the last copy, and rebuilds the same database.
         await play(hints, tmp_path / "played", stub, service)
         assert read_back(tmp_path / "played") == expected

@@ -14,8 +14,8 @@ returns hints only once every operation they name is.
 
 A recorder is used from one thread: the event loop's, or another (a store's database thread, whose
 file callbacks record as they happen). Off the loop, appends are handed to the loop in order
-(`call_soon_threadsafe`), and `sync_blocking()` waits there for durability without blocking the
-loop."""
+(`call_soon_threadsafe`), a sync's worth at a time (so a database commit is one append), and
+`sync_blocking()` waits there for durability without blocking the loop."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ from broker.protocol import recorded_op_pb2 as rpb
 from consumer.recoverylog.fsm import FSM, HEADER, author_fence, encode_frame
 
 __all__ = ["Fenced", "Recorder"]
+
+
+# Ops recorded off the loop are handed to it once this many bytes are buffered (or at a sync).
+_FLUSH_AT = 1 << 20
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -58,6 +62,9 @@ class Recorder:
         self._registers: Registers | None = None
         self._last: PendingSpan | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Off the loop: ops recorded and not yet handed to it (sent at a sync, or once large).
+        self._buffer: list[bytes] = []
+        self._buffered = 0
 
     async def start(self) -> None:
         """Learn the write head; take the log if it is not the one recovered from; from then on
@@ -147,7 +154,21 @@ class Recorder:
         if _on_loop(loop):
             self._write(content, registers)
         else:
-            loop.call_soon_threadsafe(self._write, content, registers)
+            self._buffer.append(content)
+            self._buffered += len(content)
+            if self._buffered >= _FLUSH_AT:
+                self.flush()
+
+    def flush(self) -> None:
+        """Off the loop: hand the ops recorded so far to the loop, as one append (a sync does
+        this first; a store's thread calls it before hints are taken)."""
+        if not self._buffer:
+            return
+        content = b"".join(self._buffer)
+        self._buffer.clear()
+        self._buffered = 0
+        assert self._loop is not None and self._registers is not None
+        self._loop.call_soon_threadsafe(self._write, content, self._registers)
 
     def _write(self, content: bytes, registers: Registers) -> None:
         """On the loop: queue one op's bytes, in order."""
@@ -190,8 +211,10 @@ class Recorder:
             raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
 
     def sync_blocking(self) -> None:
-        """Off the loop (a database thread): `durable()`, waited for here."""
+        """Off the loop (a database thread): everything recorded so far handed to the loop, and
+        `durable()` waited for here."""
         assert self._loop is not None
+        self.flush()
         asyncio.run_coroutine_threadsafe(self.durable(), self._loop).result()
 
     async def sync(self) -> None:

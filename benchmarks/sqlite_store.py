@@ -1,0 +1,141 @@
+"""sqlite_store: transactions/s of a small-write workload on the SQLite store recorded into a
+recovery log (`SQLiteStore`: each transaction upserts 10 rows of 100 bytes and commits its
+checkpoint, durable in the log; the next transaction writes while the previous commit becomes
+durable, as the transaction loop runs them), beside the same workload on plain SQLite with
+`synchronous=FULL` (apsw, the same WAL and locking mode, a local file, fsynced) in the same run.
+The ratio is reported.
+
+One `gazette serve` holds the log; its spool is a local file too, so both pay for fsync, and the
+recorded store pays for the round trips to the broker that make each commit durable."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import apsw
+
+from benchmarks._cluster import start_broker, stop_brokers, wait_ready
+from broker.client.append_service import AppendService
+from broker.client.journals import JournalsClient
+from broker.client.reader import write_head
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import recorded_op_pb2 as rpb
+from broker.testing import EtcdServer
+from consumer.protocol import cpb
+from consumer.recoverylog.fsm import FSM, new_author
+from consumer.recoverylog.recorder import Recorder
+from consumer.store_sqlite import SQLiteStore
+
+LOG = "bench/sqlite/log"
+ROWS = 10
+TABLE = "CREATE TABLE IF NOT EXISTS kv (k INTEGER PRIMARY KEY, v BLOB)"
+
+
+def _upsert(db: apsw.Connection, txn: int) -> None:
+    db.execute(TABLE)
+    db.executemany(
+        "INSERT OR REPLACE INTO kv VALUES (?, ?)",
+        [((txn * ROWS + i) % 5000, os.urandom(100)) for i in range(ROWS)],
+    )
+
+
+def _plain(path: Path, txns: int) -> float:
+    """Seconds for `txns` transactions on plain SQLite (synchronous=FULL, the store's WAL and
+    exclusive locking), checkpoint row too."""
+    db = apsw.Connection(str(path))
+    db.execute("PRAGMA locking_mode=EXCLUSIVE")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("CREATE TABLE IF NOT EXISTS gazette_checkpoint (id INTEGER PRIMARY KEY, c BLOB)")
+    checkpoint = cpb.Checkpoint().SerializeToString()
+    started = time.perf_counter()
+    for txn in range(txns):
+        db.execute("BEGIN")
+        _upsert(db, txn)
+        db.execute("INSERT OR REPLACE INTO gazette_checkpoint VALUES (0, ?)", (checkpoint,))
+        db.execute("COMMIT")
+    elapsed = time.perf_counter() - started
+    db.close()
+    return elapsed
+
+
+async def _recorded(stub: Any, directory: Path, txns: int) -> float:
+    async with AppendService(stub) as service:
+        recorder = Recorder(LOG, FSM(rpb.FSMHints(log=LOG)), new_author(), str(directory), service)
+        await recorder.start()
+        store = SQLiteStore(recorder)
+        await store.restore_checkpoint()
+        started = time.perf_counter()
+        previous: Any = None
+        for txn in range(txns):
+            # As the transaction loop runs them: the next one writes while the previous
+            # commit becomes durable, and commits once it did.
+            await store.run(lambda db, t=txn: _upsert(db, t))  # type: ignore[misc]
+            if previous is not None:
+                await previous
+            previous = store.start_commit(cpb.Checkpoint())
+        await previous
+        elapsed = time.perf_counter() - started
+        await store.close()
+    return elapsed
+
+
+async def measure(txns: int) -> dict[str, Any]:
+    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
+        root = Path(tmp)
+        broker = start_broker(etcd, "broker-0", root / "broker.log")
+        try:
+            await wait_ready([broker])
+            spec = pb.JournalSpec(name=LOG, replication=1)
+            spec.fragment.length = 64 << 20
+            spec.fragment.compression_codec = pb.NONE
+            spec.fragment.refresh_interval.seconds = 60
+            spec.labels.labels.add(name="content-type", value="application/x-gazette-recoverylog")
+            async with JournalsClient(broker.address) as client:
+                await client.apply([pb.ApplyRequest.Change(upsert=spec)])
+                for _ in range(200):
+                    try:
+                        await write_head(client.stub, LOG)
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.05)
+                (root / "recorded").mkdir()
+                recorded = await _recorded(client.stub, root / "recorded", txns)
+                log_bytes = await write_head(client.stub, LOG)
+                # The floor under each durable commit: one append of a commit's size, in turn.
+                piece = os.urandom(max(1, log_bytes // txns))
+                async with AppendService(client.stub) as service:
+                    started = time.perf_counter()
+                    for _ in range(200):
+                        await service.append(LOG, piece)
+                    append_s = (time.perf_counter() - started) / 200
+        finally:
+            stop_brokers([broker])
+        plain = await asyncio.to_thread(_plain, root / "plain.db", txns)
+    return {
+        "recorded_s": recorded, "plain_s": plain, "log_bytes": log_bytes, "append_s": append_s,
+    }  # fmt: skip
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    txns = 100 if quick else 1000
+    r = asyncio.run(measure(txns))
+    value, baseline = txns / r["recorded_s"], txns / r["plain_s"]
+    return {
+        "value": round(value, 1),
+        "unit": "txn/s",
+        "baseline": round(baseline, 1),
+        "ratio": round(value / baseline, 2),
+        "transactions": txns,
+        "log_kb_per_txn": round(r["log_bytes"] / txns / 1024, 1),
+        "append_ms": round(r["append_s"] * 1000, 2),
+    }
+
+
+if __name__ == "__main__":
+    print(run())
