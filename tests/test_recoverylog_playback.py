@@ -268,3 +268,87 @@ async def test_corrupt_logs_fail_playback_and_leave_nothing(
         with pytest.raises(PlaybackError, match="possible data loss"):
             await Player().play(hints, tmp_path / "out", lambda: stub, service)
     assert not (tmp_path / "out").exists()
+
+
+def framed(ops: list[tuple[rpb.RecordedOp, bytes]], payloads: dict[int, bytes]) -> bytes:
+    """The log bytes of `ops` (each op's frame, then its write's data from `payloads` by seq)."""
+    out = b""
+    for op, body in ops:
+        out += b"\x66\x33\x93\x36" + len(body).to_bytes(4, "little") + body
+        if op.HasField("write"):
+            out += payloads[op.seq_no]
+    return out
+
+
+async def test_playback_follows_the_hinted_branch_of_a_forked_log(
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """Two recorders appended at once (register checks off, as before registers existed): the
+    log holds both branches, interleaved; hints of either one play that one."""
+    log = await new_log(broker)
+    w = LogWriter()
+    w.op(1, **create("/f"))
+    w.op(1, **write(1, 0, 4))
+    zombie, successor = w.fork(), w.fork()
+    zombie.op(1, **write(1, 0, 4))
+    successor.op(2, **write(1, 0, 4))
+    successor.op(2, **create("/g"))
+    zombie.op(1, **create("/z"))
+    payloads_a = {2: b"base", 3: b"ZOMB"}
+    payloads_b = {2: b"base", 3: b"NEWW"}
+    # In the log: the prefix, then the branches' ops interleaved.
+    content = (
+        framed(w.ops, payloads_a)
+        + framed([zombie.ops[0]], payloads_a)
+        + framed([successor.ops[0]], payloads_b)
+        + framed([successor.ops[1]], payloads_b)
+        + framed([zombie.ops[1]], payloads_a)
+    )
+    await append(stub, log, content)
+
+    def hints_of(branch: LogWriter, author: int) -> rpb.FSMHints:
+        hints = rpb.FSMHints(log=log)
+        live = {1: [(1, 1, 1), (author, 3, 3)], branch.ops[1][0].seq_no: [(author, 4, 4)]}
+        for fnode, segments in sorted(live.items()):
+            node = hints.live_nodes.add(fnode=fnode)
+            for a, first, last in segments:
+                op = ([*w.ops, *branch.ops])[first - 1][0]
+                node.segments.add(
+                    author=a, first_seq_no=first, last_seq_no=last, first_checksum=op.checksum
+                )
+        node = hints.live_nodes[0]
+        node.segments[0].last_seq_no = 2
+        return hints
+
+    async with AppendService(stub) as service:
+        for branch, author, expected in (
+            (successor, 2, {"f": b"NEWW", "g": b""}),
+            (zombie, 1, {"f": b"ZOMB", "z": b""}),
+        ):
+            player = Player()
+            player.finish_at_write_head()
+            target = tmp_path / f"branch-{author}"
+            await player.play(hints_of(branch, author), target, lambda: stub, service)
+            assert snapshot(target) == expected
+
+
+async def test_a_hinted_op_with_a_wrong_checksum_fails_playback(
+    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    log = await new_log(broker)
+    w = LogWriter()
+    w.op(1, **create("/f"))
+    bad = w.op(1, **write(1, 0, 3))
+    body = w.ops[1][1]
+    corrupted = rpb.RecordedOp.FromString(body)
+    corrupted.checksum ^= 0xFFFF
+    w.ops[1] = (bad, corrupted.SerializeToString())
+    await append(stub, log, framed(w.ops, {2: b"abc"}))
+    hints = rpb.FSMHints(log=log)
+    hints.live_nodes.add(fnode=1).segments.add(author=1, first_seq_no=1, last_seq_no=2)
+    async with AppendService(stub) as service:
+        player = Player()
+        player.finish_at_write_head()
+        with pytest.raises(PlaybackError, match="hints unused"):
+            await player.play(hints, tmp_path / "out", lambda: stub, service)
+    assert not (tmp_path / "out").exists()
