@@ -41,6 +41,7 @@ SHARD = "stream-sum-000"
 def _start_summer(
     summer_id: str, port: int, etcd: EtcdServer, broker: str, lease: int, root: Path
 ) -> subprocess.Popen[bytes]:
+    (root / "tmp").mkdir(exist_ok=True)  # Its replicas' directories, removed with the run's.
     with open(root / f"{summer_id}.log", "ab") as out:
         return subprocess.Popen(
             [
@@ -49,7 +50,7 @@ def _start_summer(
                 "--etcd.prefix", PREFIX, "--etcd.lease", f"{lease}s", "--log.level", "warn",
                 "--summer.store-root", str(root / "stores"),
             ],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(root / "tmp")},
         )  # fmt: skip
 
 

@@ -548,7 +548,12 @@ def up(
         if app is not None:
             stores = root / "stores"
             stores.mkdir(exist_ok=True)
-            env = {"CONSUMER_STORE_ROOT": str(stores), **({"POSTGRES_DSN": dsn} if dsn else {})}
+            (root / "tmp").mkdir(exist_ok=True)  # Replicas' local directories (recovery logs).
+            env = {
+                "CONSUMER_STORE_ROOT": str(stores),
+                "TMPDIR": str(root / "tmp"),
+                **({"POSTGRES_DSN": dsn} if dsn else {}),
+            }
             state.app = app
             consumer_popens = []
             for i, port in enumerate(ports.consumers):

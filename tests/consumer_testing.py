@@ -78,6 +78,10 @@ class ConsumerProcesses:
 
     def start(self, consumer_id: str, *, wait: bool = True, lease: str = "2s") -> None:
         port = self.ports.setdefault(consumer_id, free_port())
+        # Its replicas' local directories (made under TMPDIR) go with the test's, even when
+        # the process is SIGKILLed.
+        tmp = self.logs / "tmp"
+        tmp.mkdir(exist_ok=True)
         with (self.logs / f"{consumer_id}.log").open("ab") as out:
             self.procs[consumer_id] = subprocess.Popen(
                 [
@@ -86,7 +90,7 @@ class ConsumerProcesses:
                     "--broker.address", self.broker.address, "--etcd.address", self.etcd.endpoint,
                     "--etcd.prefix", self.root, "--etcd.lease", lease, *self.app_args,
                 ],
-                stdout=out, stderr=subprocess.STDOUT,
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp)},
             )  # fmt: skip
         if wait:
             self.wait_ready(consumer_id)
