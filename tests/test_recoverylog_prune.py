@@ -186,6 +186,11 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
             recorder.record_remove(str(directory / f"scratch-{i}"))
         kept = recorder.record_create(str(directory / "kept"))
         recorder.record_write(kept, b"live data", 0)
+        await recorder.sync()
+        tail = recorder.record_create(str(directory / "tail"))  # Rolls kept's ops out of the spool.
+        for j in range(4):
+            recorder.record_write(tail, b"t" * 700, j * 700)
+            await recorder.sync()
         hints = await recorder.build_hints()
     await channel.close()
 
@@ -231,7 +236,7 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     assert done.code == 0, done.err
     after = open_store("file:///rl/", file_root=store_root).list_fragments(LOG)
     assert len(after) == len(before) - len(planned) and len(planned) >= 3
-    kept_segment = hints.live_nodes[-1].segments[0]
+    kept_segment = hints.live_nodes[-2].segments[0]
     assert all(f.end > kept_segment.first_offset for f in after)  # Only dead files' went.
 
     # The brokers list the store again (refresh 1 s), and the shard recovers all the same.
@@ -248,5 +253,23 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
         env=env,
     )
     assert out.code == 0, out.err
-    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["kept"]
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["kept", "tail"]
     assert (tmp_path / "again" / "kept").read_bytes() == b"live data"
+
+    # A fragment the hints need goes missing: recovery refuses in one line, leaves nothing.
+    store = open_store("file:///rl/", file_root=store_root)
+    needed = [f for f in after if f.begin <= kept_segment.first_offset < f.end]
+    assert needed, "the fragment holding the kept file's ops is persisted"
+    from broker.fragment.content import fragment_path
+
+    store.remove(fragment_path(needed[0]))
+    await asyncio.sleep(2.5)
+    lost = await asyncio.to_thread(
+        run_cli, "gazctl", "shards", "recover", "--id", "shard-p", "--dir", str(tmp_path / "lost"),
+        env=env,
+    )  # fmt: skip
+    assert lost.code == 1 and "Traceback" not in lost.err
+    *warnings, error = lost.err.strip().splitlines()
+    assert "content jumps to offset" in " ".join(warnings)  # Where the log has a hole.
+    assert error.startswith("Error: cannot recover shard shard-p") and "possible data loss" in error
+    assert not (tmp_path / "lost").exists()

@@ -237,3 +237,33 @@ def test_counts_on_recorded_sqlite_survive_a_kill_through_a_hot_standby(
     for prefix in ("the", "fox"):
         wait_counts(b, prefix, expected)
     assert "its standby takes over the log it tails" in group.log("sqlite-counter-b")
+
+    # counter-a comes back as the standby of both shards; then counter-b exits gracefully:
+    # the allocator waits for the standbys to tail, and counter-a takes over by a hand-off.
+    group.start("sqlite-counter-a")
+
+    def standbys_on_a() -> bool:
+        import grpc as grpc_
+
+        from broker.protocol import consumer_pb2_grpc as cpb_grpc
+        from consumer.protocol import cpb
+
+        with grpc_.insecure_channel(b.removeprefix("http://")) as channel:
+            listed = cpb_grpc.ShardStub(channel).List(cpb.ListRequest(), timeout=5)  # type: ignore[no-untyped-call]
+        return all(
+            any(
+                m.suffix == "sqlite-counter-a" and st.code == cpb.ReplicaStatus.STANDBY
+                for m, st in zip(shard.route.members, shard.status, strict=True)
+            )
+            for shard in listed.shards
+        )
+
+    deadline = time.monotonic() + 60
+    while not standbys_on_a():
+        assert time.monotonic() < deadline, "counter-a did not become the standbys"
+        time.sleep(0.2)
+    assert group.stop("sqlite-counter-b") == 0
+    a = group.address("sqlite-counter-a")
+    for prefix in ("the", "fox", "dog"):
+        wait_counts(a, prefix, expected)
+    assert group.log("sqlite-counter-a").count("its standby takes over the log it tails") == 2
