@@ -204,3 +204,23 @@ async def appenders(
 
 def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
+
+
+async def recovery_log(client: JournalsClient, name: str) -> None:
+    """Create a recovery-log journal (64 MiB fragments, uncompressed) and wait until it is
+    placed (its write head answers)."""
+    from broker.client.reader import write_head
+
+    spec = pb.JournalSpec(name=name, replication=1)
+    spec.fragment.length = 64 << 20
+    spec.fragment.compression_codec = pb.NONE
+    spec.fragment.refresh_interval.seconds = 60
+    spec.labels.labels.add(name="content-type", value="application/x-gazette-recoverylog")
+    await client.apply([pb.ApplyRequest.Change(upsert=spec)])
+    for _ in range(200):
+        try:
+            await write_head(client.stub, name)
+            return
+        except Exception:
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{name} was not placed")

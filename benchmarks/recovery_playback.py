@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._cluster import start_broker, stop_brokers, wait_ready
+from benchmarks._cluster import recovery_log, start_broker, stop_brokers, wait_ready
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.client.reader import read, write_head
-from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb
 from broker.testing import EtcdServer
 from consumer.recoverylog.fsm import FSM, new_author
@@ -50,19 +49,8 @@ async def measure(files: int, pieces: int) -> dict[str, Any]:
         broker = start_broker(etcd, "broker-0", root / "broker.log")
         try:
             await wait_ready([broker])
-            spec = pb.JournalSpec(name=LOG, replication=1)
-            spec.fragment.length = 64 << 20
-            spec.fragment.compression_codec = pb.NONE
-            spec.fragment.refresh_interval.seconds = 60
-            spec.labels.labels.add(name="content-type", value="application/x-gazette-recoverylog")
             async with JournalsClient(broker.address) as client:
-                await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-                for _ in range(200):
-                    try:
-                        await write_head(client.stub, LOG)
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.05)
+                await recovery_log(client, LOG)
                 (root / "src").mkdir()
                 hints = await _record(client.stub, root / "src", files, pieces)
                 size = await write_head(client.stub, LOG)

@@ -430,12 +430,18 @@ class Consumer:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            error = _first_error(exc)
-            text = truncate_error(f"{type(error).__name__}: {error}")
-            log.error("standby of shard %s failed: %s", replica.shard_id, text)
-            await self._set_status(
-                replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=[text]), assignment
-            )
+            await self._failed(replica, "standby of shard", exc, assignment)
+
+    async def _failed(
+        self, replica: _Replica, what: str, exc: BaseException, assignment: KeyValue | None = None
+    ) -> None:
+        """Log a replica's failure and report it, one line, as FAILED in its assignment."""
+        error = _first_error(exc)
+        text = truncate_error(f"{type(error).__name__}: {error}")
+        log.error("%s %s failed: %s", what, replica.shard_id, text)
+        await self._set_status(
+            replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=[text]), assignment
+        )
 
     async def _set_status(
         self, replica: _Replica, status: cpb.ReplicaStatus, assignment: KeyValue | None = None
@@ -512,12 +518,7 @@ class Consumer:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            error = _first_error(exc)
-            text = truncate_error(f"{type(error).__name__}: {error}")
-            log.error("shard %s failed: %s", replica.shard_id, text)
-            await self._set_status(
-                replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.FAILED, errors=[text])
-            )
+            await self._failed(replica, "shard", exc)
 
     async def _recover(self, replica: _Replica, spec: cpb.ShardSpec, service: AppendService) -> Any:
         """The shard's local files, played from its recovery log (or taken over from this

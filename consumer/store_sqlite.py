@@ -42,7 +42,7 @@ import apsw
 from consumer.protocol import cpb
 from consumer.recoverylog.recorder import Recorder
 
-__all__ = ["DATABASE", "SQLiteStore"]
+__all__ = ["DATABASE", "SQLiteStore", "wants_sqlite"]
 
 T = TypeVar("T")
 DATABASE = "store.db"
@@ -293,3 +293,17 @@ class SQLiteStore:
         with contextlib.suppress(Exception):
             await self._call(self.recorder.flush)
         self._thread.shutdown(wait=False)
+
+
+def wants_sqlite(shard: Any) -> bool:
+    """Whether the shard's spec asks for the SQLite store (label `store: sqlite`), which needs
+    its recovery log; ValueError, naming the shard, if it has none."""
+    from broker.protocol import labels
+
+    if labels.value_of(shard.spec.labels, "store") != "sqlite":
+        return False
+    if shard.recorder is None:
+        raise ValueError(
+            f"shard {shard.spec.id}: store=sqlite needs a recovery log (set recovery_log_prefix)"
+        )
+    return True

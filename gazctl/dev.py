@@ -240,12 +240,20 @@ def tail(path: str, lines: int = 5) -> str:
         return ""
 
 
-async def wait_brokers_ready(
-    brokers: list[Proc], procs: list[subprocess.Popen[bytes]], timeout: float
+async def wait_ready(
+    procs: list[Proc], popens: list[subprocess.Popen[bytes]], timeout: float, *, consumers: bool
 ) -> None:
+    """Until each process answers List (brokers' Journal, or consumers' Shard service), or one
+    line saying which exited or is not ready, with its log's tail."""
+    from consumer.client import ShardsClient
+
     deadline = time.monotonic() + timeout
-    for proc, popen in zip(brokers, procs, strict=True):
-        client = JournalsClient(proc.address, timeout=2.0)
+    for proc, popen in zip(procs, popens, strict=True):
+        client: JournalsClient | ShardsClient = (
+            ShardsClient(proc.address, timeout=2.0)
+            if consumers
+            else JournalsClient(proc.address, timeout=2.0)
+        )
         try:
             while True:
                 if popen.poll() is not None:
@@ -256,7 +264,7 @@ async def wait_brokers_ready(
                 try:
                     await client.list()
                     break
-                except BrokerUnavailable:
+                except BrokerUnavailable:  # ConsumerUnavailable is one.
                     if time.monotonic() > deadline:
                         raise click.ClickException(
                             f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}"
@@ -358,31 +366,6 @@ def consumer_command(
         "--etcd.lease", "10s",
         "--consumer.drain-timeout", "5s",
     ]  # fmt: skip
-
-
-async def wait_consumers_ready(
-    consumers: list[Proc], procs: list[subprocess.Popen[bytes]], timeout: float
-) -> None:
-    from consumer.client import ConsumerUnavailable, ShardsClient
-
-    deadline = time.monotonic() + timeout
-    for proc, popen in zip(consumers, procs, strict=True):
-        async with ShardsClient(proc.address, timeout=2.0) as client:
-            while True:
-                if popen.poll() is not None:
-                    raise click.ClickException(
-                        f"{proc.role} exited with status {popen.returncode} during start-up; "
-                        f"see {proc.log}:\n{tail(proc.log)}"
-                    )
-                try:
-                    await client.list()
-                    break
-                except ConsumerUnavailable:
-                    if time.monotonic() > deadline:
-                        raise click.ClickException(
-                            f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}"
-                        ) from None
-                    await asyncio.sleep(0.1)
 
 
 def start_postgres(root: Path, port: int, state: ClusterState, timeout: float) -> str:
@@ -543,7 +526,7 @@ def up(
                 )
             )
             state.save()
-        asyncio.run(wait_brokers_ready(state.brokers, popens, timeout))
+        asyncio.run(wait_ready(state.brokers, popens, timeout, consumers=False))
         dsn = start_postgres(root, ports.postgres, state, timeout) if postgres else None
         if app is not None:
             stores = root / "stores"
@@ -573,7 +556,7 @@ def up(
                     )
                 )
                 state.save()
-            asyncio.run(wait_consumers_ready(state.consumers, consumer_popens, timeout))
+            asyncio.run(wait_ready(state.consumers, consumer_popens, timeout, consumers=True))
     except BaseException:
         for proc in state.all():
             stop_pid(proc)

@@ -138,7 +138,11 @@ def run_cli(
 
 from tests.store_servers import gcs_server, s3_server  # noqa: E402,F401
 
-pytest_plugins = ["tests.consumer_testing", "tests.postgres_testing"]
+pytest_plugins = [
+    "tests.consumer_testing",
+    "tests.postgres_testing",
+    "tests.recoverylog_testing",
+]
 
 
 @pytest.fixture(scope="session")

@@ -8,58 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from broker.client.append_service import AppendService
 from broker.client.appender import append
-from broker.client.journals import dial
-from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.testing import BrokerHarness, EtcdServer
+from broker.testing import BrokerHarness
 from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.hints import decode_hints, encode_hints
 from consumer.recoverylog.player import PlaybackError, Player
 from consumer.recoverylog.recorder import Fenced, Recorder
-from tests.journals_testing import started_brokers
-from tests.test_persistence import routed
+from tests.recoverylog_testing import new_log
 from tests.test_recoverylog_fsm import LogWriter, create, unlink, write
-
-RECOVERYLOG = "application/x-gazette-recoverylog"
-
-
-@pytest.fixture
-async def broker(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[BrokerHarness]:
-    async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["bk-recovery"], run_allocator=True
-    ) as (harness,):
-        yield harness
-
-
-async def new_log(broker: BrokerHarness) -> str:
-    name = f"recovery/logs/{uuid.uuid4().hex[:8]}"
-    spec = pb.JournalSpec(name=name, replication=1)
-    spec.fragment.length = 1 << 20
-    spec.fragment.compression_codec = pb.NONE
-    spec.fragment.refresh_interval.seconds = 60
-    spec.labels.labels.add(name="content-type", value=RECOVERYLOG)
-    async with broker.client() as client:
-        await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-        await routed(client, name, 1)
-    return name
-
-
-@pytest.fixture
-async def stub(broker: BrokerHarness) -> AsyncIterator[pb_grpc.JournalStub]:
-    channel = dial(broker.endpoint)
-    try:
-        yield pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-    finally:
-        await channel.close()
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -113,8 +76,9 @@ class Mirror:
 
 
 async def test_recorded_files_play_back_byte_for_byte(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    broker, stub = recovery_broker, recovery_stub
     log = await new_log(broker)
     source = tmp_path / "source"
     source.mkdir()
@@ -152,9 +116,10 @@ async def test_recorded_files_play_back_byte_for_byte(
 
 
 async def test_a_log_in_upstreams_layout_plays_back(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
     """Frames, checksums and hints JSON made here from the format's description alone."""
+    broker, stub = recovery_broker, recovery_stub
     log = await new_log(broker)
     w = LogWriter()
     content: list[bytes] = []
@@ -194,8 +159,9 @@ async def test_a_log_in_upstreams_layout_plays_back(
 
 
 async def test_a_standby_tails_then_takes_over_and_fences_the_old_recorder(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    broker, stub = recovery_broker, recovery_stub
     log = await new_log(broker)
     source = tmp_path / "primary"
     source.mkdir()
@@ -244,8 +210,9 @@ async def test_a_standby_tails_then_takes_over_and_fences_the_old_recorder(
 
 
 async def test_corrupt_logs_fail_playback_and_leave_nothing(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    broker, stub = recovery_broker, recovery_stub
     log = await new_log(broker)
     w = LogWriter()
     w.op(1, **create("/f"))
@@ -281,10 +248,11 @@ def framed(ops: list[tuple[rpb.RecordedOp, bytes]], payloads: dict[int, bytes]) 
 
 
 async def test_playback_follows_the_hinted_branch_of_a_forked_log(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
     """Two recorders appended at once (register checks off, as before registers existed): the
     log holds both branches, interleaved; hints of either one play that one."""
+    broker, stub = recovery_broker, recovery_stub
     log = await new_log(broker)
     w = LogWriter()
     w.op(1, **create("/f"))
@@ -333,8 +301,9 @@ async def test_playback_follows_the_hinted_branch_of_a_forked_log(
 
 
 async def test_a_hinted_op_with_a_wrong_checksum_fails_playback(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
+    broker, stub = recovery_broker, recovery_stub
     log = await new_log(broker)
     w = LogWriter()
     w.op(1, **create("/f"))

@@ -6,57 +6,21 @@ by a hand-off cannot commit, and nothing of it is played."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import apsw
 import pytest
 
 from broker.client.append_service import AppendService
-from broker.client.journals import dial
-from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.testing import BrokerHarness, EtcdServer
+from broker.testing import BrokerHarness
 from consumer.protocol import cpb
 from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.player import Player
 from consumer.recoverylog.recorder import Fenced, Recorder
 from consumer.store_sqlite import DATABASE, SQLiteStore
-from tests.journals_testing import started_brokers
-from tests.test_persistence import routed
-from tests.test_recoverylog_playback import RECOVERYLOG
-
-
-@pytest.fixture
-async def broker(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[BrokerHarness]:
-    async with started_brokers(
-        etcd_server.endpoint, etcd_prefix, ["bk-sqlite"], run_allocator=True
-    ) as (harness,):
-        yield harness
-
-
-@pytest.fixture
-async def stub(broker: BrokerHarness) -> AsyncIterator[pb_grpc.JournalStub]:
-    channel = dial(broker.endpoint)
-    try:
-        yield pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-    finally:
-        await channel.close()
-
-
-async def new_log(broker: BrokerHarness) -> str:
-    name = f"recovery/logs/{uuid.uuid4().hex[:8]}"
-    spec = pb.JournalSpec(name=name, replication=1)
-    spec.fragment.length = 1 << 22
-    spec.fragment.compression_codec = pb.NONE
-    spec.fragment.refresh_interval.seconds = 60
-    spec.labels.labels.add(name="content-type", value=RECOVERYLOG)
-    async with broker.client() as client:
-        await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-        await routed(client, name, 1)
-    return name
+from tests.recoverylog_testing import new_log
 
 
 def checkpoint(offset: int) -> cpb.Checkpoint:
@@ -95,9 +59,10 @@ def read_back(directory: Path) -> tuple[list[tuple[int, bytes]], cpb.Checkpoint]
 
 
 async def test_commits_play_back_with_their_checkpoint(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
-    log = await new_log(broker)
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker, 1 << 22)
     primary = tmp_path / "primary"
     primary.mkdir()
     async with AppendService(stub) as service:
@@ -121,9 +86,13 @@ async def test_commits_play_back_with_their_checkpoint(
 
 @pytest.mark.parametrize("journal_mode", ["WAL", "DELETE"])
 async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path, journal_mode: str
+    recovery_broker: BrokerHarness,
+    recovery_stub: pb_grpc.JournalStub,
+    tmp_path: Path,
+    journal_mode: str,
 ) -> None:
-    log = await new_log(broker)
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker, 1 << 22)
     primary = tmp_path / "primary"
     primary.mkdir()
     async with AppendService(stub) as service:
@@ -152,9 +121,10 @@ async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
 
 
 async def test_a_zombie_store_cannot_commit_after_a_hand_off(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
-    log = await new_log(broker)
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker, 1 << 22)
     zombie_dir = tmp_path / "zombie"
     zombie_dir.mkdir()
     async with AppendService(stub) as service:
@@ -185,12 +155,13 @@ async def test_a_zombie_store_cannot_commit_after_a_hand_off(
 
 
 async def test_compaction_bounds_the_playback_horizon(
-    broker: BrokerHarness, stub: pb_grpc.JournalStub, tmp_path: Path
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
     """Rows rewritten again and again grow the log, not the database: once the log holds four
     times the database since it was last written whole, a compacted copy replaces it, and the
     hints name only the log from that copy on."""
-    log = await new_log(broker)
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker, 1 << 22)
     primary = tmp_path / "primary"
     primary.mkdir()
     async with AppendService(stub) as service:

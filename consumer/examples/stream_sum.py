@@ -36,13 +36,12 @@ from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Envelope, Sequencer
-from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.main import serve_command
 from consumer.protocol import cpb
 from consumer.store import JSONFileStore
-from consumer.store_sqlite import SQLiteStore
+from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
 
 T = TypeVar("T")
@@ -68,12 +67,7 @@ class Summer:
         self.store_root = store_root
 
     async def new_store(self, shard: Shard) -> JSONFileStore | SQLiteStore:
-        if labels.value_of(shard.spec.labels, "store") == "sqlite":
-            if shard.recorder is None:
-                raise ValueError(
-                    f"shard {shard.spec.id}: store=sqlite needs a recovery log "
-                    "(set recovery_log_prefix)"
-                )
+        if wants_sqlite(shard):
             return SQLiteStore(shard.recorder)
         return JSONFileStore(self.store_root, shard.spec.id)
 

@@ -36,7 +36,6 @@ from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, fnv1a32
 from broker.message.publisher import Publisher
 from broker.message.sequencer import Envelope
-from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import word_count_pb2 as wpb
@@ -46,7 +45,7 @@ from consumer.protocol import cpb
 from consumer.runtime import Consumer
 from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore, Store
-from consumer.store_sqlite import SQLiteStore
+from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
 
 T = TypeVar("T")
@@ -118,12 +117,7 @@ class Counter:
             self.service = None
 
     async def new_store(self, shard: Shard) -> Store:
-        if labels.value_of(shard.spec.labels, "store") == "sqlite":
-            if shard.recorder is None:
-                raise ValueError(
-                    f"shard {shard.spec.id}: store=sqlite needs a recovery log "
-                    "(set recovery_log_prefix)"
-                )
+        if wants_sqlite(shard):
             return SQLiteStore(shard.recorder)
         if self.postgres:
             store = SQLStore(self.postgres, shard.fqn or shard.spec.id)
