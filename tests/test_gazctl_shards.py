@@ -17,6 +17,7 @@ import pytest
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.protocol import recorded_op_pb2 as rpb
 from broker.testing import BrokerHarness, EtcdServer
 from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
@@ -319,3 +320,37 @@ async def test_recover_plays_a_shards_log_into_a_directory(
     bad = await gazctl(consumer, broker, "recover", "--id", "sum-a", "--dir", str(tmp_path / "b"))
     assert "shard sum-a has no recovery log" in one_line_error(bad)
     assert not (tmp_path / "b").exists()
+
+
+async def test_a_shard_whose_hints_name_another_log_fails_with_the_reason(
+    consumer: Consumer, sums_broker: BrokerHarness, etcd_server: EtcdServer
+) -> None:
+    """Hints in etcd for another log: the primary does not play anything; the shard is FAILED
+    with one line saying whose hints they are, and the process serves on."""
+    from consumer.recoverylog.hints import encode_hints
+
+    broker = sums_broker
+    log = "recovery/logs/sum-h"
+    async with broker.client() as client:
+        log_spec = spec(log)
+        log_spec.labels.Clear()
+        log_spec.labels.labels.add(name="content-type", value=RECOVERY_LOG_CONTENT_TYPE)
+        await client.apply([pb.ApplyRequest.Change(upsert=log_spec)])
+        await routed(client, log, 1)
+    wrong = rpb.FSMHints(log="recovery/logs/someone-else")
+    async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as etcd:
+        await etcd.put(b"/hints-h/sum-h.primary", encode_hints(wrong))
+    shardspace = (
+        "shards:\n- id: sum-h\n  sources:\n  - journal: sums/input\n"
+        "  recovery_log_prefix: recovery/logs\n  hint_prefix: /hints-h\n  max_txn_duration: 1s\n"
+    )
+    assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
+    async with asyncio.timeout(30):
+        while True:
+            listed = await gazctl(consumer, broker, "list", "-o", "json")
+            status = json.loads(listed.out.splitlines()[0])["status"][0] if listed.out else {}
+            if status.get("code") == "FAILED":
+                break
+            await asyncio.sleep(0.1)
+    (error,) = status["errors"]
+    assert "\n" not in error and "someone-else" in error and "recovery/logs/sum-h" in error
