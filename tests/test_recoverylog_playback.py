@@ -321,3 +321,47 @@ async def test_a_hinted_op_with_a_wrong_checksum_fails_playback(
         with pytest.raises(PlaybackError, match="hints unused"):
             await player.play(hints, tmp_path / "out", lambda: stub, service)
     assert not (tmp_path / "out").exists()
+
+
+async def test_a_hand_off_that_loses_the_race_injects_again(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """The old recorder appends just before the player's no-op lands: the no-op is out of
+    sequence (not applied), so the player reads on and injects again; the files include what
+    the old recorder wrote first, and after that it is fenced."""
+    from broker.client.append_service import PendingSpan, Registers
+
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker)
+    source = tmp_path / "old"
+    source.mkdir()
+    async with AppendService(stub) as service:
+        old = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(source), service)
+        await old.start()
+        fnode = old.record_create(str(source / "f"))
+        old.record_write(fnode, b"first", 0)
+        hints = await old.build_hints()
+
+        injected: list[bytes] = []
+
+        class Racing(AppendService):
+            async def write(
+                self, journal: str, data: bytes, registers: Registers | None = None
+            ) -> PendingSpan:
+                if registers is not None and registers.union is not None:
+                    injected.append(data)
+                    if len(injected) == 1:  # The old recorder gets in first, once.
+                        old.record_write(fnode, b"FIRST, then more", 0)
+                        await old.durable()
+                return await super().write(journal, data, registers)
+
+        async with Racing(stub) as racing:
+            player = Player()
+            player.inject_handoff(new_author())
+            fsm = await player.play(hints, tmp_path / "new", lambda: stub, racing)
+        assert len(injected) == 2  # Lost the first race, won the second.
+        assert (tmp_path / "new" / "f").read_bytes() == b"FIRST, then more"
+        assert fsm.next_seq_no == old.fsm.next_seq_no + 1  # Past the old ops and its no-op.
+        old.record_write(fnode, b"zombie", 0)
+        with pytest.raises(Fenced):
+            await old.sync()
