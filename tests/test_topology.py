@@ -1,0 +1,109 @@
+"""The topology history and its rules: cycles of the projected history (checked against brute
+force on generated histories), the seed's examples of where filters are allowed, a connection
+filtered once counting as filtered for good, and retired locations leaving the topology."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from replication.topology import (
+    Connected,
+    Disconnected,
+    Filtered,
+    Retired,
+    RuleViolation,
+    Topology,
+)
+
+LOCATIONS = "ABCDEF"
+
+
+def both(a: str, b: str, filter: str = "") -> list[Connected]:
+    return [Connected(a, b, filter), Connected(b, a)]
+
+
+def on_cycle_brute(links: set[tuple[str, str]], a: str, b: str) -> bool:
+    """Whether a simple cycle of 3+ locations contains the link a-b: try every path."""
+    others = sorted({x for link in links for x in link} - {a, b})
+    for n in range(1, len(others) + 1):
+        for path in itertools.permutations(others, n):
+            walk = [b, *path, a]
+            if all(tuple(sorted(step)) in links for step in itertools.pairwise(walk)):
+                return True
+    return False
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(LOCATIONS), st.sampled_from(LOCATIONS), st.booleans()),
+        max_size=12,
+    )
+)
+def test_cycles_of_the_projected_history_match_brute_force(
+    changes: list[tuple[str, str, bool]],
+) -> None:
+    history: list[Connected | Disconnected] = []
+    for a, b, keep in changes:
+        if a != b:
+            history.append(Connected(a, b))
+            if not keep:
+                history.append(Disconnected(a, b))  # Gone now, but in the history for good.
+    view = Topology.of(history)
+    links = view.links()
+    for a, b in links:
+        assert (view.cycle_through(a, b) is not None) == on_cycle_brute(links, a, b), (a, b)
+
+
+def test_the_seeds_examples_of_where_filters_are_allowed() -> None:
+    # A - B - C a cycle, D attached to C, E attached to B.
+    view = Topology.of(
+        [*both("A", "B"), *both("B", "C"), *both("C", "A"), *both("C", "D"), *both("B", "E")]
+    )
+    view.check_filter("C", "D")
+    view.check_filter("B", "E")
+    with pytest.raises(RuleViolation, match="no filter on A -> B: it lies on the cycle"):
+        view.check_filter("A", "B")
+    # E replaced by a cycle XYZ: B - X still allowed, X - Y not (a cycle) ...
+    for a, b in (("B", "X"), ("X", "Y"), ("Y", "Z"), ("Z", "X")):
+        view.apply(Connected(a, b))
+    view.check_filter("B", "X")
+    with pytest.raises(RuleViolation, match="cycle"):
+        view.check_filter("X", "Y")
+    # ... and removing Y - Z now does not help: the history remembers it.
+    view.apply(Disconnected("Y", "Z"))
+    with pytest.raises(RuleViolation, match="cycle"):
+        view.check_filter("X", "Y")
+
+
+def test_a_history_made_cyclic_over_time_and_filters_kept_for_good() -> None:
+    # t1: A - B - C; t2: A - C - B. Projected: the cycle ABC, although never at one time.
+    view = Topology.of([*both("A", "B"), *both("B", "C")])
+    view.check_connect("C", "A")
+    for change in (Disconnected("A", "B"), Disconnected("B", "A"), *both("C", "A")):
+        view.apply(change)
+    assert view.cycle_through("A", "B") == ["A", "C", "B"]
+    with pytest.raises(RuleViolation, match="no filter on A -> B"):
+        view.check_connect("A", "B", filter="type=x")
+
+    # D filtered from A; then the filter removed: D - A still counts as filtered.
+    view.apply(Connected("A", "D", "type=x"))
+    view.apply(Filtered("A", "D", ""))
+    with pytest.raises(RuleViolation, match=r"would close the cycle .* through A -> D, which is"):
+        view.check_connect("B", "D")
+
+
+def test_retired_locations_leave_the_topology() -> None:
+    view = Topology.of([*both("A", "B"), *both("B", "C"), *both("C", "A"), *both("C", "D")])
+    with pytest.raises(RuleViolation):
+        view.check_filter("A", "B")
+    view.apply(Retired("C"))
+    view.check_filter("A", "B")  # Without C, no cycle.
+    assert ("C", "D") not in view.current
+    with pytest.raises(RuleViolation, match="location C is retired"):
+        view.check_connect("C", "A")
+    with pytest.raises(RuleViolation, match="does not replicate to itself"):
+        view.check_connect("A", "A")
