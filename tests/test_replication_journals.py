@@ -1,0 +1,77 @@
+"""Local event logs on real journals: a location's single fenced writer (a second writer takes
+the log over and the first can write nothing more), events replicated between locations with
+their progress in the same append (a writer that takes over resumes from the log, and nothing is
+stored twice), storage order a linear extension of causality."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from broker.client.append_service import AppendService
+from broker.client.appender import AppendError
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import BrokerHarness
+from replication.journal_log import JournalEventLog, read_events, replicate_journals
+from tests.test_persistence import routed
+
+
+async def logs(broker: BrokerHarness, *names: str) -> dict[str, str]:
+    journals = {n: f"replication/test/{n}" for n in names}
+    async with broker.client() as client:
+        specs = []
+        for journal in journals.values():
+            spec = pb.JournalSpec(name=journal, replication=1)
+            spec.fragment.length = 1 << 20
+            spec.fragment.compression_codec = pb.NONE
+            spec.fragment.refresh_interval.seconds = 60
+            spec.labels.labels.add(name="content-type", value="application/x-ndjson")
+            specs.append(spec)
+        await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
+        for journal in journals.values():
+            await routed(client, journal, 1)
+    return journals
+
+
+async def test_replication_between_journal_logs(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub
+) -> None:
+    stub = recovery_stub
+    journals = await logs(recovery_broker, "A", "B", "C")
+    async with AppendService(stub) as service:
+        writers = {
+            n: JournalEventLog(n, j, lambda: stub, service, author=i + 1)
+            for i, (n, j) in enumerate(journals.items())
+        }
+        for w in writers.values():
+            await w.open()
+        a, b, c = writers["A"], writers["B"], writers["C"]
+        await a.emit([{"n": i} for i in range(5)])
+        assert [s.event.id for s in await replicate_journals("A", journals["A"], b)] == [
+            ("A", i) for i in range(1, 6)
+        ]
+        await b.emit([{"reply": True}])  # Causally after A's five.
+        await replicate_journals("B", journals["B"], c)
+        await replicate_journals("A", journals["A"], c)  # All in C's causal past by now.
+        stored_c, cvv_c = await read_events(lambda: stub, journals["C"])
+        assert [s.event.id for s in stored_c] == [*(("A", i) for i in range(1, 6)), ("B", 1)]
+        assert [s.seq for s in stored_c] == list(range(1, 7)) and cvv_c == c.cvv
+        for x, y in itertools.combinations(stored_c, 2):
+            assert not y.event.timestamp < x.event.timestamp
+
+        # B's writer is replaced (a restart): the new one rebuilds B's state from the log,
+        # and the old one is fenced out.
+        b2 = JournalEventLog("B", journals["B"], lambda: stub, service, author=99)
+        await b2.open()
+        assert (b2.cvv, b2.next_seq, b2.progress, b2.local_time) == (b.cvv, 7, {"A": 5}, 1)
+        with pytest.raises(AppendError) as fenced:
+            await b.emit([{"zombie": True}])
+        assert fenced.value.status == pb.REGISTER_MISMATCH
+        # A retry of a round already done stores nothing twice.
+        assert await replicate_journals("A", journals["A"], b2) == []
+        await a.emit([{"n": 5}])
+        assert [s.event.id for s in await replicate_journals("A", journals["A"], b2)] == [("A", 6)]
+        stored_b, _ = await read_events(lambda: stub, journals["B"])
+        assert len({s.event.id for s in stored_b}) == len(stored_b) == 7
