@@ -14,8 +14,8 @@ returns hints only once every operation they name is.
 
 A recorder is used from one thread: the event loop's, or another (a store's database thread, whose
 file callbacks record as they happen). Off the loop, appends are handed to the loop in order
-(`call_soon_threadsafe`), a sync's worth at a time (so a database commit is one append), and
-`sync_blocking()` waits there for durability without blocking the loop."""
+(`call_soon_threadsafe`) by `flush()`, a sync's worth at a time (so a database commit is one
+append); the loop then awaits `durable()`."""
 
 from __future__ import annotations
 
@@ -209,13 +209,6 @@ class Recorder:
             await self._settled(self._last)
         elif self.failure is not None:
             raise Fenced(f"recording into {self.log} stopped: {self.failure}") from self.failure
-
-    def sync_blocking(self) -> None:
-        """Off the loop (a database thread): everything recorded so far handed to the loop, and
-        `durable()` waited for here."""
-        assert self._loop is not None
-        self.flush()
-        asyncio.run_coroutine_threadsafe(self.durable(), self._loop).result()
 
     async def sync(self) -> None:
         """Wait until everything recorded so far is durable, by a barrier that also checks the
