@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,13 +103,15 @@ CONSUMER_MAY_USE = (
 )
 
 
-def test_consumers_build_on_the_public_parts_of_the_broker() -> None:
+@pytest.mark.parametrize("package", ["consumer", "replication"])
+def test_consumers_build_on_the_public_parts_of_the_broker(package: str) -> None:
+    """Consumers, and the replication networks built on them, use the broker's public parts."""
     found = []
-    for path in python_files("consumer"):
+    for path in python_files(package):
         for module in sorted(imports_of(path)):
             # (`from broker import etcd` records both `broker` and `broker.etcd`: the latter
             # is the one to judge.)
             if module.startswith("broker.") and not module.startswith(CONSUMER_MAY_USE):
                 found.append(f"{path.relative_to(ROOT)} imports {module}")
-    assert python_files("consumer"), "no consumer package"
+    assert python_files(package), f"no {package} package"
     assert found == []
