@@ -75,3 +75,67 @@ async def test_replication_between_journal_logs(
         assert [s.event.id for s in await replicate_journals("A", journals["A"], b2)] == [("A", 6)]
         stored_b, _ = await read_events(lambda: stub, journals["B"])
         assert len({s.event.id for s in stored_b}) == len(stored_b) == 7
+
+
+async def test_connections_run_until_the_network_converges(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub
+) -> None:
+    """Bi-directional connections A <-> B <-> C as running processes (tasks here): events
+    emitted anywhere, while they run, reach every location once, in causal order; a filtered
+    terminal connection C -> D carries only what its filter passes."""
+    import asyncio
+
+    from replication.connection import SourceReader, run_connection
+
+    stub = recovery_stub
+    journals = await logs(recovery_broker, "A2", "B2", "C2", "D2")
+    async with AppendService(stub) as service:
+        writers = {
+            n: JournalEventLog(n, j, lambda: stub, service, author=10 + i)
+            for i, (n, j) in enumerate(journals.items())
+        }
+        for w in writers.values():
+            await w.open()
+        links = [("A2", "B2"), ("B2", "A2"), ("B2", "C2"), ("C2", "B2")]
+        only_red = lambda e: e.payload.get("colour") == "red"  # noqa: E731
+        async with asyncio.TaskGroup() as tasks:
+            running = [
+                tasks.create_task(
+                    run_connection(s, SourceReader(lambda: stub, journals[s]), writers[t])
+                )
+                for s, t in links
+            ]
+            running.append(
+                tasks.create_task(
+                    run_connection(
+                        "C2", SourceReader(lambda: stub, journals["C2"]), writers["D2"], only_red
+                    )
+                )
+            )
+            emitted = []
+            for i in range(6):
+                at = "A2" if i % 2 else "C2"
+                colour = "red" if i % 3 == 0 else "blue"
+                emitted += await writers[at].emit([{"i": i, "colour": colour}])
+            async with asyncio.timeout(30):
+                want = {e.id for e in emitted}
+                while not all(
+                    [want <= set(await stored_ids(stub, journals[n])) for n in ("A2", "B2", "C2")]
+                ):
+                    await asyncio.sleep(0.05)
+                red = {e.id for e in emitted if e.payload["colour"] == "red"}
+                while set(await stored_ids(stub, journals["D2"])) != red:
+                    await asyncio.sleep(0.05)
+            for task in running:
+                task.cancel()
+        for n in ("A2", "B2", "C2", "D2"):
+            stored, _ = await read_events(lambda: stub, journals[n])
+            ids = [s.event.id for s in stored]
+            assert len(set(ids)) == len(ids), n
+            for x, y in itertools.combinations(stored, 2):
+                assert not y.event.timestamp < x.event.timestamp, n
+
+
+async def stored_ids(stub: pb_grpc.JournalStub, journal: str) -> list[tuple[str, int]]:
+    stored, _ = await read_events(lambda: stub, journal)
+    return [s.event.id for s in stored]

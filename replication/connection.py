@@ -1,0 +1,120 @@
+"""A replication connection's process: source -> target, run for good at the target's writer.
+
+`SourceReader` follows a source location's journal: it reads only what is new each time (an
+index of each event's offset, and the source's CVV as read), and waits for new content with a
+blocking read. `run_connection` replicates round after round: the events after the target's
+progress for the source, filtered by the target's CVV and the connection's filter, written with
+the progress in one append; when there is nothing new it waits for the source to grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+from collections.abc import Callable
+from typing import Any
+
+from broker.client.reader import read_retrying
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from replication.journal_log import JournalEventLog, _event
+from replication.location import EventFilter, ReplicationBatch, Stored
+from replication.vclock import VectorClock
+
+__all__ = ["SourceReader", "run_connection"]
+
+
+class SourceReader:
+    """A location's journal, read incrementally."""
+
+    def __init__(self, stubs: Callable[[], pb_grpc.JournalStub], journal: str) -> None:
+        self.stubs, self.journal = stubs, journal
+        self.position = 0  # Journal offset read through (a record boundary).
+        self.cvv = VectorClock()
+        self._seqs: list[int] = []  # Event seq numbers, in order, and their offsets.
+        self._offsets: list[int] = []
+
+    async def _scan(
+        self, begin: int, *, block: bool = False
+    ) -> list[tuple[int, int, dict[str, Any]]]:
+        """Whole records from `begin`: (offset, end offset, record)."""
+        out: list[tuple[int, int, dict[str, Any]]] = []
+        partial, at = b"", begin
+        async for chunk in read_retrying(self.stubs, self.journal, begin, block=block):
+            if chunk.offset != at + len(partial):
+                raise ValueError(f"{self.journal}: content jumps to {chunk.offset}")
+            data = partial + chunk.content
+            start = 0
+            while (end := data.find(b"\n", start)) != -1:
+                out.append((at + start, at + end + 1, json.loads(data[start:end])))
+                start = end + 1
+            at += start
+            partial = data[start:]
+            if block and not partial:
+                break  # Blocking: return once whole records arrived.
+        return out
+
+    async def refresh(self, *, block: bool = False) -> int:
+        """Read what is new (waiting for some, if `block`); the count of new events."""
+        records = await self._scan(self.position, block=block)
+        new = 0
+        for offset, end, record in records:
+            if record.get("kind") == "event":
+                stored = _event(record)
+                self._seqs.append(stored.seq)
+                self._offsets.append(offset)
+                self.cvv = self.cvv.merge(stored.event.timestamp)
+                new += 1
+            self.position = end
+        return new
+
+    @property
+    def last_seq(self) -> int:
+        return self._seqs[-1] if self._seqs else 0
+
+    async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
+        """Stored events after `after_seq`, at most `limit`, read from their offset."""
+        i = bisect.bisect_right(self._seqs, after_seq)
+        if i == len(self._seqs):
+            return []
+        out: list[Stored] = []
+        for _, _, record in await self._scan(self._offsets[i]):
+            if record.get("kind") == "event":
+                out.append(_event(record))
+                if len(out) == limit:
+                    break
+        return out
+
+
+async def run_connection(
+    source: str,
+    reader: SourceReader,
+    target: JournalEventLog,
+    replication_filter: EventFilter | None = None,
+    *,
+    limit: int = 1000,
+    rounds: int | None = None,
+) -> int:
+    """Replicate source -> target until cancelled (or for `rounds` rounds); events written."""
+    written = 0
+    done = 0
+    while rounds is None or done < rounds:
+        done += 1
+        await reader.refresh()
+        after = target.progress.get(source, 0)
+        events = await reader.events_after(after, limit)
+        if not events:
+            if rounds is not None:
+                continue
+            await reader.refresh(block=True)  # Until the source grows.
+            continue
+        passing = tuple(
+            s
+            for s in events
+            if target.causality_filter(s.event)
+            and (replication_filter is None or replication_filter(s.event))
+        )
+        batch = ReplicationBatch(source, passing, events[-1].seq, reader.cvv)
+        written += len(await target.write_batch(batch))
+        await asyncio.sleep(0)
+    return written
