@@ -178,7 +178,8 @@ async def test_a_fragment_is_persisted_soon_after_a_long_store_outage(
         await append(stub(brokers[0]), journal, b"")  # Rolls it: the primary persists at once.
         await asyncio.sleep(13.0)
         listed = await stub(brokers[0]).ListFragments(pb.FragmentsRequest(journal=journal))
-        assert not any(f.spec.backing_store for f in listed.fragments)
+        # (The warm-up's fragment may have been rolled and persisted before the outage.)
+        assert not any(f.spec.backing_store for f in listed.fragments if f.spec.end == 35)
 
         (root / "away").rename(root / "fragments")
         back = time.monotonic()
