@@ -31,6 +31,7 @@ class SourceReader:
         self.stubs, self.journal = stubs, journal
         self.position = 0  # Journal offset read through (a record boundary).
         self.cvv = VectorClock()
+        self.deleted_through = 0  # The source's deletions, as read.
         self._seqs: list[int] = []  # Event seq numbers, in order, and their offsets.
         self._offsets: list[int] = []
 
@@ -65,6 +66,8 @@ class SourceReader:
                 self._offsets.append(offset)
                 self.cvv = self.cvv.merge(stored.event.timestamp)
                 new += 1
+            elif record.get("kind") == "deleted":
+                self.deleted_through = max(self.deleted_through, int(record["through"]))
             self.position = end
         return new
 
@@ -74,7 +77,7 @@ class SourceReader:
 
     async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
         """Stored events after `after_seq`, at most `limit`, read from their offset."""
-        i = bisect.bisect_right(self._seqs, after_seq)
+        i = bisect.bisect_right(self._seqs, max(after_seq, self.deleted_through))
         if i == len(self._seqs):
             return []
         out: list[Stored] = []

@@ -11,7 +11,9 @@ The journal holds JSON lines of four kinds, all appended by the location's write
 * `{"kind": "progress", "source": A, "seq": S, "cvv": {...}}`: replication from A read through
   S, appended in the same append as the events that batch stored, so a retry after a crash
   finds either both or neither (and the causality filter drops what it finds again);
-* `{"kind": "local-time", "time": T}`: the local clock set ahead (metadata recovery).
+* `{"kind": "local-time", "time": T}`: the local clock set ahead (metadata recovery);
+* `{"kind": "deleted", "through": S, "dvv": {...}}`: events through S are deleted (readers skip
+  them; their fragments may then be pruned), and the DVV that leaves, recorded.
 
 Opening the log takes it (a writer record) and reads it through that record to rebuild the CVV,
 the next sequence number, the local time and the progress of every source. `read(after_seq)`
@@ -28,7 +30,14 @@ from broker.client.append_service import AppendService, Registers
 from broker.client.reader import read_retrying
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from replication.location import Event, EventFilter, ReplicationBatch, Stored
+from replication.location import (
+    Event,
+    EventFilter,
+    ReplicationBatch,
+    Stored,
+    Vectors,
+    check_deletion,
+)
 from replication.vclock import VectorClock
 
 __all__ = ["JournalEventLog", "read_events", "replicate_journals"]
@@ -74,13 +83,16 @@ async def read_events(
     the whole log as read (for a connection's batches)."""
     events: list[Stored] = []
     cvv = VectorClock()
+    deleted = 0
     for _, record in await _records(stubs, journal):
         if record.get("kind") == "event":
             stored = _event(record)
             cvv = cvv.merge(stored.event.timestamp)
-            if stored.seq > after_seq and len(events) < limit:
+            if stored.seq > after_seq:
                 events.append(stored)
-    return events, cvv
+        elif record.get("kind") == "deleted":
+            deleted = max(deleted, int(record["through"]))
+    return [s for s in events if s.seq > deleted][:limit], cvv
 
 
 class JournalEventLog:
@@ -97,6 +109,8 @@ class JournalEventLog:
         self.location, self.journal = location, journal
         self.stubs, self.service, self.author = stubs, service, author
         self.cvv = VectorClock()
+        self.dvv = VectorClock()
+        self.deleted_through = 0
         self.next_seq = 1
         self.local_time = 0
         self.progress: dict[str, int] = {}
@@ -124,6 +138,27 @@ class JournalEventLog:
             self.cached_cvv[source] = VectorClock.from_json(record["cvv"], field="progress.cvv")
         elif kind == "local-time":
             self.local_time = max(self.local_time, int(record["time"]))
+        elif kind == "deleted":
+            self.deleted_through = max(self.deleted_through, int(record["through"]))
+            self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
+
+    @property
+    def name(self) -> str:
+        return self.location
+
+    async def delete(self, through_seq: int, neighbours: Sequence[Vectors]) -> VectorClock:
+        """Delete every event through `through_seq`, if afterwards DVV ≤ CVV-i for every
+        directly connected location i (RuleViolation, nothing recorded, if not); the DVV."""
+        events, _ = await read_events(self.stubs, self.journal, self.deleted_through, 1 << 30)
+        doomed = [s.event.timestamp for s in events if s.seq <= through_seq]
+        dvv = self.dvv.merge(*doomed)
+        check_deletion(self.location, through_seq, dvv, neighbours)
+        await self._append(
+            [_line({"kind": "deleted", "through": through_seq, "dvv": dvv.to_json()})]
+        )
+        self.deleted_through = max(self.deleted_through, through_seq)
+        self.dvv = dvv
+        return dvv
 
     def _stored(self, event: Event) -> tuple[Stored, bytes]:
         stored = Stored(self.next_seq, event)

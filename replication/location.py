@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from replication.topology import RuleViolation
 from replication.vclock import VectorClock, lub
@@ -40,6 +40,8 @@ __all__ = [
     "Location",
     "ReplicationBatch",
     "Stored",
+    "Vectors",
+    "check_deletion",
     "check_fail_over",
     "check_may_start",
     "check_recover_from",
@@ -51,6 +53,20 @@ __all__ = [
 ]
 
 EventFilter = Callable[["Event"], bool]
+
+
+class Vectors(Protocol):
+    """What the rules look at of a location: its name, CVV and DVV (an in-memory `Location`, or
+    a journal's `JournalEventLog`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def cvv(self) -> VectorClock: ...
+
+    @property
+    def dvv(self) -> VectorClock: ...
 
 
 @dataclass(frozen=True)
@@ -129,24 +145,32 @@ class Location:
 
     # ---- deletion ------------------------------------------------------------------------------
 
-    def delete(self, through_seq: int, neighbours: Sequence[Location]) -> VectorClock:
+    def delete(self, through_seq: int, neighbours: Sequence[Vectors]) -> VectorClock:
         """Physically delete every event through `through_seq`, if afterwards DVV ≤ CVV-i for
         every directly connected location i; the new DVV."""
         doomed = [s for s in self.log if s.seq <= through_seq]
         dvv = self.dvv.merge(*(s.event.timestamp for s in doomed))
-        for other in neighbours:
-            if not dvv <= other.cvv:
-                raise RuleViolation(
-                    f"{self.name} may not delete through {through_seq}: its DVV would be {dvv}, "
-                    f"not <= CVV-{other.name} {other.cvv} (replicate to {other.name} first)"
-                )
+        check_deletion(self.name, through_seq, dvv, neighbours)
         self.log = [s for s in self.log if s.seq > through_seq]
         self.dvv = dvv
         self.deleted_through = max(self.deleted_through, through_seq)
         return dvv
 
 
-def check_may_start(source: Location, target: Location) -> None:
+def check_deletion(
+    name: str, through_seq: int, dvv: VectorClock, neighbours: Sequence[Vectors]
+) -> None:
+    """Deletion through `through_seq` (the DVV it would leave) only if DVV ≤ CVV-i for every
+    directly connected location i."""
+    for other in neighbours:
+        if not dvv <= other.cvv:
+            raise RuleViolation(
+                f"{name} may not delete through {through_seq}: its DVV would be {dvv}, "
+                f"not <= CVV-{other.name} {other.cvv} (replicate to {other.name} first)"
+            )
+
+
+def check_may_start(source: Vectors, target: Vectors) -> None:
     """A new connection source -> target replicates only once DVV-source ≤ CVV-target."""
     if not source.dvv <= target.cvv:
         raise RuleViolation(
@@ -207,7 +231,7 @@ def replicate(
     return write_batch(target, read_batch(source, target, replication_filter, limit), cycle=cycle)
 
 
-def check_fail_over(target: Location, previous: str, candidate: Location) -> None:
+def check_fail_over(target: Location, previous: str, candidate: Vectors) -> None:
     """A filtered connection may switch from `previous` to `candidate` only if the CVV of
     `previous` cached at target (from its last batch) is ≤ CVV-candidate."""
     cached = target.cached_cvv.get(previous, VectorClock())
@@ -218,7 +242,7 @@ def check_fail_over(target: Location, previous: str, candidate: Location) -> Non
         )
 
 
-def check_recover_from(recovering: Location, source: Location) -> None:
+def check_recover_from(recovering: Vectors, source: Vectors) -> None:
     """Event recovery of `recovering` from `source` only if DVV-source ≤ CVV-recovering."""
     if not source.dvv <= recovering.cvv:
         raise RuleViolation(

@@ -61,6 +61,8 @@ class VectorClock(Mapping[str, int]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, VectorClock):
             return self._entries == other._entries
+        if isinstance(other, Mapping):  # A plain mapping of counts (zeros left out or not).
+            return self._entries == {k: v for k, v in other.items() if v}
         return NotImplemented
 
     def __hash__(self) -> int:

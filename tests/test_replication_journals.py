@@ -139,3 +139,47 @@ async def test_connections_run_until_the_network_converges(
 async def stored_ids(stub: pb_grpc.JournalStub, journal: str) -> list[tuple[str, int]]:
     stored, _ = await read_events(lambda: stub, journal)
     return [s.event.id for s in stored]
+
+
+async def test_deletion_on_journals_follows_the_dvv_rules(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub
+) -> None:
+    """Deletion is recorded with the DVV it leaves, only once every neighbour holds what it
+    deletes; readers skip deleted events; a new connection waits for DVV <= CVV-target; a
+    writer that takes over knows the deletion."""
+    from replication.location import check_may_start
+    from replication.topology import RuleViolation
+
+    stub = recovery_stub
+    journals = await logs(recovery_broker, "A3", "B3", "C3", "D3")
+    async with AppendService(stub) as service:
+        w = {
+            n: JournalEventLog(n, j, lambda: stub, service, author=20 + i)
+            for i, (n, j) in enumerate(journals.items())
+        }
+        for log in w.values():
+            await log.open()
+        a, b, c, d = w["A3"], w["B3"], w["C3"], w["D3"]
+        await a.emit([{"i": i} for i in range(3)])
+        with pytest.raises(RuleViolation, match="A3 may not delete through 2: its DVV would be"):
+            await a.delete(2, neighbours=[b])  # B holds none of them yet.
+        assert a.dvv == type(a.dvv)() and a.deleted_through == 0  # Nothing recorded.
+        await replicate_journals("A3", journals["A3"], b)
+        dvv = await a.delete(2, neighbours=[b])
+        assert dvv == {"A3": 2} and a.deleted_through == 2
+        remaining, _ = await read_events(lambda: stub, journals["A3"])
+        assert [s.event.id for s in remaining] == [("A3", 3)]
+
+        with pytest.raises(RuleViolation, match="replication A3 -> C3 may not start yet"):
+            check_may_start(a, c)
+        await replicate_journals("B3", journals["B3"], c)  # C gets A's events from B first.
+        check_may_start(a, c)
+        assert await replicate_journals("A3", journals["A3"], c) == []  # Event 3: C has it.
+        stored_c, _ = await read_events(lambda: stub, journals["C3"])
+        assert [s.event.id for s in stored_c] == [("A3", 1), ("A3", 2), ("A3", 3)]
+
+        with pytest.raises(RuleViolation, match="not <= CVV-D3"):
+            await a.delete(3, neighbours=[b, d])
+        a2 = JournalEventLog("A3", journals["A3"], lambda: stub, service, author=99)
+        await a2.open()
+        assert (a2.dvv, a2.deleted_through) == (dvv, 2)
