@@ -10,7 +10,8 @@ The journal holds JSON lines of four kinds, all appended by the location's write
   storage order (a linear extension of causality);
 * `{"kind": "progress", "source": A, "seq": S, "cvv": {...}}`: replication from A read through
   S, appended in the same append as the events that batch stored, so a retry after a crash
-  finds either both or neither (and the causality filter drops what it finds again);
+  finds either both or neither (and the causality filter drops what it finds again); with
+  `"reset": true`, A lost events in a disaster and its progress is set back to S;
 * `{"kind": "local-time", "time": T}`: the local clock set ahead (metadata recovery);
 * `{"kind": "deleted", "through": S, "dvv": {...}}`: events through S are deleted (readers skip
   them; their fragments may then be pruned), and the DVV that leaves, recorded.
@@ -40,7 +41,7 @@ from replication.location import (
 )
 from replication.vclock import VectorClock
 
-__all__ = ["JournalEventLog", "read_events", "replicate_journals"]
+__all__ = ["JournalEventLog", "read_events", "recover_location", "replicate_journals"]
 
 
 def _line(document: Mapping[str, Any]) -> bytes:
@@ -133,8 +134,11 @@ class JournalEventLog:
             if stored.event.emitter == self.location:
                 self.local_time = max(self.local_time, stored.event.timestamp[self.location])
         elif kind == "progress":
-            source = str(record["source"])
-            self.progress[source] = max(self.progress.get(source, 0), int(record["seq"]))
+            source, seq = str(record["source"]), int(record["seq"])
+            if record.get("reset"):
+                self.progress[source] = seq  # Metadata recovery of `source`: set, not raised.
+            else:
+                self.progress[source] = max(self.progress.get(source, 0), seq)
             self.cached_cvv[source] = VectorClock.from_json(record["cvv"], field="progress.cvv")
         elif kind == "local-time":
             self.local_time = max(self.local_time, int(record["time"]))
@@ -145,6 +149,22 @@ class JournalEventLog:
     @property
     def name(self) -> str:
         return self.location
+
+    async def set_local_time(self, time: int) -> None:
+        """Metadata recovery: the local clock set ahead to `time` (never back)."""
+        if time > self.local_time:
+            await self._append([_line({"kind": "local-time", "time": time})])
+            self.local_time = time
+
+    async def reset_progress(self, source: str, seq: int) -> None:
+        """Metadata recovery of `source`: its progress here set back to its last surviving
+        sequence number (0 if it lost everything), so its new events are read again."""
+        cvv = self.cached_cvv.get(source, VectorClock())
+        await self._append(
+            [_line({"kind": "progress", "source": source, "seq": seq, "reset": True,
+                    "cvv": cvv.to_json()})]
+        )  # fmt: skip
+        self.progress[source] = seq
 
     async def delete(self, through_seq: int, neighbours: Sequence[Vectors]) -> VectorClock:
         """Delete every event through `through_seq`, if afterwards DVV ≤ CVV-i for every
@@ -227,3 +247,39 @@ async def replicate_journals(
     if not events:
         return []
     return await target.write_batch(ReplicationBatch(source, passing, through, cvv))
+
+
+async def recover_location(
+    recovering: JournalEventLog,
+    survivors: int,
+    neighbours: Sequence[tuple[JournalEventLog, str, bool]],
+) -> list[str]:
+    """Disaster recovery of `recovering` (its log kept events through `survivors`), from
+    directly connected locations given as (their writer, their journal, whether both directions
+    between them are unfiltered). Metadata first: the local clock set to the most any neighbour
+    saw of it, and their progress for it reset to `survivors`. Then events, in rounds: from each
+    unfiltered neighbour whose DVV ≤ CVV-recovering, again until no round adds any; the sources
+    used, in order (a neighbour never allowed is left out: RuleViolation is not raised)."""
+    from replication.location import check_recover_from
+    from replication.topology import RuleViolation
+
+    own = recovering.location
+    await recovering.set_local_time(max(n.cvv[own] for n, _, _ in neighbours))
+    for neighbour, _, _ in neighbours:
+        await neighbour.reset_progress(own, survivors)
+    used: list[str] = []
+    pending = [(n, j) for n, j, unfiltered in neighbours if unfiltered]
+    while pending:
+        progressed = False
+        for neighbour, journal in list(pending):
+            try:
+                check_recover_from(recovering, neighbour)
+            except RuleViolation:
+                continue  # Another round, once others raised CVV-recovering.
+            await replicate_journals(neighbour.location, journal, recovering, limit=1 << 30)
+            used.append(neighbour.location)
+            pending.remove((neighbour, journal))
+            progressed = True
+        if not progressed:
+            break
+    return used

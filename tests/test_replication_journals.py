@@ -183,3 +183,40 @@ async def test_deletion_on_journals_follows_the_dvv_rules(
         a2 = JournalEventLog("A3", journals["A3"], lambda: stub, service, author=99)
         await a2.open()
         assert (a2.dvv, a2.deleted_through) == (dvv, 2)
+
+
+async def test_disaster_recovery_on_journals_in_rounds(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub
+) -> None:
+    """A location loses its whole log: metadata recovery sets its clock to the most its
+    neighbours saw of it and resets their progress for it; event recovery goes in rounds, from
+    C first (B deleted events A lacks: DVV-B is not <= CVV-A until C's round), then B; its next
+    event never reuses a time, and replicates on as new."""
+    from replication.journal_log import recover_location
+
+    stub = recovery_stub
+    journals = await logs(recovery_broker, "A4", "B4", "C4", "A4-after-disaster")
+    async with AppendService(stub) as service:
+        a = JournalEventLog("A4", journals["A4"], lambda: stub, service, author=31)
+        b = JournalEventLog("B4", journals["B4"], lambda: stub, service, author=32)
+        c = JournalEventLog("C4", journals["C4"], lambda: stub, service, author=33)
+        for log in (a, b, c):
+            await log.open()
+        lost = await a.emit([{"i": i} for i in range(3)])
+        await replicate_journals("A4", journals["A4"], b)
+        await replicate_journals("A4", journals["A4"], c)
+        await b.delete(1, neighbours=[a, c])
+
+        # The disaster: A's log is gone; A starts again on an empty journal.
+        a2 = JournalEventLog("A4", journals["A4-after-disaster"], lambda: stub, service, author=34)
+        await a2.open()
+        used = await recover_location(a2, 0, [(b, journals["B4"], True), (c, journals["C4"], True)])
+        assert used == ["C4", "B4"]
+        recovered, _ = await read_events(lambda: stub, journals["A4-after-disaster"])
+        assert [s.event for s in recovered] == lost
+        assert a2.local_time == 3 and b.progress["A4"] == 0 == c.progress["A4"]
+        (fresh,) = await a2.emit([{"after": True}])
+        assert fresh.id == ("A4", 4)
+        assert [s.event.id for s in await replicate_journals(
+            "A4", journals["A4-after-disaster"], b
+        )] == [("A4", 4)]  # fmt: skip
