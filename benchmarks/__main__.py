@@ -31,6 +31,8 @@ BENCHMARKS: dict[str, str] = {
     "standby_takeover": "benchmarks.standby_takeover",
     "recovery_playback": "benchmarks.recovery_playback",
     "sqlite_store": "benchmarks.sqlite_store",
+    "replication_throughput": "benchmarks.replication_throughput",
+    "convergence": "benchmarks.convergence",
 }
 
 if __name__ == "__main__":

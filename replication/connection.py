@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ from replication.vclock import VectorClock
 
 __all__ = ["SourceReader", "run_connection"]
 
+_RECENT = 100_000  # Events kept parsed by a SourceReader (between this and twice as many).
+
 
 class SourceReader:
     """A location's journal, read incrementally."""
@@ -34,25 +37,32 @@ class SourceReader:
         self.deleted_through = 0  # The source's deletions, as read.
         self._seqs: list[int] = []  # Event seq numbers, in order, and their offsets.
         self._offsets: list[int] = []
+        # The most recent events as parsed (the window a connection usually reads from).
+        self._recent: list[Stored] = []
 
     async def _scan(
-        self, begin: int, *, block: bool = False
+        self, begin: int, *, block: bool = False, events: int | None = None
     ) -> list[tuple[int, int, dict[str, Any]]]:
-        """Whole records from `begin`: (offset, end offset, record)."""
+        """Whole records from `begin` (to the write head, or once `events` events were read):
+        (offset, end offset, record)."""
         out: list[tuple[int, int, dict[str, Any]]] = []
-        partial, at = b"", begin
-        async for chunk in read_retrying(self.stubs, self.journal, begin, block=block):
-            if chunk.offset != at + len(partial):
-                raise ValueError(f"{self.journal}: content jumps to {chunk.offset}")
-            data = partial + chunk.content
-            start = 0
-            while (end := data.find(b"\n", start)) != -1:
-                out.append((at + start, at + end + 1, json.loads(data[start:end])))
-                start = end + 1
-            at += start
-            partial = data[start:]
-            if block and not partial:
-                break  # Blocking: return once whole records arrived.
+        partial, at, seen = b"", begin, 0
+        chunks: Any = read_retrying(self.stubs, self.journal, begin, block=block)
+        async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
+            async for chunk in chunks:
+                if chunk.offset != at + len(partial):
+                    raise ValueError(f"{self.journal}: content jumps to {chunk.offset}")
+                data = partial + chunk.content
+                start = 0
+                while (end := data.find(b"\n", start)) != -1:
+                    record = json.loads(data[start:end])
+                    out.append((at + start, at + end + 1, record))
+                    seen += record.get("kind") == "event"
+                    start = end + 1
+                at += start
+                partial = data[start:]
+                if (block and not partial) or (events is not None and seen >= events):
+                    break  # Enough: whole records arrived, or the events asked for.
         return out
 
     async def refresh(self, *, block: bool = False) -> int:
@@ -64,11 +74,14 @@ class SourceReader:
                 stored = _event(record)
                 self._seqs.append(stored.seq)
                 self._offsets.append(offset)
+                self._recent.append(stored)
                 self.cvv = self.cvv.merge(stored.event.timestamp)
                 new += 1
             elif record.get("kind") == "deleted":
                 self.deleted_through = max(self.deleted_through, int(record["through"]))
             self.position = end
+        if len(self._recent) > 2 * _RECENT:
+            del self._recent[:-_RECENT]
         return new
 
     @property
@@ -80,8 +93,11 @@ class SourceReader:
         i = bisect.bisect_right(self._seqs, max(after_seq, self.deleted_through))
         if i == len(self._seqs):
             return []
+        first_recent = len(self._seqs) - len(self._recent)
+        if i >= first_recent:  # Parsed already.
+            return self._recent[i - first_recent : i - first_recent + limit]
         out: list[Stored] = []
-        for _, _, record in await self._scan(self._offsets[i]):
+        for _, _, record in await self._scan(self._offsets[i], events=limit):
             if record.get("kind") == "event":
                 out.append(_event(record))
                 if len(out) == limit:
@@ -97,8 +113,10 @@ async def run_connection(
     *,
     limit: int = 1000,
     rounds: int | None = None,
+    stats: dict[str, int] | None = None,
 ) -> int:
-    """Replicate source -> target until cancelled (or for `rounds` rounds); events written."""
+    """Replicate source -> target until cancelled (or for `rounds` rounds); events written.
+    `stats` counts `read`, `filtered` (in the target's causal past) and `written` events."""
     written = 0
     done = 0
     while rounds is None or done < rounds:
@@ -118,6 +136,11 @@ async def run_connection(
             and (replication_filter is None or replication_filter(s.event))
         )
         batch = ReplicationBatch(source, passing, events[-1].seq, reader.cvv)
-        written += len(await target.write_batch(batch))
+        stored = len(await target.write_batch(batch))
+        written += stored
+        if stats is not None:
+            stats["read"] = stats.get("read", 0) + len(events)
+            stats["filtered"] = stats.get("filtered", 0) + len(events) - stored
+            stats["written"] = stats.get("written", 0) + stored
         await asyncio.sleep(0)
     return written

@@ -189,3 +189,25 @@ def test_standby_takeover_quick() -> None:
     result = _runner.check("standby_takeover", standby_takeover.run(quick=True))
     assert result["unit"] == "s" and result["kills"] == 1 and result["lease_ttl"] == 2
     assert 0 < result["baseline"] <= result["value"] and result["without_standby"] > 0
+
+
+@pytest.mark.slow
+def test_replication_throughput_quick() -> None:
+    from benchmarks import replication_throughput
+
+    assert BENCHMARKS["replication_throughput"] == "benchmarks.replication_throughput"
+    result = _runner.check("replication_throughput", replication_throughput.run(quick=True))
+    assert result["unit"] == "events/s" and result["events"] == 5_000  # All replicated (checked).
+    assert result["value"] > 0 and result["baseline"] > 0 and 150 < result["bytes_per_event"] < 300
+
+
+@pytest.mark.slow
+def test_convergence_quick() -> None:
+    """Each event reaches all four locations of the ring: stored three times (not at its
+    emitter), the other connections' reads of it filtered by the causality filter."""
+    from benchmarks import convergence
+
+    assert BENCHMARKS["convergence"] == "benchmarks.convergence"
+    result = _runner.check("convergence", convergence.run(quick=True))
+    assert result["unit"] == "s" and result["events"] == 5
+    assert result["stored_per_event"] == 3 and result["filtered_per_event"] >= 1
