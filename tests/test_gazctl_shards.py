@@ -285,13 +285,8 @@ async def test_recover_plays_a_shards_log_into_a_directory(
         log_spec.labels.labels.add(name="content-type", value=RECOVERY_LOG_CONTENT_TYPE)
         await client.apply([pb.ApplyRequest.Change(upsert=log_spec)])
         await routed(client, log, 1)
-    shardspace = (
-        "shards:\n- id: sum-r\n  sources:\n  - journal: sums/input\n"
-        "  recovery_log_prefix: recovery/logs\n  hint_prefix: /hints\n  hint_backups: 1\n"
-        "  max_txn_duration: 1s\n"
-    )
-    assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
-
+    # A log recorded by a primary of the shard before this process hosts it (whose recovery
+    # then plays it, hands off, and stores its hints).
     source = tmp_path / "recorded"
     source.mkdir()
     channel = dial(broker.endpoint)
@@ -306,8 +301,13 @@ async def test_recover_plays_a_shards_log_into_a_directory(
         recorder.record_remove(str(source / "scratch"))
         await recorder.sync()
     await channel.close()
+    shardspace = (
+        "shards:\n- id: sum-r\n  sources:\n  - journal: sums/input\n"
+        "  recovery_log_prefix: recovery/logs\n  hint_prefix: /hints\n  hint_backups: 1\n"
+        "  max_txn_duration: 1s\n"
+    )
+    assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
 
-    # Without hints: the log from its start.
     out = await gazctl(consumer, broker, "recover", "--id", "sum-r", "--dir", str(tmp_path / "a"))
     assert out.code == 0, out.err
     assert "recovered shard sum-r from recovery/logs/sum-r" in out.err and "1 file(s)" in out.err
