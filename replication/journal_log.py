@@ -17,12 +17,15 @@ The journal holds JSON lines of four kinds, all appended by the location's write
   them; their fragments may then be pruned), and the DVV that leaves, recorded.
 
 Opening the log takes it (a writer record) and reads it through that record to rebuild the CVV,
-the next sequence number, the local time and the progress of every source. `read(after_seq)`
-returns stored events from the journal (an index of each event's offset is kept as it is read).
+the next sequence number, the local time and the progress of every source. A `SourceReader`
+follows a log incrementally (an index of each event's offset, recent events kept parsed, the CVV
+as read), for `read_events` and for replication rounds.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,7 +44,17 @@ from replication.location import (
 )
 from replication.vclock import VectorClock
 
-__all__ = ["JournalEventLog", "read_events", "recover_location", "replicate_journals"]
+__all__ = [
+    "JournalEventLog",
+    "SourceReader",
+    "read_events",
+    "recover_location",
+    "replicate_journals",
+    "replicate_round",
+    "scan_records",
+]
+
+_RECENT = 100_000  # Events kept parsed by a SourceReader (between this and twice as many).
 
 
 def _line(document: Mapping[str, Any]) -> bytes:
@@ -52,23 +65,34 @@ def _fence(author: int) -> pb.LabelSet:
     return pb.LabelSet(labels=[pb.Label(name="writer", value=str(author))])
 
 
-async def _records(
-    stubs: Callable[[], pb_grpc.JournalStub], journal: str, offset: int = 0
-) -> list[tuple[int, dict[str, Any]]]:
-    """Every record of the journal from `offset` to its write head, with its offset."""
-    out: list[tuple[int, dict[str, Any]]] = []
-    partial = b""
-    at = offset
-    async for chunk in read_retrying(stubs, journal, offset, block=False):
-        if chunk.offset != at + len(partial):
-            raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")
-        data = partial + chunk.content
-        start = 0
-        while (end := data.find(b"\n", start)) != -1:
-            out.append((at + start, json.loads(data[start:end])))
-            start = end + 1
-        at += start
-        partial = data[start:]
+async def scan_records(
+    stubs: Callable[[], pb_grpc.JournalStub],
+    journal: str,
+    begin: int = 0,
+    *,
+    block: bool = False,
+    events: int | None = None,
+) -> list[tuple[int, int, dict[str, Any]]]:
+    """Whole records of a location's journal from `begin`, to its write head (blocking: once
+    some arrived; `events`: once that many events were read), each with its offset and end."""
+    out: list[tuple[int, int, dict[str, Any]]] = []
+    partial, at, seen = b"", begin, 0
+    chunks: Any = read_retrying(stubs, journal, begin, block=block)
+    async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
+        async for chunk in chunks:
+            if chunk.offset != at + len(partial):
+                raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")
+            data = partial + chunk.content
+            start = 0
+            while (end := data.find(b"\n", start)) != -1:
+                record = json.loads(data[start:end])
+                out.append((at + start, at + end + 1, record))
+                seen += record.get("kind") == "event"
+                start = end + 1
+            at += start
+            partial = data[start:]
+            if (block and not partial) or (events is not None and seen >= events):
+                break  # Enough: whole records arrived, or the events asked for.
     return out
 
 
@@ -80,20 +104,66 @@ def _event(record: Mapping[str, Any]) -> Stored:
 async def read_events(
     stubs: Callable[[], pb_grpc.JournalStub], journal: str, after_seq: int = 0, limit: int = 1000
 ) -> tuple[list[Stored], VectorClock]:
-    """Stored events of a location's log after `after_seq` (at most `limit`), and the CVV of
-    the whole log as read (for a connection's batches)."""
-    events: list[Stored] = []
-    cvv = VectorClock()
-    deleted = 0
-    for _, record in await _records(stubs, journal):
-        if record.get("kind") == "event":
-            stored = _event(record)
-            cvv = cvv.merge(stored.event.timestamp)
-            if stored.seq > after_seq:
-                events.append(stored)
-        elif record.get("kind") == "deleted":
-            deleted = max(deleted, int(record["through"]))
-    return [s for s in events if s.seq > deleted][:limit], cvv
+    """Stored events of a location's log after `after_seq` (at most `limit`; deleted ones
+    skipped), and the CVV of the whole log as read."""
+    reader = SourceReader(stubs, journal)
+    await reader.refresh()
+    return await reader.events_after(after_seq, limit), reader.cvv
+
+
+class SourceReader:
+    """A location's journal, read incrementally."""
+
+    def __init__(self, stubs: Callable[[], pb_grpc.JournalStub], journal: str) -> None:
+        self.stubs, self.journal = stubs, journal
+        self.position = 0  # Journal offset read through (a record boundary).
+        self.cvv = VectorClock()
+        self.deleted_through = 0  # The source's deletions, as read.
+        self._seqs: list[int] = []  # Event seq numbers, in order, and their offsets.
+        self._offsets: list[int] = []
+        # The most recent events as parsed (the window a connection usually reads from).
+        self._recent: list[Stored] = []
+
+    async def refresh(self, *, block: bool = False) -> int:
+        """Read what is new (waiting for some, if `block`); the count of new events."""
+        records = await scan_records(self.stubs, self.journal, self.position, block=block)
+        new = 0
+        for offset, end, record in records:
+            if record.get("kind") == "event":
+                stored = _event(record)
+                self._seqs.append(stored.seq)
+                self._offsets.append(offset)
+                self._recent.append(stored)
+                self.cvv = self.cvv.merge(stored.event.timestamp)
+                new += 1
+            elif record.get("kind") == "deleted":
+                self.deleted_through = max(self.deleted_through, int(record["through"]))
+            self.position = end
+        if len(self._recent) > 2 * _RECENT:
+            del self._recent[:-_RECENT]
+        return new
+
+    @property
+    def last_seq(self) -> int:
+        return self._seqs[-1] if self._seqs else 0
+
+    async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
+        """Stored events after `after_seq`, at most `limit`, read from their offset."""
+        i = bisect.bisect_right(self._seqs, max(after_seq, self.deleted_through))
+        if i == len(self._seqs):
+            return []
+        first_recent = len(self._seqs) - len(self._recent)
+        if i >= first_recent:  # Parsed already.
+            return self._recent[i - first_recent : i - first_recent + limit]
+        out: list[Stored] = []
+        for _, _, record in await scan_records(
+            self.stubs, self.journal, self._offsets[i], events=limit
+        ):
+            if record.get("kind") == "event":
+                out.append(_event(record))
+                if len(out) == limit:
+                    break
+        return out
 
 
 class JournalEventLog:
@@ -122,7 +192,7 @@ class JournalEventLog:
         """Take the log (fencing out any earlier writer) and rebuild its state."""
         record = _line({"kind": "writer", "author": self.author})
         await (await self.service.write(self.journal, record, Registers(union=_fence(self.author))))
-        for _, rec in await _records(self.stubs, self.journal):
+        for _, _, rec in await scan_records(self.stubs, self.journal):
             self._fold(rec)
 
     def _fold(self, record: Mapping[str, Any]) -> None:
@@ -225,6 +295,38 @@ class JournalEventLog:
         return written
 
 
+async def replicate_round(
+    source: str,
+    reader: SourceReader,
+    target: JournalEventLog,
+    replication_filter: EventFilter | None = None,
+    limit: int = 1000,
+    stats: dict[str, int] | None = None,
+) -> list[Stored] | None:
+    """One round of replication source -> target from what `reader` has read: the events after
+    the target's progress for the source, less what target's CVV (the causality filter, at the
+    source) and the connection's filter exclude, written with the progress in one append; None
+    if there was nothing new. `stats` counts `read`, `filtered` (dropped by either filter) and
+    `written` events."""
+    events = await reader.events_after(target.progress.get(source, 0), limit)
+    if not events:
+        return None
+    passing = tuple(
+        s
+        for s in events
+        if target.causality_filter(s.event)
+        and (replication_filter is None or replication_filter(s.event))
+    )
+    written = await target.write_batch(
+        ReplicationBatch(source, passing, events[-1].seq, reader.cvv)
+    )
+    if stats is not None:
+        stats["read"] = stats.get("read", 0) + len(events)
+        stats["filtered"] = stats.get("filtered", 0) + len(events) - len(written)
+        stats["written"] = stats.get("written", 0) + len(written)
+    return written
+
+
 async def replicate_journals(
     source: str,
     source_journal: str,
@@ -232,21 +334,10 @@ async def replicate_journals(
     replication_filter: EventFilter | None = None,
     limit: int = 1000,
 ) -> list[Stored]:
-    """One round of replication from a location's journal into `target`: read after the
-    target's progress for `source`, drop what target's CVV (causality filter, at the source) and
-    the connection's filter exclude, and write the rest with the progress."""
-    after = target.progress.get(source, 0)
-    events, cvv = await read_events(target.stubs, source_journal, after, limit)
-    through = events[-1].seq if events else after
-    passing = tuple(
-        s
-        for s in events
-        if target.causality_filter(s.event)
-        and (replication_filter is None or replication_filter(s.event))
-    )
-    if not events:
-        return []
-    return await target.write_batch(ReplicationBatch(source, passing, through, cvv))
+    """One round of replication from a location's journal into `target`, read afresh."""
+    reader = SourceReader(target.stubs, source_journal)
+    await reader.refresh()
+    return await replicate_round(source, reader, target, replication_filter, limit) or []
 
 
 async def recover_location(
