@@ -206,21 +206,31 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
 
 
-async def recovery_log(client: JournalsClient, name: str) -> None:
-    """Create a recovery-log journal (64 MiB fragments, uncompressed) and wait until it is
-    placed (its write head answers)."""
+async def placed_journals(client: JournalsClient, names: Sequence[str], content_type: str) -> None:
+    """Create journals (64 MiB fragments, uncompressed, of `content_type`) and wait until each
+    is placed (its write head answers)."""
     from broker.client.reader import write_head
 
-    spec = pb.JournalSpec(name=name, replication=1)
-    spec.fragment.length = 64 << 20
-    spec.fragment.compression_codec = pb.NONE
-    spec.fragment.refresh_interval.seconds = 60
-    spec.labels.labels.add(name="content-type", value="application/x-gazette-recoverylog")
-    await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-    for _ in range(200):
-        try:
-            await write_head(client.stub, name)
-            return
-        except Exception:
-            await asyncio.sleep(0.05)
-    raise TimeoutError(f"{name} was not placed")
+    specs = []
+    for name in names:
+        spec = pb.JournalSpec(name=name, replication=1)
+        spec.fragment.length = 64 << 20
+        spec.fragment.compression_codec = pb.NONE
+        spec.fragment.refresh_interval.seconds = 60
+        spec.labels.labels.add(name="content-type", value=content_type)
+        specs.append(spec)
+    await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
+    for name in names:
+        for _ in range(200):
+            try:
+                await write_head(client.stub, name)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        else:
+            raise TimeoutError(f"{name} was not placed")
+
+
+async def recovery_log(client: JournalsClient, name: str) -> None:
+    """A recovery-log journal, placed."""
+    await placed_journals(client, [name], "application/x-gazette-recoverylog")

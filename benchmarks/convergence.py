@@ -13,11 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._cluster import start_broker, stop_brokers, wait_ready
+from benchmarks._cluster import placed_journals, start_broker, stop_brokers, wait_ready
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
-from broker.client.reader import write_head
-from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
 from replication.connection import SourceReader, run_connection
 from replication.journal_log import JournalEventLog
@@ -37,22 +35,9 @@ async def measure(events: int) -> dict[str, Any]:
                 JournalsClient(broker.address) as client,
                 AppendService(client.stub) as service,
             ):
-                specs = []
-                for name in LOCATIONS:
-                    spec = pb.JournalSpec(name=f"bench/convergence/{name}", replication=1)
-                    spec.fragment.length = 64 << 20
-                    spec.fragment.compression_codec = pb.NONE
-                    spec.fragment.refresh_interval.seconds = 60
-                    spec.labels.labels.add(name="content-type", value="application/x-ndjson")
-                    specs.append(spec)
-                await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
-                for spec in specs:
-                    for _ in range(200):
-                        try:
-                            await write_head(client.stub, spec.name)
-                            break
-                        except Exception:
-                            await asyncio.sleep(0.05)
+                await placed_journals(
+                    client, [f"bench/convergence/{n}" for n in LOCATIONS], "application/x-ndjson"
+                )
                 stubs = lambda: client.stub  # noqa: E731
                 logs = {
                     n: JournalEventLog(n, f"bench/convergence/{n}", stubs, service, author=i + 1)

@@ -15,35 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._cluster import start_broker, stop_brokers, wait_ready
+from benchmarks._cluster import placed_journals, start_broker, stop_brokers, wait_ready
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.client.reader import read, write_head
-from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
 from replication.connection import SourceReader, run_connection
 from replication.journal_log import JournalEventLog
 
 JOURNALS = ["bench/replication/A", "bench/replication/B", "bench/replication/raw"]
-
-
-async def _journals(client: JournalsClient) -> None:
-    specs = []
-    for name in JOURNALS:
-        spec = pb.JournalSpec(name=name, replication=1)
-        spec.fragment.length = 64 << 20
-        spec.fragment.compression_codec = pb.NONE
-        spec.fragment.refresh_interval.seconds = 60
-        spec.labels.labels.add(name="content-type", value="application/x-ndjson")
-        specs.append(spec)
-    await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
-    for name in JOURNALS:
-        for _ in range(200):
-            try:
-                await write_head(client.stub, name)
-                break
-            except Exception:
-                await asyncio.sleep(0.05)
 
 
 async def measure(events: int) -> dict[str, Any]:
@@ -56,7 +36,7 @@ async def measure(events: int) -> dict[str, Any]:
                 JournalsClient(broker.address) as client,
                 AppendService(client.stub) as service,
             ):
-                await _journals(client)
+                await placed_journals(client, JOURNALS, "application/x-ndjson")
                 stubs = lambda: client.stub  # noqa: E731
                 a = JournalEventLog("A", JOURNALS[0], stubs, service, author=1)
                 b = JournalEventLog("B", JOURNALS[1], stubs, service, author=2)
