@@ -11,13 +11,14 @@ import signal
 import socket
 import sys
 import urllib.parse
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import click
 import grpc
 
 from broker import config as cfg
+from broker.client.journals import ApplyConflict, BrokerUnavailable
 from broker.etcd import parse_etcd_address
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
@@ -25,9 +26,10 @@ from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_s
 from consumer.runtime import Consumer, ConsumerApplication, ConsumerConfig
 from spec.durations import DurationError, parse_go_duration
 
-__all__ = ["serve_command"]
+__all__ = ["run_command", "serve_command"]
 
 AppFactory = Callable[[dict[str, Any]], ConsumerApplication]
+T = TypeVar("T")
 
 
 def _seconds(flag: str, value: str) -> float:
@@ -109,6 +111,18 @@ def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
     if config.etcd_lease < 1:
         raise click.ClickException(f"--etcd.lease: {config.etcd_lease:g}s is below 1s")
     return config
+
+
+def run_command(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one coroutine of an application's command (setup, publish...): a broker or consumer
+    that refuses or cannot be reached, or a bad value, is one line (click's error)."""
+    try:
+        return asyncio.run(coro)
+    except (BrokerUnavailable, ApplyConflict, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except grpc.aio.AioRpcError as exc:
+        detail = (exc.details() or "").split("\n")[0]
+        raise click.ClickException(f"refused ({exc.code().name}): {detail}") from None
 
 
 def one_line(exc: BaseException) -> str:

@@ -22,15 +22,13 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import click
-import grpc
 
 from broker import config as cfg
 from broker.client.append_service import AppendService
-from broker.client.journals import ApplyConflict, BrokerUnavailable, JournalsClient
+from broker.client.journals import JournalsClient
 from broker.client.reader import write_head
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
@@ -38,13 +36,12 @@ from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Envelope, Sequencer
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
-from consumer.main import serve_command
+from consumer.main import run_command, serve_command
 from consumer.protocol import cpb
 from consumer.store import JSONFileStore
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
 
-T = TypeVar("T")
 PREFIX = "examples/stream-sum"
 NDJSON = "application/x-ndjson"
 
@@ -250,17 +247,6 @@ async def _chunker(
         return f"stream {missing[0]}: no sum within {timeout:g}s ({len(missing)} of {len(expected)} missing)"
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one coroutine; a broker or consumer that refuses or cannot be reached is one line."""
-    try:
-        return asyncio.run(coro)
-    except (BrokerUnavailable, ApplyConflict, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except grpc.aio.AioRpcError as exc:
-        detail = (exc.details() or "").split("\n")[0]
-        raise click.ClickException(f"refused ({exc.code().name}): {detail}") from None
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """stream-sum: exactly-once soak test of consumers."""
@@ -295,7 +281,9 @@ def cli() -> None:
 )  # fmt: skip
 def setup(partitions: int, replication: int, store: str, **opts: Any) -> None:
     """Create the chunk and sum journals, and a shard per chunk journal (with a hot standby)."""
-    _run(_setup(opts["broker_address"], opts["consumer_address"], partitions, replication, store))
+    run_command(
+        _setup(opts["broker_address"], opts["consumer_address"], partitions, replication, store)
+    )
 
 
 @cli.command()
@@ -318,7 +306,7 @@ def chunker(
 ) -> None:
     """Publish the streams' chunks; exit 0 once every sum arrived exactly right."""
     seed = seed if seed is not None else random.randrange(1 << 31)
-    problem = _run(_chunker(opts["broker_address"], streams, chunks, seed, timeout, pace))
+    problem = run_command(_chunker(opts["broker_address"], streams, chunks, seed, timeout, pace))
     if problem:
         click.echo(f"stream-sum chunker (seed {seed}): {problem}", err=True)
         sys.exit(1)

@@ -18,20 +18,19 @@ any process takes the query and proxies it to that shard's primary.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
 import re
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import click
 import grpc
 
 from broker import config as cfg
 from broker.client.append_service import AppendService
-from broker.client.journals import ApplyConflict, BrokerUnavailable, JournalsClient
+from broker.client.journals import JournalsClient
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, fnv1a32
 from broker.message.publisher import Publisher
@@ -40,7 +39,7 @@ from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import word_count_pb2 as wpb
 from consumer.examples import word_count_pb2_grpc as wpb_grpc
-from consumer.main import serve_command
+from consumer.main import run_command, serve_command
 from consumer.protocol import cpb
 from consumer.runtime import Consumer
 from consumer.sqlstore import SQLStore, ensure_table
@@ -48,7 +47,6 @@ from consumer.store import JSONFileStore, Store
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
 
-T = TypeVar("T")
 PREFIX = "examples/word-count"
 DELTAS = f"{PREFIX}/deltas/"
 NDJSON = "application/x-ndjson"
@@ -392,17 +390,6 @@ async def _query(consumer_address: str, prefix: str, shard: str) -> wpb.QueryRes
         return answer
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one coroutine; a broker or consumer that refuses or cannot be reached is one line."""
-    try:
-        return asyncio.run(coro)
-    except (BrokerUnavailable, ApplyConflict, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except grpc.aio.AioRpcError as exc:
-        detail = (exc.details() or "").split("\n")[0]
-        raise click.ClickException(f"refused ({exc.code().name}): {detail}") from None
-
-
 consumer_address_option = cfg.option(
     "--consumer.address",
     default="http://localhost:8080",
@@ -447,7 +434,7 @@ def setup(
     if not deltas.endswith("/"):
         raise click.BadParameter(f"{deltas!r} must end with '/'", param_hint="--deltas")
     click.echo(
-        _run(
+        run_command(
             _setup(
                 opts["broker_address"], opts["consumer_address"], partitions, replication,
                 hot_standbys, deltas, store,
@@ -467,7 +454,7 @@ def publish(files: tuple[Any, ...], **opts: Any) -> None:
         texts.extend(_paragraphs(f.read()))
     if not files:
         texts.extend(_paragraphs(sys.stdin.read()))
-    count = _run(_publish(opts["consumer_address"], texts))
+    count = run_command(_publish(opts["consumer_address"], texts))
     click.echo(f"published {count} n-gram(s) of {len(texts)} paragraph(s)")
 
 
@@ -478,7 +465,7 @@ def publish(files: tuple[Any, ...], **opts: Any) -> None:
 @click.argument("prefix")
 def query(prefix: str, shard: str, limit: int, **opts: Any) -> None:
     """Committed counts of the n-grams that are PREFIX or begin with it."""
-    answer = _run(_query(opts["consumer_address"], prefix, shard))
+    answer = run_command(_query(opts["consumer_address"], prefix, shard))
     click.echo(f"shard {answer.shard}: {len(answer.grams)} n-gram(s)")
     for gram in answer.grams[: limit or None]:
         click.echo(f"{gram.count:>8}  {gram.n_gram}")
