@@ -163,7 +163,6 @@ class Consumer:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._app_started = False
         self.local_dir = Path(config.local_dir) if config.local_dir else None
-        self._made_local_dir = False
 
     @property
     def endpoint(self) -> str:
@@ -184,9 +183,8 @@ class Consumer:
 
     async def start(self) -> None:
         validate_process_id(self.process_id, field="consumer id")
-        if self.local_dir is None:
+        if self.local_dir is None:  # Ours, made here and removed on stop.
             self.local_dir = Path(tempfile.mkdtemp(prefix="gazette-consumer-"))
-            self._made_local_dir = True
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.host}:{self.config.port}"
@@ -314,7 +312,7 @@ class Consumer:
         await self.router.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.etcd.close(), 5.0)
-        if self._made_local_dir and self.local_dir is not None:
+        if not self.config.local_dir and self.local_dir is not None:
             shutil.rmtree(self.local_dir, ignore_errors=True)
         self.done.set()
 
@@ -413,14 +411,7 @@ class Consumer:
             return
         try:
             async with AppendService(self.router) as service:
-                playback = Playback(spec, self._replica_dir(replica.shard_id))
-                playback.start(
-                    await fetch_hints(self.state, spec), lambda: self.router.stub_for(""), service
-                )
-                replica.playback = playback
-                await self._set_status(
-                    replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.BACKFILL), assignment
-                )
+                playback = await self._start_playback(replica, spec, service, assignment)
                 await playback.wait_tailing()
                 await self._set_status(
                     replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY), assignment
@@ -525,8 +516,7 @@ class Consumer:
         replica's standby playback) and handed off to a new recorder; the hints recovered from
         rotated into the backups, and the recorder's stored as the primary's."""
         playback = replica.playback
-        running = playback is not None and playback.task is not None and not playback.task.done()
-        if playback is not None and running:
+        if playback is not None and playback.task is not None and not playback.task.done():
             log.info(
                 "shard %s: its standby takes over the log it %s", spec.id,
                 "tails" if playback.tailing else "plays",
@@ -535,17 +525,30 @@ class Consumer:
             if playback is not None:
                 await playback.stop()
             log.info("shard %s: playing its recovery log from its hints", spec.id)
-            playback = Playback(spec, self._replica_dir(replica.shard_id))
-            playback.start(
-                await fetch_hints(self.state, spec), lambda: self.router.stub_for(""), service
-            )
-            replica.playback = playback
-            await self._set_status(replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.BACKFILL))
+            playback = await self._start_playback(replica, spec, service)
         recorder = await playback.hand_off(service)
         if not await rotate_hints(self.etcd, spec, playback.hints, replica.assignment):
             raise RuntimeError(f"shard {spec.id}: assignment lost while recovering")
         await store_hints(self.etcd, spec, await recorder.build_hints(), replica.assignment)
         return recorder
+
+    async def _start_playback(
+        self,
+        replica: _Replica,
+        spec: cpb.ShardSpec,
+        service: AppendService,
+        assignment: KeyValue | None = None,
+    ) -> Playback:
+        """Play the shard's log from its hints into the replica's directory (BACKFILL)."""
+        playback = Playback(spec, self._replica_dir(replica.shard_id))
+        playback.start(
+            await fetch_hints(self.state, spec), lambda: self.router.stub_for(""), service
+        )
+        replica.playback = playback
+        await self._set_status(
+            replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.BACKFILL), assignment
+        )
+        return playback
 
     async def _store_hints_periodically(
         self, replica: _Replica, spec: cpb.ShardSpec, store: Store

@@ -216,15 +216,18 @@ class SQLiteStore:
         return fn(self.db)
 
     def _close(self) -> None:
-        if self.db is not None:
-            with contextlib.suppress(apsw.Error):
-                if self._in_txn:
-                    self.db.execute("ROLLBACK")
-            self.db.close()
-            self.db = None
-        if self._vfs is not None:
-            self._vfs.unregister()
-            self._vfs = None
+        try:
+            if self.db is not None:
+                with contextlib.suppress(apsw.Error):
+                    if self._in_txn:
+                        self.db.execute("ROLLBACK")
+                self.db.close()
+                self.db = None
+            if self._vfs is not None:
+                self._vfs.unregister()
+                self._vfs = None
+        finally:
+            self.recorder.flush()  # What closing recorded (the WAL's checkpoint) goes out too.
 
     # ---- the Store protocol -------------------------------------------------------------------
 
@@ -290,8 +293,6 @@ class SQLiteStore:
                 await self._committing
         with contextlib.suppress(Exception):
             await self._call(self._close)
-        with contextlib.suppress(Exception):
-            await self._call(self.recorder.flush)
         self._thread.shutdown(wait=False)
 
 
