@@ -84,11 +84,13 @@ def _register() -> None:
     from gazctl.attach_uuids import attach_uuids
     from gazctl.dev import dev
     from gazctl.journals import journals
+    from gazctl.replication import replication
     from gazctl.shards import shards
     from gazctl.spark.cli import spark
 
     cli.add_command(journals)
     cli.add_command(shards)
+    cli.add_command(replication)
     cli.add_command(dev)
     cli.add_command(attach_uuids)
     cli.add_command(spark)

@@ -24,6 +24,7 @@ as read), for `read_events` and for replication rounds.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import json
@@ -42,6 +43,8 @@ from replication.location import (
     Vectors,
     check_deletion,
 )
+from replication.system import change_of, is_system
+from replication.topology import Topology
 from replication.vclock import VectorClock
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "replicate_journals",
     "replicate_round",
     "scan_records",
+    "select_batch",
 ]
 
 _RECENT = 100_000  # Events kept parsed by a SourceReader (between this and twice as many).
@@ -118,7 +122,8 @@ class SourceReader:
         self.stubs, self.journal = stubs, journal
         self.position = 0  # Journal offset read through (a record boundary).
         self.cvv = VectorClock()
-        self.deleted_through = 0  # The source's deletions, as read.
+        self.deleted_through = 0  # The source's deletions, as read, and their DVV.
+        self.dvv = VectorClock()
         self._seqs: list[int] = []  # Event seq numbers, in order, and their offsets.
         self._offsets: list[int] = []
         # The most recent events as parsed (the window a connection usually reads from).
@@ -138,6 +143,7 @@ class SourceReader:
                 new += 1
             elif record.get("kind") == "deleted":
                 self.deleted_through = max(self.deleted_through, int(record["through"]))
+                self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
             self.position = end
         if len(self._recent) > 2 * _RECENT:
             del self._recent[:-_RECENT]
@@ -146,6 +152,11 @@ class SourceReader:
     @property
     def last_seq(self) -> int:
         return self._seqs[-1] if self._seqs else 0
+
+    def seqs_between(self, after_seq: int, through_seq: int) -> list[int]:
+        """Sequence numbers of stored (not deleted) events read, in (after, through]."""
+        lo = bisect.bisect_right(self._seqs, max(after_seq, self.deleted_through))
+        return self._seqs[lo : bisect.bisect_right(self._seqs, through_seq)]
 
     async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
         """Stored events after `after_seq`, at most `limit`, read from their offset."""
@@ -186,7 +197,16 @@ class JournalEventLog:
         self.local_time = 0
         self.progress: dict[str, int] = {}
         self.cached_cvv: dict[str, VectorClock] = {}
+        # The view of the topology's history folded from the system events stored here.
+        self.topology = Topology()
         self._check = Registers(check=pb.LabelSelector(include=_fence(author)))
+        self._grown: asyncio.Event | None = None
+
+    async def grown(self) -> None:
+        """Wait until the next append of this writer is committed."""
+        if self._grown is None:
+            self._grown = asyncio.Event()
+        await self._grown.wait()
 
     async def open(self) -> None:
         """Take the log (fencing out any earlier writer) and rebuild its state."""
@@ -203,6 +223,8 @@ class JournalEventLog:
             self.next_seq = max(self.next_seq, stored.seq + 1)
             if stored.event.emitter == self.location:
                 self.local_time = max(self.local_time, stored.event.timestamp[self.location])
+            if is_system(stored.event):
+                self.topology.apply(change_of(stored.event))
         elif kind == "progress":
             source, seq = str(record["source"]), int(record["seq"])
             if record.get("reset"):
@@ -254,6 +276,8 @@ class JournalEventLog:
         stored = Stored(self.next_seq, event)
         self.next_seq += 1
         self.cvv = self.cvv.merge(event.timestamp)
+        if is_system(event):
+            self.topology.apply(change_of(event))
         line = _line(
             {"kind": "event", "seq": stored.seq, "emitter": event.emitter,
              "ts": event.timestamp.to_json(), "payload": dict(event.payload)}
@@ -262,6 +286,9 @@ class JournalEventLog:
 
     async def _append(self, lines: Sequence[bytes]) -> None:
         await (await self.service.write(self.journal, b"".join(lines), self._check))
+        if self._grown is not None:
+            self._grown.set()
+            self._grown = None
 
     async def emit(self, payloads: Sequence[Mapping[str, Any]]) -> list[Event]:
         """New events, each causally after everything stored before it, in one append."""
@@ -295,6 +322,30 @@ class JournalEventLog:
         return written
 
 
+async def select_batch(
+    source: str,
+    reader: SourceReader,
+    after_seq: int,
+    target_cvv: VectorClock,
+    replication_filter: EventFilter | None = None,
+    limit: int = 1000,
+) -> ReplicationBatch | None:
+    """What a source sends a target from what `reader` has read of the source's log: its events
+    after `after_seq` (the target's progress for it), less what the target's CVV (the causality
+    filter, applied at the source) and the connection's filter exclude, through the last one
+    read; None if there is nothing new."""
+    events = await reader.events_after(after_seq, limit)
+    if not events:
+        return None
+    passing = tuple(
+        s
+        for s in events
+        if not s.event.timestamp <= target_cvv
+        and (replication_filter is None or replication_filter(s.event))
+    )
+    return ReplicationBatch(source, passing, events[-1].seq, reader.cvv)
+
+
 async def replicate_round(
     source: str,
     reader: SourceReader,
@@ -303,26 +354,18 @@ async def replicate_round(
     limit: int = 1000,
     stats: dict[str, int] | None = None,
 ) -> list[Stored] | None:
-    """One round of replication source -> target from what `reader` has read: the events after
-    the target's progress for the source, less what target's CVV (the causality filter, at the
-    source) and the connection's filter exclude, written with the progress in one append; None
-    if there was nothing new. `stats` counts `read`, `filtered` (dropped by either filter) and
-    `written` events."""
-    events = await reader.events_after(target.progress.get(source, 0), limit)
-    if not events:
+    """One round of replication source -> target from what `reader` has read (`select_batch`),
+    written with the progress in one append; None if there was nothing new. `stats` counts
+    `read` (through the batch), `filtered` (dropped by either filter) and `written` events."""
+    after = target.progress.get(source, 0)
+    batch = await select_batch(source, reader, after, target.cvv, replication_filter, limit)
+    if batch is None:
         return None
-    passing = tuple(
-        s
-        for s in events
-        if target.causality_filter(s.event)
-        and (replication_filter is None or replication_filter(s.event))
-    )
-    written = await target.write_batch(
-        ReplicationBatch(source, passing, events[-1].seq, reader.cvv)
-    )
+    written = await target.write_batch(batch)
     if stats is not None:
-        stats["read"] = stats.get("read", 0) + len(events)
-        stats["filtered"] = stats.get("filtered", 0) + len(events) - len(written)
+        read = len(reader.seqs_between(after, batch.through_seq))
+        stats["read"] = stats.get("read", 0) + read
+        stats["filtered"] = stats.get("filtered", 0) + read - len(written)
         stats["written"] = stats.get("written", 0) + len(written)
     return written
 

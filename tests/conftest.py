@@ -142,6 +142,7 @@ pytest_plugins = [
     "tests.consumer_testing",
     "tests.postgres_testing",
     "tests.recoverylog_testing",
+    "tests.replication_testing",
 ]
 
 

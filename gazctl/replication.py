@@ -1,0 +1,509 @@
+"""`gazctl replication ...`: operate a replication network through its location processes, found
+in the replication registry in etcd.
+
+A topology change (connect, disconnect, a filter change, retire) is checked by every location
+it involves against that location's view of the topology's history, and only then recorded at
+each of them as a system event; a refusal is one line naming the rule and the vectors, and then
+nothing was recorded anywhere."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import aetcd
+import click
+from rich.table import Table
+
+from broker import config as cfg
+from broker import etcd as etcdx
+from gazctl import render
+from replication import registry
+from replication.location import Event
+from replication.rpc import Document, LocationClient, LocationError
+from replication.system import change_of
+from replication.topology import Change, Connected, Disconnected, Filtered, Retired, Topology
+from replication.vclock import VectorClock
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+UserError = click.ClickException  # One line on stderr, exit 1 (gazctl.cli.UserError's base).
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    from gazctl.cli import run as run_
+
+    return run_(coro)
+
+
+def replication_options(f: F) -> F:
+    for decorator in reversed(
+        [
+            cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address of the replication registry"),
+            cfg.option("--replication.prefix", default=registry.DEFAULT_PREFIX, help="etcd prefix of the replication registry"),
+        ]
+    ):  # fmt: skip
+        f = decorator(f)
+    return f
+
+
+@click.group()
+def replication() -> None:
+    """Operate replication networks: locations, connections, deletion, recovery."""
+
+
+class Network:
+    """The registry and clients of the locations' processes, for one command."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.prefix = opts["replication_prefix"].rstrip("/")
+        try:
+            self.etcd: aetcd.Client = etcdx.connect(opts["etcd_address"], timeout=10)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        self.clients: dict[str, LocationClient] = {}
+
+    async def __aenter__(self) -> Network:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for client in self.clients.values():
+            await client.close()
+        await self.etcd.close()
+
+    async def locations(self) -> dict[str, registry.LocationEntry]:
+        try:
+            return await registry.read_locations(self.etcd, self.prefix)
+        except Exception as exc:
+            raise UserError(f"cannot read the replication registry: {exc}") from None
+
+    async def entries(self, *names: str) -> list[registry.LocationEntry]:
+        known = await self.locations()
+        for name in names:
+            if name not in known:
+                listed = ", ".join(known) or "none"
+                raise UserError(
+                    f"unknown location {name!r}: no location of that name is registered under "
+                    f"{self.prefix} (known: {listed})"
+                )
+        return [known[n] for n in names]
+
+    async def call(self, name: str, method: str, **body: Any) -> Document:
+        entry = (await self.entries(name))[0]
+        if not entry.endpoint:
+            raise UserError(
+                f"location {name} is not running: no process serves it (start it with "
+                f"`python -m replication serve --location {name}`)"
+            )
+        client = self.clients.get(name)
+        if client is None:
+            client = self.clients[name] = LocationClient(name, entry.endpoint)
+        try:
+            return await client.call(method, **body)
+        except LocationError as exc:
+            raise UserError(str(exc)) from None
+
+    async def change(self, change: Change, at: Sequence[str]) -> None:
+        """Check `change` at every location of `at`, then record it at each."""
+        body = _document(change)
+        for name in at:
+            await self.call(name, "Change", change=body)
+        for name in at:
+            await self.call(name, "Change", change=body, record=True)
+
+
+def _document(change: Change) -> Document:
+    from replication.system import system_payload
+
+    document: Document = system_payload(change)["system"]
+    return document
+
+
+def _change(document: Document) -> Change:
+    return change_of(Event("", VectorClock(), {"system": document}))
+
+
+def _vector(document: Any) -> str:
+    return str(VectorClock.from_json(document or {}))
+
+
+# ---- locations, status -----------------------------------------------------------------------
+
+
+@replication.command("locations")
+@click.option(
+    "--format", "fmt", default="table", type=click.Choice(["table", "json"]), help="Output format"
+)
+@replication_options
+def locations_cmd(fmt: str, **opts: Any) -> None:  # fmt: skip
+    """List the registered locations, whether a process serves each, and its CVV."""
+
+    async def go() -> None:
+        async with Network(opts) as net:
+            rows = []
+            for entry in (await net.locations()).values():
+                status: Document = {}
+                if entry.endpoint:
+                    try:
+                        status = await net.call(entry.name, "Status")
+                    except UserError:
+                        status = {}
+                rows.append((entry, status))
+        if fmt == "json":
+            for entry, status in rows:
+                click.echo(json.dumps({"name": entry.name, "journal": entry.journal, "broker": entry.broker, "endpoint": entry.endpoint, "cvv": status.get("cvv"), "last_seq": status.get("last_seq")}))  # fmt: skip
+            return
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for column in ("Location", "Journal", "Broker", "Process", "Events", "CVV"):
+            table.add_column(column)
+        for entry, status in rows:
+            process = entry.endpoint or "<down>"
+            if status.get("lost"):
+                process += " (needs recovery)"
+            table.add_row(entry.name, entry.journal, entry.broker, process, str(status.get("last_seq", "")), _vector(status.get("cvv")) if status else "")  # fmt: skip
+        render.console.print(table)
+
+    run(go())
+
+
+@replication.command("status")
+@click.argument("names", nargs=-1)
+@click.option(
+    "--format", "fmt", default="table", type=click.Choice(["table", "json"]), help="Output format"
+)
+@replication_options
+def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: skip
+    """Each location's CVV, DVV, local time and events, and its connections' progress and lag
+    (every running location, or those named)."""
+
+    async def go() -> list[Document]:
+        async with Network(opts) as net:
+            if names:
+                await net.entries(*names)
+                chosen = list(names)
+            else:
+                chosen = [e.name for e in (await net.locations()).values() if e.endpoint]
+            return [await net.call(n, "Status") for n in chosen]
+
+    statuses = run(go())
+    if fmt == "json":
+        for status in statuses:
+            click.echo(json.dumps(status, sort_keys=True))
+        return
+    for status in statuses:
+        name = status["location"]
+        click.echo(
+            f"{name}: events 1-{status['last_seq']} (deleted through {status['deleted_through']}), "
+            f"local time {status['local_time']}, CVV {_vector(status['cvv'])}, "
+            f"DVV {_vector(status['dvv'])}"
+        )
+        if status.get("lost"):
+            click.echo(f"  {status['lost']}")
+        if not status["connections"]:
+            click.echo("  no connections into it")
+            continue
+        table = Table(box=None, header_style="bold", pad_edge=True)
+        for column in ("Connection", "Filter", "State", "Via", "Progress", "Lag", "Written"):
+            table.add_column(column)
+        for c in status["connections"]:
+            state = c["state"] + (f" ({c['error']})" if c["error"] else "")
+            table.add_row(f"{c['source']} -> {name}", c["filter"] or "-", state, c["via"] or "-", str(c["progress"]), str(c["lag"]), str(c["written"]))  # fmt: skip
+        render.console.print(table)
+
+
+# ---- topology changes -------------------------------------------------------------------------
+
+
+@replication.command("connect")
+@click.argument("source")
+@click.argument("target")
+@click.option(
+    "--filter",
+    "filter_",
+    default="",
+    help="Replication filter: a label selector over event attributes (payload fields and `emitter`)",
+)
+@click.option(
+    "--both",
+    is_flag=True,
+    help="Also connect TARGET -> SOURCE (bi-directional, as two connections)",
+)
+@replication_options
+def connect_cmd(source: str, target: str, filter_: str, both: bool, **opts: Any) -> None:  # fmt: skip
+    """Replicate SOURCE's events to TARGET (a filter change, if it is connected already)."""
+
+    async def go() -> None:
+        async with Network(opts) as net:
+            pairs = [(source, target)] + ([(target, source)] if both else [])
+            for s, t in pairs:
+                current = await _current(net, t)
+                if (s, t) in current:
+                    if current[(s, t)] == filter_:
+                        click.echo(f"{s} -> {t}: connected already")
+                        continue
+                    await net.change(Filtered(s, t, filter_), at=[t, s])
+                    click.echo(f"{s} -> {t}: filter changed to {filter_ or '(none)'}")
+                    continue
+                await net.change(Connected(s, t, filter_), at=[t, s])
+                click.echo(f"{s} -> {t}: connected" + (f" (filter {filter_})" if filter_ else ""))
+
+    run(go())
+
+
+async def _current(net: Network, at: str) -> dict[tuple[str, str], str]:
+    return _view(await net.call(at, "Status")).current
+
+
+def _view(status: Document) -> Topology:
+    return Topology.of(_change(d) for d in status["history"])
+
+
+@replication.command("disconnect")
+@click.argument("source")
+@click.argument("target")
+@click.option("--both", is_flag=True, help="Also disconnect TARGET -> SOURCE")
+@replication_options
+def disconnect_cmd(source: str, target: str, both: bool, **opts: Any) -> None:
+    """Stop replicating SOURCE's events to TARGET (it stays in the topology's history)."""
+
+    async def go() -> None:
+        async with Network(opts) as net:
+            for s, t in [(source, target)] + ([(target, source)] if both else []):
+                await net.change(Disconnected(s, t), at=[t, s])
+                click.echo(f"{s} -> {t}: disconnected")
+
+    run(go())
+
+
+@replication.command("retire")
+@click.argument("name")
+@replication_options
+def retire_cmd(name: str, **opts: Any) -> None:
+    """Retire a location for good: it leaves the topology (its connections end) and takes no
+    new ones. Recorded at every running location whose view knows it."""
+
+    async def go() -> None:
+        async with Network(opts) as net:
+            await net.entries(name)
+            at, already = [], []
+            for entry in (await net.locations()).values():
+                if entry.endpoint:
+                    view = _view(await net.call(entry.name, "Status"))
+                    if entry.name == name or name in view.locations:
+                        at.append(entry.name)
+                        already.append(name in view.retired)
+            if at and all(already):
+                click.echo(f"{name}: retired already")
+                return
+            if not at:
+                raise UserError(f"location {name}: no running location knows it, nothing to record")  # fmt: skip
+            await net.change(Retired(name), at=at)
+            click.echo(f"{name}: retired (recorded at {', '.join(at)})")
+
+    run(go())
+
+
+# ---- deletion, recovery, events --------------------------------------------------------------
+
+
+@replication.command("delete")
+@click.argument("name")
+@click.option(
+    "--through",
+    required=True,
+    type=click.IntRange(1),
+    help="Delete events through this sequence number",
+)
+@replication_options
+def delete_cmd(name: str, through: int, **opts: Any) -> None:  # fmt: skip
+    """Delete a location's events through a sequence number: allowed only if afterwards its DVV
+    is <= the CVV of every directly connected location."""
+
+    async def go() -> Document:
+        async with Network(opts) as net:
+            return await net.call(name, "Delete", through=through)
+
+    reply = run(go())
+    click.echo(f"{name}: deleted through {reply['deleted_through']}, DVV {_vector(reply['dvv'])}")
+
+
+@replication.command("recover")
+@click.argument("name")
+@replication_options
+def recover_cmd(name: str, **opts: Any) -> None:
+    """Disaster recovery of a location whose log lost events: its clock and its neighbours'
+    progress first, then events from the neighbours allowed to give them back."""
+
+    async def go() -> Document:
+        async with Network(opts) as net:
+            return await net.call(name, "Recover")
+
+    reply = run(go())
+    skipped = reply["not_recovered_from"]
+    click.echo(
+        f"{name}: recovered metadata (events 1-{reply['survivors']} survived, local time "
+        f"{reply['local_time']}); events come back over its connections"
+        + (f"; not from {', '.join(skipped)} (filtered, and not terminal)" if skipped else "")
+    )
+
+
+@replication.command("emit")
+@click.argument("name")
+@click.argument("payloads", nargs=-1, required=True)
+@replication_options
+def emit_cmd(name: str, payloads: tuple[str, ...], **opts: Any) -> None:
+    """Emit events at a location, each PAYLOAD a JSON object."""
+    documents = []
+    for i, text in enumerate(payloads, 1):
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            raise UserError(f"payload {i}: not JSON ({exc})") from None
+        if not isinstance(document, dict):
+            raise UserError(f"payload {i}: expected a JSON object, got {text!r}")
+        documents.append(document)
+
+    async def go() -> Document:
+        async with Network(opts) as net:
+            return await net.call(name, "Emit", payloads=documents)
+
+    for event in run(go())["events"]:
+        click.echo(f"{event['emitter']} {_vector(event['ts'])}")
+
+
+@replication.command("events")
+@click.argument("name")
+@click.option(
+    "--after", default=0, type=click.IntRange(0), help="Events after this sequence number"
+)
+@click.option("--limit", default=1000, type=click.IntRange(1), help="At most this many")
+@replication_options
+def events_cmd(name: str, after: int, limit: int, **opts: Any) -> None:  # fmt: skip
+    """A location's stored events in storage order, as JSON lines."""
+
+    async def go() -> Document:
+        async with Network(opts) as net:
+            return await net.call(name, "Read", after=after, limit=limit)
+
+    for event in run(go())["events"]:
+        click.echo(json.dumps(event, sort_keys=True))
+
+
+# ---- topology ---------------------------------------------------------------------------------
+
+
+@replication.command("topology")
+@click.option("--at", default="", help="Whose view to show (default: the first running location)")
+@click.option(
+    "--format",
+    "fmt",
+    default="table",
+    type=click.Choice(["table", "dot", "picture", "json"]),
+    help="A table of the connections and the history, Graphviz dot, a terminal picture, or JSON",
+)
+@replication_options
+def topology_cmd(at: str, fmt: str, **opts: Any) -> None:  # fmt: skip
+    """The replication network as a location sees it: its connections (those on a cycle of the
+    projected history marked) and the topology's whole history."""
+
+    async def go() -> Document:
+        async with Network(opts) as net:
+            name = at
+            if not name:
+                running = [e.name for e in (await net.locations()).values() if e.endpoint]
+                if not running:
+                    raise UserError(f"no location is running under {net.prefix}: nothing to ask")
+                name = running[0]
+            return await net.call(name, "Status")
+
+    status = run(go())
+    view = _view(status)
+    cycles = view.cycles()
+    if fmt == "json":
+        click.echo(json.dumps({"at": status["location"], "current": [{"source": s, "target": t, "filter": f, "on_cycle": (min(s, t), max(s, t)) in cycles} for (s, t), f in sorted(view.current.items())], "history": status["history"], "retired": sorted(view.retired)}, sort_keys=True))  # fmt: skip
+    elif fmt == "dot":
+        click.echo(dot(view), nl=False)
+    elif fmt == "picture":
+        click.echo(picture(view), nl=False)
+    else:
+        click.echo(f"as seen at {status['location']}:")
+        table = Table(box=None, header_style="bold", pad_edge=True)
+        for column in ("Connection", "Filter", "On a cycle", "Ever filtered"):
+            table.add_column(column)
+        for (s, t), f in sorted(view.current.items()):
+            table.add_row(f"{s} -> {t}", f or "-", "yes" if (min(s, t), max(s, t)) in cycles else "-", "yes" if (s, t) in view.ever_filtered else "-")  # fmt: skip
+        render.console.print(table)
+        if view.retired:
+            click.echo(f"retired: {', '.join(sorted(view.retired))}")
+        click.echo("history:")
+        for i, change in enumerate(view.history, 1):
+            click.echo(f"  {i}. {describe(change)}")
+
+
+def describe(change: Change) -> str:
+    if isinstance(change, Retired):
+        return f"{change.location} retired"
+    if isinstance(change, Connected):
+        return f"{change.source} -> {change.target} connected" + (f" (filter {change.filter})" if change.filter else "")  # fmt: skip
+    if isinstance(change, Disconnected):
+        return f"{change.source} -> {change.target} disconnected"
+    return f"{change.source} -> {change.target} filter {change.filter or '(none)'}"
+
+
+def dot(view: Topology) -> str:
+    """Graphviz dot of the current network: filtered connections dashed and labelled, those on a
+    cycle of the projected history bold, retired locations grey; links of the history that are
+    no longer connected dotted."""
+    cycles = view.cycles()
+    lines = ["digraph replication {", "  rankdir=LR;", "  node [shape=box];"]
+    for name in sorted(view.locations):
+        style = ' [color=grey, fontcolor=grey, label="' + name + ' (retired)"]' if name in view.retired else ""  # fmt: skip
+        lines.append(f'  "{name}"{style};')
+    for s, t in sorted(view.ever):
+        attrs = []
+        if (s, t) in view.current:
+            f = view.current[(s, t)]
+            if f:
+                attrs += ["style=dashed", f'label="{_escape(f)}"']
+            if (min(s, t), max(s, t)) in cycles:
+                attrs.append("penwidth=2")
+        else:
+            attrs += ["style=dotted", "color=grey"]
+        lines.append(f'  "{s}" -> "{t}"' + (f" [{', '.join(attrs)}]" if attrs else "") + ";")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def picture(view: Topology) -> str:
+    """A terminal picture: a matrix of sources (rows) by targets (columns). `==>` a connection,
+    `~~>` a filtered one, `*` on a cycle of the projected history, `..` a connection of the
+    history no longer there."""
+    names = sorted(view.locations - view.retired)
+    cycles = view.cycles()
+    width = max([4, *(len(n) for n in names)]) + 1
+    out = [" " * width + "".join(n.rjust(width) for n in names)]
+    for s in names:
+        row = s.ljust(width)
+        for t in names:
+            if s == t:
+                cell = "-"
+            elif (s, t) in view.current:
+                cell = ("~~>" if view.current[(s, t)] else "==>") + ("*" if (min(s, t), max(s, t)) in cycles else "")  # fmt: skip
+            elif (s, t) in view.ever:
+                cell = ".."
+            else:
+                cell = ""
+            row += cell.rjust(width)
+        out.append(row.rstrip())
+    out.append(
+        "rows: sources, columns: targets; ==> connected, ~~> filtered, * on a cycle, .. past"
+    )
+    if view.retired:
+        out.append(f"retired: {', '.join(sorted(view.retired))}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,640 @@
+"""A location process: it owns the writer of one location's local event log, serves the Location
+service, and runs the location's inbound replication connections.
+
+Starting, it takes the log's writer (fencing out any earlier one: a zombie process is refused its
+next append) and folds the log into the location's state and its view of the topology's history.
+It declares the location in the registry and its endpoint under an etcd lease.
+
+Its connections are those of its topology view that end here (`source -> this location`), each a
+task of one TaskGroup, started and cancelled as system events change the view. A connection asks
+the source's process for batches (`Read`, with this location's CVV and the connection's filter,
+so that most events are filtered at the source; a batch carries the source's CVV, cached here for
+fail-over) and writes each with its replication progress in one append: a crash and retry never
+stores an event twice. When the source's process is down it reads the source's journal through
+the source's broker instead and filters here: the log is durable whether its process runs or not.
+
+Rules enforced here, each refusal one line naming the rule and the vectors:
+* a connection reads events the source deleted (its progress is behind the source's deletions)
+  only once DVV-source <= CVV-target (location addition, and event recovery in rounds);
+* `Change` checks a topology change against this location's view (filters off cycles of the
+  projected history, no connection to or from a retired location, known locations only);
+* `Delete` checks DVV <= CVV-i for every directly connected location i, asking each for its CVV;
+* `Recover` runs metadata recovery (the local clock set to the most any neighbour saw of it,
+  their progress for it reset to its last surviving event) and lets event recovery proceed only
+  over unfiltered bi-directional connections, or a filtered one into a terminal location with the
+  filter OR-ed with "emitted here"; other sources resume from their current head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aetcd
+import grpc
+
+from broker import etcd as etcdx
+from broker.client import BrokerUnavailable, JournalsClient
+from broker.client.append_service import AppendService
+from broker.client.appender import AppendError
+from broker.protocol import protocol_pb2 as pb
+from replication import registry
+from replication.filters import parse_filter
+from replication.journal_log import JournalEventLog, SourceReader, select_batch
+from replication.location import Event, EventFilter, ReplicationBatch, Stored
+from replication.rpc import Document, LocationClient, LocationError, generic_handler
+from replication.system import change_of, passes, system_payload
+from replication.topology import Change, Connected, Disconnected, Filtered, Retired, RuleViolation
+from replication.vclock import VectorClock
+
+__all__ = [
+    "LocationConfig",
+    "LocationServer",
+    "StartError",
+    "WriterFailed",
+    "event_document",
+    "stored_of",
+]
+
+log = logging.getLogger("replication")
+
+_RETRY = 0.5  # Seconds between attempts of a connection that waits or fails.
+
+
+class StartError(RuntimeError):
+    """The process cannot serve the location; the message says why and what to do."""
+
+
+class WriterFailed(RuntimeError):
+    """The location's writer failed an append (another process took the log: this one is a
+    zombie, fenced out), so this process stops serving it."""
+
+
+def _writer_failure(name: str, exc: AppendError) -> str:
+    if exc.status == pb.REGISTER_MISMATCH:
+        return f"location {name}: another process took its log's writer (this one is fenced out)"
+    return f"location {name}: an append to its log failed: {exc}"
+
+
+@dataclass
+class LocationConfig:
+    location: str
+    broker_address: str
+    etcd_address: str
+    prefix: str = registry.DEFAULT_PREFIX
+    journal: str = ""  # Default: replication/<location>.
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease: float = 10.0
+    batch: int = 1000  # Events per replication batch.
+
+    def __post_init__(self) -> None:
+        registry.check_name(self.location)
+        self.journal = self.journal or f"replication/{self.location}"
+
+
+def event_document(stored: Stored) -> Document:
+    e = stored.event
+    return {"seq": stored.seq, "emitter": e.emitter, "ts": e.timestamp.to_json(), "payload": dict(e.payload)}  # fmt: skip
+
+
+def stored_of(document: Mapping[str, Any]) -> Stored:
+    ts = VectorClock.from_json(document["ts"], field="event.ts")
+    return Stored(int(document["seq"]), Event(str(document["emitter"]), ts, dict(document["payload"])))  # fmt: skip
+
+
+@dataclass
+class ConnectionState:
+    """What a connection into this location is doing, for Status."""
+
+    source: str
+    filter: str
+    state: str = "starting"
+    via: str = ""  # "location" (filtered at the source) or "journal" (its process is down).
+    source_last_seq: int = 0
+    read: int = 0
+    written: int = 0
+    error: str = ""
+
+    def document(self, progress: int) -> Document:
+        return {
+            "source": self.source, "filter": self.filter, "state": self.state, "via": self.via,
+            "progress": progress, "source_last_seq": self.source_last_seq,
+            "lag": max(0, self.source_last_seq - progress), "read": self.read,
+            "written": self.written, "error": self.error,
+        }  # fmt: skip
+
+
+def _change_document(change: Change) -> Document:
+    body: Document = system_payload(change)["system"]
+    return body
+
+
+def _change_of(body: Any) -> Change:
+    if not isinstance(body, Mapping):
+        raise ValueError("change: expected an object")
+    return change_of(Event("", VectorClock(), {"system": dict(body)}))
+
+
+@dataclass
+class _Neighbour:
+    name: str
+    cvv: VectorClock
+    dvv: VectorClock
+    status: Document = field(default_factory=dict)
+
+
+class LocationServer:
+    """One location's process. `run` serves until `stop` is set; nothing runs before it."""
+
+    def __init__(self, config: LocationConfig) -> None:
+        self.config = config
+        self.name = config.location
+        self.log: JournalEventLog | None = None
+        self.port = 0
+        self.endpoint = ""
+        self.connections: dict[str, ConnectionState] = {}
+        # Why this location must be recovered before it emits or replicates ("" if not): a
+        # neighbour has seen more of its events than its log holds (a disaster).
+        self.lost = ""
+        self._peers: dict[str, LocationClient] = {}
+        self._etcd: aetcd.Client | None = None
+        self._client: JournalsClient | None = None
+        self._brokers: dict[str, JournalsClient] = {}
+        self._reader: SourceReader | None = None
+        self._reader_lock = asyncio.Lock()
+        self._topology_changed = asyncio.Event()
+        self._failed = asyncio.Event()  # The writer failed (e.g. fenced): stop serving.
+        self.failure = ""
+        self._lease_id = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        """Serve the location until `stop` is set (StartError if it cannot start)."""
+        cfg = self.config
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                self._etcd = etcdx.connect(cfg.etcd_address, timeout=10)
+            except ValueError as exc:
+                raise StartError(str(exc)) from None
+            stack.push_async_callback(self._etcd.close)
+            self._client = JournalsClient(cfg.broker_address)
+            stack.push_async_callback(self._close_clients)
+            await self._check_journal()
+            service = await stack.enter_async_context(AppendService(lambda _j: self._stub()))
+            log_ = JournalEventLog(
+                self.name, cfg.journal, self._stub, service, author=random.getrandbits(62) or 1
+            )
+            await log_.open()
+            self.log = log_
+            self._reader = SourceReader(self._stub, cfg.journal)
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            server.add_generic_rpc_handlers([generic_handler(self._methods())])
+            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            if not self.port:
+                raise StartError(f"cannot listen on {cfg.host}:{cfg.port}: the port is taken")
+            self.endpoint = f"http://{cfg.host}:{self.port}"
+            await server.start()
+            stack.push_async_callback(server.stop, 1.0)
+            lease = await self._register()
+            async with asyncio.TaskGroup() as tasks:
+                background = [
+                    tasks.create_task(self._keep_lease(lease), name="lease keep-alive"),
+                    tasks.create_task(self._run_connections(), name="connections"),
+                ]
+                if ready is not None:
+                    ready.set()
+                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._failed.wait())]  # fmt: skip
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for task in [*waits, *background]:
+                        task.cancel()
+            # Revoking the lease deletes the endpoint only if it is still ours (a process that
+            # took the location over put its own).
+            try:
+                await asyncio.wait_for(self._etcd.revoke_lease(self._lease_id), 2)
+            except Exception as exc:  # It expires anyway, within its TTL.
+                log.warning("%s: revoking the endpoint's lease failed: %s", self.name, exc)
+        if self.failure:
+            raise WriterFailed(self.failure)
+
+    def _stub(self) -> Any:
+        assert self._client is not None
+        return self._client.stub
+
+    async def _close_clients(self) -> None:
+        for client in [self._client, *self._brokers.values(), *self._peers.values()]:
+            if client is not None:
+                await client.close()
+
+    async def _check_journal(self) -> None:
+        assert self._client is not None
+        cfg = self.config
+        selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=cfg.journal)]))  # fmt: skip
+        try:
+            listed = await self._client.list(selector)
+        except BrokerUnavailable as exc:
+            raise StartError(str(exc)) from None
+        if not any(j.spec.name == cfg.journal for j in listed.journals):
+            raise StartError(
+                f"journal {cfg.journal} does not exist at {cfg.broker_address}: apply it first "
+                "(gazctl journals apply; gazctl dev up --locations creates them)"
+            )
+
+    async def _register(self) -> int:
+        assert self._etcd is not None
+        cfg = self.config
+        known = await registry.read_locations(self._etcd, cfg.prefix)
+        mine = known.get(self.name)
+        if mine is not None and (mine.journal, mine.broker) != (cfg.journal, cfg.broker_address):
+            raise StartError(
+                f"location {self.name} is registered with journal {mine.journal} at "
+                f"{mine.broker}, not {cfg.journal} at {cfg.broker_address}: a location keeps its "
+                "log (start it with those, or choose another name)"
+            )
+        declaration = {"journal": cfg.journal, "broker": cfg.broker_address}
+        await self._etcd.put(registry.location_key(cfg.prefix, self.name), json.dumps(declaration).encode())  # fmt: skip
+        return await self._put_endpoint()
+
+    async def _put_endpoint(self) -> int:
+        assert self._etcd is not None
+        lease = await self._etcd.lease(max(1, round(self.config.lease)))
+        body = json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}).encode()
+        await self._etcd.put(
+            registry.endpoint_key(self.config.prefix, self.name), body, lease=lease
+        )
+        self._lease_id = int(lease.id)
+        return self._lease_id
+
+    async def _keep_lease(self, lease_id: int) -> None:
+        """Refresh the endpoint's lease; if it was lost (etcd was away for longer than its TTL),
+        register the endpoint again under a new one. The endpoint is for discovery only: the
+        log's writer is fenced by the journal's register, not by this lease."""
+        assert self._etcd is not None
+        ttl = max(1, round(self.config.lease))
+        while True:
+            await asyncio.sleep(ttl / 3)
+            try:
+                reply = await asyncio.wait_for(self._etcd.refresh_lease(lease_id), ttl / 3)
+                if reply.TTL <= 0:
+                    log.warning("%s: the endpoint's lease expired: registering it again", self.name)
+                    lease_id = await self._put_endpoint()
+            except Exception as exc:
+                log.warning("%s: refreshing the endpoint's lease failed: %s", self.name, exc)
+
+    # ---- connections -----------------------------------------------------------------------------
+
+    def _wanted(self) -> dict[str, str]:
+        """The connections into this location in the current view: source -> filter."""
+        assert self.log is not None
+        view = self.log.topology
+        if self.name in view.retired:
+            return {}
+        return {s: f for (s, t), f in view.current.items() if t == self.name and s not in view.retired}  # fmt: skip
+
+    async def _check_lost_events(self) -> None:
+        """Before anything runs: has a reachable neighbour seen more of this location's events
+        than its log holds? Then it lost them, and waits for Recover."""
+        assert self.log is not None
+        for name in self._neighbour_names():
+            try:
+                entry = (await registry.lookup(self._etcd_client(), self.config.prefix, name))[0]
+                if not entry.endpoint:
+                    continue
+                seen = VectorClock.from_json((await self._ask(entry).call("Status", timeout=5))["cvv"])  # fmt: skip
+            except (LocationError, registry.UnknownLocation, ValueError):
+                continue  # Not reachable now: nothing to compare with.
+            if seen[self.name] > self.log.local_time:
+                self.lost = (
+                    f"location {self.name} lost events: {name} has seen its time "
+                    f"{seen[self.name]}, its log only {self.log.local_time}; run `gazctl "
+                    f"replication recover {self.name}` before it emits or replicates"
+                )
+                log.warning("%s", self.lost)
+                return
+
+    async def _run_connections(self) -> None:
+        assert self.log is not None
+        await self._check_lost_events()
+        running: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        async with asyncio.TaskGroup() as group:
+            while True:
+                self._topology_changed.clear()
+                wanted = {} if self.lost else self._wanted()
+                for source, (filter_text, task) in list(running.items()):
+                    if wanted.get(source) != filter_text:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
+                        del running[source]
+                        self.connections.pop(source, None)
+                for source, filter_text in wanted.items():
+                    if source not in running:
+                        state = ConnectionState(source, filter_text)
+                        self.connections[source] = state
+                        task = group.create_task(self._replicate(state), name=f"{source}->{self.name}")  # fmt: skip
+                        running[source] = (filter_text, task)
+                changed = asyncio.ensure_future(self._topology_changed.wait())
+                grown = asyncio.ensure_future(self.log.grown())
+                try:
+                    await asyncio.wait([changed, grown], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                    grown.cancel()
+
+    def _terminal(self) -> bool:
+        """Connected to exactly one other location (in either direction)."""
+        assert self.log is not None
+        return len(self._neighbour_names()) == 1
+
+    def _neighbour_names(self) -> list[str]:
+        assert self.log is not None
+        names = {s if t == self.name else t for (s, t) in self.log.topology.current if self.name in (s, t)}  # fmt: skip
+        return sorted(names - {self.name})
+
+    async def _replicate(self, state: ConnectionState) -> None:
+        """The connection state.source -> this location, until cancelled."""
+        assert self.log is not None
+        target = self.log
+        source = state.source
+        direct: SourceReader | None = None  # Reading the source's journal (its process down).
+        while True:
+            try:
+                entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]
+                or_here = self._terminal() and bool(state.filter)
+                after = target.progress.get(source, 0)
+                if entry.endpoint:
+                    direct = None
+                    reply = await self._ask(entry).call(
+                        "Read", after=after, cvv=target.cvv.to_json(), filter=state.filter,
+                        or_emitter=self.name if or_here else "", limit=self.config.batch, wait=1.0,
+                    )  # fmt: skip
+                    state.via = "location"
+                    batch = ReplicationBatch(
+                        source,
+                        tuple(stored_of(d) for d in reply["events"]),
+                        int(reply["through"]),
+                        VectorClock.from_json(reply["cvv"], field="cvv"),
+                    )
+                    dvv = VectorClock.from_json(reply["dvv"], field="dvv")
+                    deleted_through, last_seq = (
+                        int(reply["deleted_through"]),
+                        int(reply["last_seq"]),
+                    )
+                else:
+                    if direct is None:
+                        direct = SourceReader(self._broker(entry.broker), entry.journal)
+                    state.via = "journal"
+                    await direct.refresh()
+                    keep = _filter(state.filter, self.name if or_here else "")
+                    selected = await select_batch(source, direct, after, target.cvv, keep, self.config.batch)  # fmt: skip
+                    batch = selected or ReplicationBatch(source, (), after, direct.cvv)
+                    dvv, deleted_through, last_seq = direct.dvv, direct.deleted_through, direct.last_seq  # fmt: skip
+                state.source_last_seq = last_seq
+                if after < deleted_through and not dvv <= target.cvv:
+                    state.state = (
+                        f"waiting: DVV-{source} {dvv} is not <= CVV-{self.name} {target.cvv} "
+                        f"(events {source} deleted are not all here)"
+                    )
+                    await asyncio.sleep(_RETRY)
+                    continue
+                state.state, state.error = "replicating", ""
+                if batch.through_seq > after or batch.events:
+                    try:
+                        written = await target.write_batch(batch)
+                    except AppendError as exc:
+                        self.failure = _writer_failure(self.name, exc)
+                        self._failed.set()
+                        return
+                    state.read += batch.through_seq - after
+                    state.written += len(written)
+                elif not entry.endpoint:
+                    await asyncio.sleep(_RETRY)  # The source's journal, polled.
+            except (LocationError, BrokerUnavailable, grpc.aio.AioRpcError, registry.UnknownLocation) as exc:  # fmt: skip
+                state.state, state.error = "retrying", str(exc).split("\n")[0]
+                await asyncio.sleep(_RETRY)
+
+    def _etcd_client(self) -> aetcd.Client:
+        assert self._etcd is not None
+        return self._etcd
+
+    def _ask(self, entry: registry.LocationEntry) -> LocationClient:
+        client = self._peers.get(entry.endpoint)
+        if client is None:
+            client = self._peers[entry.endpoint] = LocationClient(entry.name, entry.endpoint)
+        return client
+
+    def _broker(self, address: str) -> Any:
+        client = self._brokers.get(address)
+        if client is None:
+            client = self._brokers[address] = JournalsClient(address)
+        stub = client.stub
+        return lambda: stub
+
+    # ---- the Location service ----------------------------------------------------------------------
+
+    def _methods(self) -> dict[str, Any]:
+        return {
+            "Status": self._guard(self.status),
+            "Emit": self._guard(self.emit),
+            "Read": self._guard(self.read),
+            "Change": self._guard(self.change),
+            "Delete": self._guard(self.delete),
+            "ResetProgress": self._guard(self.reset_progress),
+            "Recover": self._guard(self.recover),
+        }
+
+    def _guard(self, method: Any) -> Any:
+        async def handle(
+            request: Document, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Document:
+            try:
+                reply: Document = await method(request)
+                return reply
+            except RuleViolation as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except registry.UnknownLocation as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            except (ValueError, KeyError, TypeError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {exc}")
+            except LocationError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except AppendError as exc:
+                self.failure = _writer_failure(self.name, exc)
+                self._failed.set()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.failure)
+            raise AssertionError("unreachable")
+
+        return handle
+
+    async def status(self, request: Document) -> Document:
+        assert self.log is not None
+        lg = self.log
+        view = lg.topology
+        return {
+            "location": self.name, "journal": self.config.journal, "endpoint": self.endpoint,
+            "cvv": lg.cvv.to_json(), "dvv": lg.dvv.to_json(), "last_seq": lg.next_seq - 1,
+            "deleted_through": lg.deleted_through, "local_time": lg.local_time,
+            "progress": dict(lg.progress),
+            "cached_cvv": {s: c.to_json() for s, c in lg.cached_cvv.items()},
+            "connections": [c.document(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
+            "history": [_change_document(c) for c in view.history],
+            "retired": sorted(view.retired), "lost": self.lost,
+        }  # fmt: skip
+
+    async def emit(self, request: Document) -> Document:
+        assert self.log is not None
+        payloads = request.get("payloads")
+        if not isinstance(payloads, list) or not all(isinstance(p, dict) for p in payloads):
+            raise ValueError("payloads: expected a list of objects")
+        if any("system" in p for p in payloads):
+            raise ValueError("payloads: the field 'system' is reserved for topology changes")
+        if self.name in self.log.topology.retired:
+            raise RuleViolation(f"location {self.name} is retired: it emits no events")
+        if self.lost:
+            raise RuleViolation(self.lost)
+        events = await self.log.emit(payloads)
+        return {"events": [{"emitter": e.emitter, "ts": e.timestamp.to_json()} for e in events]}
+
+    async def read(self, request: Document) -> Document:
+        """A replication batch for a target: events after `after`, less those ≤ the target's
+        `cvv` and those its `filter` drops (OR `emitter` = `or_emitter`), waiting up to
+        `wait` seconds for some."""
+        assert self.log is not None and self._reader is not None
+        after, limit = int(request.get("after", 0)), int(request.get("limit", 1000))
+        cvv = VectorClock.from_json(request.get("cvv", {}), field="cvv")
+        keep = _filter(str(request.get("filter", "")), str(request.get("or_emitter", "")))
+        wait = min(float(request.get("wait", 0)), 10.0)
+        reader = self._reader
+        async with self._reader_lock:
+            await reader.refresh()
+        if reader.last_seq <= after and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.log.grown(), wait)
+            async with self._reader_lock:
+                await reader.refresh()
+        batch = await select_batch(self.name, reader, after, cvv, keep, limit)
+        return {
+            "events": [event_document(s) for s in batch.events] if batch else [],
+            "through": batch.through_seq if batch else after,
+            "cvv": reader.cvv.to_json(), "dvv": reader.dvv.to_json(),
+            "deleted_through": reader.deleted_through, "last_seq": reader.last_seq,
+        }  # fmt: skip
+
+    async def change(self, request: Document) -> Document:
+        """Check a topology change against this location's view (and, with `record`, store it
+        as a system event here)."""
+        assert self.log is not None
+        change = _change_of(request.get("change"))
+        view = self.log.topology
+        names = [change.location] if isinstance(change, Retired) else [change.source, change.target]  # fmt: skip
+        await registry.lookup(self._etcd_client(), self.config.prefix, *names)
+        key = None if isinstance(change, Retired) else (change.source, change.target)
+        if isinstance(change, Retired):
+            in_effect = change.location in view.retired
+        elif isinstance(change, Disconnected):
+            in_effect = key not in view.current and key in view.ever
+        else:
+            in_effect = key in view.current and view.current[key] == change.filter
+        if in_effect:
+            # Recorded here already (it may have arrived by replication from the other end).
+            return {"change": _change_document(change), "recorded": False}
+        if isinstance(change, Connected):
+            parse_filter(change.filter)  # FilterError (a ValueError) if it does not parse.
+            if key in view.current:
+                raise RuleViolation(
+                    f"{change.source} -> {change.target} is connected already, with another "
+                    "filter (a filter change is a Filtered change)"
+                )
+            view.check_connect(change.source, change.target, change.filter)
+        elif isinstance(change, Filtered):
+            parse_filter(change.filter)
+            if key not in view.current:
+                raise RuleViolation(f"{change.source} -> {change.target} is not connected")
+            if change.filter:
+                view.check_filter(change.source, change.target)
+        elif isinstance(change, Disconnected):
+            raise RuleViolation(f"{change.source} -> {change.target} is not connected")
+        if request.get("record"):
+            await self.log.emit([system_payload(change)])
+            self._topology_changed.set()
+        return {"change": _change_document(change), "recorded": bool(request.get("record"))}
+
+    async def _neighbours(self) -> list[_Neighbour]:
+        """The CVV and DVV of every directly connected location, asked of its process (a
+        LocationError if one is down: a rule that needs them cannot be checked without)."""
+        out = []
+        names = self._neighbour_names()
+        for entry in await registry.lookup(self._etcd_client(), self.config.prefix, *names):
+            if not entry.endpoint:
+                raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")
+            status = await self._ask(entry).call("Status")
+            out.append(_Neighbour(entry.name, VectorClock.from_json(status["cvv"]), VectorClock.from_json(status["dvv"]), status))  # fmt: skip
+        return out
+
+    async def delete(self, request: Document) -> Document:
+        assert self.log is not None
+        through = int(request["through"])
+        if through < 1 or through >= self.log.next_seq:
+            raise ValueError(f"through {through}: this log holds sequence numbers 1-{self.log.next_seq - 1}")  # fmt: skip
+        if through <= self.log.deleted_through:
+            raise ValueError(f"through {through}: deleted through {self.log.deleted_through} already")  # fmt: skip
+        neighbours = await self._neighbours()
+        dvv = await self.log.delete(through, neighbours)
+        return {"dvv": dvv.to_json(), "deleted_through": through}
+
+    async def reset_progress(self, request: Document) -> Document:
+        assert self.log is not None
+        source, seq = str(request["source"]), int(request["seq"])
+        if seq < self.log.progress.get(source, 0):
+            await self.log.reset_progress(source, seq)
+        return {"progress": self.log.progress.get(source, 0)}
+
+    async def recover(self, request: Document) -> Document:
+        """Disaster recovery of this location, after its log lost events (see the module)."""
+        assert self.log is not None
+        lg = self.log
+        neighbours = await self._neighbours()
+        survivors = lg.next_seq - 1
+        await lg.set_local_time(max([lg.local_time, *(n.cvv[self.name] for n in neighbours)]))
+        for n in neighbours:
+            entry = (await registry.lookup(self._etcd_client(), self.config.prefix, n.name))[0]
+            await self._ask(entry).call("ResetProgress", source=self.name, seq=survivors)
+        view = lg.topology
+        terminal = len(neighbours) == 1
+        skipped = []
+        for n in neighbours:
+            inbound, outbound = view.current.get((n.name, self.name)), view.current.get((self.name, n.name))  # fmt: skip
+            if inbound is None:
+                continue
+            if (inbound == "" and outbound == "") or terminal:
+                continue  # Event recovery from n: the connection reads from its progress.
+            # Not allowed to recover from n: resume at its head, skipping what it holds now.
+            last = int(n.status.get("last_seq", 0))
+            if lg.progress.get(n.name, 0) < last:
+                await lg.write_batch(ReplicationBatch(n.name, (), last, n.cvv))
+            skipped.append(n.name)
+        self.lost = ""
+        self._topology_changed.set()  # Its connections start (again), from their progress.
+        return {"survivors": survivors, "local_time": lg.local_time, "not_recovered_from": skipped}
+
+
+def _filter(text: str, or_emitter: str) -> EventFilter | None:
+    """A connection's filter: system events always pass; with `or_emitter`, so do events that
+    location emitted (event recovery of a terminal location over a filtered connection)."""
+    keep = parse_filter(text)
+    if keep is None:
+        return None
+    if or_emitter:
+        inner = keep
+        keep = lambda e: e.emitter == or_emitter or inner(e)  # noqa: E731
+    return passes(keep)

@@ -1,0 +1,142 @@
+"""Location processes (`python -m replication serve`) for tests: started on a real broker process
+and etcd, each stopped by its pid; `gazctl replication` run against their registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.client import JournalsClient
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer, stop_process
+from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
+
+
+async def apply_location_journals(broker: str, *names: str) -> None:
+    """The journals of the locations' logs (replication/NAME)."""
+    async with JournalsClient(broker) as client:
+        changes = []
+        for name in names:
+            spec = pb.JournalSpec(name=f"replication/{name}", replication=1)
+            spec.fragment.length = 1 << 20
+            spec.fragment.compression_codec = pb.NONE
+            spec.fragment.refresh_interval.seconds = 60
+            spec.labels.labels.add(name="content-type", value="application/x-ndjson")
+            changes.append(pb.ApplyRequest.Change(upsert=spec))
+        await client.apply(changes)
+
+
+class LocationProcesses:
+    """Location processes by name, stopped by pid; `gazctl` runs against their registry."""
+
+    def __init__(self, etcd: EtcdServer, prefix: str, logs: Path) -> None:
+        self.etcd, self.prefix, self.logs = etcd, prefix, logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.brokers: dict[str, str] = {}
+
+    def start(
+        self, name: str, broker: str, *, wait: bool = True, batch: int = 1000, key: str = ""
+    ) -> None:
+        """Start location `name`'s process, known here as `key` (default: the name)."""
+        key = key or name
+        self.brokers[key] = broker
+        log = self.logs / f"{key}.log"
+        before = log.read_text().count("serving at") if log.exists() else 0
+        with log.open("ab") as out:
+            self.procs[key] = subprocess.Popen(
+                [
+                    sys.executable, "-m", "replication", "serve", "--location", name,
+                    "--broker.address", broker, "--etcd.address", self.etcd.endpoint,
+                    "--replication.prefix", self.prefix, "--etcd.lease", "2s",
+                    "--replication.batch", str(batch),
+                ],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        if wait:
+            self.wait_ready(key, before)
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def endpoint(self, key: str) -> str:
+        """The endpoint the process last announced."""
+        return self.log(key).rsplit("serving at ", 1)[1].split()[0]
+
+    def wait_ready(self, name: str, before: int = 0) -> None:
+        """Until the process announces it serves (a start after `before` announcements)."""
+        deadline = time.monotonic() + 30
+        while self.log(name).count("serving at") <= before:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"location {name} exited {proc.returncode}: {self.log(name)[-2000:]}")  # fmt: skip
+            assert time.monotonic() < deadline, f"location {name} did not become ready"
+            time.sleep(0.05)
+
+    def kill(self, name: str) -> None:
+        os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
+
+    def stop(self, name: str) -> int:
+        return stop_process(self.procs[name])
+
+    def stop_all(self) -> list[int]:
+        return [stop_process(p) for p in self.procs.values()]
+
+    def gazctl(self, *args: str) -> Result:
+        return run_cli(
+            "gazctl", "replication", *args,
+            "--etcd.address", self.etcd.endpoint, "--replication.prefix", self.prefix,
+        )  # fmt: skip
+
+    def ok(self, *args: str) -> str:
+        result = self.gazctl(*args)
+        assert result.code == 0, (args, result.err)
+        return result.out
+
+    def status(self, name: str) -> dict[str, Any]:
+        document: dict[str, Any] = json.loads(self.ok("status", name, "--format", "json"))
+        return document
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.ok("events", name).splitlines()]
+
+    def wait_for(self, name: str, count: int, timeout: float = 30) -> list[dict[str, Any]]:
+        """The events of `name` once it holds `count`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            events = self.events(name)
+            if len(events) >= count:
+                return events
+            assert time.monotonic() < deadline, f"{name} holds {len(events)} events, not {count}"
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def location_broker(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[BrokerProcess]:
+    import uuid
+
+    broker = start_broker_process(
+        etcd_server, f"/gazette-test/{uuid.uuid4().hex[:12]}", tmp_path / "broker.log"
+    )
+    try:
+        yield broker
+    finally:
+        stop_process(broker.proc)
+
+
+@pytest.fixture
+def locations(etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path) -> Iterator[LocationProcesses]:  # fmt: skip
+    processes = LocationProcesses(etcd_server, etcd_prefix + "/replication", tmp_path)
+    try:
+        yield processes
+    finally:
+        processes.stop_all()

@@ -1,0 +1,208 @@
+"""Location processes end to end: `python -m replication serve` per location on a real broker and
+etcd, operated with `gazctl replication` as an operator would. A network converges (each event
+once per location, storage order a linear extension of causality), a filtered terminal location
+gets only what passes, the rules refuse in one line with nothing recorded, a target reads a source
+whose process is down from its journal, and a zombie writer is fenced out."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any
+
+from replication.rpc import LocationClient, LocationError
+from replication.vclock import VectorClock
+from tests.conftest import BrokerProcess
+from tests.replication_testing import LocationProcesses, apply_location_journals
+
+
+def ids(events: list[dict[str, Any]], *, system: bool = False) -> list[tuple[str, int]]:
+    """The ids (emitter, its own time) of the events, application events only by default."""
+    return [
+        (e["emitter"], e["ts"][e["emitter"]])
+        for e in events
+        if system or "system" not in e["payload"]
+    ]
+
+
+def assert_causal_order(events: list[dict[str, Any]]) -> None:
+    """No event is stored before one in its causal past, and none twice."""
+    clocks = [VectorClock.from_json(e["ts"]) for e in events]
+    for (i, x), (j, y) in itertools.combinations(enumerate(clocks), 2):
+        assert not y < x, (events[i], events[j])
+    assert len(set(ids(events, system=True))) == len(events)
+
+
+def wait_until(predicate: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def refused(locations: LocationProcesses, *args: str) -> str:
+    """The one line of a refused command (exit 1, no traceback)."""
+    result = locations.gazctl(*args)
+    assert result.code == 1, (args, result.out, result.err)
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    return lines[0]
+
+
+def history(locations: LocationProcesses, name: str) -> list[Any]:
+    return list(locations.status(name)["history"])
+
+
+def test_a_network_of_location_processes_converges(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    assert "A -> B: connected" in locations.ok("connect", "A", "B", "--both")
+    locations.ok("connect", "B", "C", "--both")
+    assert "connected already" in locations.ok("connect", "A", "B")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}')
+    locations.ok("emit", "C", '{"num": 3}')
+    locations.ok("emit", "B", '{"num": 4}')
+    # Every location holds the same four events, each once, in a causal order.
+    for name in "ABC":
+        wait_until(lambda n=name: len(ids(locations.events(n))) == 4, f"{name} holds 4 events")
+        assert_causal_order(locations.events(name))
+    app_ids = {name: ids(locations.events(name)) for name in "ABC"}
+    assert set(app_ids["A"]) == set(app_ids["B"]) == set(app_ids["C"])
+    assert sorted(e for e, _ in app_ids["A"]) == ["A", "A", "B", "C"]
+
+    # Status: B's connections from A and C, each caught up (lag 0) and filtered at the source.
+    wait_until(
+        lambda: all(c["lag"] == 0 for c in locations.status("B")["connections"]),
+        "B's connections caught up",
+    )
+    status_b = locations.status("B")
+    assert [(c["source"], c["via"], c["state"]) for c in status_b["connections"]] == [
+        ("A", "location", "replicating"),
+        ("C", "location", "replicating"),
+    ]
+    emitted = {e: t for e, t in app_ids["B"]}
+    assert VectorClock.from_json(status_b["cvv"]) >= VectorClock(emitted)
+    table = locations.ok("status", "B")
+    assert "A -> B" in table and "C -> B" in table
+
+    # A filter on a connection that would close a cycle is refused, and nothing is recorded.
+    before = {n: history(locations, n) for n in "AC"}
+    line = refused(locations, "connect", "C", "A", "--filter", "num=1")
+    assert "no filter on C -> A" in line and "cycle" in line
+    assert {n: history(locations, n) for n in "AC"} == before
+    # Unfiltered, it closes the cycle A - B - C; then A -> B may not take a filter.
+    locations.ok("connect", "C", "A")
+    line = refused(locations, "connect", "A", "B", "--filter", "num=1")
+    assert "no filter on A -> B" in line
+    topology = locations.ok("topology", "--at", "A")
+    assert "C -> A" in topology and "yes" in topology and "history:" in topology
+    assert '"C" -> "A"' in locations.ok("topology", "--at", "A", "--format", "dot")
+    assert "==>*" in locations.ok("topology", "--at", "A", "--format", "picture")
+
+    # D is a terminal location behind a filtered connection: it gets only what passes, and
+    # the system events (topology changes) that every filter lets through.
+    locations.ok("connect", "A", "D", "--filter", "num in (2, 6)")
+    locations.ok("emit", "A", '{"num": 5}', '{"num": 6}')
+    wait_until(lambda: len(ids(locations.events("D"))) == 2, "D holds the two events that pass")
+    payloads = [e["payload"]["num"] for e in locations.events("D") if "num" in e["payload"]]
+    assert payloads == [2, 6]
+    assert any("system" in e["payload"] for e in locations.events("D"))
+    # Each location folds the same connections from its own log, eventually.
+    wait_until(
+        lambda: len({json.dumps(sorted(_current(locations, n))) for n in "ABC"}) == 1,
+        "A, B and C see the same topology",
+    )
+
+
+def _current(locations: LocationProcesses, name: str) -> list[tuple[str, str, str]]:
+    out = json.loads(locations.ok("topology", "--at", name, "--format", "json"))
+    return [(c["source"], c["target"], c["filter"]) for c in out["current"]]
+
+
+def test_bad_input_is_one_line_and_changes_nothing(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "D"))
+    for name in "ABD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B", "--both")
+    locations.ok("connect", "A", "D", "--filter", "num=2")
+    locations.ok("emit", "A", '{"num": 2}', '{"num": 1}')
+    wait_until(lambda: len(ids(locations.events("B"))) == 2, "B holds A's events")
+    before = {n: history(locations, n) for n in "ABD"}
+
+    assert "unknown location 'Z'" in refused(locations, "connect", "A", "Z")
+    assert "known: A, B, D" in refused(locations, "status", "Z")
+    assert "replication filter" in refused(locations, "connect", "B", "D", "--filter", "=x")
+    assert "not JSON" in refused(locations, "emit", "A", "{")
+    assert "reserved" in refused(locations, "emit", "A", '{"system": {}}')
+    assert "a location does not replicate to itself" in refused(locations, "connect", "A", "A")
+    assert "not connected" in refused(locations, "disconnect", "B", "D")
+    # Deletion past what D has: A's last event ({"num": 1}) never reaches D (filtered), and
+    # nothing D stores comes after it, so deleting it would leave DVV-A above CVV-D.
+    last_a = locations.status("A")["last_seq"]
+    line = refused(locations, "delete", "A", "--through", str(last_a))
+    assert f"A may not delete through {last_a}" in line and "CVV-D" in line
+    assert locations.status("A")["deleted_through"] == 0
+    assert "holds sequence numbers" in refused(locations, "delete", "A", "--through", "999")
+    assert {n: history(locations, n) for n in "ABD"} == before
+
+    # D retires: its connections end, and none to or from it is accepted any more.
+    assert "D: retired" in locations.ok("retire", "D")
+    assert "location D is retired" in refused(locations, "connect", "B", "D")
+    assert "D: retired already" in locations.ok("retire", "D")
+    assert "is retired" in refused(locations, "emit", "D", '{"num": 9}')
+    # With D gone from the topology, A may delete what only B needed (B has it all).
+    reply = locations.ok("delete", "A", "--through", str(last_a))
+    assert f"A: deleted through {last_a}" in reply
+    assert ids(locations.events("A")) == []  # Readers skip deleted events.
+    # A stopped location: one line that says how to start it.
+    locations.stop("B")
+    assert "location B is not running" in refused(locations, "status", "B")
+
+
+def test_a_source_whose_process_is_down_is_read_from_its_journal(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B"))
+    locations.start("A", location_broker.address)
+    locations.start("B", location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.stop("B")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}', '{"num": 3}')
+    locations.kill("A")  # Its log is durable in its journal.
+    locations.start("B", location_broker.address)
+    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B read A's journal")
+    connection = locations.status("B")["connections"][0]
+    assert (connection["source"], connection["via"]) == ("A", "journal")
+    assert_causal_order(locations.events("B"))
+
+
+def test_a_second_process_of_a_location_fences_the_first(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    asyncio.run(apply_location_journals(location_broker.address, "A"))
+    locations.start("A", location_broker.address, key="A1")
+    old = locations.endpoint("A1")
+    locations.ok("emit", "A", '{"num": 1}')
+    locations.start("A", location_broker.address, key="A2")  # Takes the log's writer.
+    locations.ok("emit", "A", '{"num": 2}')
+
+    async def zombie_emit() -> str:
+        async with LocationClient("A", old) as client:
+            try:
+                await client.call("Emit", payloads=[{"num": "zombie"}])
+            except LocationError as exc:
+                return str(exc)
+        return "accepted"
+
+    assert "fenced out" in asyncio.run(zombie_emit())
+    assert locations.procs["A1"].wait(timeout=15) == 1
+    assert "fenced out" in locations.log("A1")
+    assert [e["payload"]["num"] for e in locations.events("A")] == [1, 2]
