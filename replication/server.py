@@ -44,6 +44,7 @@ from broker import etcd as etcdx
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
+from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from replication import registry
 from replication.filters import parse_filter
@@ -51,7 +52,15 @@ from replication.journal_log import JournalEventLog, SourceReader, select_batch
 from replication.location import Event, EventFilter, ReplicationBatch, Stored
 from replication.rpc import Document, LocationClient, LocationError, generic_handler
 from replication.system import change_of, passes, system_payload
-from replication.topology import Change, Connected, Disconnected, Filtered, Retired, RuleViolation
+from replication.topology import (
+    Change,
+    Connected,
+    Disconnected,
+    Filtered,
+    Retired,
+    RuleViolation,
+    Topology,
+)
 from replication.vclock import VectorClock
 
 __all__ = [
@@ -174,6 +183,9 @@ class LocationServer:
         self._failed = asyncio.Event()  # The writer failed (e.g. fenced): stop serving.
         self.failure = ""
         self._lease_id = 0
+        # Connections into this location taken from its neighbours' views by Recover (its own
+        # view was lost with its log), until its own view has them again.
+        self._adopted: dict[str, str] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -299,24 +311,34 @@ class LocationServer:
         view = self.log.topology
         if self.name in view.retired:
             return {}
-        return {s: f for (s, t), f in view.current.items() if t == self.name and s not in view.retired}  # fmt: skip
+        own = {s: f for (s, t), f in view.current.items() if t == self.name and s not in view.retired}  # fmt: skip
+        for source in [s for s in self._adopted if (s, self.name) in view.ever]:
+            del self._adopted[source]  # Its own view has it again (connected, or not any more).
+        return {**self._adopted, **own}
+
+    async def _others(self) -> list[_Neighbour]:
+        """Every other location whose process answers, with its vectors and view."""
+        out = []
+        for entry in (await registry.read_locations(self._etcd_client(), self.config.prefix)).values():  # fmt: skip
+            if entry.name == self.name or not entry.endpoint:
+                continue
+            try:
+                status = await self._ask(entry).call("Status", timeout=5)
+            except LocationError:
+                continue  # Not reachable now.
+            out.append(_Neighbour(entry.name, VectorClock.from_json(status["cvv"]), VectorClock.from_json(status["dvv"]), status))  # fmt: skip
+        return out
 
     async def _check_lost_events(self) -> None:
-        """Before anything runs: has a reachable neighbour seen more of this location's events
-        than its log holds? Then it lost them, and waits for Recover."""
+        """Before anything runs: has another location seen more of this location's events
+        than its log holds? Then it lost them (its view of the topology perhaps with them), and
+        waits for Recover."""
         assert self.log is not None
-        for name in self._neighbour_names():
-            try:
-                entry = (await registry.lookup(self._etcd_client(), self.config.prefix, name))[0]
-                if not entry.endpoint:
-                    continue
-                seen = VectorClock.from_json((await self._ask(entry).call("Status", timeout=5))["cvv"])  # fmt: skip
-            except (LocationError, registry.UnknownLocation, ValueError):
-                continue  # Not reachable now: nothing to compare with.
-            if seen[self.name] > self.log.local_time:
+        for other in await self._others():
+            if other.cvv[self.name] > self.log.local_time:
                 self.lost = (
-                    f"location {self.name} lost events: {name} has seen its time "
-                    f"{seen[self.name]}, its log only {self.log.local_time}; run `gazctl "
+                    f"location {self.name} lost events: {other.name} has seen its time "
+                    f"{other.cvv[self.name]}, its log only {self.log.local_time}; run `gazctl "
                     f"replication recover {self.name}` before it emits or replicates"
                 )
                 log.warning("%s", self.lost)
@@ -419,7 +441,12 @@ class LocationServer:
                     state.written += len(written)
                 elif not entry.endpoint:
                     await asyncio.sleep(_RETRY)  # The source's journal, polled.
-            except (LocationError, BrokerUnavailable, grpc.aio.AioRpcError, registry.UnknownLocation) as exc:  # fmt: skip
+            except (
+                LocationError, BrokerUnavailable, ReadError, grpc.aio.AioRpcError,
+                registry.UnknownLocation, ValueError,
+            ) as exc:  # fmt: skip
+                # The source unreachable, its journal gone or made anew: read it afresh.
+                direct = None
                 state.state, state.error = "retrying", str(exc).split("\n")[0]
                 await asyncio.sleep(_RETRY)
 
@@ -600,22 +627,35 @@ class LocationServer:
         return {"progress": self.log.progress.get(source, 0)}
 
     async def recover(self, request: Document) -> Document:
-        """Disaster recovery of this location, after its log lost events (see the module)."""
+        """Disaster recovery of this location, after its log lost events (see the module). Its
+        directly connected locations are those whose views connect them with it (its own view
+        may be lost with its log); the connections into it are taken from their views until its
+        own has them again (their system events come back with the other events)."""
         assert self.log is not None
         lg = self.log
-        neighbours = await self._neighbours()
+        neighbours = []
+        for other in await self._others():
+            view = Topology.of(_change_of(d) for d in other.status["history"])
+            if (other.name, self.name) in view.current or (self.name, other.name) in view.current:
+                neighbours.append((other, view))
+        if not neighbours:
+            raise RuleViolation(
+                f"{self.name}: no running location is connected with it, so there is nothing "
+                "to recover from (start its neighbours first)"
+            )
         survivors = lg.next_seq - 1
-        await lg.set_local_time(max([lg.local_time, *(n.cvv[self.name] for n in neighbours)]))
-        for n in neighbours:
+        await lg.set_local_time(max([lg.local_time, *(n.cvv[self.name] for n, _ in neighbours)]))
+        for n, _ in neighbours:
             entry = (await registry.lookup(self._etcd_client(), self.config.prefix, n.name))[0]
             await self._ask(entry).call("ResetProgress", source=self.name, seq=survivors)
-        view = lg.topology
         terminal = len(neighbours) == 1
         skipped = []
-        for n in neighbours:
-            inbound, outbound = view.current.get((n.name, self.name)), view.current.get((self.name, n.name))  # fmt: skip
+        for n, view in neighbours:
+            inbound = view.current.get((n.name, self.name))
+            outbound = view.current.get((self.name, n.name))
             if inbound is None:
                 continue
+            self._adopted[n.name] = inbound
             if (inbound == "" and outbound == "") or terminal:
                 continue  # Event recovery from n: the connection reads from its progress.
             # Not allowed to recover from n: resume at its head, skipping what it holds now.

@@ -206,3 +206,49 @@ def test_a_second_process_of_a_location_fences_the_first(
     assert locations.procs["A1"].wait(timeout=15) == 1
     assert "fenced out" in locations.log("A1")
     assert [e["payload"]["num"] for e in locations.events("A")] == [1, 2]
+
+
+async def _lose_log(broker: str, name: str) -> None:
+    """A disaster: the location's journal is deleted, with all its content, and made anew."""
+    from broker.client import JournalsClient
+    from broker.protocol import protocol_pb2 as pb
+
+    async with JournalsClient(broker) as client:
+        await client.apply([pb.ApplyRequest.Change(delete=f"replication/{name}", expect_mod_revision=-1)])  # fmt: skip
+    await asyncio.sleep(0.5)  # The replica goes, and its spool with it.
+    await apply_location_journals(broker, name)
+
+
+def test_a_location_that_lost_its_log_recovers_it(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """Metadata recovery, then event recovery over its unfiltered bi-directional connection:
+    the recovered location's clock never runs in the past, and it gets its events back."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B"))
+    for name in "AB":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B", "--both")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}')
+    locations.ok("emit", "B", '{"num": 3}')
+    wait_until(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
+    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
+    before = set(ids(locations.events("B")))
+    time_seen = locations.status("B")["cvv"]["A"]
+
+    locations.stop("A")
+    asyncio.run(_lose_log(location_broker.address, "A"))
+    locations.start("A", location_broker.address)
+    # A knows it lost events (B has seen more of it), and refuses to emit until recovered.
+    wait_until(lambda: locations.status("A")["lost"] != "", "A notices its loss")
+    line = refused(locations, "emit", "A", '{"num": 4}')
+    assert "A lost events" in line and "gazctl replication recover A" in line
+    out = locations.ok("recover", "A")
+    assert f"local time {time_seen}" in out and "events 1-0 survived" in out
+    # Its events and the topology come back from B; its new events come after them.
+    wait_until(lambda: set(ids(locations.events("A"))) == before, "A recovered its events")
+    emitted = locations.ok("emit", "A", '{"num": 4}')
+    assert VectorClock.from_json(json.loads(json.dumps(locations.events("A")[-1]["ts"])))["A"] > time_seen  # fmt: skip
+    assert f"A {{A: {time_seen + 1}" in emitted
+    wait_until(lambda: len(ids(locations.events("B"))) == 4, "B gets A's new event")
+    assert_causal_order(locations.events("A"))
+    assert_causal_order(locations.events("B"))
