@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,11 +61,17 @@ class ClusterState:
     postgres: Proc | None = None
     consumers: list[Proc] = field(default_factory=list)
     app: str = ""
+    # Replication: each location's process, and the broker of its own cluster.
+    locations: list[Proc] = field(default_factory=list)
+    location_brokers: list[Proc] = field(default_factory=list)
 
     def all(self) -> list[Proc]:
-        """Every process, in the order to stop them: consumers, brokers, PostgreSQL, etcd."""
+        """Every process, in the order to stop them: consumers, locations, brokers,
+        PostgreSQL, etcd."""
         return [
             *self.consumers,
+            *self.locations,
+            *self.location_brokers,
             *self.brokers,
             *([self.postgres] if self.postgres else []),
             self.etcd,
@@ -87,6 +94,8 @@ class ClusterState:
                 postgres=Proc(**doc["postgres"]) if doc.get("postgres") else None,
                 consumers=[Proc(**c) for c in doc.get("consumers", [])],
                 app=str(doc.get("app", "")),
+                locations=[Proc(**c) for c in doc.get("locations", [])],
+                location_brokers=[Proc(**c) for c in doc.get("location_brokers", [])],
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -101,6 +110,7 @@ class Ports:
     brokers: list[int]
     consumers: list[int] = field(default_factory=list)
     postgres: int = 0
+    locations: dict[str, list[int]] = field(default_factory=dict)  # Name: [broker, service].
 
     def save(self, directory: Path) -> None:
         (directory / PORTS).write_text(json.dumps(asdict(self), indent=2))
@@ -115,6 +125,7 @@ class Ports:
                 [int(p) for p in doc["brokers"]],
                 [int(p) for p in doc.get("consumers", [])],
                 int(doc.get("postgres", 0)),
+                {str(n): [int(p) for p in ps] for n, ps in doc.get("locations", {}).items()},
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -134,12 +145,17 @@ def port_is_free(port: int) -> bool:
 
 
 def choose_ports(
-    previous: Ports | None, brokers: int, consumers: int = 0, postgres: bool = False
+    previous: Ports | None,
+    brokers: int,
+    consumers: int = 0,
+    postgres: bool = False,
+    locations: Sequence[str] = (),
 ) -> tuple[Ports, list[str]]:
     """The previous run's ports where still free, new ones where not (or for new processes);
     and a line for each process that moved."""
     old = previous or Ports(0, 0, [])
     reserved = {old.etcd_client, old.etcd_peer, *old.brokers, *old.consumers, old.postgres}
+    reserved |= {p for ports in old.locations.values() for p in ports}
     moved: list[str] = []
 
     def pick(role: str, before: int, then: str = "") -> int:
@@ -175,6 +191,13 @@ def choose_ports(
             for i in range(consumers)
         ],
         pick("postgres", old.postgres, "; export POSTGRES_DSN again") if postgres else old.postgres,
+        {
+            name: [
+                pick(f"location-{name}-broker", (old.locations.get(name) or [0, 0])[0]),
+                pick(f"location-{name}", (old.locations.get(name) or [0, 0])[1]),
+            ]
+            for name in locations
+        },
     )
     return ports, moved
 
@@ -282,9 +305,11 @@ async def revoke_stale_members(etcd_endpoint: str) -> None:
 
     client = etcdx.connect(etcd_endpoint)
     try:
-        stale = list(await client.get_prefix(f"{ETCD_PREFIX}/members/".encode()))
-        stale += [
-            kv for kv in await client.get_prefix(b"/gazette/consumers/") if b"/members/" in kv.key
+        # Members of the brokers' and consumers' clusters, and location processes' endpoints.
+        stale = [
+            kv
+            for kv in await client.get_prefix(b"/gazette/")
+            if b"/members/" in kv.key or kv.key.startswith(b"/gazette/replication/endpoints/")
         ]
         for kv in stale:
             if kv.lease:
@@ -294,19 +319,119 @@ async def revoke_stale_members(etcd_endpoint: str) -> None:
         await client.close()
 
 
-def broker_command(i: int, port: int, etcd: str, file_root: Path) -> list[str]:
+def broker_command(
+    i: int, port: int, etcd: str, file_root: Path, prefix: str = ETCD_PREFIX, name: str = ""
+) -> list[str]:
     return [
         sys.executable, "-m", "broker.main", "serve",
         "--broker.zone", "local",
-        "--broker.id", f"broker-{i}",
+        "--broker.id", name or f"broker-{i}",
         "--broker.host", "127.0.0.1",
         "--broker.port", str(port),
         "--broker.file-root", str(file_root),
         "--etcd.address", etcd,
-        "--etcd.prefix", ETCD_PREFIX,
+        "--etcd.prefix", prefix,
         "--etcd.lease", "10s",
         "--broker.drain-timeout", "5s",
     ]  # fmt: skip
+
+
+LOCATION_STORE = "file:///replication/"
+
+
+def location_names(text: str) -> list[str]:
+    """`--locations`: a count (3: A, B, C) or names separated by commas."""
+    from replication.registry import check_name
+
+    if text.isdigit():
+        count = int(text)
+        if not 1 <= count <= 26:
+            raise click.BadParameter(f"{count}: give 1 to 26 locations", param_hint="--locations")
+        return [chr(ord("A") + i) for i in range(count)]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    try:
+        for name in names:
+            check_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--locations") from None
+    if not names or len(set(names)) != len(names):
+        raise click.BadParameter(f"{text!r}: give distinct names, e.g. east,west", param_hint="--locations")  # fmt: skip
+    return names
+
+
+def start_locations(
+    root: Path, names: Sequence[str], ports: Ports, etcd: str, state: ClusterState, timeout: float
+) -> None:
+    """Each location in a cluster of its own (one broker, under the etcd prefix
+    /gazette/location-NAME), its log's journal there, and its process, registered under
+    /gazette/replication; until each answers."""
+    from replication.journals import apply_location_journals
+
+    file_root = root / "fragments"
+    (file_root / LOCATION_STORE.removeprefix("file:///")).mkdir(parents=True, exist_ok=True)
+    popens = []
+    for name in names:
+        broker_port = ports.locations[name][0]
+        log_path = root / f"location-{name}-broker.log"
+        cmd = broker_command(0, broker_port, etcd, file_root, f"/gazette/location-{name}", f"location-{name}")  # fmt: skip
+        popens.append(spawn(cmd, log_path))
+        state.location_brokers.append(
+            Proc(
+                f"location-{name}-broker",
+                popens[-1].pid,
+                f"http://127.0.0.1:{broker_port}",
+                str(log_path),
+                f"--broker.port {broker_port}",
+            )
+        )
+        state.save()
+    asyncio.run(wait_ready(state.location_brokers, popens, timeout, consumers=False))
+    for name, broker in zip(names, state.location_brokers, strict=True):
+        asyncio.run(apply_location_journals(broker.address, name, store=LOCATION_STORE))
+    location_popens = []
+    for name, broker in zip(names, state.location_brokers, strict=True):
+        port = ports.locations[name][1]
+        log_path = root / f"location-{name}.log"
+        cmd = [
+            sys.executable, "-m", "replication", "serve", "--location", name,
+            "--broker.address", broker.address, "--etcd.address", etcd,
+            "--replication.port", str(port),
+        ]  # fmt: skip
+        location_popens.append(spawn(cmd, log_path))
+        state.locations.append(
+            Proc(
+                f"location-{name}",
+                location_popens[-1].pid,
+                f"http://127.0.0.1:{port}",
+                str(log_path),
+                f"--location {name} ",
+            )
+        )
+        state.save()
+    asyncio.run(wait_locations(state.locations, location_popens, timeout))
+
+
+async def wait_locations(
+    procs: list[Proc], popens: list[subprocess.Popen[bytes]], timeout: float
+) -> None:
+    from replication.rpc import LocationClient, LocationError
+
+    deadline = time.monotonic() + timeout
+    for proc, popen in zip(procs, popens, strict=True):
+        async with LocationClient(proc.role, proc.address, timeout=2.0) as client:
+            while True:
+                if popen.poll() is not None:
+                    raise click.ClickException(
+                        f"{proc.role} exited with status {popen.returncode} during start-up; "
+                        f"see {proc.log}:\n{tail(proc.log)}"
+                    )
+                try:
+                    await client.call("Status")
+                    break
+                except LocationError:
+                    if time.monotonic() > deadline:
+                        raise click.ClickException(f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}") from None  # fmt: skip
+                    await asyncio.sleep(0.1)
 
 
 # The examples `--app` takes by short name: their module, and the flags of their stores.
@@ -439,6 +564,10 @@ dir_option = click.option(
     help="Also run PostgreSQL (word-count keeps its counts there; others get POSTGRES_DSN)",
 )  # fmt: skip
 @click.option(
+    "--locations", default=None,
+    help="Also run a replication network's locations: a count (3: A, B, C) or names (east,west), each in a cluster of its own",
+)  # fmt: skip
+@click.option(
     "--timeout",
     default=60.0,
     show_default=True,
@@ -450,6 +579,7 @@ def up(
     consumers: int | None,
     app: str | None,
     postgres: bool,
+    locations: str | None,
     timeout: float,
 ) -> None:
     """Start etcd and brokers (and PostgreSQL, and consumer processes of an application), wait
@@ -459,13 +589,18 @@ def up(
     Consumers run with CONSUMER_STORE_ROOT (a folder for JSON-file stores) and POSTGRES_DSN in
     their environment, under the etcd prefix /gazette/consumers/NAME. Started again on the same
     folder, the cluster keeps its data and its addresses (each port that is still free), so
-    exported variables keep working."""
+    exported variables keep working.
+
+    With --locations, each location runs in a broker cluster of its own with its process
+    (`python -m replication serve`), registered under /gazette/replication: connect them with
+    `gazctl replication connect`."""
     if consumers is not None and app is None:
         raise click.UsageError("--consumers needs --app: the application they run")
     if app is not None:
         check_app(app)
         consumers = consumers or 2
     consumers = consumers or 0
+    names = location_names(locations) if locations else []
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     existing = ClusterState.load(root)
@@ -486,7 +621,7 @@ def up(
         etcd_binary = find_etcd_binary()
     except EtcdNotFound as exc:
         raise click.ClickException(str(exc)) from None
-    ports, moved = choose_ports(Ports.load(root), brokers, consumers, postgres)
+    ports, moved = choose_ports(Ports.load(root), brokers, consumers, postgres, names)
     for line in moved:
         click.echo(line, err=True)
     ports.save(root)
@@ -557,6 +692,8 @@ def up(
                 )
                 state.save()
             asyncio.run(wait_ready(state.consumers, consumer_popens, timeout, consumers=True))
+        if names:
+            start_locations(root, names, ports, etcd_endpoint, state, timeout)
     except BaseException:
         for proc in state.all():
             stop_pid(proc)

@@ -15,24 +15,8 @@ from typing import Any
 
 import pytest
 
-from broker.client import JournalsClient
-from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, stop_process
 from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
-
-
-async def apply_location_journals(broker: str, *names: str) -> None:
-    """The journals of the locations' logs (replication/NAME)."""
-    async with JournalsClient(broker) as client:
-        changes = []
-        for name in names:
-            spec = pb.JournalSpec(name=f"replication/{name}", replication=1)
-            spec.fragment.length = 1 << 20
-            spec.fragment.compression_codec = pb.NONE
-            spec.fragment.refresh_interval.seconds = 60
-            spec.labels.labels.add(name="content-type", value="application/x-ndjson")
-            changes.append(pb.ApplyRequest.Change(upsert=spec))
-        await client.apply(changes)
 
 
 class LocationProcesses:

@@ -244,3 +244,51 @@ def test_up_refuses_a_bad_application(cluster_dir: Path, args: list[str], messag
     assert r.code == 2 and message in r.err, r.err
     assert "Traceback" not in r.err
     assert ClusterState.load(cluster_dir) is None  # Nothing started.
+
+
+@pytest.mark.slow
+def test_up_with_locations_in_clusters_of_their_own(cluster_dir: Path) -> None:
+    """`--locations east,west`: each location's log on a broker cluster of its own (its own etcd
+    prefix), its process registered; connected by `gazctl replication`, an event crosses from
+    one cluster to the other, and `down` stops every process by pid. Up again on the same
+    folder, the locations keep their logs (persisted to the file:// store) and addresses."""
+    up = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1",
+                 "--locations", "east,west", timeout=180)  # fmt: skip
+    assert up.code == 0, up.err
+    state = ClusterState.load(cluster_dir)
+    assert state is not None
+    assert [p.role for p in state.locations] == ["location-east", "location-west"]
+    assert len({p.address for p in state.location_brokers}) == 2
+    env = {"ETCD_ADDRESS": exported(up.out)["ETCD_ADDRESS"]}
+
+    def gazctl(*args: str) -> str:
+        r = run_cli("gazctl", "replication", *args, env=env)
+        assert r.code == 0, (args, r.err)
+        return r.out
+
+    listed = gazctl("locations")
+    for proc in state.location_brokers:
+        assert proc.address in listed  # Each location names its own cluster's broker.
+    gazctl("connect", "east", "west", "--both")
+    gazctl("emit", "east", '{"kind": "hello"}')
+    deadline = time.monotonic() + 30
+    while '"hello"' not in gazctl("events", "west"):
+        assert time.monotonic() < deadline, gazctl("status", "west")
+        time.sleep(0.2)
+
+    down = run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir))
+    assert down.code == 0 and "stopped 6" in down.err, down.err
+    assert not any(is_running(p) for p in state.all())
+
+    again = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1",
+                    "--locations", "east,west", timeout=180)  # fmt: skip
+    assert again.code == 0, again.err
+    restarted = ClusterState.load(cluster_dir)
+    assert restarted is not None
+    assert [p.address for p in restarted.locations] == [p.address for p in state.locations]
+    assert '"hello"' in gazctl("events", "west") and '"hello"' in gazctl("events", "east")
+    assert "east -> west" in gazctl("topology", "--at", "west")
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
+
+    bad = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--locations", "a,a")
+    assert bad.code == 2 and "distinct" in bad.err

@@ -12,10 +12,11 @@ import json
 import time
 from typing import Any
 
+from replication.journals import apply_location_journals
 from replication.rpc import LocationClient, LocationError
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess
-from tests.replication_testing import LocationProcesses, apply_location_journals
+from tests.replication_testing import LocationProcesses
 
 
 def ids(events: list[dict[str, Any]], *, system: bool = False) -> list[tuple[str, int]]:

@@ -1,0 +1,37 @@
+"""The journal of a location's local event log: its spec, and applying it."""
+
+from __future__ import annotations
+
+from broker.client import JournalsClient
+from broker.protocol import protocol_pb2 as pb
+
+__all__ = ["apply_location_journals", "location_journal", "location_journal_spec"]
+
+
+def location_journal(location: str) -> str:
+    return f"replication/{location}"
+
+
+def location_journal_spec(location: str, store: str = "", replication: int = 1) -> pb.JournalSpec:
+    """JSON lines (one record each), uncompressed, in fragments of up to 64 MiB persisted to
+    `store` (none: the brokers' spools only) every minute."""
+    spec = pb.JournalSpec(name=location_journal(location), replication=replication)
+    spec.fragment.length = 64 << 20
+    spec.fragment.compression_codec = pb.NONE
+    spec.fragment.refresh_interval.seconds = 60
+    if store:
+        spec.fragment.stores.append(store)
+    spec.labels.labels.add(name="content-type", value="application/x-ndjson")
+    return spec
+
+
+async def apply_location_journals(broker: str, *locations: str, store: str = "") -> None:
+    """Create the journals of these locations' logs at `broker`'s cluster, those that do not
+    exist yet (an existing one is left as it is: its brokers may be changing it)."""
+    async with JournalsClient(broker) as client:
+        existing = {j.spec.name for j in (await client.list()).journals}
+        missing = [n for n in locations if location_journal(n) not in existing]
+        if missing:
+            await client.apply(
+                [pb.ApplyRequest.Change(upsert=location_journal_spec(n, store)) for n in missing]
+            )
