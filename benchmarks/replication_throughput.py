@@ -49,7 +49,7 @@ async def measure(events: int) -> dict[str, Any]:
 
                 started = time.perf_counter()
                 written = await run_connection(
-                    "A", SourceReader(stubs, JOURNALS[0]), b, rounds=events // 1000 + 1
+                    "A", SourceReader(stubs, JOURNALS[0]), b, through=a.next_seq - 1
                 )
                 replicated = time.perf_counter() - started
                 if written != events:

@@ -22,6 +22,7 @@ from gazctl import render
 from replication import registry
 from replication.location import Event
 from replication.rpc import Document, LocationClient, LocationError
+from replication.server import read_reply
 from replication.system import change_of
 from replication.topology import Change, Connected, Disconnected, Filtered, Retired, Topology
 from replication.vclock import VectorClock
@@ -91,6 +92,10 @@ class Network:
         return [known[n] for n in names]
 
     async def call(self, name: str, method: str, **body: Any) -> Document:
+        reply: Document = json.loads(await self.call_raw(name, method, **body))
+        return reply
+
+    async def call_raw(self, name: str, method: str, **body: Any) -> bytes:
         entry = (await self.entries(name))[0]
         if not entry.endpoint:
             raise UserError(
@@ -101,7 +106,7 @@ class Network:
         if client is None:
             client = self.clients[name] = LocationClient(name, entry.endpoint)
         try:
-            return await client.call(method, **body)
+            return await client.call_raw(method, **body)
         except LocationError as exc:
             raise UserError(str(exc)) from None
 
@@ -383,12 +388,12 @@ def emit_cmd(name: str, payloads: tuple[str, ...], **opts: Any) -> None:
 def events_cmd(name: str, after: int, limit: int, **opts: Any) -> None:  # fmt: skip
     """A location's stored events in storage order, as JSON lines."""
 
-    async def go() -> Document:
+    async def go() -> bytes:
         async with Network(opts) as net:
-            return await net.call(name, "Read", after=after, limit=limit)
+            return await net.call_raw(name, "Read", after=after, limit=limit)
 
-    for event in run(go())["events"]:
-        click.echo(json.dumps(event, sort_keys=True))
+    _, batch = read_reply(name, run(go()))
+    click.echo(batch.data.decode(), nl=False)
 
 
 # ---- topology ---------------------------------------------------------------------------------

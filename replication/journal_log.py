@@ -16,19 +16,26 @@ The journal holds JSON lines of four kinds, all appended by the location's write
 * `{"kind": "deleted", "through": S, "dvv": {...}}`: events through S are deleted (readers skip
   them; their fragments may then be pruned), and the DVV that leaves, recorded.
 
+Event records keep their fields in one order (`replication.records`), so that replication reads
+an event's sequence number, emitter and timestamp without decoding its payload, and writes it to
+the target as the source's bytes with the target's sequence number.
+
 Opening the log takes it (a writer record) and reads it through that record to rebuild the CVV,
 the next sequence number, the local time and the progress of every source. A `SourceReader`
-follows a log incrementally (an index of each event's offset, recent events kept parsed, the CVV
-as read), for `read_events` and for replication rounds.
+follows a log incrementally (an index of each event's offset, recent events kept as read, the CVV
+as read), for `read_events` and for replication rounds. A round's append is staged (the writer's
+state moves on at once, in the order of the appends) and may commit while the next round reads.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import bisect
 import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from broker.client.append_service import AppendService, Registers
@@ -43,30 +50,52 @@ from replication.location import (
     Vectors,
     check_deletion,
 )
-from replication.system import change_of, is_system
+from replication.records import (
+    EVENT_LINE,
+    RawEvent,
+    encode_event,
+    index_records,
+    merge_stamps,
+    parse_event,
+    record_line,
+    split_records,
+)
+from replication.system import change_of
 from replication.topology import Topology
 from replication.vclock import VectorClock
 
 __all__ = [
     "JournalEventLog",
+    "LineBatch",
     "SourceReader",
     "read_events",
+    "read_lines",
     "recover_location",
     "replicate_journals",
     "replicate_round",
     "scan_records",
-    "select_batch",
+    "select_lines",
 ]
 
-_RECENT = 100_000  # Events kept parsed by a SourceReader (between this and twice as many).
-
-
-def _line(document: Mapping[str, Any]) -> bytes:
-    return json.dumps(document, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+_EVENT_KIND = b'"kind":"event"'
 
 
 def _fence(author: int) -> pb.LabelSet:
     return pb.LabelSet(labels=[pb.Label(name="writer", value=str(author))])
+
+
+def _is_new(ts: Mapping[str, int], cvv: Mapping[str, int]) -> bool:
+    """The causality filter: a timestamp not <= the CVV (not in the log's causal past)."""
+    for location, time in ts.items():  # noqa: SIM110 - a loop is faster than any() here.
+        if time > cvv.get(location, 0):
+            return True
+    return False
+
+
+def _merge_into(cvv: dict[str, int], ts: Mapping[str, int]) -> None:
+    for location, time in ts.items():
+        if time > cvv.get(location, 0):
+            cvv[location] = time
 
 
 async def scan_records(
@@ -76,33 +105,44 @@ async def scan_records(
     *,
     block: bool = False,
     events: int | None = None,
-) -> list[tuple[int, int, dict[str, Any]]]:
+) -> list[tuple[int, int, RawEvent | None, dict[str, Any]]]:
     """Whole records of a location's journal from `begin`, to its write head (blocking: once
-    some arrived; `events`: once that many events were read), each with its offset and end."""
-    out: list[tuple[int, int, dict[str, Any]]] = []
+    some arrived; `events`: once that many events were read), each with its offset and end: an
+    event as a RawEvent, or another record decoded."""
+    out: list[tuple[int, int, RawEvent | None, dict[str, Any]]] = []
     partial, at, seen = b"", begin, 0
     chunks: Any = read_retrying(stubs, journal, begin, block=block)
     async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
         async for chunk in chunks:
             if chunk.offset != at + len(partial):
                 raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")
-            data = partial + chunk.content
-            start = 0
-            while (end := data.find(b"\n", start)) != -1:
-                record = json.loads(data[start:end])
-                out.append((at + start, at + end + 1, record))
-                seen += record.get("kind") == "event"
-                start = end + 1
-            at += start
-            partial = data[start:]
+            data = partial + chunk.content if partial else chunk.content
+            lines, whole = split_records(data)
+            for start, end, raw in lines:
+                if raw is None:
+                    raw, record = _record(data[start:end])
+                else:
+                    record = _NO_RECORD
+                out.append((at + start, at + end, raw, record))
+                seen += raw is not None
+            at += whole
+            partial = data[whole:]
             if (block and not partial) or (events is not None and seen >= events):
                 break  # Enough: whole records arrived, or the events asked for.
     return out
 
 
-def _event(record: Mapping[str, Any]) -> Stored:
-    ts = VectorClock.from_json(record["ts"], field="event.ts")
-    return Stored(int(record["seq"]), Event(str(record["emitter"]), ts, dict(record["payload"])))
+_NO_RECORD: dict[str, Any] = {}
+
+
+def _record(line: bytes) -> tuple[RawEvent | None, dict[str, Any]]:
+    """An event record as a RawEvent, or any other record decoded."""
+    if _EVENT_KIND in line:
+        return parse_event(line), _NO_RECORD
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError(f"not a record: {line[:80]!r}")
+    return None, record
 
 
 async def read_events(
@@ -111,42 +151,108 @@ async def read_events(
     """Stored events of a location's log after `after_seq` (at most `limit`; deleted ones
     skipped), and the CVV of the whole log as read."""
     reader = SourceReader(stubs, journal)
-    await reader.refresh()
+    await reader.catch_up()
     return await reader.events_after(after_seq, limit), reader.cvv
 
 
+async def read_lines(
+    stubs: Callable[[], pb_grpc.JournalStub],
+    journal: str,
+    begin: int,
+    *,
+    block: bool = False,
+    until: int | None = None,
+    most: int | None = None,
+) -> bytes:
+    """The whole lines of a journal from `begin`: to its write head, or to `until`, or once at
+    least `most` bytes of them arrived (blocking: once some arrived)."""
+    parts: list[bytes] = []
+    size, at, whole = 0, begin, 0
+    chunks: Any = read_retrying(stubs, journal, begin, block=block)
+    async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
+        async for chunk in chunks:
+            if chunk.offset != at:
+                raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")
+            parts.append(chunk.content)
+            at += len(chunk.content)
+            size += len(chunk.content)
+            newline = chunk.content.rfind(b"\n")
+            if newline != -1:
+                whole = size - len(chunk.content) + newline + 1
+            if (
+                (until is not None and begin + whole >= until)
+                or (block and whole == size)
+                or (most is not None and whole >= most)
+            ):
+                break  # Enough: through `until`, or whole lines arrived.
+    data = b"".join(parts)
+    return data[: until - begin if until is not None else whole]
+
+
+_WINDOW = 32 << 20  # Bytes of a log's recent content a SourceReader keeps.
+_READ = 2 << 20  # Bytes a refresh reads at most (so a long backlog is replicated as it is read).
+
+
 class SourceReader:
-    """A location's journal, read incrementally."""
+    """A location's journal, read incrementally: an index of its events (sequence numbers and
+    offsets), the CVV as read, and its recent content as bytes (events are parsed when a batch
+    is asked for, not kept parsed)."""
 
     def __init__(self, stubs: Callable[[], pb_grpc.JournalStub], journal: str) -> None:
         self.stubs, self.journal = stubs, journal
         self.position = 0  # Journal offset read through (a record boundary).
-        self.cvv = VectorClock()
         self.deleted_through = 0  # The source's deletions, as read, and their DVV.
         self.dvv = VectorClock()
-        self._seqs: list[int] = []  # Event seq numbers, in order, and their offsets.
-        self._offsets: list[int] = []
-        # The most recent events as parsed (the window a connection usually reads from).
-        self._recent: list[Stored] = []
+        self._cvv: dict[str, int] = {}
+        self._cvv_clock: VectorClock | None = VectorClock()
+        self._seqs = array.array("q")  # Event seq numbers, in order, and their offsets.
+        self._offsets = array.array("q")
+        self._chunks: list[tuple[int, bytes]] = []  # Recent content: (offset, bytes).
+        self._kept = 0
+        self._last_read = 0
+
+    @property
+    def cvv(self) -> VectorClock:
+        """The CVV of the log as read."""
+        if self._cvv_clock is None:
+            self._cvv_clock = VectorClock(self._cvv)
+        return self._cvv_clock
 
     async def refresh(self, *, block: bool = False) -> int:
-        """Read what is new (waiting for some, if `block`); the count of new events."""
-        records = await scan_records(self.stubs, self.journal, self.position, block=block)
-        new = 0
-        for offset, end, record in records:
-            if record.get("kind") == "event":
-                stored = _event(record)
-                self._seqs.append(stored.seq)
-                self._offsets.append(offset)
-                self._recent.append(stored)
-                self.cvv = self.cvv.merge(stored.event.timestamp)
-                new += 1
+        """Read what is new, a few MiB at most (waiting for some, if `block`); the count of new
+        events."""
+        data = await read_lines(self.stubs, self.journal, self.position, block=block, most=_READ)
+        self._last_read = len(data)
+        if not data:
+            return 0
+        at = self.position
+        events, others, _ = index_records(data, self._cvv)
+        for start, end in others:
+            raw, record = _record(data[start:end])
+            if raw is not None:  # An event not in the fixed form.
+                events.append((raw.seq, start))
+                _merge_into(self._cvv, raw.ts)
             elif record.get("kind") == "deleted":
                 self.deleted_through = max(self.deleted_through, int(record["through"]))
                 self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
-            self.position = end
-        if len(self._recent) > 2 * _RECENT:
-            del self._recent[:-_RECENT]
+        if len(events) > 1 and events[-1][1] < events[-2][1]:
+            events.sort(key=lambda e: e[1])
+        self._seqs.extend([seq for seq, _ in events])
+        self._offsets.extend([at + start for _, start in events])
+        self._chunks.append((at, data))
+        self._kept += len(data)
+        while self._kept - len(self._chunks[0][1]) >= _WINDOW:
+            self._kept -= len(self._chunks.pop(0)[1])
+        self.position = at + len(data)
+        if events:
+            self._cvv_clock = None
+        return len(events)
+
+    async def catch_up(self) -> int:
+        """Read to the write head; the count of new events."""
+        new = await self.refresh()
+        while self._last_read >= _READ:
+            new += await self.refresh()
         return new
 
     @property
@@ -156,25 +262,127 @@ class SourceReader:
     def seqs_between(self, after_seq: int, through_seq: int) -> list[int]:
         """Sequence numbers of stored (not deleted) events read, in (after, through]."""
         lo = bisect.bisect_right(self._seqs, max(after_seq, self.deleted_through))
-        return self._seqs[lo : bisect.bisect_right(self._seqs, through_seq)]
+        return list(self._seqs[lo : bisect.bisect_right(self._seqs, through_seq)])
 
-    async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
-        """Stored events after `after_seq`, at most `limit`, read from their offset."""
+    def _kept_content(self, begin: int, end: int) -> bytes | None:
+        """The log's content in [begin, end) if it is still kept."""
+        if not self._chunks or begin < self._chunks[0][0]:
+            return None
+        parts = []
+        for at, data in self._chunks:
+            if at + len(data) <= begin:
+                continue
+            if at >= end:
+                break
+            parts.append(data[max(0, begin - at) : end - at])
+        return b"".join(parts)
+
+    async def region_after(self, after_seq: int, limit: int = 1000) -> tuple[bytes, int] | None:
+        """The content holding the stored events after `after_seq` (at most `limit`; other
+        records among them), and the seq of the last of them; None if there are none."""
         i = bisect.bisect_right(self._seqs, max(after_seq, self.deleted_through))
         if i == len(self._seqs):
+            return None
+        j = min(i + limit, len(self._seqs))
+        begin = self._offsets[i]
+        end = self._offsets[j] if j < len(self._seqs) else self.position
+        data = self._kept_content(begin, end)
+        if data is None:
+            data = await read_lines(self.stubs, self.journal, begin, until=end)
+        return data, self._seqs[j - 1]
+
+    async def raw_after(self, after_seq: int, limit: int = 1000) -> list[RawEvent]:
+        """Stored events after `after_seq`, at most `limit`, parsed from their content."""
+        region = await self.region_after(after_seq, limit)
+        if region is None:
             return []
-        first_recent = len(self._seqs) - len(self._recent)
-        if i >= first_recent:  # Parsed already.
-            return self._recent[i - first_recent : i - first_recent + limit]
-        out: list[Stored] = []
-        for _, _, record in await scan_records(
-            self.stubs, self.journal, self._offsets[i], events=limit
-        ):
-            if record.get("kind") == "event":
-                out.append(_event(record))
-                if len(out) == limit:
-                    break
-        return out
+        data = region[0]
+        out: list[RawEvent] = []
+        lines, _ = split_records(data)
+        for start, stop, raw in lines:
+            if raw is None:
+                raw, _ = _record(data[start:stop])
+            if raw is not None:
+                out.append(raw)
+        return out[:limit]
+
+    async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
+        return [raw.stored() for raw in await self.raw_after(after_seq, limit)]
+
+
+@dataclass
+class LineBatch:
+    """What a source sends a target: the records of its events after the target's progress
+    (as stored at the source; other records among them are skipped), through `through_seq`,
+    and the source's CVV."""
+
+    source: str
+    data: bytes
+    through_seq: int
+    source_cvv: VectorClock
+
+
+_NAMES: dict[bytes, str] = {}  # Emitter names as read, decoded once.
+_SYSTEM_MARK = b'"payload":{"system":'
+
+
+def _pass_events(
+    data: bytes, cvv: Mapping[str, int], keep: EventFilter | None, first_seq: int | None
+) -> tuple[list[bytes], list[bytes], list[RawEvent]]:
+    """The event records of `data` that pass the causality filter of `cvv` (and `keep`), in
+    order: their lines (renumbered from `first_seq`, or as they are), their timestamps' entries
+    (the fixed form, without braces), and those that are system events (parsed).
+
+    The causality filter compares an event's own entry only: ts <= CVV exactly when
+    ts[emitter] <= CVV[emitter], because a CVV entry of the emitter at least that high comes
+    from an event that had seen this one (an emitter's events are a chain). Events of one
+    source's log, in its order, never cover each other later in a batch (its storage order is a
+    linear extension of causality), so the CVV from before the batch decides for all of it."""
+    out: list[bytes] = []
+    stamps: list[bytes] = []
+    systems: list[RawEvent] = []
+    names = _NAMES
+    seq = first_seq
+    for match in EVENT_LINE.finditer(data):
+        source_seq, body, emitter, own, stamp = match.groups()
+        if source_seq is None:  # Another record, or an event not in the fixed form.
+            line = match.group(0)
+            if _EVENT_KIND not in line:
+                continue
+            raw = parse_event(line)
+            if raw.ts.get(raw.emitter, 0) <= cvv.get(raw.emitter, 0):
+                continue
+            if keep is not None and not keep(raw.event()):
+                continue
+            if raw.is_system:
+                systems.append(raw)
+            stamps.append(b",".join(b'"%s":%d' % (k.encode(), t) for k, t in raw.ts.items()))
+            out.append(raw.line(raw.seq if seq is None else seq))
+            if seq is not None:
+                seq += 1
+            continue
+        name = names.get(emitter)
+        if name is None:
+            name = names[emitter] = emitter.decode()
+        if own is None:
+            raise ValueError(f"event {name}/{source_seq.decode()}: no entry of its emitter in its timestamp")  # fmt: skip
+        if int(own) <= cvv.get(name, 0):
+            continue
+        if keep is not None or _SYSTEM_MARK in body:
+            ts = {k: int(v) for k, v in (p.split(b":") for p in stamp.split(b","))}
+            at = body.index(b',"payload":', len(emitter) + len(stamp)) + 11
+            raw = RawEvent(int(source_seq), name, {k[1:-1].decode(): v for k, v in ts.items()}, body, at)  # fmt: skip
+            if keep is not None and not keep(raw.event()):
+                continue
+            if raw.is_system:
+                systems.append(raw)
+        stamps.append(stamp)
+        if seq is None:
+            out.append(match.group(0))
+        else:
+            out.append(b'{"kind":"event","seq":%d,%s' % (seq, body))
+            seq += 1
+    return out, stamps, systems
 
 
 class JournalEventLog:
@@ -190,7 +398,8 @@ class JournalEventLog:
     ) -> None:
         self.location, self.journal = location, journal
         self.stubs, self.service, self.author = stubs, service, author
-        self.cvv = VectorClock()
+        self._cvv: dict[str, int] = {}
+        self._cvv_clock: VectorClock | None = VectorClock()
         self.dvv = VectorClock()
         self.deleted_through = 0
         self.next_seq = 1
@@ -202,6 +411,12 @@ class JournalEventLog:
         self._check = Registers(check=pb.LabelSelector(include=_fence(author)))
         self._grown: asyncio.Event | None = None
 
+    @property
+    def cvv(self) -> VectorClock:
+        if self._cvv_clock is None:
+            self._cvv_clock = VectorClock(self._cvv)
+        return self._cvv_clock
+
     async def grown(self) -> None:
         """Wait until the next append of this writer is committed."""
         if self._grown is None:
@@ -210,22 +425,26 @@ class JournalEventLog:
 
     async def open(self) -> None:
         """Take the log (fencing out any earlier writer) and rebuild its state."""
-        record = _line({"kind": "writer", "author": self.author})
+        record = record_line({"kind": "writer", "author": self.author})
         await (await self.service.write(self.journal, record, Registers(union=_fence(self.author))))
-        for _, _, rec in await scan_records(self.stubs, self.journal):
-            self._fold(rec)
+        for _, _, raw, rec in await scan_records(self.stubs, self.journal):
+            if raw is not None:
+                self._fold_event(raw)
+            else:
+                self._fold(rec)
+
+    def _fold_event(self, raw: RawEvent) -> None:
+        _merge_into(self._cvv, raw.ts)
+        self._cvv_clock = None
+        self.next_seq = max(self.next_seq, raw.seq + 1)
+        if raw.emitter == self.location:
+            self.local_time = max(self.local_time, raw.ts.get(self.location, 0))
+        if raw.is_system:
+            self.topology.apply(change_of(raw.event()))
 
     def _fold(self, record: Mapping[str, Any]) -> None:
         kind = record.get("kind")
-        if kind == "event":
-            stored = _event(record)
-            self.cvv = self.cvv.merge(stored.event.timestamp)
-            self.next_seq = max(self.next_seq, stored.seq + 1)
-            if stored.event.emitter == self.location:
-                self.local_time = max(self.local_time, stored.event.timestamp[self.location])
-            if is_system(stored.event):
-                self.topology.apply(change_of(stored.event))
-        elif kind == "progress":
+        if kind == "progress":
             source, seq = str(record["source"]), int(record["seq"])
             if record.get("reset"):
                 self.progress[source] = seq  # Metadata recovery of `source`: set, not raised.
@@ -245,7 +464,7 @@ class JournalEventLog:
     async def set_local_time(self, time: int) -> None:
         """Metadata recovery: the local clock set ahead to `time` (never back)."""
         if time > self.local_time:
-            await self._append([_line({"kind": "local-time", "time": time})])
+            await self._append([record_line({"kind": "local-time", "time": time})])
             self.local_time = time
 
     async def reset_progress(self, source: str, seq: int) -> None:
@@ -253,97 +472,116 @@ class JournalEventLog:
         sequence number (0 if it lost everything), so its new events are read again."""
         cvv = self.cached_cvv.get(source, VectorClock())
         await self._append(
-            [_line({"kind": "progress", "source": source, "seq": seq, "reset": True,
-                    "cvv": cvv.to_json()})]
+            [record_line({"kind": "progress", "source": source, "seq": seq, "reset": True,
+                          "cvv": cvv.to_json()})]
         )  # fmt: skip
         self.progress[source] = seq
 
     async def delete(self, through_seq: int, neighbours: Sequence[Vectors]) -> VectorClock:
         """Delete every event through `through_seq`, if afterwards DVV ≤ CVV-i for every
         directly connected location i (RuleViolation, nothing recorded, if not); the DVV."""
-        events, _ = await read_events(self.stubs, self.journal, self.deleted_through, 1 << 30)
-        doomed = [s.event.timestamp for s in events if s.seq <= through_seq]
-        dvv = self.dvv.merge(*doomed)
+        reader = SourceReader(self.stubs, self.journal)
+        await reader.catch_up()
+        doomed = await reader.raw_after(self.deleted_through, 1 << 30)
+        dvv = self.dvv.merge(*(VectorClock(r.ts) for r in doomed if r.seq <= through_seq))
         check_deletion(self.location, through_seq, dvv, neighbours)
         await self._append(
-            [_line({"kind": "deleted", "through": through_seq, "dvv": dvv.to_json()})]
+            [record_line({"kind": "deleted", "through": through_seq, "dvv": dvv.to_json()})]
         )
         self.deleted_through = max(self.deleted_through, through_seq)
         self.dvv = dvv
         return dvv
 
-    def _stored(self, event: Event) -> tuple[Stored, bytes]:
-        stored = Stored(self.next_seq, event)
+    def _take(self, raw: RawEvent) -> tuple[int, bytes]:
+        """Store `raw` next: its sequence number here, and its line."""
+        seq = self.next_seq
         self.next_seq += 1
-        self.cvv = self.cvv.merge(event.timestamp)
-        if is_system(event):
-            self.topology.apply(change_of(event))
-        line = _line(
-            {"kind": "event", "seq": stored.seq, "emitter": event.emitter,
-             "ts": event.timestamp.to_json(), "payload": dict(event.payload)}
-        )  # fmt: skip
-        return stored, line
+        _merge_into(self._cvv, raw.ts)
+        self._cvv_clock = None
+        if raw.is_system:
+            self.topology.apply(change_of(raw.event()))
+        return seq, raw.line(seq)
 
-    async def _append(self, lines: Sequence[bytes]) -> None:
-        await (await self.service.write(self.journal, b"".join(lines), self._check))
-        if self._grown is not None:
+    async def _stage(self, lines: Sequence[bytes]) -> Awaitable[Any]:
+        """Queue an append of `lines` (in order after every earlier one); its commit."""
+        commit = await self.service.write(self.journal, b"".join(lines), self._check)
+        commit.batch.add_done_callback(self._committed)
+        return commit
+
+    def _committed(self, batch: asyncio.Future[int]) -> None:
+        if not batch.cancelled() and batch.exception() is None and self._grown is not None:
             self._grown.set()
             self._grown = None
+
+    async def _append(self, lines: Sequence[bytes]) -> None:
+        await (await self._stage(lines))
 
     async def emit(self, payloads: Sequence[Mapping[str, Any]]) -> list[Event]:
         """New events, each causally after everything stored before it, in one append."""
         events, lines = [], []
         for payload in payloads:
-            self.local_time = max(self.local_time, self.cvv[self.location]) + 1
+            self.local_time = max(self.local_time, self._cvv.get(self.location, 0)) + 1
             event = Event(self.location, self.cvv.set(self.location, self.local_time), payload)
             events.append(event)
-            lines.append(self._stored(event)[1])
+            lines.append(self._take(encode_event(0, event))[1])
         await self._append(lines)
         return events
 
     def causality_filter(self, event: Event) -> bool:
-        return not event.timestamp <= self.cvv
+        return _is_new(event.timestamp, self._cvv)
+
+    async def stage_lines(
+        self, batch: LineBatch, keep: EventFilter | None = None
+    ) -> tuple[list[bytes], Awaitable[Any]]:
+        """Store what the causality filter (and `keep`) lets through, and the progress, in one
+        append: the records written, and the append's commit. This log's state (CVV, sequence
+        numbers, progress) moves on at once; appends commit in order."""
+        lines, stamps, systems = _pass_events(batch.data, self._cvv, keep, self.next_seq)
+        self.next_seq += len(lines)
+        merge_stamps(stamps, self._cvv)
+        self._cvv_clock = None
+        for raw in systems:
+            self.topology.apply(change_of(raw.event()))
+        progress = record_line(
+            {"kind": "progress", "source": batch.source, "seq": batch.through_seq,
+             "cvv": batch.source_cvv.to_json()}
+        )  # fmt: skip
+        self.progress[batch.source] = max(self.progress.get(batch.source, 0), batch.through_seq)
+        self.cached_cvv[batch.source] = batch.source_cvv
+        return lines, await self._stage([*lines, progress])
+
+    async def write_lines(self, batch: LineBatch, keep: EventFilter | None = None) -> list[bytes]:
+        lines, commit = await self.stage_lines(batch, keep)
+        await commit
+        return lines
 
     async def write_batch(self, batch: ReplicationBatch) -> list[Stored]:
         """Store what the causality filter lets through, and the progress, in one append."""
-        written, lines = [], []
-        for s in batch.events:
-            if self.causality_filter(s.event):
-                stored, line = self._stored(s.event)
-                written.append(stored)
-                lines.append(line)
-        lines.append(
-            _line({"kind": "progress", "source": batch.source, "seq": batch.through_seq,
-                   "cvv": batch.source_cvv.to_json()})
-        )  # fmt: skip
-        await self._append(lines)
-        self.progress[batch.source] = max(self.progress.get(batch.source, 0), batch.through_seq)
-        self.cached_cvv[batch.source] = batch.source_cvv
-        return written
+        data = b"".join(encode_event(s.seq, s.event).line(s.seq) for s in batch.events)
+        written = await self.write_lines(
+            LineBatch(batch.source, data, batch.through_seq, batch.source_cvv)
+        )
+        return [parse_event(line).stored() for line in written]
 
 
-async def select_batch(
+async def select_lines(
     source: str,
     reader: SourceReader,
     after_seq: int,
-    target_cvv: VectorClock,
+    target_cvv: Mapping[str, int],
     replication_filter: EventFilter | None = None,
     limit: int = 1000,
-) -> ReplicationBatch | None:
+) -> LineBatch | None:
     """What a source sends a target from what `reader` has read of the source's log: its events
     after `after_seq` (the target's progress for it), less what the target's CVV (the causality
     filter, applied at the source) and the connection's filter exclude, through the last one
-    read; None if there is nothing new."""
-    events = await reader.events_after(after_seq, limit)
-    if not events:
+    read; None if there is nothing new. Payloads are decoded only for a filter."""
+    region = await reader.region_after(after_seq, limit)
+    if region is None:
         return None
-    passing = tuple(
-        s
-        for s in events
-        if not s.event.timestamp <= target_cvv
-        and (replication_filter is None or replication_filter(s.event))
-    )
-    return ReplicationBatch(source, passing, events[-1].seq, reader.cvv)
+    data, through = region
+    lines, _, _ = _pass_events(data, target_cvv, replication_filter, None)
+    return LineBatch(source, b"".join(lines), through, reader.cvv)
 
 
 async def replicate_round(
@@ -353,21 +591,30 @@ async def replicate_round(
     replication_filter: EventFilter | None = None,
     limit: int = 1000,
     stats: dict[str, int] | None = None,
-) -> list[Stored] | None:
-    """One round of replication source -> target from what `reader` has read (`select_batch`),
-    written with the progress in one append; None if there was nothing new. `stats` counts
-    `read` (through the batch), `filtered` (dropped by either filter) and `written` events."""
+    *,
+    wait: bool = True,
+) -> tuple[int, Awaitable[Any]] | None:
+    """One round of replication source -> target from what `reader` has read of the source's
+    journal: its events after the target's progress, filtered at the target (the causality
+    filter, and the connection's), staged with the progress in one append; the count of events
+    written and the append's commit (awaited already, if `wait`); None if there was nothing
+    new. `stats` counts `read`, `filtered` (dropped by either filter) and `written` events."""
     after = target.progress.get(source, 0)
-    batch = await select_batch(source, reader, after, target.cvv, replication_filter, limit)
-    if batch is None:
+    region = await reader.region_after(after, limit)
+    if region is None:
         return None
-    written = await target.write_batch(batch)
+    data, through = region
+    lines, commit = await target.stage_lines(
+        LineBatch(source, data, through, reader.cvv), replication_filter
+    )
+    if wait:
+        await commit
     if stats is not None:
-        read = len(reader.seqs_between(after, batch.through_seq))
+        read = len(reader.seqs_between(after, through))
         stats["read"] = stats.get("read", 0) + read
-        stats["filtered"] = stats.get("filtered", 0) + read - len(written)
-        stats["written"] = stats.get("written", 0) + len(written)
-    return written
+        stats["filtered"] = stats.get("filtered", 0) + read - len(lines)
+        stats["written"] = stats.get("written", 0) + len(lines)
+    return len(lines), commit
 
 
 async def replicate_journals(
@@ -377,10 +624,16 @@ async def replicate_journals(
     replication_filter: EventFilter | None = None,
     limit: int = 1000,
 ) -> list[Stored]:
-    """One round of replication from a location's journal into `target`, read afresh."""
+    """One round of replication from a location's journal into `target`, read afresh; the
+    events it stored."""
     reader = SourceReader(target.stubs, source_journal)
-    await reader.refresh()
-    return await replicate_round(source, reader, target, replication_filter, limit) or []
+    await reader.catch_up()
+    staged = await replicate_round(source, reader, target, replication_filter, limit)
+    if staged is None:
+        return []
+    written = staged[0]
+    stored, _ = await read_events(target.stubs, target.journal, target.next_seq - 1 - written)
+    return stored
 
 
 async def recover_location(

@@ -21,10 +21,13 @@ __all__ = ["SERVICE", "LocationClient", "LocationError", "generic_handler"]
 SERVICE = "gazette_py.replication.Location"
 
 Document = dict[str, Any]
-Method = Callable[[Document, grpc.aio.ServicerContext[Any, Any]], Awaitable[Document]]
+Method = Callable[[Document, grpc.aio.ServicerContext[Any, Any]], Awaitable[Document | bytes]]
 
 
-def _encode(document: Mapping[str, Any]) -> bytes:
+def _encode(document: Mapping[str, Any] | bytes) -> bytes:
+    """A reply's bytes: a JSON document, or bytes a method made itself (Read's)."""
+    if isinstance(document, bytes):
+        return document
     return json.dumps(document, separators=(",", ":")).encode()
 
 
@@ -70,11 +73,16 @@ class LocationClient:
         await self.close()
 
     async def call(self, method: str, timeout: float | None = None, **body: Any) -> Document:
+        reply: Document = json.loads(await self.call_raw(method, timeout, **body))
+        return reply
+
+    async def call_raw(self, method: str, timeout: float | None = None, **body: Any) -> bytes:
+        """The reply's bytes (Read's are not one JSON document)."""
         stub = self.channel.unary_unary(
-            f"/{SERVICE}/{method}", request_serializer=_encode, response_deserializer=json.loads
+            f"/{SERVICE}/{method}", request_serializer=_encode, response_deserializer=bytes
         )
         try:
-            reply: Document = await stub(body, timeout=timeout or self.timeout)
+            reply: bytes = await stub(body, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
             detail = (exc.details() or "").split("\n")[0]
             raise LocationError(self.location, exc.code(), detail) from None

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +48,8 @@ from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from replication import registry
 from replication.filters import parse_filter
-from replication.journal_log import JournalEventLog, SourceReader, select_batch
-from replication.location import Event, EventFilter, ReplicationBatch, Stored
+from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
+from replication.location import Event, EventFilter
 from replication.rpc import Document, LocationClient, LocationError, generic_handler
 from replication.system import change_of, passes, system_payload
 from replication.topology import (
@@ -68,8 +68,7 @@ __all__ = [
     "LocationServer",
     "StartError",
     "WriterFailed",
-    "event_document",
-    "stored_of",
+    "read_reply",
 ]
 
 log = logging.getLogger("replication")
@@ -109,14 +108,12 @@ class LocationConfig:
         self.journal = self.journal or f"replication/{self.location}"
 
 
-def event_document(stored: Stored) -> Document:
-    e = stored.event
-    return {"seq": stored.seq, "emitter": e.emitter, "ts": e.timestamp.to_json(), "payload": dict(e.payload)}  # fmt: skip
-
-
-def stored_of(document: Mapping[str, Any]) -> Stored:
-    ts = VectorClock.from_json(document["ts"], field="event.ts")
-    return Stored(int(document["seq"]), Event(str(document["emitter"]), ts, dict(document["payload"])))  # fmt: skip
+def read_reply(source: str, reply: bytes) -> tuple[Document, LineBatch]:
+    """A Read reply: its header, and the batch it carries."""
+    newline = reply.index(b"\n") + 1
+    header: Document = json.loads(reply[:newline])
+    cvv = VectorClock.from_json(header["cvv"], field="cvv")
+    return header, LineBatch(source, reply[newline:], int(header["through"]), cvv)
 
 
 @dataclass
@@ -389,6 +386,7 @@ class LocationServer:
         target = self.log
         source = state.source
         direct: SourceReader | None = None  # Reading the source's journal (its process down).
+        pending: Awaitable[Any] | None = None  # The last round's append, committing.
         while True:
             try:
                 entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]
@@ -396,30 +394,24 @@ class LocationServer:
                 after = target.progress.get(source, 0)
                 if entry.endpoint:
                     direct = None
-                    reply = await self._ask(entry).call(
-                        "Read", after=after, cvv=target.cvv.to_json(), filter=state.filter,
-                        or_emitter=self.name if or_here else "", limit=self.config.batch, wait=1.0,
+                    reply = await self._ask(entry).call_raw(
+                        "Read", after=after, cvv=target._cvv, filter=state.filter,
+                        or_emitter=self.name if or_here else "", limit=self.config.batch,
+                        wait=0.0 if pending is not None else 1.0,
                     )  # fmt: skip
                     state.via = "location"
-                    batch = ReplicationBatch(
-                        source,
-                        tuple(stored_of(d) for d in reply["events"]),
-                        int(reply["through"]),
-                        VectorClock.from_json(reply["cvv"], field="cvv"),
-                    )
-                    dvv = VectorClock.from_json(reply["dvv"], field="dvv")
-                    deleted_through, last_seq = (
-                        int(reply["deleted_through"]),
-                        int(reply["last_seq"]),
-                    )
+                    header, batch = read_reply(source, reply)
+                    dvv = VectorClock.from_json(header["dvv"], field="dvv")
+                    deleted_through, last_seq = int(header["deleted_through"]), int(header["last_seq"])  # fmt: skip
                 else:
                     if direct is None:
                         direct = SourceReader(self._broker(entry.broker), entry.journal)
                     state.via = "journal"
-                    await direct.refresh()
+                    if direct.last_seq <= after:
+                        await direct.refresh()
                     keep = _filter(state.filter, self.name if or_here else "")
-                    selected = await select_batch(source, direct, after, target.cvv, keep, self.config.batch)  # fmt: skip
-                    batch = selected or ReplicationBatch(source, (), after, direct.cvv)
+                    selected = await select_lines(source, direct, after, target._cvv, keep, self.config.batch)  # fmt: skip
+                    batch = selected or LineBatch(source, b"", after, direct.cvv)
                     dvv, deleted_through, last_seq = direct.dvv, direct.deleted_through, direct.last_seq  # fmt: skip
                 state.source_last_seq = last_seq
                 if after < deleted_through and not dvv <= target.cvv:
@@ -430,17 +422,24 @@ class LocationServer:
                     await asyncio.sleep(_RETRY)
                     continue
                 state.state, state.error = "replicating", ""
-                if batch.through_seq > after or batch.events:
-                    try:
-                        written = await target.write_batch(batch)
-                    except AppendError as exc:
-                        self.failure = _writer_failure(self.name, exc)
-                        self._failed.set()
-                        return
+                if batch.through_seq > after or batch.data:
+                    # Staged: the next round reads while this one's append commits.
+                    written, commit = await target.stage_lines(batch)
+                    if pending is not None:
+                        await pending
+                    pending = commit
                     state.read += batch.through_seq - after
                     state.written += len(written)
-                elif not entry.endpoint:
-                    await asyncio.sleep(_RETRY)  # The source's journal, polled.
+                else:
+                    if pending is not None:
+                        await pending
+                        pending = None
+                    elif not entry.endpoint:
+                        await asyncio.sleep(_RETRY)  # The source's journal, polled.
+            except AppendError as exc:
+                self.failure = _writer_failure(self.name, exc)
+                self._failed.set()
+                return
             except (
                 LocationError, BrokerUnavailable, ReadError, grpc.aio.AioRpcError,
                 registry.UnknownLocation, ValueError,
@@ -532,30 +531,31 @@ class LocationServer:
         events = await self.log.emit(payloads)
         return {"events": [{"emitter": e.emitter, "ts": e.timestamp.to_json()} for e in events]}
 
-    async def read(self, request: Document) -> Document:
+    async def read(self, request: Document) -> bytes:
         """A replication batch for a target: events after `after`, less those ≤ the target's
-        `cvv` and those its `filter` drops (OR `emitter` = `or_emitter`), waiting up to
-        `wait` seconds for some."""
+        `cvv` and those its `filter` drops (OR `emitter` = `or_emitter`), waiting up to `wait`
+        seconds for some. The reply is a JSON header line (`through`, `cvv`, `dvv`,
+        `deleted_through`, `last_seq`) and the events' records as stored here."""
         assert self.log is not None and self._reader is not None
         after, limit = int(request.get("after", 0)), int(request.get("limit", 1000))
-        cvv = VectorClock.from_json(request.get("cvv", {}), field="cvv")
+        cvv = VectorClock.from_json(request.get("cvv", {}), field="cvv").to_json()
         keep = _filter(str(request.get("filter", "")), str(request.get("or_emitter", "")))
         wait = min(float(request.get("wait", 0)), 10.0)
         reader = self._reader
         async with self._reader_lock:
-            await reader.refresh()
+            await reader.catch_up()
         if reader.last_seq <= after and wait > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.log.grown(), wait)
             async with self._reader_lock:
-                await reader.refresh()
-        batch = await select_batch(self.name, reader, after, cvv, keep, limit)
-        return {
-            "events": [event_document(s) for s in batch.events] if batch else [],
+                await reader.catch_up()
+        batch = await select_lines(self.name, reader, after, cvv, keep, limit)
+        header = {
             "through": batch.through_seq if batch else after,
             "cvv": reader.cvv.to_json(), "dvv": reader.dvv.to_json(),
             "deleted_through": reader.deleted_through, "last_seq": reader.last_seq,
         }  # fmt: skip
+        return b"".join([json.dumps(header).encode(), b"\n", batch.data if batch else b""])
 
     async def change(self, request: Document) -> Document:
         """Check a topology change against this location's view (and, with `record`, store it
@@ -661,7 +661,7 @@ class LocationServer:
             # Not allowed to recover from n: resume at its head, skipping what it holds now.
             last = int(n.status.get("last_seq", 0))
             if lg.progress.get(n.name, 0) < last:
-                await lg.write_batch(ReplicationBatch(n.name, (), last, n.cvv))
+                await lg.write_lines(LineBatch(n.name, b"", last, n.cvv))
             skipped.append(n.name)
         self.lost = ""
         self._topology_changed.set()  # Its connections start (again), from their progress.
