@@ -54,6 +54,7 @@ from replication.records import (
     EVENT_LINE,
     RawEvent,
     encode_event,
+    event_of,
     index_records,
     merge_stamps,
     parse_event,
@@ -76,8 +77,6 @@ __all__ = [
     "scan_records",
     "select_lines",
 ]
-
-_EVENT_KIND = b'"kind":"event"'
 
 
 def _fence(author: int) -> pb.LabelSet:
@@ -136,12 +135,12 @@ _NO_RECORD: dict[str, Any] = {}
 
 
 def _record(line: bytes) -> tuple[RawEvent | None, dict[str, Any]]:
-    """An event record as a RawEvent, or any other record decoded."""
-    if _EVENT_KIND in line:
-        return parse_event(line), _NO_RECORD
+    """A record the fast path did not read: an event as a RawEvent, or another record."""
     record = json.loads(line)
     if not isinstance(record, dict):
         raise ValueError(f"not a record: {line[:80]!r}")
+    if record.get("kind") == "event":
+        return event_of(record), _NO_RECORD
     return None, record
 
 
@@ -346,10 +345,9 @@ def _pass_events(
     for match in EVENT_LINE.finditer(data):
         source_seq, body, emitter, own, stamp = match.groups()
         if source_seq is None:  # Another record, or an event not in the fixed form.
-            line = match.group(0)
-            if _EVENT_KIND not in line:
+            raw, _ = _record(match.group(0))
+            if raw is None:
                 continue
-            raw = parse_event(line)
             if raw.ts.get(raw.emitter, 0) <= cvv.get(raw.emitter, 0):
                 continue
             if keep is not None and not keep(raw.event()):

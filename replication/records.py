@@ -24,6 +24,7 @@ __all__ = [
     "EVENT_LINE",
     "RawEvent",
     "encode_event",
+    "event_of",
     "index_records",
     "merge_stamps",
     "parse_event",
@@ -164,6 +165,11 @@ def parse_event(line: bytes) -> RawEvent:
     record = json.loads(line)
     if not isinstance(record, dict) or record.get("kind") != "event":
         raise ValueError("not an event record")
+    return event_of(record)
+
+
+def event_of(record: Mapping[str, Any]) -> RawEvent:
+    """An event record decoded by the JSON decoder, in the fixed form."""
     try:
         clock = VectorClock.from_json(record["ts"], field="event.ts")
         payload = record["payload"]
