@@ -638,18 +638,23 @@ async def recover_location(
     recovering: JournalEventLog,
     survivors: int,
     neighbours: Sequence[tuple[JournalEventLog, str, bool]],
+    others: Sequence[Vectors] = (),
 ) -> list[str]:
     """Disaster recovery of `recovering` (its log kept events through `survivors`), from
     directly connected locations given as (their writer, their journal, whether both directions
-    between them are unfiltered). Metadata first: the local clock set to the most any neighbour
-    saw of it, and their progress for it reset to `survivors`. Then events, in rounds: from each
+    between them are unfiltered). Metadata first: the local clock set to the most any neighbour,
+    or any of `others`, saw of it (in a network whose connections change, a past connection may
+    have carried its events further than its neighbours of now: the seed's rule, the neighbours
+    alone, is for static networks), and the neighbours' progress for it reset to `survivors`.
+    Then events, in rounds: from each
     unfiltered neighbour whose DVV ≤ CVV-recovering, again until no round adds any; the sources
     used, in order (a neighbour never allowed is left out: RuleViolation is not raised)."""
     from replication.location import check_recover_from
     from replication.topology import RuleViolation
 
     own = recovering.location
-    await recovering.set_local_time(max(n.cvv[own] for n, _, _ in neighbours))
+    seen = [n.cvv[own] for n, _, _ in neighbours] + [o.cvv[own] for o in others]
+    await recovering.set_local_time(max(seen, default=0))
     for neighbour, _, _ in neighbours:
         await neighbour.reset_progress(own, survivors)
     used: list[str] = []
