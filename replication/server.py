@@ -19,8 +19,9 @@ Rules enforced here, each refusal one line naming the rule and the vectors:
 * `Change` checks a topology change against this location's view (filters off cycles of the
   projected history, no connection to or from a retired location, known locations only);
 * `Delete` checks DVV <= CVV-i for every directly connected location i, asking each for its CVV;
-* `Recover` runs metadata recovery (the local clock set to the most any neighbour saw of it,
-  their progress for it reset to its last surviving event) and lets event recovery proceed only
+* `Recover` runs metadata recovery (the local clock set to the most any location saw of it,
+  every registered one answering; its neighbours' progress for it reset to its last surviving
+  event) and lets event recovery proceed only
   over unfiltered bi-directional connections, or a filtered one into a terminal location with the
   filter OR-ed with "emitted here"; other sources resume from their current head.
 """
@@ -589,7 +590,7 @@ class LocationServer:
                 raise RuleViolation(f"{change.source} -> {change.target} is not connected")
             if change.filter:
                 view.check_filter(change.source, change.target)
-        elif isinstance(change, Disconnected):
+        elif isinstance(change, Disconnected) and key not in view.current:
             raise RuleViolation(f"{change.source} -> {change.target} is not connected")
         if request.get("record"):
             await self.log.emit([system_payload(change)])
@@ -627,14 +628,26 @@ class LocationServer:
         return {"progress": self.log.progress.get(source, 0)}
 
     async def recover(self, request: Document) -> Document:
-        """Disaster recovery of this location, after its log lost events (see the module). Its
-        directly connected locations are those whose views connect them with it (its own view
-        may be lost with its log); the connections into it are taken from their views until its
-        own has them again (their system events come back with the other events)."""
+        """Disaster recovery of this location, after its log lost events (see the module). Every
+        registered location must answer (any may hold its latest times). Its directly connected
+        locations are those whose views connect them with it (its own view may be lost with its
+        log); the connections into it are taken from their views until its own has them again
+        (their system events come back with the other events)."""
         assert self.log is not None
         lg = self.log
+        others = await self._others()
+        retired = set().union(*(o.status.get("retired", []) for o in others))
+        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        answered = {o.name for o in others}
+        missing = sorted(n for n in known if n not in answered | retired | {self.name})
+        if missing:
+            raise RuleViolation(
+                f"{self.name}: cannot recover its clock while {', '.join(missing)} "
+                f"{'does' if len(missing) == 1 else 'do'} not answer: any location may hold "
+                "its latest events (start them, or retire them, first)"
+            )
         neighbours = []
-        for other in await self._others():
+        for other in others:
             view = Topology.of(_change_of(d) for d in other.status["history"])
             if (other.name, self.name) in view.current or (self.name, other.name) in view.current:
                 neighbours.append((other, view))
@@ -644,7 +657,9 @@ class LocationServer:
                 "to recover from (start its neighbours first)"
             )
         survivors = lg.next_seq - 1
-        await lg.set_local_time(max([lg.local_time, *(n.cvv[self.name] for n, _ in neighbours)]))
+        # The clock: the most any location saw of it (not only its neighbours of now: a past
+        # connection may have carried its events further).
+        await lg.set_local_time(max([lg.local_time, *(o.cvv[self.name] for o in others)]))
         for n, _ in neighbours:
             entry = (await registry.lookup(self._etcd_client(), self.config.prefix, n.name))[0]
             await self._ask(entry).call("ResetProgress", source=self.name, seq=survivors)

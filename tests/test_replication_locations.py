@@ -253,3 +253,30 @@ def test_a_location_that_lost_its_log_recovers_it(
     wait_until(lambda: len(ids(locations.events("B"))) == 4, "B gets A's new event")
     assert_causal_order(locations.events("A"))
     assert_causal_order(locations.events("B"))
+
+
+def test_recovery_waits_for_every_location_that_may_hold_its_events(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A's last events went only to C (its connection to B filters them out). Recovering A
+    with C down would set A's clock below times C holds: refused, in one line; with C up, A's
+    clock comes back to the most C saw, and its next event follows it."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "C")
+    locations.ok("connect", "A", "B", "--filter", "num=1")
+    locations.ok("emit", "A", '{"num": 2}', '{"num": 2}', '{"num": 2}')
+    wait_until(lambda: len(ids(locations.events("C"))) == 3, "C holds A's events")
+    seen_by_c = locations.status("C")["cvv"]["A"]
+    assert locations.status("B")["cvv"]["A"] < seen_by_c
+    locations.stop("A")
+    asyncio.run(_lose_log(location_broker.address, "A"))
+    locations.start("A", location_broker.address)
+    locations.stop("C")
+    line = refused(locations, "recover", "A")
+    assert "cannot recover its clock while C does not answer" in line
+    locations.start("C", location_broker.address)
+    assert f"local time {seen_by_c}" in locations.ok("recover", "A")
+    out = locations.ok("emit", "A", '{"num": 4}')
+    assert f"A: {seen_by_c + 1}" in out
