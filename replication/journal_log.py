@@ -34,7 +34,7 @@ import asyncio
 import bisect
 import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,11 +326,19 @@ _SYSTEM_MARK = b'"payload":{"system":'
 
 
 def _pass_events(
-    data: bytes, cvv: Mapping[str, int], keep: EventFilter | None, first_seq: int | None
-) -> tuple[list[bytes], list[bytes], list[RawEvent]]:
+    data: bytes,
+    cvv: Mapping[str, int],
+    keep: EventFilter | None,
+    first_seq: int | None,
+    group: Collection[str] = (),
+) -> tuple[list[bytes], list[bytes], list[RawEvent], int | None]:
     """The event records of `data` that pass the causality filter of `cvv` (and `keep`), in
     order: their lines (renumbered from `first_seq`, or as they are), their timestamps' entries
-    (the fixed form, without braces), and those that are system events (parsed).
+    (the fixed form, without braces), those that are system events (parsed), and the source
+    seq of the event it stopped at, if any: with `group` (the target's unfiltered group, for a
+    filtered connection into it), an event is written only once its timestamp restricted to the
+    group is <= the CVV (else it and what follows are read again later: the seed's rule for
+    redundant filtered connections).
 
     The causality filter compares an event's own entry only: ts <= CVV exactly when
     ts[emitter] <= CVV[emitter], because a CVV entry of the emitter at least that high comes
@@ -352,6 +360,8 @@ def _pass_events(
                 continue
             if keep is not None and not keep(raw.event()):
                 continue
+            if any(raw.ts.get(k, 0) > cvv.get(k, 0) for k in group):
+                return out, stamps, systems, raw.seq
             if raw.is_system:
                 systems.append(raw)
             stamps.append(b",".join(b'"%s":%d' % (k.encode(), t) for k, t in raw.ts.items()))
@@ -366,12 +376,14 @@ def _pass_events(
             raise ValueError(f"event {name}/{source_seq.decode()}: no entry of its emitter in its timestamp")  # fmt: skip
         if int(own) <= cvv.get(name, 0):
             continue
-        if keep is not None or _SYSTEM_MARK in body:
-            ts = {k: int(v) for k, v in (p.split(b":") for p in stamp.split(b","))}
+        if keep is not None or group or _SYSTEM_MARK in body:
+            ts = {k[1:-1].decode(): int(v) for k, v in (p.split(b":") for p in stamp.split(b","))}
             at = body.index(b',"payload":', len(emitter) + len(stamp)) + 11
-            raw = RawEvent(int(source_seq), name, {k[1:-1].decode(): v for k, v in ts.items()}, body, at)  # fmt: skip
+            raw = RawEvent(int(source_seq), name, ts, body, at)
             if keep is not None and not keep(raw.event()):
                 continue
+            if any(ts.get(k, 0) > cvv.get(k, 0) for k in group):
+                return out, stamps, systems, raw.seq
             if raw.is_system:
                 systems.append(raw)
         stamps.append(stamp)
@@ -380,7 +392,7 @@ def _pass_events(
         else:
             out.append(b'{"kind":"event","seq":%d,%s' % (seq, body))
             seq += 1
-    return out, stamps, systems
+    return out, stamps, systems, None
 
 
 class JournalEventLog:
@@ -529,27 +541,35 @@ class JournalEventLog:
         return _is_new(event.timestamp, self._cvv)
 
     async def stage_lines(
-        self, batch: LineBatch, keep: EventFilter | None = None
+        self, batch: LineBatch, keep: EventFilter | None = None, group: Collection[str] = ()
     ) -> tuple[list[bytes], Awaitable[Any]]:
         """Store what the causality filter (and `keep`) lets through, and the progress, in one
-        append: the records written, and the append's commit. This log's state (CVV, sequence
-        numbers, progress) moves on at once; appends commit in order."""
-        lines, stamps, systems = _pass_events(batch.data, self._cvv, keep, self.next_seq)
+        append: the records written, and the append's commit. With `group` (a filtered
+        connection into this location's unfiltered group), the batch stops at an event whose
+        timestamp restricted to the group is not <= the CVV, and the progress before it. This
+        log's state (CVV, sequence numbers, progress) moves on at once; appends commit in
+        order."""
+        lines, stamps, systems, stopped = _pass_events(
+            batch.data, self._cvv, keep, self.next_seq, group
+        )
+        through = batch.through_seq if stopped is None else stopped - 1
         self.next_seq += len(lines)
         merge_stamps(stamps, self._cvv)
         self._cvv_clock = None
         for raw in systems:
             self.topology.apply(change_of(raw.event()))
         progress = record_line(
-            {"kind": "progress", "source": batch.source, "seq": batch.through_seq,
+            {"kind": "progress", "source": batch.source, "seq": through,
              "cvv": batch.source_cvv.to_json()}
         )  # fmt: skip
-        self.progress[batch.source] = max(self.progress.get(batch.source, 0), batch.through_seq)
+        self.progress[batch.source] = max(self.progress.get(batch.source, 0), through)
         self.cached_cvv[batch.source] = batch.source_cvv
         return lines, await self._stage([*lines, progress])
 
-    async def write_lines(self, batch: LineBatch, keep: EventFilter | None = None) -> list[bytes]:
-        lines, commit = await self.stage_lines(batch, keep)
+    async def write_lines(
+        self, batch: LineBatch, keep: EventFilter | None = None, group: Collection[str] = ()
+    ) -> list[bytes]:
+        lines, commit = await self.stage_lines(batch, keep, group)
         await commit
         return lines
 
@@ -578,7 +598,7 @@ async def select_lines(
     if region is None:
         return None
     data, through = region
-    lines, _, _ = _pass_events(data, target_cvv, replication_filter, None)
+    lines, _, _, _ = _pass_events(data, target_cvv, replication_filter, None)
     return LineBatch(source, b"".join(lines), through, reader.cvv)
 
 
@@ -591,6 +611,7 @@ async def replicate_round(
     stats: dict[str, int] | None = None,
     *,
     wait: bool = True,
+    group: Collection[str] = (),
 ) -> tuple[int, Awaitable[Any]] | None:
     """One round of replication source -> target from what `reader` has read of the source's
     journal: its events after the target's progress, filtered at the target (the causality
@@ -603,7 +624,7 @@ async def replicate_round(
         return None
     data, through = region
     lines, commit = await target.stage_lines(
-        LineBatch(source, data, through, reader.cvv), replication_filter
+        LineBatch(source, data, through, reader.cvv), replication_filter, group
     )
     if wait:
         await commit

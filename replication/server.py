@@ -392,6 +392,9 @@ class LocationServer:
             try:
                 entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]
                 or_here = self._terminal() and bool(state.filter)
+                # A filtered connection writes into this location's unfiltered group only what
+                # the group's part of its timestamp allows (redundant filtered connections).
+                group = target.topology.group_of(self.name) if state.filter else frozenset()
                 after = target.progress.get(source, 0)
                 if entry.endpoint:
                     direct = None
@@ -425,12 +428,18 @@ class LocationServer:
                 state.state, state.error = "replicating", ""
                 if batch.through_seq > after or batch.data:
                     # Staged: the next round reads while this one's append commits.
-                    written, commit = await target.stage_lines(batch)
+                    written, commit = await target.stage_lines(batch, group=group)
                     if pending is not None:
                         await pending
                     pending = commit
-                    state.read += batch.through_seq - after
+                    state.read += target.progress.get(source, 0) - after
                     state.written += len(written)
+                    if target.progress.get(source, 0) == after:
+                        state.state = (
+                            f"waiting: the next event from {source} follows events of "
+                            f"{','.join(sorted(group))} that are not here yet"
+                        )
+                        await asyncio.sleep(_RETRY)
                 else:
                     if pending is not None:
                         await pending
@@ -588,8 +597,7 @@ class LocationServer:
             parse_filter(change.filter)
             if key not in view.current:
                 raise RuleViolation(f"{change.source} -> {change.target} is not connected")
-            if change.filter:
-                view.check_filter(change.source, change.target)
+            view.check_filter(change.source, change.target, change.filter)
         elif isinstance(change, Disconnected) and key not in view.current:
             raise RuleViolation(f"{change.source} -> {change.target} is not connected")
         if request.get("record"):

@@ -156,31 +156,149 @@ class Topology:
             if location in self.retired:
                 raise RuleViolation(f"location {location} is retired: it takes no connections")
 
-    def check_filter(self, source: str, target: str) -> None:
-        """May the connection source -> target (existing or new) carry a replication filter?"""
+    # ---- unfiltered groups ------------------------------------------------------------------------
+
+    def groups(self) -> dict[str, frozenset[str]]:
+        """Each location's unfiltered group: the locations joined to it by links of the
+        projected history that were never filtered (a composite location, in the seed's
+        words: an unfiltered cycle such as ABC is one)."""
+        filtered = self._filtered_links()
+        parent: dict[str, str] = {}
+
+        def root(x: str) -> str:
+            while parent.setdefault(x, x) != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for a, b in self.links():
+            root(a), root(b)
+            if (a, b) not in filtered:
+                parent[root(a)] = root(b)
+        members: dict[str, set[str]] = collections.defaultdict(set)
+        for x in list(parent):
+            members[root(x)].add(x)
+        return {x: frozenset(members[root(x)]) for x in parent}
+
+    def group_of(self, location: str) -> frozenset[str]:
+        return self.groups().get(location, frozenset({location}))
+
+    def _filtered_links(self) -> set[tuple[str, str]]:
+        return {
+            _link(a, b)
+            for a, b in self.ever_filtered
+            if a not in self.retired and b not in self.retired
+        }
+
+    def _unfiltered_path(self, a: str, b: str) -> list[str] | None:
+        """A path a ... b over links never filtered (None if there is none)."""
+        filtered = self._filtered_links()
+        neighbours: dict[str, set[str]] = collections.defaultdict(set)
+        for x, y in self.links():
+            if (x, y) not in filtered:
+                neighbours[x].add(y)
+                neighbours[y].add(x)
+        previous = {a: a}
+        queue = collections.deque([a])
+        while queue:
+            here = queue.popleft()
+            if here == b:
+                path = [b]
+                while path[-1] != a:
+                    path.append(previous[path[-1]])
+                return path[::-1]
+            for there in sorted(neighbours[here]):
+                if there not in previous:
+                    previous[there] = here
+                    queue.append(there)
+        return None
+
+    # ---- rules ------------------------------------------------------------------------------------
+
+    def check_filter(self, source: str, target: str, filter: str | None = None) -> None:
+        """May the connection source -> target (existing or new) carry a replication filter
+        (`filter`, if given, for the rule of identical filters)?"""
         self.check_location(source, target)
-        cycle = self.cycle_through(source, target, extra=[(source, target)])
-        if cycle is not None:
-            raise RuleViolation(
-                f"no filter on {source} -> {target}: it lies on the cycle "
-                f"{' - '.join(cycle)} - {source} of the topology's history"
-            )
+        text = "\0" if filter is None else filter  # None: any filter (not compared).
+        change: Change = (
+            Filtered(source, target, text)
+            if (source, target) in self.current
+            else Connected(source, target, text)
+        )
+        Topology.of([*self.history, change])._check(source, target, filter is not None)
 
     def check_connect(self, source: str, target: str, filter: str = "") -> None:
-        """May replication source -> target begin (the filter rule for it, and no cycle closed
-        through a connection that was ever filtered)?"""
+        """May replication source -> target begin, with this filter (or none)?"""
         self.check_location(source, target)
         if source == target:
             raise RuleViolation(f"{source} -> {target}: a location does not replicate to itself")
-        if filter:
-            self.check_filter(source, target)
-        extra = [(source, target)]
-        for s, t in sorted(self.ever_filtered):
-            if s in self.retired or t in self.retired:
+        Topology.of([*self.history, Connected(source, target, filter)])._check(source, target)
+
+    def validate(self) -> None:
+        """Whether the view as it is keeps the rules (RuleViolation naming one that breaks)."""
+        self._check("", "")
+
+    def _check(self, source: str, target: str, same_filters: bool = True) -> None:
+        """The rules on this view, refusals worded around the change source -> target:
+
+        1. no filtered link inside an unfiltered group (a filter on a cycle of the projected
+           history, or an unfiltered connection closing a cycle through a filtered one);
+        2. the groups joined by filtered links form a tree (no cycle of filtered connections
+           across three or more groups);
+        3. the connections from one group to another carry identical filters (the seed's
+           redundant filtered connections: D -> A and D -> B into the cycle ABC alike)."""
+        groups = self.groups()
+        changed = _link(source, target) if source else None
+        for a, b in sorted(self._filtered_links()):
+            if groups[a] != groups[b]:
                 continue
-            cycle = self.cycle_through(s, t, extra=extra)
-            if cycle is not None:
+            path = self._unfiltered_path(a, b)
+            cycle = " - ".join(path or [a, b]) + f" - {a}"
+            if changed == (a, b) and (source, target) in self.ever_filtered:
                 raise RuleViolation(
-                    f"{source} -> {target} would close the cycle {' - '.join(cycle)} - {s} "
-                    f"through {s} -> {t}, which is (or was) filtered"
+                    f"no filter on {source} -> {target}: it lies on the cycle {cycle} of the "
+                    "topology's history"
                 )
+            s, t = next((s, t) for s, t in sorted(self.ever_filtered) if _link(s, t) == (a, b))
+            what = f"{source} -> {target} would close" if source else "there is"
+            raise RuleViolation(
+                f"{what} the cycle {cycle} through {s} -> {t}, which is (or was) filtered"
+            )
+        # 2: the graph of groups is a forest (several links between two groups are one edge).
+        edges = {tuple(sorted((min(groups[a]), min(groups[b])))) for a, b in self._filtered_links()}
+        parent: dict[str, str] = {}
+
+        def root(x: str) -> str:
+            while parent.setdefault(x, x) != x:
+                x = parent[x]
+            return x
+
+        for x, y in sorted(edges):
+            if root(x) == root(y):
+                named = ", ".join(
+                    "{" + ",".join(sorted(g)) + "}" for g in sorted({groups[x], groups[y]}, key=min)
+                )
+                what = f"{source} -> {target} would close" if source else "there is"
+                raise RuleViolation(
+                    f"{what} a cycle of filtered connections across unfiltered groups (through "
+                    f"{named}): filtered connections may join groups only as a tree"
+                )
+            parent[root(x)] = root(y)
+        if not same_filters:
+            return
+        # 3: identical filters from one group to another.
+        seen: dict[tuple[frozenset[str], frozenset[str]], tuple[str, str, str]] = {}
+        ordered = sorted(self.current.items(), key=lambda kv: (kv[0] != (source, target), kv[0]))
+        for (s, t), f in ordered:
+            if s in self.retired or t in self.retired or groups.get(s) == groups.get(t):
+                continue
+            key = (groups[s], groups[t])
+            if key in seen and seen[key][2] != f:
+                x, y, other = seen[key]
+                first, second = ((s, t, f), (x, y, other)) if (x, y) == (source, target) else ((x, y, other), (s, t, f))  # fmt: skip
+                raise RuleViolation(
+                    f"{second[0]} -> {second[1]} must filter as {first[0]} -> {first[1]} does "
+                    f"({first[2] or 'no filter'!r}): connections from one unfiltered group to "
+                    "another are redundant and filter alike"
+                )
+            seen.setdefault(key, (s, t, f))

@@ -162,6 +162,79 @@ def test_redundant_filtered_connection_writes_only_within_the_cycle_cvv() -> Non
     assert [s.event.payload["name"] for s in written] == ["d1"]
 
 
+def test_redundant_connections_lose_an_event_without_the_group_rule() -> None:
+    """D -> A and E -> B (E and D one unfiltered group) carry D's event d1 into ABC. d1 follows
+    a1 (A's event, which reached D). Written at B before a1 arrives there, d1 puts a1 in B's
+    causal past: a1 is then dropped by B's causality filter, for good. The group rule holds d1
+    back until B has a1."""
+    abc = ["A", "B", "C"]
+    for rule_on in (False, True):
+        loc = net("A", "B", "C", "D", "E")
+        a, b, d, e = loc["A"], loc["B"], loc["D"], loc["E"]
+        a1 = a.emit({"name": "a1"})
+        replicate(a, d)  # A -> D (filtered into DEF; a1 passes).
+        d1 = d.emit({"name": "d1"})
+        replicate(d, e)  # Inside the group DE.
+        replicate(e, b, only("d1"), cycle=abc if rule_on else ())  # E -> B, redundant with D -> A.
+        replicate(a, b)  # Inside ABC, a1 comes to B.
+        replicate(e, b, only("d1"), cycle=abc if rule_on else ())
+        stored = [s.event for s in b.log]
+        if rule_on:
+            assert stored == [a1, d1]
+        else:
+            assert stored == [d1] and a1.timestamp <= b.cvv  # a1 is lost at B.
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_two_data_centres_partitioned_keep_working_and_converge(seed: int) -> None:
+    """The seed's example: the cycle ABC (application 1: A and C in data centre 1, B in 2) and
+    DEF (application 2: D and F in 1, E in 2), joined by D - A and E - B with one filter each
+    way. Partitioned, each data centre keeps replicating within itself; healed, every location
+    holds what its filters let through, each log a linear extension of causality."""
+    import random
+
+    rng = random.Random(seed)
+    view = Topology()
+    unfiltered = [(x, y) for g in ("ABC", "DEF") for x, y in itertools.permutations(g, 2)]
+    filtered = {("D", "A"): "to-abc", ("E", "B"): "to-abc", ("A", "D"): "to-def", ("B", "E"): "to-def"}  # fmt: skip
+    for source, target in unfiltered:
+        view.apply(Connected(source, target))
+    for (source, target), f in filtered.items():
+        view.check_connect(source, target, f)
+        view.apply(Connected(source, target, f))
+    loc = net(*"ABCDEF")
+    centre = {"A": 1, "C": 1, "D": 1, "F": 1, "B": 2, "E": 2}
+    connections = [(s, t, None) for s, t in unfiltered] + [
+        (s, t, (lambda e, f=f: e.payload.get("to") == f)) for (s, t), f in filtered.items()
+    ]
+
+    def run(partitioned: bool) -> None:
+        for source, target, keep in connections:
+            if partitioned and centre[source] != centre[target]:
+                continue
+            group = sorted(view.group_of(target)) if keep else ()
+            replicate(loc[source], loc[target], keep, cycle=group, limit=rng.randrange(1, 4))
+
+    for step in range(60):
+        where = rng.choice("ABCDEF")
+        loc[where].emit({"to": rng.choice(["to-abc", "to-def", "local"]), "step": step})
+        run(partitioned=step < 40)
+    for _ in range(20):
+        run(partitioned=False)
+    emitted = {s.event.id: s.event for x in loc.values() for s in x.log if s.event.emitter == x.name}  # fmt: skip
+    for name, location in loc.items():
+        seen = [s.event for s in location.log]
+        assert len({e.id for e in seen}) == len(seen)
+        for i, j in itertools.combinations(range(len(seen)), 2):
+            assert not seen[j].timestamp < seen[i].timestamp
+        group = "ABC" if name in "ABC" else "DEF"
+        want = {
+            i for i, e in emitted.items()
+            if e.emitter in group or e.payload["to"] == f"to-{group.lower()}"
+        }  # fmt: skip
+        assert {e.id for e in seen} >= want, name
+
+
 class Network(RuleBasedStateMachine):
     """Unfiltered connections between three locations; replication rounds and emits in any
     order; a crash after a batch's write, before its progress, replays it."""

@@ -67,8 +67,8 @@ def test_other_encodings_of_an_event_are_read_and_written_back_in_the_fixed_form
     assert raw.stored().event == event and raw.seq == seq
     assert split_records(raw.line(seq))[0][0][2] == raw  # The fixed form.
     # In a batch, the slow path gives the same event as the fast one, in the fixed form.
-    fast, _, _ = _pass_events(encode_event(seq, event).line(seq), {}, None, 7)
-    slow, _, _ = _pass_events(line, {}, None, 7)
+    fast, _, _, _ = _pass_events(encode_event(seq, event).line(seq), {}, None, 7)
+    slow, _, _, _ = _pass_events(line, {}, None, 7)
     assert [parse_event(x).stored() for x in fast + slow] == [Stored(7, event)] * 2
     assert split_records(slow[0])[0][0][2] is not None
 
@@ -81,11 +81,11 @@ def test_payloads_that_mimic_record_fields_fool_nothing() -> None:
     line = encode_event(5, event).line(5)
     ((_, _, raw),) = split_records(line)[0]
     assert raw is not None and raw.emitter == "A" and raw.ts == {"A": 3} and not raw.is_system
-    lines, stamps, systems = _pass_events(line, {}, None, 1)
+    lines, stamps, systems, _ = _pass_events(line, {}, None, 1)
     assert systems == [] and stamps == [b'"A":3'] and parse_event(lines[0]).event() == event
     # A system event is one.
     system = Event("A", VectorClock({"A": 4}), {"system": {"type": "retired", "location": "B"}})
-    _, _, systems = _pass_events(encode_event(1, system).line(1), {}, None, 1)
+    _, _, systems, _ = _pass_events(encode_event(1, system).line(1), {}, None, 1)
     assert [s.event() for s in systems] == [system]
 
 
@@ -107,9 +107,34 @@ def test_the_own_entry_filter_is_the_causality_filter_on_model_histories(
     for source in locations:
         data = b"".join(encode_event(s.seq, s.event).line(s.seq) for s in source.log)
         for target in locations:
-            passed, stamps, _ = _pass_events(data, target.cvv.to_json(), None, None)
+            passed, stamps, _, _ = _pass_events(data, target.cvv.to_json(), None, None)
             expected = [s for s in source.log if not s.event.timestamp <= target.cvv]
             assert [parse_event(line).seq for line in passed] == [s.seq for s in expected]
             merged: dict[str, int] = {}
             merge_stamps(stamps, merged)
             assert VectorClock(merged) == lub(s.event.timestamp for s in expected)
+
+
+@settings(max_examples=100)
+@given(st.randoms(use_true_random=False))
+def test_the_group_rule_stops_where_the_model_stops(rng: random.Random) -> None:
+    """A filtered connection into an unfiltered group: the batch stops at the first event whose
+    timestamp restricted to the group is not <= the target's CVV, as the model's
+    `write_batch(cycle=...)` does."""
+    from replication.location import read_batch, write_batch
+
+    locations = [Location(n) for n in ("A", "B", "C", "D")]
+    for _ in range(rng.randrange(5, 40)):
+        if rng.random() < 0.5:
+            rng.choice(locations).emit({"n": rng.randrange(100)})
+        else:
+            source, target = rng.sample(locations, 2)
+            replicate(source, target, limit=rng.randrange(1, 10))
+    d, b = locations[3], locations[1]
+    group = ["A", "B", "C"]
+    batch = read_batch(d, b)
+    data = b"".join(encode_event(s.seq, s.event).line(s.seq) for s in batch.events)
+    passed, _, _, stopped = _pass_events(data, b.cvv.to_json(), None, None, group)
+    written = write_batch(b, batch, cycle=group)
+    assert [parse_event(line).event() for line in passed] == [s.event for s in written]
+    assert (stopped - 1 if stopped else batch.through_seq) == b.progress["D"]

@@ -107,3 +107,51 @@ def test_retired_locations_leave_the_topology() -> None:
         view.check_connect("C", "A")
     with pytest.raises(RuleViolation, match="does not replicate to itself"):
         view.check_connect("A", "A")
+
+
+def abc() -> list[Connected]:
+    return [*both("A", "B"), *both("B", "C"), *both("C", "A")]
+
+
+def test_redundant_filtered_connections_into_an_unfiltered_cycle() -> None:
+    """D joins the cycle ABC by filtered connections to A and B (and C): a cycle ABD with
+    filters, allowed because they are redundant: the same filter from D into ABC, the same from
+    ABC into D. A different filter, a filter inside ABC, or an unfiltered link that makes D part
+    of the cycle is refused."""
+    view = Topology.of([*abc(), Connected("D", "A", "kind=x"), Connected("A", "D", "kind=y")])
+    view.check_connect("D", "B", "kind=x")
+    view.apply(Connected("D", "B", "kind=x"))
+    view.check_connect("B", "D", "kind=y")
+    view.apply(Connected("B", "D", "kind=y"))
+    view.validate()
+    assert view.group_of("A") == {"A", "B", "C"} and view.group_of("D") == {"D"}
+    with pytest.raises(RuleViolation, match=r"D -> C must filter as D -> A does \('kind=x'\)"):
+        view.check_connect("D", "C", "kind=z")
+    with pytest.raises(RuleViolation, match=r"D -> C would close the cycle .* through A -> D"):
+        view.check_connect("D", "C")  # Unfiltered, it makes D part of the cycle.
+    with pytest.raises(RuleViolation, match="no filter on A -> B: it lies on the cycle"):
+        view.check_filter("A", "B")
+    view.check_connect("C", "E")
+    view.apply(Connected("C", "E"))  # E joins the group ABC ...
+    with pytest.raises(RuleViolation, match=r"E -> D would close the cycle .* \(or was\)"):
+        view.check_connect("E", "D")  # ... and E - D unfiltered would put D - A in a cycle.
+
+
+def test_a_composite_location_joined_to_another_by_redundant_connections() -> None:
+    """The seed's two data centres: the unfiltered cycle DEF joined to ABC by D - A and E - B,
+    the same filter each way; a third group joined to both by filters would close a cycle of
+    groups, refused."""
+    def_ = [*both("D", "E"), *both("E", "F"), *both("F", "D")]
+    links = [Connected("D", "A", "app=1"), Connected("A", "D", "app=2"),
+             Connected("E", "B", "app=1"), Connected("B", "E", "app=2")]  # fmt: skip
+    view = Topology.of([*abc(), *def_])
+    for change in links:
+        view.check_connect(change.source, change.target, change.filter)
+        view.apply(change)
+    view.validate()
+    assert view.group_of("E") == {"D", "E", "F"}
+    with pytest.raises(RuleViolation, match="E -> B must filter as"):
+        view.check_filter("E", "B", "app=3")
+    view.apply(Connected("G", "A", "g"))
+    with pytest.raises(RuleViolation, match="cycle of filtered connections across"):
+        view.check_connect("G", "F", "g")
