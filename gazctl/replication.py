@@ -24,7 +24,15 @@ from replication.location import Event
 from replication.rpc import Document, LocationClient, LocationError
 from replication.server import read_reply
 from replication.system import change_of
-from replication.topology import Change, Connected, Disconnected, Filtered, Retired, Topology
+from replication.topology import (
+    Change,
+    Connected,
+    Disconnected,
+    FailedOver,
+    Filtered,
+    Retired,
+    Topology,
+)
 from replication.vclock import VectorClock
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -235,12 +243,25 @@ def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: s
     is_flag=True,
     help="Also connect TARGET -> SOURCE (bi-directional, as two connections)",
 )
+@click.option(
+    "--fail-over-from", "previous", default="",
+    help="Switch TARGET's filtered connection from this location to SOURCE (allowed once the CVV it last sent is <= SOURCE's)",
+)  # fmt: skip
 @replication_options
-def connect_cmd(source: str, target: str, filter_: str, both: bool, **opts: Any) -> None:  # fmt: skip
+def connect_cmd(
+    source: str, target: str, filter_: str, both: bool, previous: str, **opts: Any
+) -> None:
     """Replicate SOURCE's events to TARGET (a filter change, if it is connected already)."""
 
     async def go() -> None:
         async with Network(opts) as net:
+            if previous:
+                if both:
+                    raise UserError("--fail-over-from switches one connection: leave out --both")
+                change = FailedOver(previous, source, target, filter_)
+                await net.change(change, at=[target, source, previous])
+                click.echo(f"{target}: failed over from {previous} to {source}")
+                return
             pairs = [(source, target)] + ([(target, source)] if both else [])
             for s, t in pairs:
                 current = await _current(net, t)
@@ -454,6 +475,8 @@ def describe(change: Change) -> str:
         return f"{change.source} -> {change.target} connected" + (f" (filter {change.filter})" if change.filter else "")  # fmt: skip
     if isinstance(change, Disconnected):
         return f"{change.source} -> {change.target} disconnected"
+    if isinstance(change, FailedOver):
+        return f"{change.target} failed over from {change.previous} to {change.source} (filter {change.filter})"  # fmt: skip
     return f"{change.source} -> {change.target} filter {change.filter or '(none)'}"
 
 

@@ -231,7 +231,18 @@ def replicate(
     return write_batch(target, read_batch(source, target, replication_filter, limit), cycle=cycle)
 
 
-def check_fail_over(target: Location, previous: str, candidate: Vectors) -> None:
+class CachesVectors(Protocol):
+    """What the fail-over rule looks at of a target: its name, and the CVV each source sent
+    with its last batch (a `Location`, or a journal's `JournalEventLog`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def cached_cvv(self) -> Mapping[str, VectorClock]: ...
+
+
+def check_fail_over(target: CachesVectors, previous: str, candidate: Vectors) -> None:
     """A filtered connection may switch from `previous` to `candidate` only if the CVV of
     `previous` cached at target (from its last batch) is ≤ CVV-candidate."""
     cached = target.cached_cvv.get(previous, VectorClock())

@@ -50,13 +50,14 @@ from broker.protocol import protocol_pb2 as pb
 from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
-from replication.location import Event, EventFilter
+from replication.location import Event, EventFilter, check_fail_over
 from replication.rpc import Document, LocationClient, LocationError, generic_handler
 from replication.system import change_of, passes, system_payload
 from replication.topology import (
     Change,
     Connected,
     Disconnected,
+    FailedOver,
     Filtered,
     Retired,
     RuleViolation,
@@ -573,11 +574,19 @@ class LocationServer:
         assert self.log is not None
         change = _change_of(request.get("change"))
         view = self.log.topology
-        names = [change.location] if isinstance(change, Retired) else [change.source, change.target]  # fmt: skip
-        await registry.lookup(self._etcd_client(), self.config.prefix, *names)
+        if isinstance(change, Retired):
+            names = [change.location]
+        elif isinstance(change, FailedOver):
+            names = [change.previous, change.source, change.target]
+        else:
+            names = [change.source, change.target]
+        entries = await registry.lookup(self._etcd_client(), self.config.prefix, *names)
         key = None if isinstance(change, Retired) else (change.source, change.target)
         if isinstance(change, Retired):
             in_effect = change.location in view.retired
+        elif isinstance(change, FailedOver):
+            new = (change.source, change.target)
+            in_effect = view.current.get(new) == change.filter and (change.previous, change.target) not in view.current  # fmt: skip
         elif isinstance(change, Disconnected):
             in_effect = key not in view.current and key in view.ever
         else:
@@ -585,7 +594,17 @@ class LocationServer:
         if in_effect:
             # Recorded here already (it may have arrived by replication from the other end).
             return {"change": _change_document(change), "recorded": False}
-        if isinstance(change, Connected):
+        if isinstance(change, FailedOver):
+            parse_filter(change.filter)
+            view.check_fail_over(change.previous, change.source, change.target, change.filter)
+            if change.target == self.name:  # The rule of the cached CVV, checked here.
+                candidate = entries[1]
+                if not candidate.endpoint:
+                    raise LocationError(candidate.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")  # fmt: skip
+                status = await self._ask(candidate).call("Status")
+                cvv = VectorClock.from_json(status["cvv"], field="cvv")
+                check_fail_over(self.log, change.previous, _Neighbour(candidate.name, cvv, VectorClock()))  # fmt: skip
+        elif isinstance(change, Connected):
             parse_filter(change.filter)  # FilterError (a ValueError) if it does not parse.
             if key in view.current:
                 raise RuleViolation(

@@ -13,7 +13,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from replication.location import Event, EventFilter
-from replication.topology import Change, Connected, Disconnected, Filtered, Retired, Topology
+from replication.topology import (
+    Change,
+    Connected,
+    Disconnected,
+    FailedOver,
+    Filtered,
+    Retired,
+    Topology,
+)
 
 __all__ = ["change_of", "is_system", "passes", "system_payload", "topology_of"]
 
@@ -22,6 +30,10 @@ def system_payload(change: Change) -> dict[str, Any]:
     """The payload of the system event recording `change`."""
     if isinstance(change, Retired):
         return {"system": {"type": "retired", "location": change.location}}
+    if isinstance(change, FailedOver):
+        return {"system": {"type": "failed-over", "previous": change.previous,
+                           "source": change.source, "target": change.target,
+                           "filter": change.filter}}  # fmt: skip
     body: dict[str, Any] = {"source": change.source, "target": change.target}
     if isinstance(change, Connected):
         body |= {"type": "connected", "filter": change.filter}
@@ -51,6 +63,8 @@ def change_of(event: Event) -> Change:
             return Disconnected(source, target)
         if kind == "filtered":
             return Filtered(source, target, str(body.get("filter", "")))
+        if kind == "failed-over":
+            return FailedOver(str(body["previous"]), source, target, str(body.get("filter", "")))
         raise KeyError(kind)
     except (AssertionError, KeyError) as exc:
         raise ValueError(f"system event {event.id}: not a topology change ({exc})") from None

@@ -21,7 +21,15 @@ import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Connected", "Disconnected", "Filtered", "Retired", "RuleViolation", "Topology"]
+__all__ = [
+    "Connected",
+    "Disconnected",
+    "FailedOver",
+    "Filtered",
+    "Retired",
+    "RuleViolation",
+    "Topology",
+]
 
 
 class RuleViolation(ValueError):
@@ -58,7 +66,19 @@ class Retired:
     location: str
 
 
-Change = Connected | Disconnected | Filtered | Retired
+@dataclass(frozen=True)
+class FailedOver:
+    """The filtered connection `previous` -> `target` switched to `source` -> `target` (the
+    seed's fail-over): the old connection leaves the projected history, as if it had not been;
+    only the new one counts."""
+
+    previous: str
+    source: str
+    target: str
+    filter: str
+
+
+Change = Connected | Disconnected | Filtered | Retired | FailedOver
 
 
 def _link(a: str, b: str) -> tuple[str, str]:
@@ -91,6 +111,13 @@ class Topology:
             for key in [k for k in self.current if change.location in k]:
                 del self.current[key]
             return
+        if isinstance(change, FailedOver):
+            old = (change.previous, change.target)
+            self.current.pop(old, None)
+            self.ever.discard(old)
+            self.ever_filtered.discard(old)
+            change = Connected(change.source, change.target, change.filter)  # The history
+            # keeps the FailedOver; the view folds it as the new connection.
         key = (change.source, change.target)
         self.locations.update(key)
         if isinstance(change, Connected):
@@ -226,6 +253,22 @@ class Topology:
             else Connected(source, target, text)
         )
         Topology.of([*self.history, change])._check(source, target, filter is not None)
+
+    def check_fail_over(self, previous: str, source: str, target: str, filter: str) -> None:
+        """May the filtered connection previous -> target switch to source -> target (the
+        topology's part of the rule; the target checks the cached CVV of `previous`)?"""
+        self.check_location(source, target)
+        if self.current.get((previous, target)) in (None, ""):
+            raise RuleViolation(
+                f"{previous} -> {target} is not a filtered connection: only a filtered one "
+                "fails over"
+            )
+        if source in (previous, target):
+            raise RuleViolation(f"{target} cannot fail over from {previous} to {source}")
+        if (source, target) in self.current:
+            raise RuleViolation(f"{source} -> {target} is connected already")
+        change = FailedOver(previous, source, target, filter)
+        Topology.of([*self.history, change])._check(source, target)
 
     def check_connect(self, source: str, target: str, filter: str = "") -> None:
         """May replication source -> target begin, with this filter (or none)?"""

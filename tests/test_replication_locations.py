@@ -280,3 +280,33 @@ def test_recovery_waits_for_every_location_that_may_hold_its_events(
     assert f"local time {seen_by_c}" in locations.ok("recover", "A")
     out = locations.ok("emit", "A", '{"num": 4}')
     assert f"A: {seen_by_c + 1}" in out
+
+
+def test_a_filtered_connection_fails_over_once_the_new_source_has_caught_up(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """D takes A's red events. B is behind A: failing D over from A to B is refused while the
+    CVV A last sent D is not <= CVV-B; once B has caught up it is accepted, D's connection
+    runs from B, and B's new red events reach D."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "D"))
+    for name in "ABD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B", "--both")
+    locations.ok("connect", "A", "D", "--filter", "colour=red")
+    locations.ok("disconnect", "A", "B")  # B falls behind.
+    locations.ok("emit", "A", '{"colour": "red"}', '{"colour": "blue"}')
+    wait_until(lambda: len(ids(locations.events("D"))) == 1, "D holds A's red event")
+    line = refused(locations, "connect", "B", "D", "--filter", "colour=red",
+                   "--fail-over-from", "A")  # fmt: skip
+    assert "D may not fail over from A to B yet: CVV-A" in line and "is not <= CVV-B" in line
+    assert [c["source"] for c in locations.status("D")["connections"]] == ["A"]
+    locations.ok("connect", "A", "B")
+    cvv_a = VectorClock.from_json(locations.status("A")["cvv"])
+    wait_until(lambda: VectorClock.from_json(locations.status("B")["cvv"]) >= cvv_a, "B caught up")  # fmt: skip
+    out = locations.ok("connect", "B", "D", "--filter", "colour=red", "--fail-over-from", "A")
+    assert "D: failed over from A to B" in out
+    wait_until(lambda: [c["source"] for c in locations.status("D")["connections"]] == ["B"], "D reads B")  # fmt: skip
+    locations.ok("emit", "B", '{"colour": "red", "from": "B"}', '{"colour": "blue"}')
+    wait_until(lambda: len(ids(locations.events("D"))) == 2, "D holds B's red event")
+    assert [e["payload"]["colour"] for e in locations.events("D") if "colour" in e["payload"]] == ["red", "red"]  # fmt: skip
+    assert "D failed over from A to B" in locations.ok("topology", "--at", "D")

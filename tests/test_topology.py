@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from replication.topology import (
     Connected,
     Disconnected,
+    FailedOver,
     Filtered,
     Retired,
     RuleViolation,
@@ -155,3 +156,22 @@ def test_a_composite_location_joined_to_another_by_redundant_connections() -> No
     view.apply(Connected("G", "A", "g"))
     with pytest.raises(RuleViolation, match="cycle of filtered connections across"):
         view.check_connect("G", "F", "g")
+
+
+def test_a_connection_failed_over_leaves_the_projected_history() -> None:
+    """A and B joined by a filtered connection (two groups); D filtered from A. Connecting D
+    from B as well would make a cycle of groups (A - B - D), refused; failing D over from A to
+    B is not: the old connection is not projected any more, as the seed's fail-over says."""
+    view = Topology.of([Connected("A", "B", "x=1"), Connected("A", "D", "x=2")])
+    with pytest.raises(RuleViolation, match="cycle of filtered connections"):
+        view.check_connect("B", "D", "x=2")
+    view.check_fail_over("A", "B", "D", "x=2")
+    view.apply(FailedOver("A", "B", "D", "x=2"))
+    assert view.current == {("A", "B"): "x=1", ("B", "D"): "x=2"}
+    assert view.links() == {("A", "B"), ("B", "D")}
+    view.validate()
+    view.apply(Connected("C", "E"))
+    with pytest.raises(RuleViolation, match="C -> E is not a filtered connection"):
+        view.check_fail_over("C", "A", "E", "")  # Only a filtered connection fails over.
+    with pytest.raises(RuleViolation, match="C -> D is not a filtered connection"):
+        view.check_fail_over("C", "A", "D", "x=2")  # Nor one that does not exist.
