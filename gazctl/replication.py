@@ -247,14 +247,26 @@ def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: s
     "--fail-over-from", "previous", default="",
     help="Switch TARGET's filtered connection from this location to SOURCE (allowed once the CVV it last sent is <= SOURCE's)",
 )  # fmt: skip
+@click.option(
+    "--new-events-only", "new_only", is_flag=True,
+    help="TARGET takes only SOURCE's new events: its CVV and DVV first raised to SOURCE's DVV",
+)  # fmt: skip
 @replication_options
 def connect_cmd(
-    source: str, target: str, filter_: str, both: bool, previous: str, **opts: Any
-) -> None:
-    """Replicate SOURCE's events to TARGET (a filter change, if it is connected already)."""
+    source: str, target: str, filter_: str, both: bool, previous: str, new_only: bool,
+    **opts: Any,
+) -> None:  # fmt: skip
+    """Replicate SOURCE's events to TARGET (a filter change, if it is connected already).
+
+    A new connection replicates only once DVV-SOURCE <= CVV-TARGET (until then `status` shows
+    it waiting); --new-events-only makes that hold at once, for a location that does not need
+    what SOURCE deleted."""
 
     async def go() -> None:
         async with Network(opts) as net:
+            if new_only:
+                reply = await net.call(target, "Join", sources=[source])
+                click.echo(f"{target}: joined for new events (CVV {_vector(reply['cvv'])})")
             if previous:
                 if both:
                     raise UserError("--fail-over-from switches one connection: leave out --both")

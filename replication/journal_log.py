@@ -14,7 +14,9 @@ The journal holds JSON lines of four kinds, all appended by the location's write
   `"reset": true`, A lost events in a disaster and its progress is set back to S;
 * `{"kind": "local-time", "time": T}`: the local clock set ahead (metadata recovery);
 * `{"kind": "deleted", "through": S, "dvv": {...}}`: events through S are deleted (readers skip
-  them; their fragments may then be pruned), and the DVV that leaves, recorded.
+  them; their fragments may then be pruned), and the DVV that leaves, recorded;
+* `{"kind": "joined", "floor": {...}}`: the location wants only new events from its new
+  neighbours: its CVV and DVV raised to the least upper bound of their DVVs.
 
 Event records keep their fields in one order (`replication.records`), so that replication reads
 an event's sequence number, emitter and timestamp without decoding its payload, and writes it to
@@ -234,6 +236,11 @@ class SourceReader:
             elif record.get("kind") == "deleted":
                 self.deleted_through = max(self.deleted_through, int(record["through"]))
                 self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
+            elif record.get("kind") == "joined":
+                floor = VectorClock.from_json(record["floor"], field="joined.floor")
+                self.dvv = self.dvv.merge(floor)
+                _merge_into(self._cvv, floor)
+                self._cvv_clock = None
         if len(events) > 1 and events[-1][1] < events[-2][1]:
             events.sort(key=lambda e: e[1])
         self._seqs.extend([seq for seq, _ in events])
@@ -466,10 +473,24 @@ class JournalEventLog:
         elif kind == "deleted":
             self.deleted_through = max(self.deleted_through, int(record["through"]))
             self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
+        elif kind == "joined":
+            floor = VectorClock.from_json(record["floor"], field="joined.floor")
+            self.dvv = self.dvv.merge(floor)
+            _merge_into(self._cvv, floor)
+            self._cvv_clock = None
 
     @property
     def name(self) -> str:
         return self.location
+
+    async def join(self, floor: VectorClock) -> None:
+        """A location that wants only new events from its new neighbours: its CVV and DVV set
+        to (at least) `floor`, the least upper bound of their DVVs (a `joined` record), so that
+        the start rule DVV-neighbour <= CVV-here holds at once."""
+        await self._append([record_line({"kind": "joined", "floor": floor.to_json()})])
+        self.dvv = self.dvv.merge(floor)
+        _merge_into(self._cvv, floor)
+        self._cvv_clock = None
 
     async def set_local_time(self, time: int) -> None:
         """Metadata recovery: the local clock set ahead to `time` (never back)."""

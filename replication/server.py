@@ -488,6 +488,7 @@ class LocationServer:
             "Delete": self._guard(self.delete),
             "ResetProgress": self._guard(self.reset_progress),
             "Recover": self._guard(self.recover),
+            "Join": self._guard(self.join),
         }
 
     def _guard(self, method: Any) -> Any:
@@ -646,6 +647,22 @@ class LocationServer:
         neighbours = await self._neighbours()
         dvv = await self.log.delete(through, neighbours)
         return {"dvv": dvv.to_json(), "deleted_through": through}
+
+    async def join(self, request: Document) -> Document:
+        """Only new events from `sources`: this location's CVV and DVV raised to the least
+        upper bound of their DVVs (location addition)."""
+        assert self.log is not None
+        sources = request.get("sources")
+        if not isinstance(sources, list) or not sources:
+            raise ValueError("sources: expected the names of the new neighbours")
+        floor = VectorClock()
+        for entry in await registry.lookup(self._etcd_client(), self.config.prefix, *map(str, sources)):  # fmt: skip
+            if not entry.endpoint:
+                raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")  # fmt: skip
+            status = await self._ask(entry).call("Status")
+            floor = floor.merge(VectorClock.from_json(status["dvv"], field="dvv"))
+        await self.log.join(floor)
+        return {"cvv": self.log.cvv.to_json(), "dvv": self.log.dvv.to_json()}
 
     async def reset_progress(self, request: Document) -> Document:
         assert self.log is not None

@@ -310,3 +310,32 @@ def test_a_filtered_connection_fails_over_once_the_new_source_has_caught_up(
     wait_until(lambda: len(ids(locations.events("D"))) == 2, "D holds B's red event")
     assert [e["payload"]["colour"] for e in locations.events("D") if "colour" in e["payload"]] == ["red", "red"]  # fmt: skip
     assert "D failed over from A to B" in locations.ok("topology", "--at", "D")
+
+
+def test_a_new_location_waits_for_deleted_events_or_joins_for_new_ones(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A deleted events B holds. A new connection A -> E waits (the start rule: DVV-A is not
+    <= CVV-E), saying so in `status`; F, connected with --new-events-only, raises its CVV and
+    DVV to DVV-A and takes A's events from there on."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "E", "F"))
+    for name in "ABEF":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}', '{"num": 3}')
+    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
+    last = locations.status("A")["last_seq"]
+    locations.ok("delete", "A", "--through", str(last - 1))
+    locations.ok("connect", "A", "E")
+    wait_until(
+        lambda: locations.status("E")["connections"][0]["state"].startswith("waiting: DVV-A"),
+        "E's connection waits",
+    )
+    assert ids(locations.events("E")) == []
+    out = locations.ok("connect", "A", "F", "--new-events-only")
+    assert "F: joined for new events" in out
+    wait_until(lambda: len(ids(locations.events("F"))) == 1, "F holds A's last event")
+    assert [e["payload"]["num"] for e in locations.events("F") if "num" in e["payload"]] == [3]
+    locations.ok("emit", "A", '{"num": 4}')
+    wait_until(lambda: len(ids(locations.events("F"))) == 2, "F holds A's new event")
+    assert ids(locations.events("E")) == []  # Still waiting: nothing out of order.
