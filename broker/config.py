@@ -132,6 +132,16 @@ def render_ini(command: click.Command, ini: dict[str, dict[str, str]]) -> str:
     return "\n".join(f"[{s}]\n" + "\n".join(lines) + "\n" for s, lines in sections.items())
 
 
+LOG_LEVELS = ["trace", "debug", "info", "warn", "error", "fatal"]
+LOG_FORMATS = ["json", "text", "color"]
+
+
+def log_options(f: F) -> F:
+    """`--log.level` and `--log.format`, as upstream's servers take them."""
+    f = option("--log.format", default="text", type=click.Choice(LOG_FORMATS), help="Logging output format")(f)  # fmt: skip
+    return option("--log.level", default="info", type=click.Choice(LOG_LEVELS), help="Logging level")(f)  # fmt: skip
+
+
 def setup_logging(level: str, fmt: str) -> None:
     """Logging as `--log.level` and `--log.format` ask, on stderr (servers and consumers)."""
     import logging

@@ -118,18 +118,7 @@ def cli(ctx: click.Context) -> None:
 @cfg.option(
     "--etcd.lease", env="ETCD_LEASE_TTL", default="20s", help="Time-to-live of the etcd lease"
 )
-@cfg.option(
-    "--log.level",
-    default="info",
-    type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]),
-    help="Logging level",
-)
-@cfg.option(
-    "--log.format",
-    default="text",
-    type=click.Choice(["json", "text", "color"]),
-    help="Logging output format",
-)
+@cfg.log_options
 def serve(**opts: Any) -> None:
     """Serve as a Gazette broker with the provided configuration, until SIGTERM or SIGINT."""
     cfg.setup_logging(opts["log_level"], opts["log_format"])

@@ -63,18 +63,7 @@ def main() -> None:
 @cfg.option(
     "--etcd.lease", default="10s", help="Time-to-live of the etcd lease of this process's endpoint"
 )
-@cfg.option(
-    "--log.level",
-    default="info",
-    type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]),
-    help="Logging level",
-)
-@cfg.option(
-    "--log.format",
-    default="text",
-    type=click.Choice(["json", "text", "color"]),
-    help="Logging output format",
-)
+@cfg.log_options
 def serve(**opts: Any) -> None:  # fmt: skip
     """Serve one location until SIGTERM or SIGINT."""
     cfg.setup_logging(opts["log_level"], opts["log_format"])

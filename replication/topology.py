@@ -18,7 +18,7 @@ cycle.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -83,6 +83,24 @@ Change = Connected | Disconnected | Filtered | Retired | FailedOver
 
 def _link(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a < b else (b, a)
+
+
+def _path(neighbours: Mapping[str, set[str]], a: str, b: str) -> list[str] | None:
+    """A shortest path a ... b (breadth first, neighbours in name order), or None."""
+    previous = {a: a}
+    queue = collections.deque([a])
+    while queue:
+        here = queue.popleft()
+        if here == b:
+            path = [b]
+            while path[-1] != a:
+                path.append(previous[path[-1]])
+            return path[::-1]
+        for there in sorted(neighbours.get(here, ())):
+            if there not in previous:
+                previous[there] = here
+                queue.append(there)
+    return None
 
 
 @dataclass
@@ -157,20 +175,7 @@ class Topology:
                 neighbours[x].add(y)
                 neighbours[y].add(x)
         # A path from a to b without the link itself closes a cycle with it.
-        previous: dict[str, str] = {a: a}
-        queue = collections.deque([a])
-        while queue:
-            here = queue.popleft()
-            if here == b:
-                path = [b]
-                while path[-1] != a:
-                    path.append(previous[path[-1]])
-                return path[::-1]
-            for there in sorted(neighbours[here]):
-                if there not in previous:
-                    previous[there] = here
-                    queue.append(there)
-        return None
+        return _path(neighbours, a, b)
 
     def cycles(self) -> set[tuple[str, str]]:
         """The links that lie on a cycle of the projected history."""
@@ -225,20 +230,7 @@ class Topology:
             if (x, y) not in filtered:
                 neighbours[x].add(y)
                 neighbours[y].add(x)
-        previous = {a: a}
-        queue = collections.deque([a])
-        while queue:
-            here = queue.popleft()
-            if here == b:
-                path = [b]
-                while path[-1] != a:
-                    path.append(previous[path[-1]])
-                return path[::-1]
-            for there in sorted(neighbours[here]):
-                if there not in previous:
-                    previous[there] = here
-                    queue.append(there)
-        return None
+        return _path(neighbours, a, b)
 
     # ---- rules ------------------------------------------------------------------------------------
 
