@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -270,31 +270,44 @@ async def wait_ready(
     line saying which exited or is not ready, with its log's tail."""
     from consumer.client import ShardsClient
 
-    deadline = time.monotonic() + timeout
-    for proc, popen in zip(procs, popens, strict=True):
+    async def answers(proc: Proc) -> bool:
         client: JournalsClient | ShardsClient = (
             ShardsClient(proc.address, timeout=2.0)
             if consumers
             else JournalsClient(proc.address, timeout=2.0)
         )
         try:
-            while True:
-                if popen.poll() is not None:
-                    raise click.ClickException(
-                        f"{proc.role} exited with status {popen.returncode} during start-up; "
-                        f"see {proc.log}:\n{tail(proc.log)}"
-                    )
-                try:
-                    await client.list()
-                    break
-                except BrokerUnavailable:  # ConsumerUnavailable is one.
-                    if time.monotonic() > deadline:
-                        raise click.ClickException(
-                            f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}"
-                        ) from None
-                    await asyncio.sleep(0.1)
+            await client.list()
+            return True
+        except BrokerUnavailable:  # ConsumerUnavailable is one.
+            return False
         finally:
             await client.close()
+
+    await wait_answering(procs, popens, timeout, answers)
+
+
+async def wait_answering(
+    procs: list[Proc],
+    popens: list[subprocess.Popen[bytes]],
+    timeout: float,
+    answers: Callable[[Proc], Awaitable[bool]],
+) -> None:
+    """Until `answers` says each process does, or one line saying which exited or is not
+    ready, with its log's tail."""
+    deadline = time.monotonic() + timeout
+    for proc, popen in zip(procs, popens, strict=True):
+        while not await answers(proc):
+            if popen.poll() is not None:
+                raise click.ClickException(
+                    f"{proc.role} exited with status {popen.returncode} during start-up; "
+                    f"see {proc.log}:\n{tail(proc.log)}"
+                )
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}"
+                )
+            await asyncio.sleep(0.1)
 
 
 async def revoke_stale_members(etcd_endpoint: str) -> None:
@@ -416,22 +429,15 @@ async def wait_locations(
 ) -> None:
     from replication.rpc import LocationClient, LocationError
 
-    deadline = time.monotonic() + timeout
-    for proc, popen in zip(procs, popens, strict=True):
+    async def answers(proc: Proc) -> bool:
         async with LocationClient(proc.role, proc.address, timeout=2.0) as client:
-            while True:
-                if popen.poll() is not None:
-                    raise click.ClickException(
-                        f"{proc.role} exited with status {popen.returncode} during start-up; "
-                        f"see {proc.log}:\n{tail(proc.log)}"
-                    )
-                try:
-                    await client.call("Status")
-                    break
-                except LocationError:
-                    if time.monotonic() > deadline:
-                        raise click.ClickException(f"{proc.role} at {proc.address} not ready after {timeout:.0f}s; see {proc.log}") from None  # fmt: skip
-                    await asyncio.sleep(0.1)
+            try:
+                await client.call("Status")
+                return True
+            except LocationError:
+                return False
+
+    await wait_answering(procs, popens, timeout, answers)
 
 
 # The examples `--app` takes by short name: their module, and the flags of their stores.

@@ -89,15 +89,10 @@ class Network:
             raise UserError(f"cannot read the replication registry: {exc}") from None
 
     async def entries(self, *names: str) -> list[registry.LocationEntry]:
-        known = await self.locations()
-        for name in names:
-            if name not in known:
-                listed = ", ".join(known) or "none"
-                raise UserError(
-                    f"unknown location {name!r}: no location of that name is registered under "
-                    f"{self.prefix} (known: {listed})"
-                )
-        return [known[n] for n in names]
+        try:
+            return await registry.lookup(self.etcd, self.prefix, *names)
+        except registry.UnknownLocation as exc:
+            raise UserError(str(exc)) from None
 
     async def call(self, name: str, method: str, **body: Any) -> Document:
         reply: Document = json.loads(await self.call_raw(name, method, **body))
