@@ -227,11 +227,12 @@ class SourceReader:
         if not data:
             return 0
         at = self.position
-        events, others, _ = index_records(data, self._cvv)
+        seqs, starts, others = index_records(data, self._cvv)
+        late: list[tuple[int, int]] = []  # Events not in the fixed form: (start, seq).
         for start, end in others:
             raw, record = _record(data[start:end])
-            if raw is not None:  # An event not in the fixed form.
-                events.append((raw.seq, start))
+            if raw is not None:
+                late.append((start, raw.seq))
                 _merge_into(self._cvv, raw.ts)
             elif record.get("kind") == "deleted":
                 self.deleted_through = max(self.deleted_through, int(record["through"]))
@@ -241,18 +242,19 @@ class SourceReader:
                 self.dvv = self.dvv.merge(floor)
                 _merge_into(self._cvv, floor)
                 self._cvv_clock = None
-        if len(events) > 1 and events[-1][1] < events[-2][1]:
-            events.sort(key=lambda e: e[1])
-        self._seqs.extend([seq for seq, _ in events])
-        self._offsets.extend([at + start for _, start in events])
+        if late:
+            merged = sorted([*zip(starts, seqs, strict=True), *late])
+            starts, seqs = [st for st, _ in merged], [sq for _, sq in merged]
+        self._seqs.extend(seqs)
+        self._offsets.extend([at + start for start in starts] if at else starts)
         self._chunks.append((at, data))
         self._kept += len(data)
         while self._kept - len(self._chunks[0][1]) >= _WINDOW:
             self._kept -= len(self._chunks.pop(0)[1])
         self.position = at + len(data)
-        if events:
+        if seqs:
             self._cvv_clock = None
-        return len(events)
+        return len(seqs)
 
     async def catch_up(self) -> int:
         """Read to the write head; the count of new events."""

@@ -37,26 +37,29 @@ _EMITTER = b'"emitter":"'
 _TS = b',"ts":{'
 _PAYLOAD = b',"payload":'
 _SYSTEM = b'{"system":'
+# A timestamp's entries in the fixed form: "LOCATION":TIME, comma-separated, times positive.
+_STAMP = rb'(?:"[^"\\,:\n]+":[1-9]\d*(?:,"[^"\\,:\n]+":[1-9]\d*)*)?'
 # A whole line: an event record in the fixed form (seq, body from the emitter, emitter, the
 # timestamp's entries), or any other line.
 _LINE = re.compile(
-    rb'\{"kind":"event","seq":(\d+),("emitter":"([^"\\\n]*)","ts":\{([^}\n]*)\},"payload":)'
+    rb'\{"kind":"event","seq":(\d+),("emitter":"([^"\\\n]*)","ts":\{('
+    + _STAMP
+    + rb')\},"payload":)'
     rb"[^\n]*\n|[^\n]*\n"
 )
 _TS_ENTRY = re.compile(rb'"([^"\\,:]+)":([1-9]\d*)')
 _TS_KEY = re.compile(rb'"([^"\\,:]+)":')
-_STAMPS = re.compile(rb'"[^"\\,:]+":[1-9]\d*(?:,"[^"\\,:]+":[1-9]\d*)*')
 # A whole line: an event record in the fixed form (seq; its body from the emitter on; the
 # emitter; its own entry in the timestamp; the timestamp's entries), or any other line.
 EVENT_LINE = re.compile(
     rb'\{"kind":"event","seq":(\d+),("emitter":"([^"\\\n]*)","ts":\{'
-    rb'(?=(?:[^}\n]*,)?"\3":(\d+)[,}])([^}\n]*)\},"payload":[^\n]*\n)'
+    rb'(?=(?:[^}\n]*,)?"\3":(\d+)[,}])(' + _STAMP + rb')\},"payload":[^\n]*\n)'
     rb"|[^\n]*\n"
 )
 # A whole line, for an index: an event record in the fixed form (seq, the timestamp's entries),
 # or any other line.
 _INDEX = re.compile(
-    rb'\{"kind":"event","seq":(\d+),"emitter":"[^"\\\n]*","ts":\{([^}\n]*)\},"payload":'
+    rb'\{"kind":"event","seq":(\d+),"emitter":"[^"\\\n]*","ts":\{(' + _STAMP + rb')\},"payload":'
     rb"[^\n]*\n|[^\n]*\n"
 )
 
@@ -182,24 +185,24 @@ def event_of(record: Mapping[str, Any]) -> RawEvent:
 
 def index_records(
     data: bytes, cvv: dict[str, int]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int]:
-    """Index the whole lines of `data` without keeping them: the (seq, start) of each event,
-    their timestamps merged into `cvv`; the (start, end) of every other line (and of events not
-    in the fixed form: the caller decodes those); and the end of the last whole line."""
-    events: list[tuple[int, int]] = []
+) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Index whole lines without keeping them: the seq and start of each event in the fixed
+    form, their timestamps merged into `cvv`; and the (start, end) of every other line (and of
+    events not in the fixed form: the caller decodes those)."""
+    seqs: list[int] = []
+    starts: list[int] = []
     others: list[tuple[int, int]] = []
     stamps: list[bytes] = []
-    end = 0
     for match in _INDEX.finditer(data):
-        start, end = match.span()
         seq = match.group(1)
         if seq is not None:
-            events.append((int(seq), start))
+            seqs.append(int(seq))
+            starts.append(match.start())
             stamps.append(match.group(2))
         else:
-            others.append((start, end))
+            others.append(match.span())
     merge_stamps(stamps, cvv)
-    return events, others, end
+    return seqs, starts, others
 
 
 def _keys(joined: bytes) -> list[bytes]:
@@ -214,26 +217,29 @@ def _keys(joined: bytes) -> list[bytes]:
 
 
 def merge_stamps(stamps: list[bytes], cvv: dict[str, int]) -> None:
-    """Merge timestamps' entries (in the fixed form, without braces) into `cvv`."""
+    """Merge timestamps' entries into `cvv`: stamps in the fixed form, without braces (as the
+    patterns above capture them, and `encode_event` writes them).
+
+    The greatest time of each location is found by the regex engine, a few passes over the
+    joined stamps per location (there are few), with no Python step per entry: the length of
+    the longest time by a binary search, then the greatest of that length."""
     joined = b",".join(stamps)
     if not joined:
         return
-    if _STAMPS.fullmatch(joined) is None:  # A stamp not in the fixed form: one at a time.
-        for stamp in stamps:
-            ts = _parse_ts(stamp)
-            if ts is None:
-                raise ValueError(f"event timestamp {{{stamp.decode(errors='replace')}}}: not a vector clock")  # fmt: skip
-            for location, time in ts.items():
-                if time > cvv.get(location, 0):
-                    cvv[location] = time
-        return
-    # The greatest time of each location, found by the regex engine: a few passes, one per
-    # location, instead of a Python step per entry.
     for key in _keys(joined):
         entry = rb'"' + re.escape(key) + rb'":'
-        longest = max(map(len, re.findall(entry + rb"(\d+)", joined)))
-        # Without leading zeros, the greatest of the longest is the greatest (compared as bytes).
-        time = int(max(re.findall(entry + rb"(\d{%d})(?!\d)" % longest, joined)))
+        shortest, longest = 1, 1  # A time of `longest` digits exists; find the most.
+        while re.search(entry + rb"\d{%d}" % (longest * 2), joined):
+            shortest, longest = longest * 2, longest * 2
+        high = longest * 2  # No time has this many digits.
+        while high - shortest > 1:
+            middle = (shortest + high) // 2
+            if re.search(entry + rb"\d{%d}" % middle, joined):
+                shortest = middle
+            else:
+                high = middle
+        # Without leading zeros, the greatest of the longest is the greatest (as bytes).
+        time = int(max(re.findall(entry + rb"(\d{%d})(?!\d)" % shortest, joined)))
         location = key.decode()
         if time > cvv.get(location, 0):
             cvv[location] = time

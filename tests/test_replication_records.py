@@ -51,8 +51,9 @@ def test_the_fixed_form_reads_back_as_the_json_decoder_reads_it(batch: list[Even
         assert raw.stored().event == event and raw.seq == i
         assert parse_event(data[start:stop]) == raw
     cvv: dict[str, int] = {}
-    indexed, others, _ = index_records(data, cvv)
-    assert [seq for seq, _ in indexed] == list(range(1, len(batch) + 1)) and others == []
+    seqs, starts, others = index_records(data, cvv)
+    assert seqs == list(range(1, len(batch) + 1)) and others == []
+    assert starts == [start for start, _, _ in lines]
     assert VectorClock(cvv) == lub(e.timestamp for e in batch)
 
 
@@ -71,6 +72,20 @@ def test_other_encodings_of_an_event_are_read_and_written_back_in_the_fixed_form
     slow, _, _, _ = _pass_events(line, {}, None, 7)
     assert [parse_event(x).stored() for x in fast + slow] == [Stored(7, event)] * 2
     assert split_records(slow[0])[0][0][2] is not None
+
+
+def test_the_index_takes_the_line_by_line_path_for_lines_not_in_the_fixed_form() -> None:
+    fixed = encode_event(1, Event("A", VectorClock({"A": 1}), {"x": 1})).line(1)
+    spaced = b'{"kind":"event","seq":2, "emitter": "B", "ts": {"B": 4}, "payload": {}}\n'
+    other = b'{"kind":"progress","source":"B","seq":9,"cvv":{}}\n'
+    data = fixed + spaced + other
+    cvv: dict[str, int] = {}
+    seqs, starts, others = index_records(data, cvv)
+    assert (seqs, starts) == ([1], [0])  # The spaced event is left to the JSON decoder.
+    assert others == [(len(fixed), len(fixed) + len(spaced)), (len(fixed) + len(spaced), len(data))]
+    assert cvv == {"A": 1}
+    seqs, starts, others = index_records(fixed + other, cvv)
+    assert (seqs, starts, others) == ([1], [0], [(len(fixed), len(fixed) + len(other))])
 
 
 def test_payloads_that_mimic_record_fields_fool_nothing() -> None:
