@@ -354,8 +354,9 @@ class LocationServer:
                 for source, (filter_text, task) in list(running.items()):
                     if wanted.get(source) != filter_text:
                         task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await task
+                        # Waited for, not awaited: its CancelledError is its own, and one
+                        # cancelling this loop still reaches it.
+                        await asyncio.wait([task])
                         del running[source]
                         self.connections.pop(source, None)
                 for source, filter_text in wanted.items():
