@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aetcd
@@ -19,6 +20,7 @@ from rich.table import Table
 from broker import config as cfg
 from broker import etcd as etcdx
 from gazctl import render
+from gazctl.journals import file_root_option
 from replication import registry
 from replication.location import Event
 from replication.rpc import Document, LocationClient, LocationError
@@ -360,6 +362,38 @@ def delete_cmd(name: str, through: int, **opts: Any) -> None:  # fmt: skip
 
     reply = run(go())
     click.echo(f"{name}: deleted through {reply['deleted_through']}, DVV {_vector(reply['dvv'])}")
+
+
+@replication.command("prune")
+@click.argument("name")
+@click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing")
+@file_root_option("Directory that roots file:// fragment stores (as brokers' --broker.file-root)")
+@replication_options
+def prune_cmd(name: str, dry_run: bool, file_root: Path | None, **opts: Any) -> None:
+    """Physically delete a location's deleted events: remove the persisted fragments of its
+    journal that hold nothing but them (before its last checkpoint and its first kept event)."""
+    from broker.client import JournalsClient
+    from gazctl.fragments import _remove_all, _stores_of, list_fragments
+
+    async def plan() -> tuple[str, int, list[Any], int]:
+        async with Network(opts) as net:
+            entry = (await net.entries(name))[0]
+            status = await net.call(name, "Status")
+        bound = int(status["prunable_before"])
+        async with JournalsClient(entry.broker) as journals:
+            listed = [f.spec for f in await list_fragments(journals.stub, entry.journal)]
+        doomed = [f for f in listed if f.end <= bound and f.backing_store]
+        return entry.journal, bound, doomed, len(listed)
+
+    journal, bound, doomed, listed = run(plan())
+    if not bound:
+        click.echo(f"{name}: nothing to prune (no events were deleted)")
+        return
+    size = sum(f.end - f.begin for f in doomed)
+    verb = "would remove" if dry_run else "removing"
+    click.echo(f"{name}: {verb} {len(doomed)} of {listed} fragments of {journal} ({size} bytes, before offset {bound})")  # fmt: skip
+    if not dry_run and doomed:
+        _remove_all(doomed, _stores_of(doomed, file_root))
 
 
 @replication.command("recover")

@@ -16,7 +16,11 @@ The journal holds JSON lines of four kinds, all appended by the location's write
 * `{"kind": "deleted", "through": S, "dvv": {...}}`: events through S are deleted (readers skip
   them; their fragments may then be pruned), and the DVV that leaves, recorded;
 * `{"kind": "joined", "floor": {...}}`: the location wants only new events from its new
-  neighbours: its CVV and DVV raised to the least upper bound of their DVVs.
+  neighbours: its CVV and DVV raised to the least upper bound of their DVVs;
+* `{"kind": "checkpoint", ...}`: the writer's whole state (next seq, local time, CVV, DVV,
+  deletions, progress, cached CVVs, the topology's history), written after each deletion, so
+  that the journal's fragments before it, holding only deleted events, can be removed (physical
+  deletion) and the log still opened and read from what remains.
 
 Event records keep their fields in one order (`replication.records`), so that replication reads
 an event's sequence number, emitter and timestamp without decoding its payload, and writes it to
@@ -63,7 +67,7 @@ from replication.records import (
     record_line,
     split_records,
 )
-from replication.system import change_of
+from replication.system import change_of, system_payload
 from replication.topology import Topology
 from replication.vclock import VectorClock
 
@@ -116,7 +120,9 @@ async def scan_records(
     async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
         async for chunk in chunks:
             if chunk.offset != at + len(partial):
-                raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")
+                if out or partial or chunk.offset < at:
+                    raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")  # fmt: skip
+                at = chunk.offset  # Pruned before it (deleted events): read on from there.
             data = partial + chunk.content if partial else chunk.content
             lines, whole = split_records(data)
             for start, end, raw in lines:
@@ -164,16 +170,19 @@ async def read_lines(
     block: bool = False,
     until: int | None = None,
     most: int | None = None,
-) -> bytes:
-    """The whole lines of a journal from `begin`: to its write head, or to `until`, or once at
-    least `most` bytes of them arrived (blocking: once some arrived)."""
+) -> tuple[int, bytes]:
+    """The whole lines of a journal from `begin` (or from where its content begins, if what
+    was before was pruned: the offset it starts at, with the lines): to its write head, or to
+    `until`, or once at least `most` bytes of them arrived (blocking: once some arrived)."""
     parts: list[bytes] = []
     size, at, whole = 0, begin, 0
     chunks: Any = read_retrying(stubs, journal, begin, block=block)
     async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
         async for chunk in chunks:
             if chunk.offset != at:
-                raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")
+                if parts or chunk.offset < at:
+                    raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")  # fmt: skip
+                begin = at = chunk.offset  # Pruned before it (deleted events): read on from there.
             parts.append(chunk.content)
             at += len(chunk.content)
             size += len(chunk.content)
@@ -187,7 +196,7 @@ async def read_lines(
             ):
                 break  # Enough: through `until`, or whole lines arrived.
     data = b"".join(parts)
-    return data[: until - begin if until is not None else whole]
+    return begin, data[: max(0, until - begin) if until is not None else whole]
 
 
 _WINDOW = 32 << 20  # Bytes of a log's recent content a SourceReader keeps.
@@ -222,11 +231,12 @@ class SourceReader:
     async def refresh(self, *, block: bool = False) -> int:
         """Read what is new, a few MiB at most (waiting for some, if `block`); the count of new
         events."""
-        data = await read_lines(self.stubs, self.journal, self.position, block=block, most=_READ)
+        at, data = await read_lines(
+            self.stubs, self.journal, self.position, block=block, most=_READ
+        )
         self._last_read = len(data)
         if not data:
             return 0
-        at = self.position
         seqs, starts, others = index_records(data, self._cvv)
         late: list[tuple[int, int]] = []  # Events not in the fixed form: (start, seq).
         for start, end in others:
@@ -241,6 +251,11 @@ class SourceReader:
                 floor = VectorClock.from_json(record["floor"], field="joined.floor")
                 self.dvv = self.dvv.merge(floor)
                 _merge_into(self._cvv, floor)
+                self._cvv_clock = None
+            elif record.get("kind") == "checkpoint":  # What was before it may be pruned.
+                self.deleted_through = max(self.deleted_through, int(record["deleted_through"]))
+                self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="dvv"))
+                _merge_into(self._cvv, VectorClock.from_json(record["cvv"], field="cvv"))
                 self._cvv_clock = None
         if late:
             merged = sorted([*zip(starts, seqs, strict=True), *late])
@@ -266,6 +281,11 @@ class SourceReader:
     @property
     def last_seq(self) -> int:
         return self._seqs[-1] if self._seqs else 0
+
+    def offset_after(self, seq: int) -> int:
+        """Where the first event after `seq` begins (the read position if none)."""
+        i = bisect.bisect_right(self._seqs, seq)
+        return self._offsets[i] if i < len(self._seqs) else self.position
 
     def seqs_between(self, after_seq: int, through_seq: int) -> list[int]:
         """Sequence numbers of stored (not deleted) events read, in (after, through]."""
@@ -296,7 +316,7 @@ class SourceReader:
         end = self._offsets[j] if j < len(self._seqs) else self.position
         data = self._kept_content(begin, end)
         if data is None:
-            data = await read_lines(self.stubs, self.journal, begin, until=end)
+            _, data = await read_lines(self.stubs, self.journal, begin, until=end)
         return data, self._seqs[j - 1]
 
     async def raw_after(self, after_seq: int, limit: int = 1000) -> list[RawEvent]:
@@ -427,6 +447,7 @@ class JournalEventLog:
         self.cached_cvv: dict[str, VectorClock] = {}
         # The view of the topology's history folded from the system events stored here.
         self.topology = Topology()
+        self.checkpoint_offset = 0  # Where its last checkpoint record is (0: none).
         self._check = Registers(check=pb.LabelSelector(include=_fence(author)))
         self._grown: asyncio.Event | None = None
 
@@ -446,11 +467,13 @@ class JournalEventLog:
         """Take the log (fencing out any earlier writer) and rebuild its state."""
         record = record_line({"kind": "writer", "author": self.author})
         await (await self.service.write(self.journal, record, Registers(union=_fence(self.author))))
-        for _, _, raw, rec in await scan_records(self.stubs, self.journal):
+        for offset, _, raw, rec in await scan_records(self.stubs, self.journal):
             if raw is not None:
                 self._fold_event(raw)
             else:
                 self._fold(rec)
+                if rec.get("kind") == "checkpoint":
+                    self.checkpoint_offset = offset
 
     def _fold_event(self, raw: RawEvent) -> None:
         _merge_into(self._cvv, raw.ts)
@@ -480,6 +503,20 @@ class JournalEventLog:
             self.dvv = self.dvv.merge(floor)
             _merge_into(self._cvv, floor)
             self._cvv_clock = None
+        elif kind == "checkpoint":  # The state of everything before it, as its writer had it.
+            self.next_seq = max(self.next_seq, int(record["next_seq"]))
+            self.local_time = max(self.local_time, int(record["local_time"]))
+            _merge_into(self._cvv, VectorClock.from_json(record["cvv"], field="checkpoint.cvv"))
+            self._cvv_clock = None
+            self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="checkpoint.dvv"))
+            self.deleted_through = max(self.deleted_through, int(record["deleted_through"]))
+            for source, seq in dict(record["progress"]).items():
+                self.progress[source] = max(self.progress.get(source, 0), int(seq))
+            for source, cvv in dict(record["cached_cvv"]).items():
+                self.cached_cvv.setdefault(source, VectorClock.from_json(cvv, field="checkpoint"))
+            history = [change_of(Event("", VectorClock(), {"system": c})) for c in record["history"]]  # fmt: skip
+            if len(history) > len(self.topology.history):
+                self.topology = Topology.of(history)
 
     @property
     def name(self) -> str:
@@ -518,12 +555,24 @@ class JournalEventLog:
         doomed = await reader.raw_after(self.deleted_through, 1 << 30)
         dvv = self.dvv.merge(*(VectorClock(r.ts) for r in doomed if r.seq <= through_seq))
         check_deletion(self.location, through_seq, dvv, neighbours)
-        await self._append(
-            [record_line({"kind": "deleted", "through": through_seq, "dvv": dvv.to_json()})]
-        )
+        deleted = record_line({"kind": "deleted", "through": through_seq, "dvv": dvv.to_json()})
         self.deleted_through = max(self.deleted_through, through_seq)
         self.dvv = dvv
+        checkpoint = self._checkpoint()
+        span = await (await self._stage([deleted, checkpoint]))
+        self.checkpoint_offset = span.end - len(checkpoint)
         return dvv
+
+    def _checkpoint(self) -> bytes:
+        """A record of this log's whole state (the state its records before it build), from
+        which a writer or a reader can start once what is before it was pruned."""
+        return record_line({
+            "kind": "checkpoint", "next_seq": self.next_seq, "local_time": self.local_time,
+            "cvv": self._cvv, "dvv": self.dvv.to_json(), "deleted_through": self.deleted_through,
+            "progress": self.progress,
+            "cached_cvv": {k: v.to_json() for k, v in self.cached_cvv.items()},
+            "history": [system_payload(c)["system"] for c in self.topology.history],
+        })  # fmt: skip
 
     def _take(self, raw: RawEvent) -> tuple[int, bytes]:
         """Store `raw` next: its sequence number here, and its line."""

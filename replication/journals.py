@@ -12,20 +12,28 @@ def location_journal(location: str) -> str:
     return f"replication/{location}"
 
 
-def location_journal_spec(location: str, store: str = "", replication: int = 1) -> pb.JournalSpec:
+def location_journal_spec(
+    location: str,
+    store: str = "",
+    replication: int = 1,
+    fragment_length: int = 64 << 20,
+    refresh_seconds: int = 60,
+) -> pb.JournalSpec:
     """JSON lines (one record each), uncompressed, in fragments of up to 64 MiB persisted to
-    `store` (none: the brokers' spools only) every minute."""
+    `store` (none: the brokers' spools only), its store listed every minute."""
     spec = pb.JournalSpec(name=location_journal(location), replication=replication)
-    spec.fragment.length = 64 << 20
+    spec.fragment.length = fragment_length
     spec.fragment.compression_codec = pb.NONE
-    spec.fragment.refresh_interval.seconds = 60
+    spec.fragment.refresh_interval.seconds = refresh_seconds
     if store:
         spec.fragment.stores.append(store)
     spec.labels.labels.add(name="content-type", value="application/x-ndjson")
     return spec
 
 
-async def apply_location_journals(broker: str, *locations: str, store: str = "") -> None:
+async def apply_location_journals(
+    broker: str, *locations: str, store: str = "", **spec: int
+) -> None:
     """Create the journals of these locations' logs at `broker`'s cluster, those that do not
     exist yet (an existing one is left as it is: its brokers may be changing it)."""
     async with JournalsClient(broker) as client:
@@ -33,5 +41,8 @@ async def apply_location_journals(broker: str, *locations: str, store: str = "")
         missing = [n for n in locations if location_journal(n) not in existing]
         if missing:
             await client.apply(
-                [pb.ApplyRequest.Change(upsert=location_journal_spec(n, store)) for n in missing]
+                [
+                    pb.ApplyRequest.Change(upsert=location_journal_spec(n, store, **spec))
+                    for n in missing
+                ]
             )

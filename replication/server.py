@@ -516,9 +516,14 @@ class LocationServer:
         return handle
 
     async def status(self, request: Document) -> Document:
-        assert self.log is not None
+        assert self.log is not None and self._reader is not None
         lg = self.log
         view = lg.topology
+        prunable = 0  # The journal's content before it holds only deleted events.
+        if lg.checkpoint_offset:
+            async with self._reader_lock:
+                await self._reader.catch_up()
+            prunable = min(lg.checkpoint_offset, self._reader.offset_after(lg.deleted_through))
         return {
             "location": self.name, "journal": self.config.journal, "endpoint": self.endpoint,
             "cvv": lg.cvv.to_json(), "dvv": lg.dvv.to_json(), "last_seq": lg.next_seq - 1,
@@ -527,7 +532,7 @@ class LocationServer:
             "cached_cvv": {s: c.to_json() for s, c in lg.cached_cvv.items()},
             "connections": [c.document(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
             "history": [_change_document(c) for c in view.history],
-            "retired": sorted(view.retired), "lost": self.lost,
+            "retired": sorted(view.retired), "lost": self.lost, "prunable_before": prunable,
         }  # fmt: skip
 
     async def emit(self, request: Document) -> Document:

@@ -10,12 +10,15 @@ import asyncio
 import itertools
 import json
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
+from broker.testing import EtcdServer, stop_process
 from replication.journals import apply_location_journals
 from replication.rpc import LocationClient, LocationError
 from replication.vclock import VectorClock
-from tests.conftest import BrokerProcess
+from tests.conftest import BrokerProcess, start_broker_process
 from tests.replication_testing import LocationProcesses
 
 
@@ -339,3 +342,52 @@ def test_a_new_location_waits_for_deleted_events_or_joins_for_new_ones(
     locations.ok("emit", "A", '{"num": 4}')
     wait_until(lambda: len(ids(locations.events("F"))) == 2, "F holds A's new event")
     assert ids(locations.events("E")) == []  # Still waiting: nothing out of order.
+
+
+def test_deleted_events_are_removed_from_the_store_and_the_log_still_opens(
+    etcd_server: EtcdServer, tmp_path: Path, locations: LocationProcesses
+) -> None:
+    """Physical deletion: after a deletion, `prune` removes the persisted fragments that hold
+    nothing but deleted events; the location's process, started again, opens its log from what
+    remains (its checkpoint), goes on with the next sequence number and time, keeps its
+    connections, and readers read the log from where it now begins."""
+    root = tmp_path / "fragments"
+    (root / "replication").mkdir(parents=True)
+    broker = start_broker_process(
+        etcd_server, f"/gazette-test/{uuid.uuid4().hex[:12]}", tmp_path / "broker.log",
+        extra=("--broker.file-root", str(root)),
+    )  # fmt: skip
+    try:
+        asyncio.run(apply_location_journals(broker.address, "A", "B", store="file:///replication/",
+                                            fragment_length=1024, refresh_seconds=1))  # fmt: skip
+        for name in "AB":
+            locations.start(name, broker.address)
+        locations.ok("connect", "A", "B", "--both")
+        locations.ok("emit", "A", *(json.dumps({"num": i, "pad": "x" * 60}) for i in range(30)))
+        wait_until(lambda: len(ids(locations.events("B"))) == 30, "B holds A's events")
+        before = locations.status("A")
+        locations.ok("delete", "A", "--through", str(before["last_seq"] - 5))
+        wait_until(lambda: "would remove 0 " not in locations.ok("prune", "A", "--dry-run"), "persisted")  # fmt: skip
+        out = locations.ok("prune", "A", "--file-root", str(root))
+        removed = int(out.split("removing ")[1].split(" ")[0])
+        assert removed > 0, out
+        stored = list((root / "replication" / "replication" / "A").iterdir())
+        assert stored and all(int(f.name.split("-")[0], 16) > 0 for f in stored)  # Offset 0 gone.
+        time.sleep(1.5)  # The broker lists its store again.
+
+        locations.kill("A")
+        locations.start("A", broker.address)
+        after = locations.status("A")
+        assert (after["last_seq"], after["local_time"], after["cvv"]) == (
+            before["last_seq"], before["local_time"], before["cvv"])  # fmt: skip
+        assert [c["source"] for c in after["connections"]] == ["B"]
+        kept = [e["payload"]["num"] for e in locations.events("A") if "num" in e["payload"]]
+        assert kept == [25, 26, 27, 28, 29]
+        locations.ok("emit", "A", '{"num": 30}')
+        events = locations.events("A")
+        assert events[-1]["seq"] == before["last_seq"] + 1  # No sequence number used twice,
+        assert events[-1]["ts"]["A"] == before["local_time"] + 1  # and no time.
+        wait_until(lambda: len(ids(locations.events("B"))) == 31, "B holds A's new event")
+    finally:
+        locations.stop_all()
+        stop_process(broker.proc)
