@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from broker.client.journals import dial
+from replication.location import Stored
 
 __all__ = ["SERVICE", "LocationClient", "LocationError", "generic_handler"]
 
@@ -57,7 +58,8 @@ class LocationError(RuntimeError):
 
 
 class LocationClient:
-    """Calls to one location's process."""
+    """Calls to one location's process: `emit`, `events` and `status` for applications, `call`
+    for any method of the Location service."""
 
     def __init__(self, location: str, endpoint: str, *, timeout: float = 30.0) -> None:
         self.location, self.endpoint, self.timeout = location, endpoint, timeout
@@ -71,6 +73,24 @@ class LocationClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def emit(self, *payloads: Mapping[str, Any]) -> list[tuple[str, int]]:
+        """Emit events at the location (each payload a JSON object); their ids, (emitter,
+        time)."""
+        reply = await self.call("Emit", payloads=[dict(p) for p in payloads])
+        return [(e["emitter"], e["ts"][e["emitter"]]) for e in reply["events"]]
+
+    async def events(self, after: int = 0, limit: int = 1000, wait: float = 0.0) -> list[Stored]:
+        """The location's stored events after sequence number `after`, in storage order
+        (read-committed; deleted ones left out), waiting up to `wait` seconds for some."""
+        from replication.records import split_records
+
+        reply = await self.call_raw("Read", after=after, limit=limit, wait=wait)
+        body = reply[reply.index(b"\n") + 1 :]
+        return [raw.stored() for _, _, raw in split_records(body)[0] if raw is not None]
+
+    async def status(self) -> Document:
+        return await self.call("Status")
 
     async def call(self, method: str, timeout: float | None = None, **body: Any) -> Document:
         reply: Document = json.loads(await self.call_raw(method, timeout, **body))

@@ -391,3 +391,24 @@ def test_deleted_events_are_removed_from_the_store_and_the_log_still_opens(
     finally:
         locations.stop_all()
         stop_process(broker.proc)
+
+
+def test_applications_emit_and_read_through_the_async_client(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    asyncio.run(apply_location_journals(location_broker.address, "A"))
+    locations.start("A", location_broker.address)
+
+    async def use() -> None:
+        async with LocationClient("A", locations.endpoint("A")) as client:
+            assert await client.emit({"kind": "x"}, {"kind": "y"}) == [("A", 1), ("A", 2)]
+            stored = await client.events()
+            assert [(s.seq, s.event.id, s.event.payload) for s in stored] == [
+                (1, ("A", 1), {"kind": "x"}), (2, ("A", 2), {"kind": "y"})]  # fmt: skip
+            assert [s.seq for s in await client.events(after=1)] == [2]
+            started = time.monotonic()
+            assert await client.events(after=2, wait=0.3) == []  # Waited for more: none came.
+            assert time.monotonic() - started >= 0.25
+            assert (await client.status())["last_seq"] == 2
+
+    asyncio.run(use())
