@@ -104,6 +104,19 @@ def test_payloads_that_mimic_record_fields_fool_nothing() -> None:
     assert [s.event() for s in systems] == [system]
 
 
+def model_history(rng: random.Random) -> list[Location]:
+    """Four locations of the in-memory model after emits and replication rounds at random (a
+    valid causal history)."""
+    locations = [Location(n) for n in ("A", "B", "C", "D")]
+    for _ in range(rng.randrange(5, 60)):
+        if rng.random() < 0.5:
+            rng.choice(locations).emit({"n": rng.randrange(100)})
+        else:
+            source, target = rng.sample(locations, 2)
+            replicate(source, target, limit=rng.randrange(1, 10))
+    return locations
+
+
 @settings(max_examples=100)
 @given(st.randoms(use_true_random=False))
 def test_the_own_entry_filter_is_the_causality_filter_on_model_histories(
@@ -112,13 +125,7 @@ def test_the_own_entry_filter_is_the_causality_filter_on_model_histories(
     """Locations of the in-memory model emit and replicate at random (valid causal histories);
     for every pair, the events of one log that the fast filter passes against the other's CVV
     are exactly those whose timestamps are not <= it; merged stamps are the lub."""
-    locations = [Location(n) for n in ("A", "B", "C", "D")]
-    for _ in range(rng.randrange(5, 60)):
-        if rng.random() < 0.5:
-            rng.choice(locations).emit({"n": rng.randrange(100)})
-        else:
-            source, target = rng.sample(locations, 2)
-            replicate(source, target, limit=rng.randrange(1, 10))
+    locations = model_history(rng)
     for source in locations:
         data = b"".join(encode_event(s.seq, s.event).line(s.seq) for s in source.log)
         for target in locations:
@@ -138,13 +145,7 @@ def test_the_group_rule_stops_where_the_model_stops(rng: random.Random) -> None:
     `write_batch(cycle=...)` does."""
     from replication.location import read_batch, write_batch
 
-    locations = [Location(n) for n in ("A", "B", "C", "D")]
-    for _ in range(rng.randrange(5, 40)):
-        if rng.random() < 0.5:
-            rng.choice(locations).emit({"n": rng.randrange(100)})
-        else:
-            source, target = rng.sample(locations, 2)
-            replicate(source, target, limit=rng.randrange(1, 10))
+    locations = model_history(rng)
     d, b = locations[3], locations[1]
     group = ["A", "B", "C"]
     batch = read_batch(d, b)
