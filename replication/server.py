@@ -185,6 +185,7 @@ class LocationServer:
         # Connections into this location taken from its neighbours' views by Recover (its own
         # view was lost with its log), until its own view has them again.
         self._adopted: dict[str, str] = {}
+        self._recovered_neighbours: set[str] = set()  # Its neighbours, as Recover found them.
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -381,7 +382,7 @@ class LocationServer:
     def _neighbour_names(self) -> list[str]:
         assert self.log is not None
         names = {s if t == self.name else t for (s, t) in self.log.topology.current if self.name in (s, t)}  # fmt: skip
-        return sorted(names - {self.name})
+        return sorted((names | self._recovered_neighbours) - {self.name})
 
     async def _replicate(self, state: ConnectionState) -> None:
         """The connection state.source -> this location, until cancelled."""
@@ -396,7 +397,7 @@ class LocationServer:
                 or_here = self._terminal() and bool(state.filter)
                 # A filtered connection writes into this location's unfiltered group only what
                 # the group's part of its timestamp allows (redundant filtered connections).
-                group = target.topology.group_of(self.name) if state.filter else frozenset()
+                group = target.topology.guarded_group(self.name) if state.filter else frozenset()
                 after = target.progress.get(source, 0)
                 if entry.endpoint:
                     direct = None
@@ -714,6 +715,7 @@ class LocationServer:
             entry = (await registry.lookup(self._etcd_client(), self.config.prefix, n.name))[0]
             await self._ask(entry).call("ResetProgress", source=self.name, seq=survivors)
         terminal = len(neighbours) == 1
+        self._recovered_neighbours = {n.name for n, _ in neighbours}
         skipped = []
         for n, view in neighbours:
             inbound = view.current.get((n.name, self.name))

@@ -215,6 +215,14 @@ class Topology:
     def group_of(self, location: str) -> frozenset[str]:
         return self.groups().get(location, frozenset({location}))
 
+    def guarded_group(self, location: str) -> frozenset[str]:
+        """The locations whose part of an event's timestamp must be in `location`'s CVV before
+        a filtered connection writes the event there (the rule of redundant filtered
+        connections): its unfiltered group; none for a location alone, which lacks events of
+        its own only after a disaster, and gets them back only so."""
+        group = self.group_of(location)
+        return group if len(group) > 1 else frozenset()
+
     def _filtered_links(self) -> set[tuple[str, str]]:
         return {
             _link(a, b)

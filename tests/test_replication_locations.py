@@ -412,3 +412,28 @@ def test_applications_emit_and_read_through_the_async_client(
             assert (await client.status())["last_seq"] == 2
 
     asyncio.run(use())
+
+
+def test_a_terminal_location_recovers_its_own_events_over_a_filtered_connection(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """D is terminal, connected to A only, and A -> D filters (red only); D -> A carries all.
+    D loses its log: its own events come back from A although the filter would drop them (the
+    filter OR-ed with "emitted at D", the seed's rule for terminal locations), and A's red one."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "D"))
+    for name in "AD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "D", "--filter", "colour=red")
+    locations.ok("connect", "D", "A")
+    locations.ok("emit", "D", '{"colour": "blue", "mine": 1}', '{"colour": "green", "mine": 2}')
+    locations.ok("emit", "A", '{"colour": "red"}', '{"colour": "blue"}')
+    wait_until(lambda: len(ids(locations.events("A"))) == 4, "A holds D's events")
+    wait_until(lambda: len(ids(locations.events("D"))) == 3, "D holds A's red event")
+    before = sorted(ids(locations.events("D")))
+    locations.stop("D")
+    asyncio.run(_lose_log(location_broker.address, "D"))
+    locations.start("D", location_broker.address)
+    out = locations.ok("recover", "D")
+    assert "not from" not in out  # A terminal location recovers over its filtered connection.
+    wait_until(lambda: sorted(ids(locations.events("D"))) == before, "D has its events back")
+    assert_causal_order(locations.events("D"))

@@ -212,7 +212,7 @@ def test_two_data_centres_partitioned_keep_working_and_converge(seed: int) -> No
         for source, target, keep in connections:
             if partitioned and centre[source] != centre[target]:
                 continue
-            group = sorted(view.group_of(target)) if keep else ()
+            group = sorted(view.guarded_group(target)) if keep else ()
             replicate(loc[source], loc[target], keep, cycle=group, limit=rng.randrange(1, 4))
 
     for step in range(60):
