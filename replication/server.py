@@ -76,6 +76,7 @@ __all__ = [
 log = logging.getLogger("replication")
 
 _RETRY = 0.5  # Seconds between attempts of a connection that waits or fails.
+_LOOKUP_EVERY = 5.0  # Seconds a connection goes on with its source's registry entry.
 
 
 class StartError(RuntimeError):
@@ -391,9 +392,14 @@ class LocationServer:
         source = state.source
         direct: SourceReader | None = None  # Reading the source's journal (its process down).
         pending: Awaitable[Any] | None = None  # The last round's append, committing.
+        entry: registry.LocationEntry | None = None  # The source, as registered (re-read now
+        looked_up = 0.0  # and then, and after any failure).
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]
+                if entry is None or loop.time() - looked_up > _LOOKUP_EVERY:
+                    entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]  # fmt: skip
+                    looked_up = loop.time()
                 or_here = self._terminal() and bool(state.filter)
                 # A filtered connection writes into this location's unfiltered group only what
                 # the group's part of its timestamp allows (redundant filtered connections).
@@ -458,7 +464,7 @@ class LocationServer:
                 registry.UnknownLocation, ValueError,
             ) as exc:  # fmt: skip
                 # The source unreachable, its journal gone or made anew: read it afresh.
-                direct = None
+                direct, entry = None, None
                 state.state, state.error = "retrying", str(exc).split("\n")[0]
                 await asyncio.sleep(_RETRY)
 
