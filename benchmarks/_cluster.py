@@ -181,6 +181,21 @@ async def cluster(
             stop_brokers(procs)
 
 
+@contextlib.asynccontextmanager
+async def one_broker() -> AsyncIterator[tuple[JournalsClient, Path]]:
+    """One broker on an etcd of its own, in a temporary directory: a client of it, and the
+    directory (stopped and removed after)."""
+    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
+        root = Path(tmp)
+        broker = start_broker(etcd, "broker-0", root / "broker.log")
+        try:
+            await wait_ready([broker])
+            async with JournalsClient(broker.address) as client:
+                yield client, root
+        finally:
+            stop_brokers([broker])
+
+
 async def appenders(
     stub: object, journal: str, payload: bytes, *, concurrency: int, duration: float
 ) -> tuple[list[float], float]:

@@ -8,15 +8,11 @@ causality filter at work on the cycle (each event is stored 3 times and filtered
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks._cluster import placed_journals, start_broker, stop_brokers, wait_ready
+from benchmarks._cluster import one_broker, placed_journals
 from broker.client.append_service import AppendService
-from broker.client.journals import JournalsClient
-from broker.testing import EtcdServer
 from replication.connection import SourceReader, run_connection
 from replication.journal_log import JournalEventLog
 
@@ -26,47 +22,35 @@ RING = [("A", "B"), ("B", "C"), ("C", "D"), ("D", "A")]
 
 async def measure(events: int) -> dict[str, Any]:
     times: list[float] = []
-    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
-        root = Path(tmp)
-        broker = start_broker(etcd, "broker-0", root / "broker.log")
-        try:
-            await wait_ready([broker])
-            async with (
-                JournalsClient(broker.address) as client,
-                AppendService(client.stub) as service,
-            ):
-                await placed_journals(
-                    client, [f"bench/convergence/{n}" for n in LOCATIONS], "application/x-ndjson"
+    async with one_broker() as (client, _), AppendService(client.stub) as service:
+        await placed_journals(
+            client, [f"bench/convergence/{n}" for n in LOCATIONS], "application/x-ndjson"
+        )
+        stubs = lambda: client.stub  # noqa: E731
+        logs = {
+            n: JournalEventLog(n, f"bench/convergence/{n}", stubs, service, author=i + 1)
+            for i, n in enumerate(LOCATIONS)
+        }
+        for log in logs.values():
+            await log.open()
+        stats: dict[str, int] = {}
+        async with asyncio.TaskGroup() as tasks:
+            running = [
+                tasks.create_task(
+                    run_connection(s, SourceReader(stubs, logs[s].journal), logs[t], stats=stats)
                 )
-                stubs = lambda: client.stub  # noqa: E731
-                logs = {
-                    n: JournalEventLog(n, f"bench/convergence/{n}", stubs, service, author=i + 1)
-                    for i, n in enumerate(LOCATIONS)
-                }
-                for log in logs.values():
-                    await log.open()
-                stats: dict[str, int] = {}
-                async with asyncio.TaskGroup() as tasks:
-                    running = [
-                        tasks.create_task(
-                            run_connection(
-                                s, SourceReader(stubs, logs[s].journal), logs[t], stats=stats
-                            )
-                        )
-                        for a, b in RING
-                        for s, t in ((a, b), (b, a))
-                    ]
-                    for i in range(events):
-                        (event,) = await logs["A"].emit([{"i": i}])
-                        started = time.perf_counter()
-                        while not all(event.timestamp <= log.cvv for log in logs.values()):
-                            await asyncio.sleep(0.001)
-                        times.append(time.perf_counter() - started)
-                    await asyncio.sleep(0.5)  # Let the last round of filtering finish.
-                    for task in running:
-                        task.cancel()
-        finally:
-            stop_brokers([broker])
+                for a, b in RING
+                for s, t in ((a, b), (b, a))
+            ]
+            for i in range(events):
+                (event,) = await logs["A"].emit([{"i": i}])
+                started = time.perf_counter()
+                while not all(event.timestamp <= log.cvv for log in logs.values()):
+                    await asyncio.sleep(0.001)
+                times.append(time.perf_counter() - started)
+            await asyncio.sleep(0.5)  # Let the last round of filtering finish.
+            for task in running:
+                task.cancel()
     return {"times": times, "stats": stats}
 
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._cluster import recovery_log, start_broker, stop_brokers, wait_ready
+from benchmarks._cluster import one_broker, recovery_log
 from broker.client.append_service import AppendService
-from broker.client.journals import JournalsClient
 from broker.client.reader import read, write_head
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.testing import EtcdServer
 from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.player import Player
 from consumer.recoverylog.recorder import Recorder
@@ -44,32 +41,25 @@ async def _record(stub: Any, directory: Path, files: int, pieces: int) -> rpb.FS
 
 
 async def measure(files: int, pieces: int) -> dict[str, Any]:
-    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
-        root = Path(tmp)
-        broker = start_broker(etcd, "broker-0", root / "broker.log")
-        try:
-            await wait_ready([broker])
-            async with JournalsClient(broker.address) as client:
-                await recovery_log(client, LOG)
-                (root / "src").mkdir()
-                hints = await _record(client.stub, root / "src", files, pieces)
-                size = await write_head(client.stub, LOG)
+    async with one_broker() as (client, root):
+        await recovery_log(client, LOG)
+        (root / "src").mkdir()
+        hints = await _record(client.stub, root / "src", files, pieces)
+        size = await write_head(client.stub, LOG)
 
-                started = time.perf_counter()
-                read_bytes = 0
-                async for chunk in read(client.stub, LOG, 0):
-                    read_bytes += len(chunk.content)
-                raw = time.perf_counter() - started
+        started = time.perf_counter()
+        read_bytes = 0
+        async for chunk in read(client.stub, LOG, 0):
+            read_bytes += len(chunk.content)
+        raw = time.perf_counter() - started
 
-                async with AppendService(client.stub) as service:
-                    player = Player()
-                    player.finish_at_write_head()
-                    started = time.perf_counter()
-                    fsm = await player.play(hints, root / "played", lambda: client.stub, service)
-                    played = time.perf_counter() - started
-                live = len(fsm.live_nodes)
-        finally:
-            stop_brokers([broker])
+        async with AppendService(client.stub) as service:
+            player = Player()
+            player.finish_at_write_head()
+            started = time.perf_counter()
+            fsm = await player.play(hints, root / "played", lambda: client.stub, service)
+            played = time.perf_counter() - started
+        live = len(fsm.live_nodes)
     if read_bytes != size:
         raise RuntimeError(f"read {read_bytes} of the log's {size} bytes")
     return {"size": size, "raw_s": raw, "play_s": played, "live_files": live}

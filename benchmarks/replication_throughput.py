@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks._cluster import placed_journals, start_broker, stop_brokers, wait_ready
+from benchmarks._cluster import one_broker, placed_journals
 from broker.client.append_service import AppendService
-from broker.client.journals import JournalsClient
 from broker.client.reader import read, write_head
-from broker.testing import EtcdServer
 from replication.connection import SourceReader, run_connection
 from replication.journal_log import JournalEventLog
 
@@ -27,47 +23,37 @@ JOURNALS = ["bench/replication/A", "bench/replication/B", "bench/replication/raw
 
 
 async def measure(events: int) -> dict[str, Any]:
-    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
-        root = Path(tmp)
-        broker = start_broker(etcd, "broker-0", root / "broker.log")
-        try:
-            await wait_ready([broker])
-            async with (
-                JournalsClient(broker.address) as client,
-                AppendService(client.stub) as service,
-            ):
-                await placed_journals(client, JOURNALS, "application/x-ndjson")
-                stubs = lambda: client.stub  # noqa: E731
-                a = JournalEventLog("A", JOURNALS[0], stubs, service, author=1)
-                b = JournalEventLog("B", JOURNALS[1], stubs, service, author=2)
-                await a.open()
-                await b.open()
-                filler = os.urandom(60).hex()  # ~200 bytes an event, with its metadata.
-                for start in range(0, events, 1000):
-                    await a.emit([{"i": i, "v": filler} for i in range(start, start + 1000)])
-                size = await write_head(client.stub, JOURNALS[0])
+    async with one_broker() as (client, _), AppendService(client.stub) as service:
+        await placed_journals(client, JOURNALS, "application/x-ndjson")
+        stubs = lambda: client.stub  # noqa: E731
+        a = JournalEventLog("A", JOURNALS[0], stubs, service, author=1)
+        b = JournalEventLog("B", JOURNALS[1], stubs, service, author=2)
+        await a.open()
+        await b.open()
+        filler = os.urandom(60).hex()  # ~200 bytes an event, with its metadata.
+        for start in range(0, events, 1000):
+            await a.emit([{"i": i, "v": filler} for i in range(start, start + 1000)])
+        size = await write_head(client.stub, JOURNALS[0])
 
-                started = time.perf_counter()
-                written = await run_connection(
-                    "A", SourceReader(stubs, JOURNALS[0]), b, through=a.next_seq - 1
-                )
-                replicated = time.perf_counter() - started
-                if written != events:
-                    raise RuntimeError(f"replicated {written} of {events} events")
+        started = time.perf_counter()
+        written = await run_connection(
+            "A", SourceReader(stubs, JOURNALS[0]), b, through=a.next_seq - 1
+        )
+        replicated = time.perf_counter() - started
+        if written != events:
+            raise RuntimeError(f"replicated {written} of {events} events")
 
-                started = time.perf_counter()
+        started = time.perf_counter()
+        batch, pending = bytearray(), 0
+        async for chunk in read(client.stub, JOURNALS[0], 0):
+            batch += chunk.content
+            pending += chunk.content.count(b"\n")
+            if pending >= 1000:
+                await service.append(JOURNALS[2], bytes(batch))
                 batch, pending = bytearray(), 0
-                async for chunk in read(client.stub, JOURNALS[0], 0):
-                    batch += chunk.content
-                    pending += chunk.content.count(b"\n")
-                    if pending >= 1000:
-                        await service.append(JOURNALS[2], bytes(batch))
-                        batch, pending = bytearray(), 0
-                if batch:
-                    await service.append(JOURNALS[2], bytes(batch))
-                raw = time.perf_counter() - started
-        finally:
-            stop_brokers([broker])
+        if batch:
+            await service.append(JOURNALS[2], bytes(batch))
+        raw = time.perf_counter() - started
     return {"replicated_s": replicated, "raw_s": raw, "bytes": size}
 
 

@@ -184,7 +184,12 @@ async def _wait_primary(addresses: Any, timeout: float = 60) -> str:
 def run(quick: bool = False, kills: int | None = None, lease: int = 5) -> dict[str, Any]:
     kills = kills if kills is not None else (1 if quick else 3)
     lease = 2 if quick else lease
-    result = asyncio.run(measure(kills, lease))
+    return summary(asyncio.run(measure(kills, lease)), lease, kills)
+
+
+def summary(result: dict[str, list[float]], lease: int, kills: int) -> dict[str, Any]:
+    """The median time back (value), beside the median lease expiry of the same kills
+    (baseline, the floor: each take-over comes after its own expiry)."""
     times = sorted(result["times"])
     expiries = sorted(result["expiries"])
     median = times[len(times) // 2]

@@ -12,32 +12,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from benchmarks.shard_failover import measure
+from benchmarks.shard_failover import measure, summary
 
 
 def run(quick: bool = False, kills: int | None = None, lease: int = 5) -> dict[str, Any]:
     kills = kills if kills is not None else (1 if quick else 3)
     lease = 2 if quick else lease
     standby = asyncio.run(measure(kills, lease, store="sqlite"))
-    plain = asyncio.run(measure(kills, lease, store="json"))
-    times = sorted(standby["times"])
-    plain_times = sorted(plain["times"])
-    # The floor of these very kills: each take-over comes after its own lease expiry, so the
-    # median of the times is never below the median of these expiries.
-    expiries = sorted(standby["expiries"])
-    median = times[len(times) // 2]
-    baseline = expiries[len(expiries) // 2]
-    return {
-        "value": round(median, 2),
-        "unit": "s",
-        "baseline": round(baseline, 2),
-        "ratio": round(median / baseline, 2) if baseline else None,
-        "max": round(times[-1], 2),
-        "without_standby": round(plain_times[len(plain_times) // 2], 2),
-        "lease_ttl": lease,
-        "kills": kills,
-        "each": [round(t, 2) for t in standby["times"]],
-    }
+    plain = sorted(asyncio.run(measure(kills, lease, store="json"))["times"])
+    return summary(standby, lease, kills) | {"without_standby": round(plain[len(plain) // 2], 2)}
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ from broker import etcd as etcdx
 from gazctl import render
 from gazctl.journals import file_root_option
 from replication import registry
-from replication.location import Event
 from replication.rpc import Document, LocationClient, LocationError
 from replication.server import read_reply
-from replication.system import change_of
+from replication.system import change_document, change_from
 from replication.topology import (
     Change,
     Connected,
@@ -117,22 +116,11 @@ class Network:
 
     async def change(self, change: Change, at: Sequence[str]) -> None:
         """Check `change` at every location of `at`, then record it at each."""
-        body = _document(change)
+        body = change_document(change)
         for name in at:
             await self.call(name, "Change", change=body)
         for name in at:
             await self.call(name, "Change", change=body, record=True)
-
-
-def _document(change: Change) -> Document:
-    from replication.system import system_payload
-
-    document: Document = system_payload(change)["system"]
-    return document
-
-
-def _change(document: Document) -> Change:
-    return change_of(Event("", VectorClock(), {"system": document}))
 
 
 def _vector(document: Any) -> str:
@@ -292,7 +280,7 @@ async def _current(net: Network, at: str) -> dict[tuple[str, str], str]:
 
 
 def _view(status: Document) -> Topology:
-    return Topology.of(_change(d) for d in status["history"])
+    return Topology.of(change_from(d) for d in status["history"])
 
 
 @replication.command("disconnect")

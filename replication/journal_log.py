@@ -67,7 +67,7 @@ from replication.records import (
     record_line,
     split_records,
 )
-from replication.system import change_of, system_payload
+from replication.system import change_document, change_from, change_of
 from replication.topology import Topology
 from replication.vclock import VectorClock
 
@@ -89,53 +89,57 @@ def _fence(author: int) -> pb.LabelSet:
     return pb.LabelSet(labels=[pb.Label(name="writer", value=str(author))])
 
 
-def _is_new(ts: Mapping[str, int], cvv: Mapping[str, int]) -> bool:
-    """The causality filter: a timestamp not <= the CVV (not in the log's causal past)."""
-    for location, time in ts.items():  # noqa: SIM110 - a loop is faster than any() here.
-        if time > cvv.get(location, 0):
-            return True
-    return False
+class _LogVectors:
+    """A log's CVV (kept as a dict, a VectorClock on demand), DVV and deletions, as its records
+    say: what a writer and a reader of the log both track."""
 
+    def __init__(self) -> None:
+        self.deleted_through = 0
+        self.dvv = VectorClock()
+        self._cvv: dict[str, int] = {}
+        self._cvv_clock: VectorClock | None = VectorClock()
 
-def _merge_into(cvv: dict[str, int], ts: Mapping[str, int]) -> None:
-    for location, time in ts.items():
-        if time > cvv.get(location, 0):
-            cvv[location] = time
+    @property
+    def cvv(self) -> VectorClock:
+        if self._cvv_clock is None:
+            self._cvv_clock = VectorClock(self._cvv)
+        return self._cvv_clock
+
+    def _raise_cvv(self, ts: Mapping[str, int]) -> None:
+        """Merge a timestamp into the CVV."""
+        for location, time in ts.items():
+            if time > self._cvv.get(location, 0):
+                self._cvv[location] = time
+        self._cvv_clock = None
+
+    def _fold_vectors(self, record: Mapping[str, Any]) -> None:
+        """What a `deleted`, `joined` or `checkpoint` record says of the vectors."""
+        kind = record.get("kind")
+        if kind == "deleted":
+            self.deleted_through = max(self.deleted_through, int(record["through"]))
+            self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
+        elif kind == "joined":
+            floor = VectorClock.from_json(record["floor"], field="joined.floor")
+            self.dvv = self.dvv.merge(floor)
+            self._raise_cvv(floor)
+        elif kind == "checkpoint":
+            self.deleted_through = max(self.deleted_through, int(record["deleted_through"]))
+            self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="checkpoint.dvv"))
+            self._raise_cvv(VectorClock.from_json(record["cvv"], field="checkpoint.cvv"))
 
 
 async def scan_records(
-    stubs: Callable[[], pb_grpc.JournalStub],
-    journal: str,
-    begin: int = 0,
-    *,
-    block: bool = False,
-    events: int | None = None,
+    stubs: Callable[[], pb_grpc.JournalStub], journal: str
 ) -> list[tuple[int, int, RawEvent | None, dict[str, Any]]]:
-    """Whole records of a location's journal from `begin`, to its write head (blocking: once
-    some arrived; `events`: once that many events were read), each with its offset and end: an
-    event as a RawEvent, or another record decoded."""
+    """Every record of a location's journal (from where it begins) to its write head, each with
+    its offset and end: an event as a RawEvent, or another record decoded."""
+    at, data = await read_lines(stubs, journal, 0)
     out: list[tuple[int, int, RawEvent | None, dict[str, Any]]] = []
-    partial, at, seen = b"", begin, 0
-    chunks: Any = read_retrying(stubs, journal, begin, block=block)
-    async with contextlib.aclosing(chunks):  # An async generator: closed when we stop.
-        async for chunk in chunks:
-            if chunk.offset != at + len(partial):
-                if out or partial or chunk.offset < at:
-                    raise ValueError(f"{journal}: content jumps to {chunk.offset} (a hole in the log)")  # fmt: skip
-                at = chunk.offset  # Pruned before it (deleted events): read on from there.
-            data = partial + chunk.content if partial else chunk.content
-            lines, whole = split_records(data)
-            for start, end, raw in lines:
-                if raw is None:
-                    raw, record = _record(data[start:end])
-                else:
-                    record = _NO_RECORD
-                out.append((at + start, at + end, raw, record))
-                seen += raw is not None
-            at += whole
-            partial = data[whole:]
-            if (block and not partial) or (events is not None and seen >= events):
-                break  # Enough: whole records arrived, or the events asked for.
+    for start, end, raw in split_records(data)[0]:
+        record = _NO_RECORD
+        if raw is None:
+            raw, record = _record(data[start:end])
+        out.append((at + start, at + end, raw, record))
     return out
 
 
@@ -203,30 +207,20 @@ _WINDOW = 32 << 20  # Bytes of a log's recent content a SourceReader keeps.
 _READ = 2 << 20  # Bytes a refresh reads at most (so a long backlog is replicated as it is read).
 
 
-class SourceReader:
+class SourceReader(_LogVectors):
     """A location's journal, read incrementally: an index of its events (sequence numbers and
-    offsets), the CVV as read, and its recent content as bytes (events are parsed when a batch
-    is asked for, not kept parsed)."""
+    offsets), the CVV, DVV and deletions as read, and its recent content as bytes (events are
+    parsed when a batch is asked for, not kept parsed)."""
 
     def __init__(self, stubs: Callable[[], pb_grpc.JournalStub], journal: str) -> None:
+        super().__init__()
         self.stubs, self.journal = stubs, journal
         self.position = 0  # Journal offset read through (a record boundary).
-        self.deleted_through = 0  # The source's deletions, as read, and their DVV.
-        self.dvv = VectorClock()
-        self._cvv: dict[str, int] = {}
-        self._cvv_clock: VectorClock | None = VectorClock()
         self._seqs = array.array("q")  # Event seq numbers, in order, and their offsets.
         self._offsets = array.array("q")
         self._chunks: list[tuple[int, bytes]] = []  # Recent content: (offset, bytes).
         self._kept = 0
         self._last_read = 0
-
-    @property
-    def cvv(self) -> VectorClock:
-        """The CVV of the log as read."""
-        if self._cvv_clock is None:
-            self._cvv_clock = VectorClock(self._cvv)
-        return self._cvv_clock
 
     async def refresh(self, *, block: bool = False) -> int:
         """Read what is new, a few MiB at most (waiting for some, if `block`); the count of new
@@ -243,20 +237,9 @@ class SourceReader:
             raw, record = _record(data[start:end])
             if raw is not None:
                 late.append((start, raw.seq))
-                _merge_into(self._cvv, raw.ts)
-            elif record.get("kind") == "deleted":
-                self.deleted_through = max(self.deleted_through, int(record["through"]))
-                self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
-            elif record.get("kind") == "joined":
-                floor = VectorClock.from_json(record["floor"], field="joined.floor")
-                self.dvv = self.dvv.merge(floor)
-                _merge_into(self._cvv, floor)
-                self._cvv_clock = None
-            elif record.get("kind") == "checkpoint":  # What was before it may be pruned.
-                self.deleted_through = max(self.deleted_through, int(record["deleted_through"]))
-                self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="dvv"))
-                _merge_into(self._cvv, VectorClock.from_json(record["cvv"], field="cvv"))
-                self._cvv_clock = None
+                self._raise_cvv(raw.ts)
+            else:
+                self._fold_vectors(record)
         if late:
             merged = sorted([*zip(starts, seqs, strict=True), *late])
             starts, seqs = [st for st, _ in merged], [sq for _, sq in merged]
@@ -424,7 +407,7 @@ def _pass_events(
     return out, stamps, systems, None
 
 
-class JournalEventLog:
+class JournalEventLog(_LogVectors):
     """One location's log, written by this process alone once `open` took it."""
 
     def __init__(
@@ -435,12 +418,9 @@ class JournalEventLog:
         service: AppendService,
         author: int,
     ) -> None:
+        super().__init__()
         self.location, self.journal = location, journal
         self.stubs, self.service, self.author = stubs, service, author
-        self._cvv: dict[str, int] = {}
-        self._cvv_clock: VectorClock | None = VectorClock()
-        self.dvv = VectorClock()
-        self.deleted_through = 0
         self.next_seq = 1
         self.local_time = 0
         self.progress: dict[str, int] = {}
@@ -450,12 +430,6 @@ class JournalEventLog:
         self.checkpoint_offset = 0  # Where its last checkpoint record is (0: none).
         self._check = Registers(check=pb.LabelSelector(include=_fence(author)))
         self._grown: asyncio.Event | None = None
-
-    @property
-    def cvv(self) -> VectorClock:
-        if self._cvv_clock is None:
-            self._cvv_clock = VectorClock(self._cvv)
-        return self._cvv_clock
 
     async def grown(self) -> None:
         """Wait until the next append of this writer is committed."""
@@ -476,8 +450,7 @@ class JournalEventLog:
                     self.checkpoint_offset = offset
 
     def _fold_event(self, raw: RawEvent) -> None:
-        _merge_into(self._cvv, raw.ts)
-        self._cvv_clock = None
+        self._raise_cvv(raw.ts)
         self.next_seq = max(self.next_seq, raw.seq + 1)
         if raw.emitter == self.location:
             self.local_time = max(self.local_time, raw.ts.get(self.location, 0))
@@ -485,6 +458,7 @@ class JournalEventLog:
             self.topology.apply(change_of(raw.event()))
 
     def _fold(self, record: Mapping[str, Any]) -> None:
+        self._fold_vectors(record)
         kind = record.get("kind")
         if kind == "progress":
             source, seq = str(record["source"]), int(record["seq"])
@@ -495,26 +469,14 @@ class JournalEventLog:
             self.cached_cvv[source] = VectorClock.from_json(record["cvv"], field="progress.cvv")
         elif kind == "local-time":
             self.local_time = max(self.local_time, int(record["time"]))
-        elif kind == "deleted":
-            self.deleted_through = max(self.deleted_through, int(record["through"]))
-            self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="deleted.dvv"))
-        elif kind == "joined":
-            floor = VectorClock.from_json(record["floor"], field="joined.floor")
-            self.dvv = self.dvv.merge(floor)
-            _merge_into(self._cvv, floor)
-            self._cvv_clock = None
         elif kind == "checkpoint":  # The state of everything before it, as its writer had it.
             self.next_seq = max(self.next_seq, int(record["next_seq"]))
             self.local_time = max(self.local_time, int(record["local_time"]))
-            _merge_into(self._cvv, VectorClock.from_json(record["cvv"], field="checkpoint.cvv"))
-            self._cvv_clock = None
-            self.dvv = self.dvv.merge(VectorClock.from_json(record["dvv"], field="checkpoint.dvv"))
-            self.deleted_through = max(self.deleted_through, int(record["deleted_through"]))
             for source, seq in dict(record["progress"]).items():
                 self.progress[source] = max(self.progress.get(source, 0), int(seq))
             for source, cvv in dict(record["cached_cvv"]).items():
                 self.cached_cvv.setdefault(source, VectorClock.from_json(cvv, field="checkpoint"))
-            history = [change_of(Event("", VectorClock(), {"system": c})) for c in record["history"]]  # fmt: skip
+            history = [change_from(c, "checkpoint.history") for c in record["history"]]
             if len(history) > len(self.topology.history):
                 self.topology = Topology.of(history)
 
@@ -526,10 +488,9 @@ class JournalEventLog:
         """A location that wants only new events from its new neighbours: its CVV and DVV set
         to (at least) `floor`, the least upper bound of their DVVs (a `joined` record), so that
         the start rule DVV-neighbour <= CVV-here holds at once."""
-        await self._append([record_line({"kind": "joined", "floor": floor.to_json()})])
-        self.dvv = self.dvv.merge(floor)
-        _merge_into(self._cvv, floor)
-        self._cvv_clock = None
+        record = {"kind": "joined", "floor": floor.to_json()}
+        await self._append([record_line(record)])
+        self._fold_vectors(record)
 
     async def set_local_time(self, time: int) -> None:
         """Metadata recovery: the local clock set ahead to `time` (never back)."""
@@ -571,15 +532,14 @@ class JournalEventLog:
             "cvv": self._cvv, "dvv": self.dvv.to_json(), "deleted_through": self.deleted_through,
             "progress": self.progress,
             "cached_cvv": {k: v.to_json() for k, v in self.cached_cvv.items()},
-            "history": [system_payload(c)["system"] for c in self.topology.history],
+            "history": [change_document(c) for c in self.topology.history],
         })  # fmt: skip
 
     def _take(self, raw: RawEvent) -> tuple[int, bytes]:
         """Store `raw` next: its sequence number here, and its line."""
         seq = self.next_seq
         self.next_seq += 1
-        _merge_into(self._cvv, raw.ts)
-        self._cvv_clock = None
+        self._raise_cvv(raw.ts)
         if raw.is_system:
             self.topology.apply(change_of(raw.event()))
         return seq, raw.line(seq)
@@ -608,9 +568,6 @@ class JournalEventLog:
             lines.append(self._take(encode_event(0, event))[1])
         await self._append(lines)
         return events
-
-    def causality_filter(self, event: Event) -> bool:
-        return _is_new(event.timestamp, self._cvv)
 
     async def stage_lines(
         self, batch: LineBatch, keep: EventFilter | None = None, group: Collection[str] = ()

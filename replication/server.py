@@ -50,11 +50,10 @@ from broker.protocol import protocol_pb2 as pb
 from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
-from replication.location import Event, EventFilter, check_fail_over
+from replication.location import EventFilter, check_fail_over
 from replication.rpc import Document, LocationClient, LocationError, generic_handler
-from replication.system import change_of, passes, system_payload
+from replication.system import change_document, change_from, passes, system_payload
 from replication.topology import (
-    Change,
     Connected,
     Disconnected,
     FailedOver,
@@ -63,7 +62,7 @@ from replication.topology import (
     RuleViolation,
     Topology,
 )
-from replication.vclock import VectorClock
+from replication.vclock import VectorClock, lub
 
 __all__ = [
     "LocationConfig",
@@ -141,23 +140,16 @@ class ConnectionState:
         }  # fmt: skip
 
 
-def _change_document(change: Change) -> Document:
-    body: Document = system_payload(change)["system"]
-    return body
-
-
-def _change_of(body: Any) -> Change:
-    if not isinstance(body, Mapping):
-        raise ValueError("change: expected an object")
-    return change_of(Event("", VectorClock(), {"system": dict(body)}))
-
-
 @dataclass
 class _Neighbour:
-    name: str
+    entry: registry.LocationEntry
     cvv: VectorClock
     dvv: VectorClock
     status: Document = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
 
 
 class LocationServer:
@@ -317,17 +309,21 @@ class LocationServer:
             del self._adopted[source]  # Its own view has it again (connected, or not any more).
         return {**self._adopted, **own}
 
-    async def _others(self) -> list[_Neighbour]:
-        """Every other location whose process answers, with its vectors and view."""
+    async def _others(
+        self, known: Mapping[str, registry.LocationEntry] | None = None
+    ) -> list[_Neighbour]:
+        """Every other location (of `known`, or of the registry) whose process answers, with
+        its vectors and view."""
+        if known is None:
+            known = await registry.read_locations(self._etcd_client(), self.config.prefix)
         out = []
-        for entry in (await registry.read_locations(self._etcd_client(), self.config.prefix)).values():  # fmt: skip
+        for entry in known.values():
             if entry.name == self.name or not entry.endpoint:
                 continue
             try:
-                status = await self._ask(entry).call("Status", timeout=5)
+                out.append(await self._vectors(entry, timeout=5))
             except LocationError:
                 continue  # Not reachable now.
-            out.append(_Neighbour(entry.name, VectorClock.from_json(status["cvv"]), VectorClock.from_json(status["dvv"]), status))  # fmt: skip
         return out
 
     async def _check_lost_events(self) -> None:
@@ -538,7 +534,7 @@ class LocationServer:
             "progress": dict(lg.progress),
             "cached_cvv": {s: c.to_json() for s, c in lg.cached_cvv.items()},
             "connections": [c.document(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
-            "history": [_change_document(c) for c in view.history],
+            "history": [change_document(c) for c in view.history],
             "retired": sorted(view.retired), "lost": self.lost, "prunable_before": prunable,
         }  # fmt: skip
 
@@ -586,7 +582,7 @@ class LocationServer:
         """Check a topology change against this location's view (and, with `record`, store it
         as a system event here)."""
         assert self.log is not None
-        change = _change_of(request.get("change"))
+        change = change_from(request.get("change"))
         view = self.log.topology
         if isinstance(change, Retired):
             names = [change.location]
@@ -607,17 +603,12 @@ class LocationServer:
             in_effect = key in view.current and view.current[key] == change.filter
         if in_effect:
             # Recorded here already (it may have arrived by replication from the other end).
-            return {"change": _change_document(change), "recorded": False}
+            return {"change": change_document(change), "recorded": False}
         if isinstance(change, FailedOver):
             parse_filter(change.filter)
             view.check_fail_over(change.previous, change.source, change.target, change.filter)
             if change.target == self.name:  # The rule of the cached CVV, checked here.
-                candidate = entries[1]
-                if not candidate.endpoint:
-                    raise LocationError(candidate.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")  # fmt: skip
-                status = await self._ask(candidate).call("Status")
-                cvv = VectorClock.from_json(status["cvv"], field="cvv")
-                check_fail_over(self.log, change.previous, _Neighbour(candidate.name, cvv, VectorClock()))  # fmt: skip
+                check_fail_over(self.log, change.previous, await self._vectors(entries[1]))
         elif isinstance(change, Connected):
             parse_filter(change.filter)  # FilterError (a ValueError) if it does not parse.
             if key in view.current:
@@ -636,19 +627,24 @@ class LocationServer:
         if request.get("record"):
             await self.log.emit([system_payload(change)])
             self._topology_changed.set()
-        return {"change": _change_document(change), "recorded": bool(request.get("record"))}
+        return {"change": change_document(change), "recorded": bool(request.get("record"))}
+
+    async def _vectors(self, entry: registry.LocationEntry, timeout: float | None = None) -> _Neighbour:  # fmt: skip
+        """A location's CVV, DVV and status, asked of its process (LocationError if it is down:
+        a rule that needs them cannot be checked without)."""
+        if not entry.endpoint:
+            raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")
+        status = await self._ask(entry).call("Status", timeout=timeout)
+        cvv = VectorClock.from_json(status["cvv"], field="cvv")
+        return _Neighbour(entry, cvv, VectorClock.from_json(status["dvv"], field="dvv"), status)
+
+    async def _vectors_of(self, *names: str) -> list[_Neighbour]:
+        entries = await registry.lookup(self._etcd_client(), self.config.prefix, *names)
+        return [await self._vectors(entry) for entry in entries]
 
     async def _neighbours(self) -> list[_Neighbour]:
-        """The CVV and DVV of every directly connected location, asked of its process (a
-        LocationError if one is down: a rule that needs them cannot be checked without)."""
-        out = []
-        names = self._neighbour_names()
-        for entry in await registry.lookup(self._etcd_client(), self.config.prefix, *names):
-            if not entry.endpoint:
-                raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")
-            status = await self._ask(entry).call("Status")
-            out.append(_Neighbour(entry.name, VectorClock.from_json(status["cvv"]), VectorClock.from_json(status["dvv"]), status))  # fmt: skip
-        return out
+        """The vectors of every directly connected location."""
+        return await self._vectors_of(*self._neighbour_names())
 
     async def delete(self, request: Document) -> Document:
         assert self.log is not None
@@ -668,12 +664,7 @@ class LocationServer:
         sources = request.get("sources")
         if not isinstance(sources, list) or not sources:
             raise ValueError("sources: expected the names of the new neighbours")
-        floor = VectorClock()
-        for entry in await registry.lookup(self._etcd_client(), self.config.prefix, *map(str, sources)):  # fmt: skip
-            if not entry.endpoint:
-                raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")  # fmt: skip
-            status = await self._ask(entry).call("Status")
-            floor = floor.merge(VectorClock.from_json(status["dvv"], field="dvv"))
+        floor = lub(n.dvv for n in await self._vectors_of(*map(str, sources)))
         await self.log.join(floor)
         return {"cvv": self.log.cvv.to_json(), "dvv": self.log.dvv.to_json()}
 
@@ -692,9 +683,9 @@ class LocationServer:
         (their system events come back with the other events)."""
         assert self.log is not None
         lg = self.log
-        others = await self._others()
-        retired = set().union(*(o.status.get("retired", []) for o in others))
         known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        others = await self._others(known)
+        retired = set().union(*(o.status.get("retired", []) for o in others))
         answered = {o.name for o in others}
         missing = sorted(n for n in known if n not in answered | retired | {self.name})
         if missing:
@@ -705,7 +696,7 @@ class LocationServer:
             )
         neighbours = []
         for other in others:
-            view = Topology.of(_change_of(d) for d in other.status["history"])
+            view = Topology.of(change_from(d) for d in other.status["history"])
             if (other.name, self.name) in view.current or (self.name, other.name) in view.current:
                 neighbours.append((other, view))
         if not neighbours:
@@ -718,8 +709,7 @@ class LocationServer:
         # connection may have carried its events further).
         await lg.set_local_time(max([lg.local_time, *(o.cvv[self.name] for o in others)]))
         for n, _ in neighbours:
-            entry = (await registry.lookup(self._etcd_client(), self.config.prefix, n.name))[0]
-            await self._ask(entry).call("ResetProgress", source=self.name, seq=survivors)
+            await self._ask(n.entry).call("ResetProgress", source=self.name, seq=survivors)
         terminal = len(neighbours) == 1
         self._recovered_neighbours = {n.name for n, _ in neighbours}
         skipped = []

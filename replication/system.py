@@ -23,17 +23,29 @@ from replication.topology import (
     Topology,
 )
 
-__all__ = ["change_of", "is_system", "passes", "system_payload", "topology_of"]
+__all__ = [
+    "change_document",
+    "change_from",
+    "change_of",
+    "is_system",
+    "passes",
+    "system_payload",
+    "topology_of",
+]
 
 
 def system_payload(change: Change) -> dict[str, Any]:
     """The payload of the system event recording `change`."""
+    return {"system": change_document(change)}
+
+
+def change_document(change: Change) -> dict[str, Any]:
+    """A change as JSON (in a system event, a checkpoint, the Location service)."""
     if isinstance(change, Retired):
-        return {"system": {"type": "retired", "location": change.location}}
+        return {"type": "retired", "location": change.location}
     if isinstance(change, FailedOver):
-        return {"system": {"type": "failed-over", "previous": change.previous,
-                           "source": change.source, "target": change.target,
-                           "filter": change.filter}}  # fmt: skip
+        return {"type": "failed-over", "previous": change.previous, "source": change.source,
+                "target": change.target, "filter": change.filter}  # fmt: skip
     body: dict[str, Any] = {"source": change.source, "target": change.target}
     if isinstance(change, Connected):
         body |= {"type": "connected", "filter": change.filter}
@@ -41,7 +53,7 @@ def system_payload(change: Change) -> dict[str, Any]:
         body |= {"type": "disconnected"}
     else:
         body |= {"type": "filtered", "filter": change.filter}
-    return {"system": body}
+    return body
 
 
 def is_system(event: Event) -> bool:
@@ -50,7 +62,11 @@ def is_system(event: Event) -> bool:
 
 def change_of(event: Event) -> Change:
     """The change a system event records (ValueError, naming the event, if malformed)."""
-    body = event.payload.get("system")
+    return change_from(event.payload.get("system"), f"system event {event.id}")
+
+
+def change_from(body: Any, what: str = "change") -> Change:
+    """A change from its JSON (ValueError naming `what`, if it is not one)."""
     try:
         assert isinstance(body, Mapping)
         kind = body["type"]
@@ -67,7 +83,7 @@ def change_of(event: Event) -> Change:
             return FailedOver(str(body["previous"]), source, target, str(body.get("filter", "")))
         raise KeyError(kind)
     except (AssertionError, KeyError) as exc:
-        raise ValueError(f"system event {event.id}: not a topology change ({exc})") from None
+        raise ValueError(f"{what}: not a topology change ({exc})") from None
 
 
 def topology_of(events: Iterable[Event]) -> Topology:
