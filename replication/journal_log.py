@@ -676,12 +676,11 @@ async def replicate_journals(
     events it stored."""
     reader = SourceReader(target.stubs, source_journal)
     await reader.catch_up()
-    staged = await replicate_round(source, reader, target, replication_filter, limit)
-    if staged is None:
+    region = await reader.region_after(target.progress.get(source, 0), limit)
+    if region is None:
         return []
-    written = staged[0]
-    stored, _ = await read_events(target.stubs, target.journal, target.next_seq - 1 - written)
-    return stored
+    batch = LineBatch(source, region[0], region[1], reader.cvv)
+    return [parse_event(line).stored() for line in await target.write_lines(batch, replication_filter)]  # fmt: skip
 
 
 async def recover_location(
