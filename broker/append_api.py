@@ -25,6 +25,7 @@ from broker.append_fsm import (
     OffsetOverflow,
     State,
 )
+from broker.auth import Claims
 from broker.client.routes import CORE_SEND_FAILURE
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
@@ -104,7 +105,10 @@ class ClientStream:
 
 
 async def serve_append(
-    ctx: BrokerContext, requests: AsyncIterator[pb.AppendRequest], context: Any
+    ctx: BrokerContext,
+    requests: AsyncIterator[pb.AppendRequest],
+    context: Any,
+    claims: Claims | None = None,
 ) -> pb.AppendResponse:
     iterator = requests.__aiter__()
     try:
@@ -117,7 +121,7 @@ async def serve_append(
     except validate.ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    fsm = AppendFSM(ctx, first)
+    fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
     task = asyncio.ensure_future(fsm.run(stream.receive))
     try:

@@ -22,6 +22,7 @@ from aetcd import transactions
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.allocator.keyspace import route_equivalent
+from broker.auth import Claims
 from broker.fragment import fragments as frag
 from broker.pipeline import Pipeline
 from broker.protocol import labels
@@ -89,10 +90,17 @@ Receive = Callable[[], Awaitable[Chunk]]
 
 class AppendFSM:
     def __init__(
-        self, ctx: BrokerContext, request: pb.AppendRequest, *, flush_and_suspend: bool = False
+        self,
+        ctx: BrokerContext,
+        request: pb.AppendRequest,
+        *,
+        flush_and_suspend: bool = False,
+        claims: Claims | None = None,
     ) -> None:
         self.ctx = ctx
         self.req = request
+        # The client's verified authorization: a journal it does not select is not found.
+        self.claims = claims
         # A broker's own run at a graceful exit (not on the wire): roll the spool, wait until
         # everything is persisted, then record the journal's end as its suspension offset.
         self.flush_and_suspend = flush_and_suspend
@@ -211,6 +219,7 @@ class AppendFSM:
                 require_primary=True,
                 min_etcd_revision=max(self.read_through_rev, self.req.min_etcd_revision),
                 proxy_header=self.req.header if self.req.HasField("header") else None,
+                claims=self.claims,
             )
         except ResolveError as exc:  # The request's header is not for this broker.
             self.return_pipeline()

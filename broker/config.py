@@ -132,6 +132,100 @@ def render_ini(command: click.Command, ini: dict[str, dict[str, str]]) -> str:
     return "\n".join(f"[{s}]\n" + "\n".join(lines) + "\n" for s, lines in sections.items())
 
 
+def tls_server_options(service: str) -> Callable[[F], F]:
+    """A server's TLS flags (`--broker.server-cert-file` ...) and the peer ones it dials other
+    processes of its kind with (`--broker.peer-cert-file` ...), as upstream names them."""
+    s = service
+    specs = [
+        (f"--{s}.server-cert-file", "Path to the server TLS certificate"),
+        (f"--{s}.server-cert-key-file", "Path to the server TLS private key"),
+        (f"--{s}.server-ca-file", "Path to the trusted CA for client verification of server certificates (when given, clients must present a certificate it signed)"),
+        (f"--{s}.peer-cert-file", "Path to the client TLS certificate for peer-to-peer requests"),
+        (f"--{s}.peer-cert-key-file", "Path to the client TLS private key for peer-to-peer requests"),
+        (f"--{s}.peer-ca-file", "Path to the trusted CA for client verification of peer server certificates (default: the system's)"),
+    ]  # fmt: skip
+
+    def apply(f: F) -> F:
+        for flag, text in reversed(specs):
+            f = option(flag, default="", help=text, show_default=False)(f)
+        return f
+
+    return apply
+
+
+def tls_client_options(service: str) -> Callable[[F], F]:
+    """A client's TLS and authorization flags for `service` (`--broker.cert-file`,
+    `--broker.cert-key-file`, `--broker.trusted-ca-file`, `--broker.auth-keys`,
+    `--broker.auth-token`), as upstream names them."""
+    specs = [
+        ("cert-file", "Path to the client TLS certificate"),
+        ("cert-key-file", "Path to the client TLS private key"),
+        ("trusted-ca-file", "Path to the trusted CA for client verification of server certificates (default: the system's)"),
+        ("auth-keys", "Whitespace or comma separated, base64-encoded keys. The first key is used to sign Authorization tokens."),
+        ("auth-token", f"A pre-shared Authorization token to send (instead of tokens signed with --{service}.auth-keys)"),
+    ]  # fmt: skip
+
+    def apply(f: F) -> F:
+        for name, text in reversed(specs):
+            f = option(f"--{service}.{name}", default="", help=text, show_default=False)(f)
+        return f
+
+    return apply
+
+
+def client_credentials(*services: str) -> Callable[[F], F]:
+    """A command's client TLS and authorization flags for each of `services`, applied as the
+    process's default credentials (broker.client.credentials) before the command runs, so
+    every client it makes dials as they say. A bad file or key is one line naming its flag."""
+    import functools
+
+    def apply(f: F) -> F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **opts: Any) -> Any:
+            from broker.auth import AuthConfigError
+            from broker.client import credentials
+            from broker.tls import TLSConfigError
+
+            for service in services:
+                values = {
+                    name: opts.pop(f"{service}_{name}", "") or ""
+                    for name in ("cert_file", "cert_key_file", "trusted_ca_file", "auth_keys", "auth_token")
+                }  # fmt: skip
+                try:
+                    creds = credentials.from_settings(
+                        service,
+                        cert_file=values["cert_file"],
+                        key_file=values["cert_key_file"],
+                        ca_file=values["trusted_ca_file"],
+                        auth_keys=values["auth_keys"],
+                        auth_token=values["auth_token"],
+                    )
+                except (TLSConfigError, AuthConfigError) as exc:
+                    raise click.ClickException(str(exc)) from None
+                credentials.set_default(service, creds)
+            return f(*args, **opts)
+
+        out: Any = wrapper
+        for service in reversed(services):
+            out = tls_client_options(service)(out)
+        return out  # type: ignore[no-any-return]
+
+    return apply
+
+
+def etcd_tls_options(f: F) -> F:
+    """`--etcd.cert-file`, `--etcd.cert-key-file`, `--etcd.trusted-ca-file` (for https://)."""
+    for name, text in reversed(
+        [
+            ("cert-file", "Path to the client TLS certificate of etcd"),
+            ("cert-key-file", "Path to the client TLS private key of etcd"),
+            ("trusted-ca-file", "Path to the trusted CA of etcd's certificate (default: the system's)"),
+        ]
+    ):  # fmt: skip
+        f = option(f"--etcd.{name}", default="", help=text, show_default=False)(f)
+    return f
+
+
 LOG_LEVELS = ["trace", "debug", "info", "warn", "error", "fatal"]
 LOG_FORMATS = ["json", "text", "color"]
 

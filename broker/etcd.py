@@ -6,13 +6,17 @@ reach the transaction's revision, so transactions go through the raw KV stub her
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aetcd
-from aetcd import rpc
+import grpc
+from aetcd import rpc, watcher
+
+from broker.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -24,18 +28,75 @@ class TxnResult:
     raft_term: int
 
 
+ETCD_TLS_FLAGS = ("--etcd.cert-file", "--etcd.cert-key-file", "--etcd.trusted-ca-file")
+
+
 def parse_etcd_address(address: str) -> tuple[str, int]:
-    """Split an `http://host:port` etcd address (upstream's --etcd.address form)."""
+    """Split an `http(s)://host:port` etcd address (upstream's --etcd.address form)."""
     parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
-    if parsed.scheme not in ("http", "unix") or not parsed.hostname:
-        raise ValueError(f"--etcd.address {address!r}: expected http://HOST:PORT")
-    return parsed.hostname, parsed.port or 2379
+    try:
+        port = parsed.port or 2379
+    except ValueError:
+        port = 0
+    if parsed.scheme not in ("http", "https", "unix") or not parsed.hostname or not port:
+        raise ValueError(f"--etcd.address {address!r}: expected http://HOST:PORT or https://HOST:PORT")  # fmt: skip
+    return parsed.hostname, port
 
 
-def connect(address: str, timeout: float | None = None) -> aetcd.Client:
+def etcd_tls(
+    cert_file: str = "", key_file: str = "", ca_file: str = "", *, check: bool = True
+) -> ClientTLS:
+    """The client TLS settings of `--etcd.cert-file`, `--etcd.cert-key-file` and
+    `--etcd.trusted-ca-file` (used for `https://` addresses only, as upstream)."""
+    tls = ClientTLS(cert_file, key_file, ca_file, flags=ETCD_TLS_FLAGS)
+    if check:
+        tls.check()
+    return tls
+
+
+class TLSClient(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client over TLS: aetcd itself dials plaintext only."""
+
+    def __init__(self, *args: Any, tls: ClientTLS, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tls = tls
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = grpc.aio.secure_channel(
+                target, self._tls.channel_credentials(), options=list(self._options.items())
+            )
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+def connect(
+    address: str, timeout: float | None = None, tls: ClientTLS | None = None
+) -> aetcd.Client:
+    """A client of etcd at `address`: TLS (with `tls`, else the system's roots) when it is
+    `https://`, plaintext otherwise."""
     host, port = parse_etcd_address(address)
     # gRPC's default reconnect backoff grows to 2 minutes; an etcd restart should cost seconds.
     options = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 2000}
+    if urllib.parse.urlparse(address).scheme == "https":
+        return TLSClient(
+            host=host, port=port, timeout=timeout, options=options, tls=tls or ClientTLS()
+        )
     return aetcd.Client(host=host, port=port, timeout=timeout, options=options)
 
 

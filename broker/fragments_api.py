@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import duration_pb2
 
+from broker.auth import Claims
 from broker.fragment.content import describe
 from broker.fragment.stores import StoreError, check_store_url
 from broker.protocol import protocol_pb2 as pb
@@ -74,7 +75,7 @@ def _ttl_problem(ttl: duration_pb2.Duration) -> str | None:
 
 
 async def serve_list_fragments(
-    ctx: BrokerContext, req: pb.FragmentsRequest, context: Any
+    ctx: BrokerContext, req: pb.FragmentsRequest, context: Any, claims: Claims | None = None
 ) -> pb.FragmentsResponse:
     problem = _validate(req)
     if problem is not None:
@@ -85,6 +86,7 @@ async def serve_list_fragments(
             may_proxy=not req.do_not_proxy,
             require_primary=False,
             proxy_header=req.header if req.HasField("header") else None,
+            claims=claims,
         )
     except ResolveError as exc:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -6,14 +6,16 @@ import asyncio
 import signal
 import socket
 import sys
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import click
 
+from broker import auth
 from broker import config as cfg
-from broker.server import AnnounceError, Broker, BrokerConfig
+from broker.etcd import ETCD_TLS_FLAGS
+from broker.server import PEER_TLS_FLAGS, AnnounceError, Broker, BrokerConfig
+from broker.tls import ClientTLS, ServerTLS, TLSConfigError
 
 INI_NAME = "gazette.ini"
 
@@ -109,6 +111,8 @@ def cli(ctx: click.Context) -> None:
     default="1m",
     help="How long a replica waits before checking that a completed fragment was persisted",
 )
+@cfg.tls_server_options("broker")
+@cfg.option("--broker.auth-keys", default="", help="Whitespace or comma separated, base64-encoded keys. The first key is used to sign Authorization tokens.", show_default=False)  # fmt: skip
 @cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address")
 @cfg.option(
     "--etcd.prefix",
@@ -118,6 +122,7 @@ def cli(ctx: click.Context) -> None:
 @cfg.option(
     "--etcd.lease", env="ETCD_LEASE_TTL", default="20s", help="Time-to-live of the etcd lease"
 )
+@cfg.etcd_tls_options
 @cfg.log_options
 def serve(**opts: Any) -> None:
     """Serve as a Gazette broker with the provided configuration, until SIGTERM or SIGINT."""
@@ -140,6 +145,24 @@ def serve(**opts: Any) -> None:
         etcd_address=opts["etcd_address"],
         etcd_prefix=opts["etcd_prefix"].rstrip("/"),
         etcd_lease=_duration("--etcd.lease", opts["etcd_lease"]),
+        server_tls=ServerTLS(
+            opts["broker_server_cert_file"],
+            opts["broker_server_cert_key_file"],
+            opts["broker_server_ca_file"],
+        ),
+        peer_tls=ClientTLS(
+            opts["broker_peer_cert_file"],
+            opts["broker_peer_cert_key_file"],
+            opts["broker_peer_ca_file"],
+            flags=PEER_TLS_FLAGS,
+        ),
+        etcd_tls=ClientTLS(
+            opts["etcd_cert_file"],
+            opts["etcd_cert_key_file"],
+            opts["etcd_trusted_ca_file"],
+            flags=ETCD_TLS_FLAGS,
+        ),
+        auth_keys=opts["broker_auth_keys"],
     )
     _check(config)
     sys.exit(asyncio.run(_serve(config)))
@@ -168,11 +191,14 @@ def _check(config: BrokerConfig) -> None:
     except validate.ValidationError as exc:
         flag = flags.get(exc.field, "--broker.limit" if "limit" in exc.field else exc.field)
         raise click.ClickException(f"{flag}: {exc.problem}") from None
-    if urllib.parse.urlparse(config.etcd_address).scheme == "https":
-        raise click.ClickException(
-            f"--etcd.address {config.etcd_address!r}: https:// needs TLS, which gazette-py does "
-            "not support yet; give etcd's plaintext http:// address"
-        )
+    try:
+        config.server_tls.check()
+        config.peer_tls.check()
+        config.etcd_tls.check()
+        if config.auth_keys.strip():
+            auth.parse_keys(config.auth_keys, "--broker.auth-keys")
+    except (TLSConfigError, auth.AuthConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         parse_etcd_address(config.etcd_address)
     except ValueError as exc:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from broker.append_api import peer_error, relayed_code
+from broker.auth import Claims
 from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
@@ -38,7 +39,7 @@ SIGNED_URL_TTL = timedelta(minutes=1)
 
 
 async def serve_read(
-    ctx: BrokerContext, req: pb.ReadRequest, context: Any
+    ctx: BrokerContext, req: pb.ReadRequest, context: Any, claims: Claims | None = None
 ) -> AsyncIterator[pb.ReadResponse]:
     try:
         validate.validate_read_request(req)
@@ -51,6 +52,7 @@ async def serve_read(
             require_primary=False,
             min_etcd_revision=req.min_etcd_revision,
             proxy_header=req.header if req.HasField("header") else None,
+            claims=claims,
         )
     except ResolveError as exc:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

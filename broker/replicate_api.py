@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from broker.allocator.keyspace import route_equivalent
+from broker.auth import Claims
 from broker.fragment.spool import Spool, SpoolError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
@@ -28,7 +29,10 @@ log = logging.getLogger(__name__)
 
 
 async def serve_replicate(
-    ctx: BrokerContext, requests: AsyncIterator[pb.ReplicateRequest], context: Any
+    ctx: BrokerContext,
+    requests: AsyncIterator[pb.ReplicateRequest],
+    context: Any,
+    claims: Claims | None = None,
 ) -> AsyncIterator[pb.ReplicateResponse]:
     iterator = requests.__aiter__()
     try:
@@ -54,6 +58,7 @@ async def serve_replicate(
                 may_proxy=False,
                 require_primary=False,
                 proxy_header=first.header,
+                claims=claims,
             )
         except ResolveError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from broker.allocator import keyspace as aks
+from broker.auth import Claims
 from broker.keyspace import KeySpace, KeyValue, Update
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
@@ -105,7 +106,10 @@ class Resolver:
         require_primary: bool,
         min_etcd_revision: int = 0,
         proxy_header: pb.Header | None = None,
+        claims: Claims | None = None,
     ) -> Resolution:
+        """The journal's route and this broker's part in it. A journal `claims` (the caller's
+        verified authorization) do not select is resolved as if it did not exist."""
         journal = strip_meta(journal)
         if proxy_header is not None and proxy_header.HasField("etcd"):
             if (
@@ -136,7 +140,7 @@ class Resolver:
         item_kv = self.ks.get(aks.item_key(self.root, journal))
         if item_kv is not None and isinstance(item_kv.decoded, aks.Item):
             spec = item_kv.decoded.spec
-            if isinstance(spec, pb.JournalSpec):
+            if isinstance(spec, pb.JournalSpec) and (claims is None or claims.sees_journal(spec)):
                 res.item, res.spec = item_kv, spec
         res.assignments = self.assignments_of(journal) if res.spec is not None else ()
         route = self.route_of(res.assignments)

@@ -21,9 +21,12 @@ import grpc
 from aetcd import exceptions as etcd_errors
 from aetcd import transactions
 
+from broker import auth
 from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate, broker_rules
 from broker.allocator import keyspace as aks
+from broker.client.credentials import Credentials
+from broker.client.dialer import Dialer
 from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
@@ -31,6 +34,7 @@ from broker.protocol import validate
 from broker.retry import Backoff
 from broker.service import JournalService, add_journal_service
 from broker.tasks import TaskOwner
+from broker.tls import ClientTLS, ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ def lease_retry_backoff() -> Backoff:
     """Between failed refreshes of the etcd lease: soon, as etcd usually answers again within
     a second or two of a restart (and keeps every lease alive across it)."""
     return Backoff(initial=0.2, factor=1.5, maximum=0.5)
+
+
+PEER_TLS_FLAGS = ("--broker.peer-cert-file", "--broker.peer-cert-key-file", "--broker.peer-ca-file")
 
 
 class AnnounceError(RuntimeError):
@@ -80,6 +87,14 @@ class BrokerConfig:
     persist_interval: float = 60.0
     # Tests of the broker core turn the allocator off and write assignments themselves.
     run_allocator: bool = True
+    # TLS: served with `server_tls` (advertising https://), peers dialled with `peer_tls`,
+    # etcd with `etcd_tls` (for an https:// --etcd.address).
+    server_tls: ServerTLS = field(default_factory=ServerTLS)
+    peer_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=PEER_TLS_FLAGS))
+    etcd_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=etcdx.ETCD_TLS_FLAGS))
+    # `--broker.auth-keys`: verifies clients' tokens, and the first key signs this broker's
+    # own (to proxy and to replicate). Empty: no authorization.
+    auth_keys: str = ""
 
     def bind_host(self) -> str:
         """Where to listen: as given, else loopback when the advertised host is loopback (it
@@ -101,7 +116,7 @@ class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
-        self.etcd: aetcd.Client = etcdx.connect(config.etcd_address)
+        self.etcd: aetcd.Client = etcdx.connect(config.etcd_address, tls=config.etcd_tls)
         self.ks = KeySpace(
             config.etcd_prefix,
             aks.broker_decoder(config.etcd_prefix),
@@ -125,7 +140,8 @@ class Broker:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        scheme = "https" if self.config.server_tls.enabled else "http"
+        return f"{scheme}://{self.config.host}:{self.port}"
 
     @property
     def member_key(self) -> str:
@@ -158,6 +174,8 @@ class Broker:
             min_append_rate=self.config.min_append_rate,
             max_append_rate=self.config.max_append_rate,
             max_replication=self.config.max_replication,
+            dialer=Dialer(Credentials(self.config.peer_tls, self._peer_auth())),
+            verifier=auth.verifier_of(self.config.auth_keys, "--broker.auth-keys"),
             persister=Persister(
                 file_root=Path(self.config.file_root) if self.config.file_root else None,
                 spool_dir=Path(self._spool_dir.name),
@@ -168,7 +186,10 @@ class Broker:
         # After the resolver's observer: a replica started while fenced is fenced at once.
         self.ks.add_observer(self._on_keyspace_update)
         bind = f"{self.config.bind_host()}:{self.config.port}"
-        self.port = self.server.add_insecure_port(bind)
+        if self.config.server_tls.enabled:
+            self.port = self.server.add_secure_port(bind, self.config.server_tls.grpc_credentials())
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot listen on {bind}: the port is in use or not permitted")
         try:
@@ -194,6 +215,12 @@ class Broker:
             await self.stop()
             raise
         log.info("broker %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
+
+    def _peer_auth(self) -> auth.Authorizer:
+        """How this broker authorizes its own calls to peers: signed with its first key."""
+        if not self.config.auth_keys.strip():
+            return auth.NOOP_AUTH
+        return auth.KeyedAuth.from_text(self.config.auth_keys, "--broker.auth-keys")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = self.tasks.spawn(coro, name)

@@ -17,6 +17,7 @@ import aetcd
 import grpc
 from aetcd import transactions
 
+from broker import auth
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
@@ -63,8 +64,12 @@ class JournalService(pb_grpc.JournalServicer):
         max_append_rate: int = 0,
         max_replication: int = 9,
         persister: Persister | None = None,
+        verifier: auth.Verifier | None = None,
     ) -> None:
         self.ks = ks
+        # Verifies each request's authorization (upstream's capability per RPC); a journal its
+        # claims do not select does not exist for that caller.
+        self.verifier: auth.Verifier = verifier or auth.NoopVerifier()
         self.etcd = client
         self.root = root
         self.process_id = process_id
@@ -251,8 +256,11 @@ class JournalService(pb_grpc.JournalServicer):
     def unrouted_header(self) -> pb.Header:
         return self.ctx.unrouted_header()
 
-    def snapshot(self, selector: pb.LabelSelector) -> tuple[list[pb.ListResponse.Journal], int]:
-        """Journals matching `selector` with their routes, and the max mod revision among them."""
+    def snapshot(
+        self, selector: pb.LabelSelector, claims: auth.Claims | None = None
+    ) -> tuple[list[pb.ListResponse.Journal], int]:
+        """Journals matching `selector` (and visible to `claims`) with their routes, and the
+        max mod revision among them."""
         items_prefix = self.root + aks.ITEMS
         assign_prefix = self.root + aks.ASSIGNMENTS
         # Items and assignments are both ordered on journal name: narrow a single-name query.
@@ -273,6 +281,8 @@ class JournalService(pb_grpc.JournalServicer):
                 continue
             if not matcher.matches(item.spec):
                 continue
+            if claims is not None and not claims.sees_journal(item.spec):
+                continue
             journal = pb.ListResponse.Journal(
                 spec=item.spec,
                 mod_revision=kv.mod_revision,
@@ -286,6 +296,7 @@ class JournalService(pb_grpc.JournalServicer):
     async def List(
         self, request: pb.ListRequest, context: Context
     ) -> AsyncIterator[pb.ListResponse]:
+        claims = await auth.verify_or_abort(self.verifier, context, auth.LIST)
         try:
             validate.validate_list_request(request)
         except validate.ValidationError as exc:
@@ -301,7 +312,7 @@ class JournalService(pb_grpc.JournalServicer):
                 await self.ks.wait_for_revision(min_revision)
             min_revision = self.ks.revision + 1
 
-            journals, max_mod = self.snapshot(selector)
+            journals, max_mod = self.snapshot(selector, claims)
             if last == (len(journals), max_mod):
                 continue  # Unchanged: creates and updates raise max_mod, deletes shrink the count.
             last = (len(journals), max_mod)
@@ -317,10 +328,20 @@ class JournalService(pb_grpc.JournalServicer):
             yield pb.ListResponse()  # Marks the end of this snapshot for watching clients.
 
     async def Apply(self, request: pb.ApplyRequest, context: Context) -> pb.ApplyResponse:
+        claims = await auth.verify_or_abort(self.verifier, context, auth.APPLY)
         try:
             validate.validate_apply_request(request)
         except validate.ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        for change in request.changes:
+            # Upserts are authorized on the journal's labels, deletes on its name (upstream).
+            if change.HasField("upsert"):
+                name, allowed = change.upsert.name, claims.sees_journal(change.upsert)
+            else:
+                name = change.delete
+                allowed = claims.sees_labels(labels.label_set((labels.META_NAME, name)))
+            if not allowed:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authorized to {name}")
         for change in request.changes:
             if change.HasField("upsert"):
                 try:
@@ -355,14 +376,16 @@ class JournalService(pb_grpc.JournalServicer):
         self, request: pb.ReadRequest, context: Context
     ) -> AsyncIterator[pb.ReadResponse]:
         # grpc.aio needs the handler itself to be an async generator function.
-        async for response in serve_read(self.ctx, request, context):
+        claims = await auth.verify_or_abort(self.verifier, context, auth.READ)
+        async for response in serve_read(self.ctx, request, context, claims):
             yield response
 
     async def Append(
         self, request_iterator: AsyncIterator[pb.AppendRequest], context: Context
     ) -> pb.AppendResponse:
+        claims = await auth.verify_or_abort(self.verifier, context, auth.APPEND)
         try:
-            return await serve_append(self.ctx, request_iterator, context)
+            return await serve_append(self.ctx, request_iterator, context, claims)
         except AppendFailed as exc:
             await context.abort(exc.code, str(exc))
             raise AssertionError("unreachable") from None
@@ -370,17 +393,20 @@ class JournalService(pb_grpc.JournalServicer):
     async def Replicate(
         self, request_iterator: AsyncIterator[pb.ReplicateRequest], context: Context
     ) -> AsyncIterator[pb.ReplicateResponse]:
-        async for response in serve_replicate(self.ctx, request_iterator, context):
+        claims = await auth.verify_or_abort(self.verifier, context, auth.REPLICATE)
+        async for response in serve_replicate(self.ctx, request_iterator, context, claims):
             yield response
 
     async def ListFragments(
         self, request: pb.FragmentsRequest, context: Context
     ) -> pb.FragmentsResponse:
-        return await serve_list_fragments(self.ctx, request, context)
+        claims = await auth.verify_or_abort(self.verifier, context, auth.READ)
+        return await serve_list_fragments(self.ctx, request, context, claims)
 
     async def FragmentStoreHealth(
         self, request: pb.FragmentStoreHealthRequest, context: Context
     ) -> pb.FragmentStoreHealthResponse:
+        await auth.verify_or_abort(self.verifier, context, auth.READ)
         return await serve_store_health(self.ctx, request, context)
 
 

@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
-from broker.client.journals import ApplyConflict, BrokerUnavailable, grpc_target
+from broker.client.credentials import Credentials
+from broker.client.credentials import default as default_credentials
+from broker.client.journals import ApplyConflict, BrokerUnavailable
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb
@@ -24,10 +26,13 @@ _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class ShardsClient:
-    def __init__(self, address: str, *, timeout: float | None = 30.0) -> None:
+    def __init__(
+        self, address: str, *, timeout: float | None = 30.0, credentials: Credentials | None = None
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(grpc_target(address))
+        creds = credentials or default_credentials("consumer")
+        self.channel = creds.open_channel(address, what="consumer address")
         self.stub = cpb_grpc.ShardStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:

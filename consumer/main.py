@@ -10,20 +10,22 @@ import asyncio
 import signal
 import socket
 import sys
-import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import click
 import grpc
 
+from broker import auth
 from broker import config as cfg
+from broker.client import credentials
 from broker.client.journals import ApplyConflict, BrokerUnavailable
-from broker.etcd import parse_etcd_address
+from broker.etcd import etcd_tls, parse_etcd_address
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
+from broker.tls import ClientTLS, ServerTLS, TLSConfigError, split_address
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_spec
-from consumer.runtime import Consumer, ConsumerApplication, ConsumerConfig
+from consumer.runtime import CONSUMER_PEER_TLS_FLAGS, Consumer, ConsumerApplication, ConsumerConfig
 from spec.durations import DurationError, parse_go_duration
 
 __all__ = ["run_command", "serve_command"]
@@ -59,7 +61,10 @@ def consumer_options(f: Callable[..., Any]) -> Callable[..., Any]:
         ]
     ):  # fmt: skip
         f = decorator(f)
-    return f
+    f = cfg.option("--consumer.auth-keys", default="", show_default=False, help="Whitespace or comma separated, base64-encoded keys used to sign (first key) and verify (all keys) Authorization tokens")(f)  # fmt: skip
+    f = cfg.tls_server_options("consumer")(f)
+    f = cfg.tls_client_options("broker")(f)
+    return cfg.etcd_tls_options(f)
 
 
 def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
@@ -77,7 +82,28 @@ def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
         etcd_address=opts["etcd_address"],
         etcd_lease=_seconds("--etcd.lease", opts["etcd_lease"]),
         etcd_prefix=(opts["etcd_prefix"] or f"/gazette/consumers/{name}").rstrip("/"),
+        auth_keys=opts["consumer_auth_keys"],
     )
+    try:
+        config.server_tls = ServerTLS(opts["consumer_server_cert_file"], opts["consumer_server_cert_key_file"], opts["consumer_server_ca_file"], prefix="--consumer.server")  # fmt: skip
+        config.server_tls.check()
+        config.peer_tls = ClientTLS(opts["consumer_peer_cert_file"], opts["consumer_peer_cert_key_file"], opts["consumer_peer_ca_file"], flags=CONSUMER_PEER_TLS_FLAGS)  # fmt: skip
+        config.peer_tls.check()
+        config.etcd_tls = etcd_tls(opts["etcd_cert_file"], opts["etcd_cert_key_file"], opts["etcd_trusted_ca_file"])  # fmt: skip
+        if config.auth_keys.strip():
+            auth.parse_keys(config.auth_keys, "--consumer.auth-keys")
+        config.broker_credentials = credentials.from_settings(
+            "broker",
+            cert_file=opts["broker_cert_file"],
+            key_file=opts["broker_cert_key_file"],
+            ca_file=opts["broker_trusted_ca_file"],
+            auth_keys=opts["broker_auth_keys"],
+            auth_token=opts["broker_auth_token"],
+        )
+    except (TLSConfigError, auth.AuthConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    # The application's own clients of brokers (its setup, publishers) dial alike.
+    credentials.set_default("broker", config.broker_credentials)
     spec = cpb.ConsumerSpec(
         process_spec=pb.ProcessSpec(
             id=pb.ProcessSpec.ID(zone=config.zone, suffix=config.id),
@@ -93,17 +119,9 @@ def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
         validate_consumer_spec(spec)
     except ValidationError as exc:
         raise click.ClickException(f"{flags.get(exc.field, exc.field)}: {exc.problem}") from None
-    for flag, address in (
-        ("--etcd.address", config.etcd_address),
-        ("--broker.address", config.broker_address),
-    ):
-        if urllib.parse.urlparse(address).scheme == "https":
-            raise click.ClickException(
-                f"{flag} {address!r}: https:// needs TLS, which gazette-py does not support yet; "
-                "give the plaintext http:// address"
-            )
     try:
         parse_etcd_address(config.etcd_address)
+        split_address(config.broker_address, what="--broker.address")
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if not config.etcd_prefix.startswith("/"):

@@ -34,10 +34,13 @@ import aetcd
 import grpc
 from aetcd import transactions
 
+from broker import auth
 from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate
 from broker.allocator import keyspace as aks
 from broker.client.append_service import AppendService
+from broker.client.credentials import Credentials
+from broker.client.dialer import Dialer
 from broker.client.journals import JournalsClient
 from broker.client.routes import Router
 from broker.keyspace import KeySpace, KeyValue
@@ -48,11 +51,13 @@ from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
 from broker.tasks import TaskOwner
+from broker.tls import ClientTLS, ServerTLS
 from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, truncate_error
 from consumer.recovery import HINTS_INTERVAL, Playback, fetch_hints, rotate_hints, store_hints
 from consumer.shard_api import (
     HintsError,
+    NotAuthorized,
     ShardState,
     apply_shards,
     get_hints,
@@ -83,6 +88,9 @@ class ConsumerApplication(Application, Protocol):
     async def new_store(self, shard: Shard) -> Store: ...
 
 
+CONSUMER_PEER_TLS_FLAGS = ("--consumer.peer-cert-file", "--consumer.peer-cert-key-file", "--consumer.peer-ca-file")  # fmt: skip
+
+
 @dataclass
 class ConsumerConfig:
     """Upstream's --consumer.*, --broker.* and --etcd.* flags, by their names."""
@@ -103,6 +111,15 @@ class ConsumerConfig:
     # Where replicas with a recovery log keep their files ("": a temporary directory).
     local_dir: str = ""
     hints_interval: float = HINTS_INTERVAL
+    # TLS of the Shard service (`--consumer.server-*`), etcd's (`--etcd.*`), the keys that
+    # verify (and sign) Shard calls (`--consumer.auth-keys`), and how brokers are dialled
+    # (`--broker.cert-file` ..., `--broker.auth-keys` or `--broker.auth-token`; None: the
+    # process's defaults, see broker.client.credentials).
+    server_tls: ServerTLS = field(default_factory=lambda: ServerTLS(prefix="--consumer.server"))
+    peer_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=CONSUMER_PEER_TLS_FLAGS))
+    etcd_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=etcdx.ETCD_TLS_FLAGS))
+    auth_keys: str = ""
+    broker_credentials: Credentials | None = None
 
 
 @dataclass
@@ -146,10 +163,16 @@ class Consumer:
         self.app = app
         self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
         self.root = config.etcd_prefix
-        self.etcd: aetcd.Client = etcdx.connect(config.etcd_address)
+        self.etcd: aetcd.Client = etcdx.connect(config.etcd_address, tls=config.etcd_tls)
+        # Calls to other consumer processes (proxied Stat) go with `--consumer.peer-*` and are
+        # signed with this process's own --consumer.auth-keys.
+        self.verifier = auth.verifier_of(config.auth_keys, "--consumer.auth-keys")
+        self.peer_credentials = Credentials(
+            config.peer_tls, auth.authorizer_of(config.auth_keys, flag="--consumer.auth-keys")
+        )
         self.ks = KeySpace(self.root, consumer_decoder(self.root), apply_delay=config.watch_delay)
         self.state = ShardState(self.etcd, self.ks, self.root, self.process_id)
-        self.router = Router(config.broker_address)
+        self.router = Router(config.broker_address, dialer=Dialer(config.broker_credentials))
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.lease_id = 0
@@ -166,7 +189,8 @@ class Consumer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        scheme = "https" if self.config.server_tls.enabled else "http"
+        return f"{scheme}://{self.config.host}:{self.port}"
 
     @property
     def member_key(self) -> str:
@@ -188,7 +212,10 @@ class Consumer:
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.host}:{self.config.port}"
-        self.port = self.server.add_insecure_port(bind)
+        if self.config.server_tls.enabled:
+            self.port = self.server.add_secure_port(bind, self.config.server_tls.grpc_credentials())
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot listen on {bind}: the port is in use or not permitted")
         try:
@@ -455,7 +482,9 @@ class Consumer:
             replica.assignment = self.ks.get(kv.key) or kv
 
     async def _sources(self, spec: cpb.ShardSpec) -> list[Source]:
-        async with JournalsClient(self.config.broker_address) as client:
+        async with JournalsClient(
+            self.config.broker_address, credentials=self.config.broker_credentials
+        ) as client:
             snapshot = await client.list()
         specs = {j.spec.name: j.spec for j in snapshot.journals}
         out = []
@@ -567,12 +596,15 @@ class Consumer:
 
     # ---- Stat --------------------------------------------------------------------------------
 
-    def resolve(self, shard_id: str, proxied: bool = False) -> Resolution:
+    def resolve(
+        self, shard_id: str, proxied: bool = False, claims: auth.Claims = auth.UNRESTRICTED
+    ) -> Resolution:
         """Where `shard_id` is served: here (its running primary replica) or at the primary's
-        endpoint, to proxy to; a request `proxied` once already is not proxied again."""
+        endpoint, to proxy to; a request `proxied` once already is not proxied again. A shard
+        `claims` do not select is not found."""
         header = self.state.unrouted_header()
         found = self.state.spec_of(shard_id)
-        if found is None:
+        if found is None or not auth.sees_shard(claims, found[0]):
             return Resolution(cpb.SHARD_NOT_FOUND, header)
         spec, _ = found
         assignments = in_route_order(self.state.assignments_of(shard_id))
@@ -592,12 +624,14 @@ class Consumer:
         """A channel to another consumer process (kept, and closed when this one stops)."""
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = grpc.aio.insecure_channel(endpoint.removeprefix("http://"))
+            channel = self.peer_credentials.open_channel(endpoint, what="consumer endpoint")
             self._channels[endpoint] = channel
         return channel
 
-    async def stat(self, request: cpb.StatRequest) -> cpb.StatResponse:
-        resolution = self.resolve(request.shard, proxied=request.HasField("header"))
+    async def stat(
+        self, request: cpb.StatRequest, claims: auth.Claims = auth.UNRESTRICTED
+    ) -> cpb.StatResponse:
+        resolution = self.resolve(request.shard, proxied=request.HasField("header"), claims=claims)
         response = cpb.StatResponse(status=resolution.status, header=resolution.header)
         if resolution.status != cpb.OK:
             return response
@@ -654,28 +688,39 @@ class _ShardServicer(cpb_grpc.ShardServicer):
     async def _guard(self, context: Any, call: Coroutine[Any, Any, Any]) -> Any:
         try:
             return await call
+        except NotAuthorized as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         except ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except HintsError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
+    async def _claims(self, context: Any, require: int) -> auth.Claims:
+        return await auth.verify_or_abort(self.consumer.verifier, context, require)
+
     async def Stat(self, request: cpb.StatRequest, context: Any) -> cpb.StatResponse:
-        return await self._guard(context, self.consumer.stat(request))  # type: ignore[no-any-return]
+        claims = await self._claims(context, auth.READ)
+        return await self._guard(context, self.consumer.stat(request, claims))  # type: ignore[no-any-return]
 
     async def List(self, request: cpb.ListRequest, context: Any) -> cpb.ListResponse:
+        claims = await self._claims(context, auth.LIST)
+
         async def answer() -> cpb.ListResponse:
-            return list_shards(self.consumer.state, request)
+            return list_shards(self.consumer.state, request, claims)
 
         return await self._guard(context, answer())  # type: ignore[no-any-return]
 
     async def Apply(self, request: cpb.ApplyRequest, context: Any) -> cpb.ApplyResponse:
-        return await self._guard(context, apply_shards(self.consumer.state, request))  # type: ignore[no-any-return]
+        claims = await self._claims(context, auth.APPLY)
+        return await self._guard(context, apply_shards(self.consumer.state, request, claims))  # type: ignore[no-any-return]
 
     async def GetHints(self, request: cpb.GetHintsRequest, context: Any) -> cpb.GetHintsResponse:
-        return await self._guard(context, get_hints(self.consumer.state, request))  # type: ignore[no-any-return]
+        claims = await self._claims(context, auth.READ)
+        return await self._guard(context, get_hints(self.consumer.state, request, claims))  # type: ignore[no-any-return]
 
     async def Unassign(self, request: cpb.UnassignRequest, context: Any) -> cpb.UnassignResponse:
-        return await self._guard(context, unassign_shards(self.consumer.state, request))  # type: ignore[no-any-return]
+        claims = await self._claims(context, auth.APPLY)
+        return await self._guard(context, unassign_shards(self.consumer.state, request, claims))  # type: ignore[no-any-return]
 
 
 @contextlib.asynccontextmanager

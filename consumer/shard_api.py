@@ -19,6 +19,7 @@ from typing import Any
 import aetcd
 from aetcd import transactions
 
+from broker import auth
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace, KeyValue
@@ -110,8 +111,24 @@ class ShardState:
 # ---- List --------------------------------------------------------------------------------------
 
 
-def list_shards(state: ShardState, request: cpb.ListRequest) -> cpb.ListResponse:
-    """Every shard whose labels (and `id`) match the selector, in id order."""
+class NotAuthorized(Exception):
+    """A change to a shard the caller's claims do not select: answered UNAUTHENTICATED."""
+
+    def __init__(self, shard_id: str) -> None:
+        super().__init__(f"not authorized to {shard_id}")
+
+
+def _authorize_id(claims: auth.Claims, shard_id: str) -> None:
+    """Deletes and unassignments are authorized on the shard's `id` alone (as upstream)."""
+    if not claims.sees_labels(labels.label_set((labels.META_ID, shard_id))):
+        raise NotAuthorized(shard_id)
+
+
+def list_shards(
+    state: ShardState, request: cpb.ListRequest, claims: auth.Claims = auth.UNRESTRICTED
+) -> cpb.ListResponse:
+    """Every shard whose labels (and `id`) match the selector, in id order; shards the
+    caller's claims do not select are left out."""
     validate_label_selector(request.selector, field="selector")
     response = cpb.ListResponse(status=cpb.OK, header=state.unrouted_header())
     for kv in state.ks.prefixed(state.root + aks.ITEMS):
@@ -119,6 +136,8 @@ def list_shards(state: ShardState, request: cpb.ListRequest) -> cpb.ListResponse
         if not isinstance(item, aks.Item) or not isinstance(item.spec, cpb.ShardSpec):
             continue
         if not labels.matches(request.selector, labels.shard_meta_labels(item.spec)):
+            continue
+        if not auth.sees_shard(claims, item.spec):
             continue
         assignments = in_route_order(state.assignments_of(item.id))
         shard = response.shards.add(
@@ -187,9 +206,19 @@ def validate_apply_request(request: cpb.ApplyRequest) -> None:
         seen[shard_id] = index
 
 
-async def apply_shards(state: ShardState, request: cpb.ApplyRequest) -> cpb.ApplyResponse:
-    """All the changes in one etcd transaction, or none (ETCD_TRANSACTION_FAILED)."""
+async def apply_shards(
+    state: ShardState, request: cpb.ApplyRequest, claims: auth.Claims = auth.UNRESTRICTED
+) -> cpb.ApplyResponse:
+    """All the changes in one etcd transaction, or none (ETCD_TRANSACTION_FAILED). Upserts
+    are authorized on the shard's labels and `id`, deletes on its `id`: one change the
+    caller may not make refuses them all (NotAuthorized)."""
     validate_apply_request(request)
+    for change in request.changes:
+        if change.HasField("upsert"):
+            if not auth.sees_shard(claims, change.upsert):
+                raise NotAuthorized(change.upsert.id)
+        else:
+            _authorize_id(claims, change.delete)
     compare: list[Any] = []
     ops: list[Any] = []
     for change in request.changes:
@@ -218,12 +247,14 @@ async def apply_shards(state: ShardState, request: cpb.ApplyRequest) -> cpb.Appl
 # ---- GetHints ----------------------------------------------------------------------------------
 
 
-async def get_hints(state: ShardState, request: cpb.GetHintsRequest) -> cpb.GetHintsResponse:
+async def get_hints(
+    state: ShardState, request: cpb.GetHintsRequest, claims: auth.Claims = auth.UNRESTRICTED
+) -> cpb.GetHintsResponse:
     """The shard's primary hints and its backups (a missing one is left empty)."""
     validate_shard_id(request.shard, field="shard")
     response = cpb.GetHintsResponse(status=cpb.OK, header=state.unrouted_header())
     found = state.spec_of(request.shard)
-    if found is None:
+    if found is None or not auth.sees_shard(claims, found[0]):
         response.status = cpb.SHARD_NOT_FOUND
         return response
     spec, _ = found
@@ -259,11 +290,15 @@ def validate_unassign_request(request: cpb.UnassignRequest) -> None:
         validate_shard_id(shard_id, field=f"shards[{index}]")
 
 
-async def unassign_shards(state: ShardState, request: cpb.UnassignRequest) -> cpb.UnassignResponse:
+async def unassign_shards(
+    state: ShardState, request: cpb.UnassignRequest, claims: auth.Claims = auth.UNRESTRICTED
+) -> cpb.UnassignResponse:
     """Remove the FAILED assignments of these shards, and their primaries unless `only_failed`
     (the allocator then assigns afresh); `dry_run` only says which shards would change. Each
     removal is conditioned on the assignment's revision, all in one transaction."""
     validate_unassign_request(request)
+    for shard_id in request.shards:
+        _authorize_id(claims, shard_id)
     response = cpb.UnassignResponse(status=cpb.OK)
     compare: list[Any] = []
     ops: list[Any] = []

@@ -18,8 +18,14 @@ when this file is stale. Every option can also come from its environment variabl
 `--broker.address` of `gazctl journals list` is read from section `[journals.list.broker]`,
 `[journals.broker]` or `[broker]`, key `address`. Precedence: flag, environment, INI, default.
 
-A broker address is `http://HOST:PORT` (or a bare `HOST:PORT`). `https://` addresses are refused
-with an error until gazette-py supports TLS, rather than dialled without it.
+A broker (or consumer) address is `http://HOST:PORT` (or a bare `HOST:PORT`), dialled in
+plaintext, or `https://HOST:PORT`, dialled with TLS: the server is verified against
+`--broker.trusted-ca-file` (else the system's roots) and, when the server asks for one, the
+client presents `--broker.cert-file` with `--broker.cert-key-file`. An https:// address is never
+dialled in plaintext. Against brokers that verify tokens (`--broker.auth-keys` on `gazette
+serve`), give the same keys (`--broker.auth-keys`: gazctl signs a short-lived token per call
+with the first) or a token made for you (`--broker.auth-token`). `--consumer.*` likewise for
+`gazctl shards`.
 """
 
 

@@ -46,7 +46,7 @@ def consumer_options(f: F) -> F:
         ]
     ):  # fmt: skip
         f = decorator(f)
-    return f
+    return cfg.client_credentials("consumer", "broker")(f)
 
 
 @click.group()

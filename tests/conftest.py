@@ -60,7 +60,11 @@ def start_broker_process(
     broker_id: str = "broker-0",
     lease: str = "5s",
     extra: tuple[str, ...] = (),
+    tls: grpc.ChannelCredentials | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> BrokerProcess:
+    """A broker process, ready once it answers List (with `tls` and `metadata` if it serves
+    TLS or needs authorization: its address is then https://)."""
     port = free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -73,16 +77,17 @@ def start_broker_process(
             stdout=out,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-    address = f"http://127.0.0.1:{port}"
+    address = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     # Ready once it answers List: the gRPC server starts only after the member key is written.
     deadline = time.monotonic() + 30
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    target = f"127.0.0.1:{port}"
+    with grpc.secure_channel(target, tls) if tls else grpc.insecure_channel(target) as channel:
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"gazette serve exited {proc.returncode}: {log.read_text()}")
             try:
-                list(stub.List(pb.ListRequest(), timeout=1))
+                list(stub.List(pb.ListRequest(), timeout=1, metadata=metadata))
                 break
             except grpc.RpcError:
                 if time.monotonic() > deadline:

@@ -221,14 +221,16 @@ def test_bad_selector_and_unreachable_broker(broker_process: BrokerProcess) -> N
         ["spark", "compact", "-l", "name=tls/j", "--dry-run"],
     ],
 )
-def test_https_broker_address_refused(broker_process: BrokerProcess, args: list[str]) -> None:
+def test_https_to_a_plaintext_broker_fails_in_one_line(
+    broker_process: BrokerProcess, args: list[str]
+) -> None:
     # The broker behind the address is real (and plaintext): a client that ignored the scheme
     # would talk to it without TLS, and succeed.
     https = broker_process.address.replace("http://", "https://")
     r = run_cli("gazctl", *args, "--broker.address", https, input="")
-    assert_one_line_error(r, https, "TLS", "http://")
+    assert_one_line_error(r, https)
     r = run_cli("gazctl", *args, env={"BROKER_ADDRESS": https}, input="")
-    assert_one_line_error(r, https, "TLS")
+    assert_one_line_error(r, https)
     r = run_cli("gazctl", *args, "--broker.address", "ftp://127.0.0.1:1", input="")
     assert_one_line_error(r, "ftp://127.0.0.1:1", "http://HOST:PORT")
 

@@ -90,8 +90,17 @@ def test_every_sum_is_exact_while_summers_are_killed(
     ("args", "words"),
     [
         (["--consumer.id", "ab"], '--consumer.id: "ab" is too short'),
-        (["--etcd.address", "https://etcd:2379"], "--etcd.address 'https://etcd:2379': https://"),
-        (["--broker.address", "https://b:1"], "--broker.address 'https://b:1': https://"),
+        (["--etcd.address", "ftp://etcd:2379"], "--etcd.address 'ftp://etcd:2379': expected"),
+        (["--broker.address", "ftp://b:1"], "--broker.address 'ftp://b:1': expected"),
+        (
+            ["--broker.cert-file", "/no/such.crt", "--broker.cert-key-file", "/no/such.key"],
+            "--broker.cert-file '/no/such.crt'",
+        ),
+        (
+            ["--consumer.server-cert-file", "/no/such.crt"],
+            "--consumer.server-cert-file is given without --consumer.server-cert-key-file",
+        ),
+        (["--consumer.auth-keys", "%%%"], "--consumer.auth-keys: the key at index 0 is not base64"),
         (["--etcd.prefix", "relative"], "--etcd.prefix 'relative': must start with '/'"),
         (["--etcd.lease", "0s"], "--etcd.lease: 0s is below 1s"),
         (["--consumer.watch-delay", "soon"], '--consumer.watch-delay: invalid duration "soon"'),

@@ -2,7 +2,9 @@
 
 Brokers dial each other for replication and proxying; one channel per peer is enough, since
 gRPC multiplexes every stream of a channel over one HTTP/2 connection. An endpoint that cannot
-be dialled as advertised (`https://`: no TLS yet) is never dialled in plaintext: its calls fail.
+be dialled as advertised is never dialled some other way: its calls fail. `https://` endpoints are
+dialled with TLS (the dialer's credentials: a broker's `--broker.peer-*` files, a client's
+`--broker.*` ones), and every call carries the credentials' authorization.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any, NoReturn
 
 import grpc
 
-from broker.client.journals import BrokerAddressError, grpc_target
+from broker.client.credentials import Credentials
+from broker.client.credentials import default as default_credentials
+from broker.client.journals import BrokerAddressError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
@@ -91,16 +95,17 @@ class _RefusedChannel:
 
 
 class Dialer:
-    def __init__(self) -> None:
+    def __init__(self, credentials: Credentials | None = None) -> None:
+        self.credentials = credentials or default_credentials("broker")
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         """The channel to `endpoint`; BrokerAddressError if it is not one to dial."""
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
-                grpc_target(endpoint),
-                options=[
+            channel = self.credentials.open_channel(
+                endpoint,
+                [
                     ("grpc.max_receive_message_length", MAX_MESSAGE),
                     ("grpc.max_send_message_length", MAX_MESSAGE),
                     # A restarted peer should be redialed within a second, not minutes.

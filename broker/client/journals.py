@@ -6,14 +6,16 @@ These are the library calls `gazctl journals list|apply|edit` are thin wrappers 
 from __future__ import annotations
 
 import builtins
-import urllib.parse
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from broker.client.credentials import Credentials
+from broker.client.credentials import default as default_credentials
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.tls import AddressError, split_address
 
 
 class BrokerUnavailable(ConnectionError):
@@ -28,37 +30,20 @@ class ApplyConflict(RuntimeError):
         self.batch = batch
 
 
-class BrokerAddressError(ValueError):
-    """A broker address the client will not dial: not `http://HOST:PORT`, or `https://`, which
-    needs TLS (not supported yet; dialling it in plaintext would ignore what it asks for)."""
+BrokerAddressError = AddressError  # A broker address the client will not dial.
 
 
 def grpc_target(address: str) -> str:
-    """`http://host:port` (upstream's --broker.address form) or a bare `host:port` to a gRPC
-    target `host:port`; BrokerAddressError for anything else, `https://` included."""
-    parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
-    if parsed.scheme == "https":
-        raise BrokerAddressError(
-            f"broker address {address!r}: https:// needs TLS, which gazette-py does not "
-            "support yet; give the broker's plaintext http:// address"
-        )
-    try:
-        port = parsed.port or 80
-    except ValueError:  # A port that is not a number, or out of range.
-        port = 0
-    if parsed.scheme != "http" or not parsed.hostname or not port:
-        raise BrokerAddressError(f"broker address {address!r}: expected http://HOST:PORT")
-    host = parsed.hostname
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{host}:{port}"
+    """`http(s)://host:port` (upstream's --broker.address form) or a bare `host:port` to a gRPC
+    target `host:port`; BrokerAddressError for anything else."""
+    return split_address(address)[0]
 
 
-def dial(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(
-        grpc_target(address),
-        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
-    )
+def dial(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
+    """A channel to a broker: TLS for `https://`, with the credentials given or the process's
+    defaults (see broker.client.credentials)."""
+    creds = credentials or default_credentials("broker")
+    return creds.open_channel(address, [("grpc.max_receive_message_length", 64 * 1024 * 1024)])
 
 
 def _unavailable(address: str, exc: grpc.aio.AioRpcError) -> BrokerUnavailable:
@@ -78,10 +63,12 @@ class ListSnapshot:
 class JournalsClient:
     """A Journal service client bound to one broker address."""
 
-    def __init__(self, address: str, *, timeout: float | None = 30.0) -> None:
+    def __init__(
+        self, address: str, *, timeout: float | None = 30.0, credentials: Credentials | None = None
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = dial(address)
+        self.channel = dial(address, credentials)
         self.stub = pb_grpc.JournalStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:

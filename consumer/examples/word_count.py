@@ -29,6 +29,7 @@ import click
 import grpc
 
 from broker import config as cfg
+from broker.client import credentials
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.message.framing import DictMessages, JSONLines
@@ -368,7 +369,7 @@ async def _setup(
 
 
 def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address.removeprefix("http://"))
+    return credentials.default("consumer").open_channel(address, what="consumer address")
 
 
 async def _publish(consumer_address: str, texts: list[str]) -> int:

@@ -1,0 +1,264 @@
+"""TLS as upstream configures it, from PEM files named by flags.
+
+A server serves TLS when it is given a certificate and its key (`--broker.server-cert-file`,
+`--broker.server-cert-key-file`); given a CA as well (`--broker.server-ca-file`), it requires a
+client certificate that CA signed, and refuses connections without one. A client (`--broker.cert-file`,
+`--broker.cert-key-file`, `--broker.trusted-ca-file`; `--broker.peer-*` for brokers dialling
+each other) verifies servers against the trusted CA, or the system's roots when none is given,
+and presents its certificate when given one. Whether a connection uses TLS is decided by the
+address: `https://` is dialled with TLS, `http://` in plaintext; servers with TLS advertise
+`https://` endpoints. Files are read and checked when a process starts, so a missing or
+mismatched file is one line naming its flag, not a failure at the first connection.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+
+class TLSConfigError(ValueError):
+    """A TLS file that cannot be used: the message names the flag and what to do."""
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise TLSConfigError(f"{flag} {path!r}: {exc.strerror or exc} (give a readable PEM file)") from None  # fmt: skip
+    if b"-----BEGIN" not in data:
+        raise TLSConfigError(f"{flag} {path!r}: not a PEM file (give a PEM-encoded file)")
+    return data
+
+
+def _check_pair(cert: str, key: str, cert_flag: str, key_flag: str) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise TLSConfigError(
+            f"{cert_flag} {cert!r} and {key_flag} {key!r}: the certificate and key do not load "
+            f"together ({exc.reason or exc}); give a certificate and its own private key"
+        ) from None
+
+
+def _check_ca(path: str, flag: str) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise TLSConfigError(f"{flag} {path!r}: not a CA certificate bundle ({exc.reason or exc})") from None  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """A server's TLS files; `prefix` names its flags (`--broker.server`, `--consumer.server`)."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    prefix: str = "--broker.server"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def check(self) -> None:
+        p = self.prefix
+        if bool(self.cert_file) != bool(self.key_file):
+            given, missing = (("cert-file", "cert-key-file") if self.cert_file else ("cert-key-file", "cert-file"))  # fmt: skip
+            raise TLSConfigError(f"{p}-{given} is given without {p}-{missing}: give both, or neither")  # fmt: skip
+        if self.ca_file and not self.cert_file:
+            raise TLSConfigError(
+                f"{p}-ca-file needs {p}-cert-file and {p}-cert-key-file (client certificates "
+                "are verified only on a TLS server)"
+            )
+        if not self.enabled:
+            return
+        _read(self.cert_file, f"{p}-cert-file")
+        _read(self.key_file, f"{p}-cert-key-file")
+        _check_pair(self.cert_file, self.key_file, f"{p}-cert-file", f"{p}-cert-key-file")
+        if self.ca_file:
+            _read(self.ca_file, f"{p}-ca-file")
+            _check_ca(self.ca_file, f"{p}-ca-file")
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        pair = (Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())
+        ca = Path(self.ca_file).read_bytes() if self.ca_file else None
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same settings for the HTTP port (metrics, the gateway)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        context.set_alpn_protocols(["http/1.1"])
+        if self.ca_file:
+            context.load_verify_locations(cafile=self.ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """A client's TLS files; `flags` names them (cert, key, CA) for error messages."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+    flags: tuple[str, str, str] = (
+        "--broker.cert-file",
+        "--broker.cert-key-file",
+        "--broker.trusted-ca-file",
+    )
+    _creds: list[grpc.ChannelCredentials] = field(default_factory=list, compare=False, repr=False)
+
+    def check(self) -> None:
+        cert_flag, key_flag, ca_flag = self.flags
+        if bool(self.cert_file) != bool(self.key_file):
+            given, missing = (cert_flag, key_flag) if self.cert_file else (key_flag, cert_flag)
+            raise TLSConfigError(f"{given} is given without {missing}: give both, or neither")
+        if self.cert_file:
+            _read(self.cert_file, cert_flag)
+            _read(self.key_file, key_flag)
+            _check_pair(self.cert_file, self.key_file, cert_flag, key_flag)
+        if self.ca_file:
+            _read(self.ca_file, ca_flag)
+            _check_ca(self.ca_file, ca_flag)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if not self._creds:
+            ca = Path(self.ca_file).read_bytes() if self.ca_file else None
+            key = Path(self.key_file).read_bytes() if self.key_file else None
+            cert = Path(self.cert_file).read_bytes() if self.cert_file else None
+            self._creds.append(
+                grpc.ssl_channel_credentials(
+                    root_certificates=ca, private_key=key, certificate_chain=cert
+                )
+            )
+        return self._creds[0]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_file or None)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+
+class AddressError(ValueError):
+    """An address that is not `http://HOST:PORT` or `https://HOST:PORT`."""
+
+
+def split_address(address: str, *, default_port: int = 80, what: str = "broker address") -> tuple[str, bool]:  # fmt: skip
+    """`http(s)://host:port` (or a bare `host:port`) as a gRPC target `host:port` and whether
+    it is dialled with TLS."""
+    parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else default_port)
+    except ValueError:  # A port that is not a number, or out of range.
+        port = 0
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port:
+        raise AddressError(f"{what} {address!r}: expected http://HOST:PORT or https://HOST:PORT")
+    host = parsed.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}", parsed.scheme == "https"
+
+
+# ---- throwaway certificates (gazctl dev up --tls, tests) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class DevPKI:
+    """Paths of a throwaway CA, a server certificate (for every process of a local cluster)
+    and a client certificate, all signed by the CA."""
+
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_dev_pki(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), *, ca_name: str = "gazette-py dev CA") -> DevPKI:  # fmt: skip
+    """Write a CA and certificates for `hosts` into `directory` (kept if already there)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    pki = DevPKI(*(directory / n for n in ("ca.crt", "ca.key", "server.crt", "server.key", "client.crt", "client.key")))  # fmt: skip
+    if all(p.exists() for p in (pki.ca_cert, pki.server_cert, pki.client_cert)):
+        return pki
+    now = datetime.datetime.now(datetime.UTC)
+    validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=365))
+
+    def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        path.chmod(0o600)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_subject)
+        .issuer_name(ca_subject)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(validity[0])
+        .not_valid_after(validity[1])
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    write_key(pki.ca_key, ca_key)
+    pki.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+
+    def leaf(
+        name: str, usages: list[x509.ObjectIdentifier], cert_path: Path, key_path: Path
+    ) -> None:
+        key = ec.generate_private_key(ec.SECP256R1())
+        names: list[x509.GeneralName] = []
+        for host in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(validity[0])
+            .not_valid_after(validity[1])
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
+        write_key(key_path, key)
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    # Servers dial their peers with their own certificate: it serves both ends.
+    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    leaf("gazette-py server", both, pki.server_cert, pki.server_key)
+    leaf("gazette-py client", [ExtendedKeyUsageOID.CLIENT_AUTH], pki.client_cert, pki.client_key)
+    return pki

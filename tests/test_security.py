@@ -1,0 +1,370 @@
+"""TLS and authorization of brokers, with real certificates (made here) and real tokens (signed
+here with PyJWT, as any upstream client would sign them), against `gazette serve` processes."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jwt
+import pytest
+
+from broker import auth
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import EtcdServer, stop_process
+from broker.tls import DevPKI, make_dev_pki
+from tests.conftest import BrokerProcess, run_cli, start_broker_process
+
+KEY1 = b"first key of the security tests, 32+ bytes"
+KEY2 = b"second key, rotated in after the first one"
+KEY3 = b"a key that no broker of these tests knows"
+
+
+def b64(key: bytes) -> str:
+    return base64.b64encode(key).decode()
+
+
+def token(
+    key: bytes = KEY1,
+    cap: int = auth.ALL,
+    sel: dict[str, Any] | None = None,
+    *,
+    exp: float | None = None,
+    iat: float | None = None,
+    alg: str = "HS256",
+) -> str:
+    now = time.time()
+    doc: dict[str, Any] = {"cap": cap, "iat": int(iat if iat is not None else now)}
+    if exp != -1:
+        doc["exp"] = int(exp if exp is not None else now + 600)
+    if sel is not None:
+        doc["sel"] = sel
+    with warnings.catch_warnings():  # HS512 wants longer keys: these are for refusal tests.
+        warnings.simplefilter("ignore")
+        return jwt.encode(doc, key, algorithm=alg)
+
+
+def bearer(tok: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {tok}"),)
+
+
+def name_prefix(prefix: str) -> dict[str, Any]:
+    """A claim selector as upstream encodes it: `name:prefix=<prefix>`."""
+    return {"include": {"labels": [{"name": "name", "value": prefix, "prefix": True}]}}
+
+
+@dataclass
+class Cluster:
+    pki: DevPKI
+    other: DevPKI  # Another CA and its certificates: trusted by nobody here.
+    brokers: list[BrokerProcess]
+
+    def client_creds(self, *, ca: bool = True, cert: bool = True) -> grpc.ChannelCredentials:
+        p = self.pki
+        return grpc.ssl_channel_credentials(
+            root_certificates=p.ca_cert.read_bytes() if ca else self.other.ca_cert.read_bytes(),
+            private_key=p.client_key.read_bytes() if cert else None,
+            certificate_chain=p.client_cert.read_bytes() if cert else None,
+        )
+
+    def stub(self, index: int = 0, **kw: bool) -> tuple[grpc.Channel, pb_grpc.JournalStub]:
+        target = self.brokers[index].address.removeprefix("https://")
+        channel = grpc.secure_channel(target, self.client_creds(**kw))
+        return channel, pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+
+    def gazctl_env(self, **extra: str) -> dict[str, str]:
+        p = self.pki
+        env = {
+            "BROKER_ADDRESS": self.brokers[0].address,
+            "BROKER_CERT_FILE": str(p.client_cert),
+            "BROKER_CERT_KEY_FILE": str(p.client_key),
+            "BROKER_TRUSTED_CA_FILE": str(p.ca_cert),
+            "BROKER_AUTH_KEYS": b64(KEY1),
+        }
+        env.update(extra)
+        return env
+
+
+def tls_flags(pki: DevPKI, keys: str) -> tuple[str, ...]:
+    return (
+        "--broker.server-cert-file", str(pki.server_cert),
+        "--broker.server-cert-key-file", str(pki.server_key),
+        "--broker.server-ca-file", str(pki.ca_cert),
+        "--broker.peer-cert-file", str(pki.server_cert),
+        "--broker.peer-cert-key-file", str(pki.server_key),
+        "--broker.peer-ca-file", str(pki.ca_cert),
+        "--broker.auth-keys", keys,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[DevPKI, DevPKI]:
+    root = tmp_path_factory.mktemp("pki")
+    return make_dev_pki(root / "ours"), make_dev_pki(root / "other", ca_name="someone else's CA")
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    etcd_server: EtcdServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    pki_pair: tuple[DevPKI, DevPKI],
+) -> Iterator[Cluster]:
+    """Two brokers serving TLS with client certificates required, replicating to each other
+    over TLS, verifying tokens with KEY2 or KEY1 (a rotation in progress)."""
+    pki, other = pki_pair
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    logs = tmp_path_factory.mktemp("tls-brokers")
+    ready = grpc.ssl_channel_credentials(
+        pki.ca_cert.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()
+    )
+    brokers: list[BrokerProcess] = []
+    try:
+        for i in range(2):
+            brokers.append(
+                start_broker_process(
+                    etcd_server,
+                    prefix,
+                    logs / f"b{i}.log",
+                    broker_id=f"tls-broker-{i}",
+                    extra=tls_flags(pki, f"{b64(KEY2)},{b64(KEY1)}"),
+                    tls=ready,
+                    metadata=bearer(token()),
+                )
+            )
+        c = Cluster(pki, other, brokers)
+        for name, rf, team in (("a/one", 2, "red"), ("a/two", 1, "red"), ("b/secret", 1, "blue")):
+            spec = (
+                f"name: {name}\nreplication: {rf}\nlabels: [{{name: team, value: {team}}}]\n"
+                "fragment: {length: 100000, compression_codec: NONE, refresh_interval: 1m}\n"
+            )
+            r = run_cli("gazctl", "journals", "apply", input=spec, env=c.gazctl_env())
+            assert r.code == 0, r.err
+        yield c
+    finally:
+        for b in brokers:
+            stop_process(b.proc)
+
+
+def gazctl(c: Cluster, *args: str, input: str | None = None, **env: str) -> Any:
+    return run_cli("gazctl", *args, input=input, env=c.gazctl_env(**env))
+
+
+def one_line(r: Any, *words: str) -> None:
+    assert r.code != 0, r
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.err, r.err
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+# ---- TLS ---------------------------------------------------------------------------------------
+
+
+def test_brokers_replicate_and_serve_over_tls(cluster: Cluster) -> None:
+    # a/one has two replicas: an append commits only once both brokers took it, over TLS.
+    r = gazctl(cluster, "journals", "append", "-l", "name=a/one", input="over tls\n")
+    assert r.code == 0, r.err
+    for broker in cluster.brokers:  # Each broker serves the read (one proxies if need be).
+        r = gazctl(cluster, "journals", "read", "-l", "name=a/one", BROKER_ADDRESS=broker.address)
+        assert r.code == 0 and r.out == "over tls\n", r.err
+    r = gazctl(cluster, "journals", "list", "--format", "json")
+    assert r.code == 0 and all(b.address in r.out for b in cluster.brokers), r.out
+
+
+def test_a_plaintext_client_is_refused(cluster: Cluster) -> None:
+    plain = cluster.brokers[0].address.replace("https://", "http://")
+    one_line(gazctl(cluster, "journals", "list", BROKER_ADDRESS=plain), plain)
+    target = plain.removeprefix("http://")
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.List(pb.ListRequest(), timeout=5, metadata=bearer(token())))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_server_signed_by_another_ca_is_refused(cluster: Cluster) -> None:
+    r = gazctl(cluster, "journals", "list", BROKER_TRUSTED_CA_FILE=str(cluster.other.ca_cert))
+    one_line(r, cluster.brokers[0].address)
+    channel, stub = cluster.stub(ca=False)
+    with channel, pytest.raises(grpc.RpcError) as info:
+        list(stub.List(pb.ListRequest(), timeout=5, metadata=bearer(token())))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_certificate_is_required_when_the_server_has_a_ca(cluster: Cluster) -> None:
+    r = gazctl(cluster, "journals", "list", BROKER_CERT_FILE="", BROKER_CERT_KEY_FILE="")
+    one_line(r, cluster.brokers[0].address)
+    # A certificate from another CA is no better than none.
+    other = cluster.other
+    r = gazctl(
+        cluster, "journals", "list",
+        BROKER_CERT_FILE=str(other.client_cert), BROKER_CERT_KEY_FILE=str(other.client_key),
+    )  # fmt: skip
+    one_line(r, cluster.brokers[0].address)
+    channel, stub = cluster.stub(cert=False)
+    with channel, pytest.raises(grpc.RpcError) as info:
+        list(stub.List(pb.ListRequest(), timeout=5, metadata=bearer(token())))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bad_tls_files_are_one_line_naming_the_flag(cluster: Cluster, tmp_path: Path) -> None:
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello")
+    r = gazctl(cluster, "journals", "list", BROKER_CERT_FILE=str(tmp_path / "missing.crt"))
+    one_line(r, "--broker.cert-file", "missing.crt")
+    r = gazctl(cluster, "journals", "list", BROKER_TRUSTED_CA_FILE=str(not_pem))
+    one_line(r, "--broker.trusted-ca-file", "not a PEM file")
+    # A certificate with another's key.
+    r = gazctl(cluster, "journals", "list", BROKER_CERT_KEY_FILE=str(cluster.other.client_key))
+    one_line(r, "--broker.cert-file", "--broker.cert-key-file", "do not load together")
+    r = run_cli(
+        "gazette", "serve", "--broker.id", "bad-tls", "--broker.host", "127.0.0.1",
+        "--broker.server-cert-file", str(cluster.pki.server_cert),
+    )  # fmt: skip
+    one_line(r, "--broker.server-cert-file", "--broker.server-cert-key-file")
+    r = run_cli("gazette", "serve", "--broker.id", "bad-keys", "--broker.auth-keys", "not base64!")
+    one_line(r, "--broker.auth-keys", "index 0", "base64")
+
+
+# ---- tokens ------------------------------------------------------------------------------------
+
+
+def call_list(cluster: Cluster, metadata: Any, index: int = 0) -> list[str]:
+    channel, stub = cluster.stub(index)
+    with channel:
+        names: list[str] = []
+        for response in stub.List(pb.ListRequest(), timeout=10, metadata=metadata):
+            names.extend(j.spec.name for j in response.journals)
+        return names
+
+
+def unauthenticated(cluster: Cluster, metadata: Any, *words: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call_list(cluster, metadata)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+    for word in words:
+        assert word in (info.value.details() or ""), info.value.details()
+
+
+def test_tokens_each_refused_as_upstream_refuses_them(cluster: Cluster) -> None:
+    unauthenticated(cluster, (), "missing or empty Authorization token")
+    unauthenticated(cluster, (("authorization", "Basic dXNlcjpwYXNz"),), "expected 'Bearer'")
+    unauthenticated(cluster, bearer("not.a.jwt"), "malformed")
+    unauthenticated(cluster, bearer(token(KEY3)), "signature is invalid")
+    # Expired beyond the 5 s leeway; within it, still good.
+    unauthenticated(cluster, bearer(token(exp=time.time() - 30)), "expired")
+    assert "a/one" in call_list(cluster, bearer(token(exp=time.time() - 2)))
+    # Issued in the future beyond the leeway.
+    unauthenticated(cluster, bearer(token(iat=time.time() + 60)), "before issued")
+    unauthenticated(cluster, bearer(token(exp=-1)), "exp")
+    # Algorithms: `none` and HS512 are refused; HS384 is accepted.
+    unsigned = jwt.encode({"cap": auth.ALL, "exp": int(time.time()) + 60}, None, algorithm="none")
+    unauthenticated(cluster, bearer(unsigned), "signature is invalid")
+    unauthenticated(cluster, bearer(token(alg="HS512")), "signature is invalid")
+    assert "a/one" in call_list(cluster, bearer(token(alg="HS384")))
+    # Capabilities.
+    unauthenticated(cluster, bearer(token(cap=auth.READ | auth.APPEND)), "missing required LIST capability")  # fmt: skip
+    assert "a/one" in call_list(cluster, bearer(token(cap=auth.LIST)))
+    # No refusal leaks the token, and none is logged.
+    secret = token(KEY3)
+    with pytest.raises(grpc.RpcError) as info:
+        call_list(cluster, bearer(secret))
+    assert secret not in (info.value.details() or "")
+    for broker in cluster.brokers:
+        assert secret not in broker.log.read_text()
+
+
+def test_key_rotation_accepts_either_key_and_gazctl_signs_with_its_first(cluster: Cluster) -> None:
+    # The brokers verify with KEY2 and KEY1.
+    assert "a/one" in call_list(cluster, bearer(token(KEY1)))
+    assert "a/one" in call_list(cluster, bearer(token(KEY2)))
+    for keys in (b64(KEY2), f"{b64(KEY1)} {b64(KEY3)}"):
+        r = gazctl(cluster, "journals", "list", BROKER_AUTH_KEYS=keys)
+        assert r.code == 0 and "a/one" in r.out, r.err
+    r = gazctl(cluster, "journals", "list", BROKER_AUTH_KEYS=f"{b64(KEY3)},{b64(KEY1)}")
+    one_line(r, "UNAUTHENTICATED", "signature is invalid")
+    # A pre-shared token instead of keys.
+    r = gazctl(cluster, "journals", "list", BROKER_AUTH_KEYS="", BROKER_AUTH_TOKEN=token(cap=auth.LIST))  # fmt: skip
+    assert r.code == 0 and "a/one" in r.out, r.err
+    r = gazctl(cluster, "journals", "list", BROKER_AUTH_KEYS="")
+    one_line(r, "UNAUTHENTICATED", "missing or empty Authorization token")
+
+
+def test_a_selector_hides_journals_from_every_rpc(cluster: Cluster) -> None:
+    reds = token(sel=name_prefix("a/"))
+    md = bearer(reds)
+    assert sorted(call_list(cluster, md)) == ["a/one", "a/two"]
+    assert "b/secret" in call_list(cluster, bearer(token()))
+    # A label selector works as well as a name: team=blue sees only b/secret.
+    blue = bearer(token(sel={"include": {"labels": [{"name": "team", "value": "blue"}]}}))
+    assert call_list(cluster, blue) == ["b/secret"]
+    # `exclude`: everything but team=blue.
+    not_blue = bearer(token(sel={"exclude": {"labels": [{"name": "team", "value": "blue"}]}}))
+    assert sorted(call_list(cluster, not_blue)) == ["a/one", "a/two"]
+
+    for index in range(2):  # Whichever broker is asked (a replica, or one that would proxy).
+        channel, stub = cluster.stub(index)
+        with channel:
+            reads = list(stub.Read(pb.ReadRequest(journal="b/secret", block=False), metadata=md, timeout=10))  # fmt: skip
+            assert [r.status for r in reads] == [pb.JOURNAL_NOT_FOUND]
+            assert not reads[0].header.route.members  # Not even where it lives.
+            ok = list(stub.Read(pb.ReadRequest(journal="a/two", block=False), metadata=md, timeout=10))  # fmt: skip
+            assert ok[0].status in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE)
+            appended = stub.Append(iter([pb.AppendRequest(journal="b/secret"), pb.AppendRequest(content=b"x"), pb.AppendRequest()]), metadata=md, timeout=10)  # fmt: skip
+            assert appended.status == pb.JOURNAL_NOT_FOUND
+            frags = stub.ListFragments(pb.FragmentsRequest(journal="b/secret"), metadata=md, timeout=10)  # fmt: skip
+            assert frags.status == pb.JOURNAL_NOT_FOUND
+            # Apply: an upsert or a delete outside the selector is refused, and nothing changes.
+            for change in (
+                pb.ApplyRequest.Change(delete="b/secret", expect_mod_revision=-1),
+                pb.ApplyRequest.Change(
+                    upsert=pb.JournalSpec(
+                        name="b/new",
+                        replication=1,
+                        fragment=pb.JournalSpec.Fragment(
+                            length=100000,
+                            compression_codec=pb.NONE,
+                            refresh_interval={"seconds": 60},
+                        ),
+                    ),
+                    expect_mod_revision=0,
+                ),
+            ):
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Apply(pb.ApplyRequest(changes=[change]), metadata=md, timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "not authorized to b/" in (info.value.details() or "")
+    assert sorted(call_list(cluster, bearer(token()))) == ["a/one", "a/two", "b/secret"]
+    # gazctl with a pre-shared narrow token sees the same.
+    r = gazctl(cluster, "journals", "list", BROKER_AUTH_KEYS="", BROKER_AUTH_TOKEN=reds)
+    assert r.code == 0 and "a/one" in r.out and "b/secret" not in r.out, r.err
+    r = gazctl(cluster, "journals", "read", "-l", "name=b/secret", BROKER_AUTH_KEYS="", BROKER_AUTH_TOKEN=reds)  # fmt: skip
+    assert "secret" not in r.out
+
+
+def test_a_read_proxied_by_a_broker_carries_its_own_authorization(cluster: Cluster) -> None:
+    # a/two has one replica: the other broker proxies to it, signing with its own key, and
+    # the narrow token of the client is honoured on the way.
+    r = gazctl(cluster, "journals", "append", "-l", "name=a/two", input="proxied\n")
+    assert r.code == 0, r.err
+    md = bearer(token(cap=auth.READ, sel=name_prefix("a/")))
+    contents = []
+    for index in range(2):
+        channel, stub = cluster.stub(index)
+        with channel:
+            data = b"".join(
+                r.content
+                for r in stub.Read(
+                    pb.ReadRequest(journal="a/two", block=False), metadata=md, timeout=10
+                )
+            )
+            contents.append(data)
+    assert contents == [b"proxied\n", b"proxied\n"]
