@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -48,11 +49,37 @@ def free_port() -> int:
         return port
 
 
-def etcd_command(binary: str, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
-    client = f"http://127.0.0.1:{client_port}"
+@dataclass(frozen=True)
+class EtcdTLS:
+    """PEM files for an etcd serving TLS with client certificates required (`server_*`, `ca`),
+    and the client certificate to reach it with (`client_*`)."""
+
+    server_cert: Path
+    server_key: Path
+    ca: Path
+    client_cert: Path
+    client_key: Path
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+
+def etcd_command(
+    binary: str, data_dir: Path, client_port: int, peer_port: int, tls: EtcdTLS | None = None
+) -> list[str]:
+    client = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
+    secure: list[str] = []
+    if tls is not None:
+        secure = [
+            "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
+            "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
+        ]  # fmt: skip
     return [
         binary,
+        *secure,
         "--name", "gazette-dev",
         "--data-dir", str(data_dir),
         "--listen-client-urls", client,
@@ -66,7 +93,10 @@ def etcd_command(binary: str, data_dir: Path, client_port: int, peer_port: int) 
 
 
 def wait_etcd_healthy(
-    endpoint: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None
+    endpoint: str,
+    timeout: float = 20.0,
+    proc: subprocess.Popen[bytes] | None = None,
+    tls: EtcdTLS | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -74,7 +104,8 @@ def wait_etcd_healthy(
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"etcd exited with status {proc.returncode} before becoming healthy")
         try:
-            with urllib.request.urlopen(f"{endpoint}/health", timeout=1) as rsp:
+            context = tls.ssl_context() if tls is not None else None
+            with urllib.request.urlopen(f"{endpoint}/health", timeout=1, context=context) as rsp:
                 if b'"true"' in rsp.read():
                     return
         except (urllib.error.URLError, OSError) as exc:
@@ -95,11 +126,12 @@ class EtcdServer:
     client_port: int = 0
     peer_port: int = 0
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    tls: EtcdTLS | None = None
     _own_dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def host(self) -> str:
@@ -111,13 +143,15 @@ class EtcdServer:
             self.data_dir = Path(self._own_dir.name)
         self.client_port = self.client_port or free_port()
         self.peer_port = self.peer_port or free_port()
-        cmd = etcd_command(find_etcd_binary(), self.data_dir, self.client_port, self.peer_port)
+        cmd = etcd_command(
+            find_etcd_binary(), self.data_dir, self.client_port, self.peer_port, self.tls
+        )
         env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )
         try:
-            wait_etcd_healthy(self.endpoint, proc=self.proc)
+            wait_etcd_healthy(self.endpoint, proc=self.proc, tls=self.tls)
         except BaseException:
             self.stop()
             raise

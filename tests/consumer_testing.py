@@ -75,6 +75,11 @@ class ConsumerProcesses:
         self.etcd, self.broker, self.root, self.logs = etcd, broker, root, logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[str, int] = {}
+        # For processes serving TLS and verifying tokens: how to check they are ready, and
+        # the environment they run with (credentials of their clients).
+        self.tls: grpc.ChannelCredentials | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.env: dict[str, str] = {}
 
     def start(self, consumer_id: str, *, wait: bool = True, lease: str = "2s") -> None:
         port = self.ports.setdefault(consumer_id, free_port())
@@ -90,20 +95,24 @@ class ConsumerProcesses:
                     "--broker.address", self.broker.address, "--etcd.address", self.etcd.endpoint,
                     "--etcd.prefix", self.root, "--etcd.lease", lease, *self.app_args,
                 ],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp)},
+                stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env, "TMPDIR": str(tmp)},
             )  # fmt: skip
         if wait:
             self.wait_ready(consumer_id)
 
     def address(self, consumer_id: str) -> str:
-        return f"http://127.0.0.1:{self.ports[consumer_id]}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.ports[consumer_id]}"
 
     def log(self, consumer_id: str) -> str:
         return (self.logs / f"{consumer_id}.log").read_text()
 
     def wait_ready(self, consumer_id: str) -> None:
         deadline = time.monotonic() + 30
-        with grpc.insecure_channel(f"127.0.0.1:{self.ports[consumer_id]}") as channel:
+        target = f"127.0.0.1:{self.ports[consumer_id]}"
+        with (
+            grpc.secure_channel(target, self.tls) if self.tls else grpc.insecure_channel(target)
+        ) as channel:
             stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
             while True:
                 proc = self.procs[consumer_id]
@@ -112,7 +121,7 @@ class ConsumerProcesses:
                         f"{consumer_id} exited {proc.returncode}: {self.log(consumer_id)[-2000:]}"
                     )
                 try:
-                    stub.List(cpb.ListRequest(), timeout=1)
+                    stub.List(cpb.ListRequest(), timeout=1, metadata=self.metadata)
                     return
                 except grpc.RpcError:
                     assert time.monotonic() < deadline, f"{consumer_id} did not become ready"

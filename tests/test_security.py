@@ -4,6 +4,9 @@ here with PyJWT, as any upstream client would sign them), against `gazette serve
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
 import time
 import uuid
 import warnings
@@ -17,6 +20,7 @@ import jwt
 import pytest
 
 from broker import auth
+from broker.local_etcd import EtcdTLS
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
@@ -368,3 +372,158 @@ def test_a_read_proxied_by_a_broker_carries_its_own_authorization(cluster: Clust
             )
             contents.append(data)
     assert contents == [b"proxied\n", b"proxied\n"]
+
+
+# ---- etcd over TLS, and the AA== roll-out -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(pki_pair: tuple[DevPKI, DevPKI]) -> Iterator[EtcdServer]:
+    pki = pki_pair[0]
+    tls = EtcdTLS(pki.server_cert, pki.server_key, pki.ca_cert, pki.client_cert, pki.client_key)
+    with EtcdServer(tls=tls) as etcd:
+        yield etcd
+
+
+def test_a_broker_reaches_etcd_over_tls_and_rolls_authorization_out(
+    tls_etcd: EtcdServer, pki_pair: tuple[DevPKI, DevPKI], tmp_path: Path
+) -> None:
+    pki = pki_pair[0]
+    etcd_flags = (
+        "--etcd.cert-file", str(pki.client_cert), "--etcd.cert-key-file", str(pki.client_key),
+        "--etcd.trusted-ca-file", str(pki.ca_cert),
+    )  # fmt: skip
+    # Without a client certificate etcd refuses the broker, which does not start.
+    r = run_cli(
+        "gazette", "serve", "--broker.id", "no-etcd-cert", "--broker.host", "127.0.0.1",
+        "--broker.port", "0", "--etcd.address", tls_etcd.endpoint, "--log.level", "error",
+        "--etcd.trusted-ca-file", str(pki.ca_cert), timeout=60,
+    )  # fmt: skip
+    assert r.code != 0 and "Traceback" not in r.err, r.err
+    # With one, it serves; `AA==` among its keys admits calls without a token (a roll-out),
+    # while a token that is there must verify.
+    broker = start_broker_process(
+        tls_etcd, "/rollout", tmp_path / "broker.log", broker_id="rollout-broker",
+        extra=(*etcd_flags, "--broker.auth-keys", f"{b64(KEY1)} AA=="),
+    )  # fmt: skip
+    try:
+        target = broker.address.removeprefix("http://")
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+            assert next(iter(stub.List(pb.ListRequest(), timeout=10))).status == pb.OK
+            assert list(stub.List(pb.ListRequest(), timeout=10, metadata=bearer(token())))
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.List(pb.ListRequest(), timeout=10, metadata=bearer(token(KEY3))))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        r = run_cli("gazctl", "journals", "list", env={"BROKER_ADDRESS": broker.address})
+        assert r.code == 0, r.err
+    finally:
+        stop_process(broker.proc)
+
+
+# ---- consumers ---------------------------------------------------------------------------------
+
+
+def test_consumers_serve_tls_and_verify_tokens_end_to_end(
+    cluster: Cluster, etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """stream-sum's summers serve the Shard service over TLS with client certificates
+    required and verify tokens; they reach the brokers over TLS with tokens of their own. Its
+    setup and chunker (configured by environment, as upstream's) run against them, every sum
+    arrives exact, and shard RPCs honour capabilities and selectors."""
+    from broker.protocol import consumer_pb2 as cpb
+    from broker.protocol import consumer_pb2_grpc as cpb_grpc
+    from tests.consumer_testing import ConsumerProcesses
+
+    pki = cluster.pki
+    example = [sys.executable, "-m", "consumer.examples.stream_sum"]
+    consumer_keys = b64(KEY2)
+    client_env = {
+        **cluster.gazctl_env(),
+        "CONSUMER_CERT_FILE": str(pki.client_cert),
+        "CONSUMER_CERT_KEY_FILE": str(pki.client_key),
+        "CONSUMER_TRUSTED_CA_FILE": str(pki.ca_cert),
+        "CONSUMER_AUTH_KEYS": consumer_keys,
+    }
+    (tmp_path / "stores").mkdir()
+    server_flags = [
+        "--summer.store-root", str(tmp_path / "stores"),
+        "--consumer.server-cert-file", str(pki.server_cert),
+        "--consumer.server-cert-key-file", str(pki.server_key),
+        "--consumer.server-ca-file", str(pki.ca_cert),
+        "--consumer.peer-cert-file", str(pki.server_cert),
+        "--consumer.peer-cert-key-file", str(pki.server_key),
+        "--consumer.peer-ca-file", str(pki.ca_cert),
+        "--consumer.auth-keys", consumer_keys,
+        "--broker.cert-file", str(pki.client_cert), "--broker.cert-key-file", str(pki.client_key),
+        "--broker.trusted-ca-file", str(pki.ca_cert), "--broker.auth-keys", b64(KEY1),
+    ]  # fmt: skip
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    group = ConsumerProcesses(
+        example, server_flags, etcd_server, cluster.brokers[0], root, tmp_path
+    )
+    group.tls = cluster.client_creds()
+    group.metadata = bearer(token(KEY2))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BROKER_", "CONSUMER_"))}
+    env.update(client_env)
+    try:
+        for summer in ("summer-0", "summer-1"):
+            group.start(summer)
+        setup = subprocess.run(
+            [*example, "setup", "--partitions", "2", "--broker.address", cluster.brokers[0].address,
+             "--consumer.address", group.address("summer-0")],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert setup.returncode == 0, setup.stderr
+        chunker = subprocess.run(
+            [*example, "chunker", "--streams", "20", "--chunks", "5", "--pace", "0.01",
+             "--seed", "5", "--timeout", "60", "--broker.address", cluster.brokers[0].address],
+            capture_output=True, text=True, timeout=90, env=env,
+        )  # fmt: skip
+        assert chunker.returncode == 0, chunker.stderr + chunker.stdout
+        assert "all exact" in chunker.stdout
+
+        r = run_cli("gazctl", "shards", "list", "--consumer.address", group.address("summer-0"), env=client_env)  # fmt: skip
+        assert r.code == 0, r.err
+        shard_ids = sorted(line.split()[0] for line in r.out.splitlines()[1:] if line.strip())
+        assert len(shard_ids) == 2, r.out
+        hidden, visible = shard_ids
+        target = group.address("summer-0").removeprefix("https://")
+        with grpc.secure_channel(target, cluster.client_creds()) as channel:
+            stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
+            only = bearer(token(KEY2, sel={"include": {"labels": [{"name": "id", "value": visible}]}}))  # fmt: skip
+            listed = stub.List(cpb.ListRequest(), metadata=only, timeout=10)
+            assert [s.spec.id for s in listed.shards] == [visible]
+            for shard, status in ((hidden, cpb.SHARD_NOT_FOUND), (visible, cpb.OK)):
+                assert stub.Stat(cpb.StatRequest(shard=shard), metadata=only, timeout=10).status == status  # fmt: skip
+                hints = stub.GetHints(cpb.GetHintsRequest(shard=shard), metadata=only, timeout=10)
+                assert hints.status == status
+            for request, call in (
+                (cpb.UnassignRequest(shards=[hidden], dry_run=True), stub.Unassign),
+                (
+                    cpb.ApplyRequest(
+                        changes=[cpb.ApplyRequest.Change(delete=hidden, expect_mod_revision=-1)]
+                    ),
+                    stub.Apply,
+                ),
+            ):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(request, metadata=only, timeout=10)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert f"not authorized to {hidden}" in (info.value.details() or "")
+            # Capabilities: a READ token may Stat but not List; a broker's key is not theirs.
+            with pytest.raises(grpc.RpcError) as info:
+                stub.List(cpb.ListRequest(), metadata=bearer(token(KEY2, cap=auth.READ)), timeout=10)  # fmt: skip
+            assert "missing required LIST capability" in (info.value.details() or "")
+            with pytest.raises(grpc.RpcError) as info:
+                stub.List(cpb.ListRequest(), metadata=bearer(token(KEY1)), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Plaintext is refused.
+        r = run_cli(
+            "gazctl", "shards", "list",
+            "--consumer.address", group.address("summer-0").replace("https://", "http://"),
+            env=client_env,
+        )  # fmt: skip
+        one_line(r, "http://127.0.0.1")
+    finally:
+        group.stop_all()
