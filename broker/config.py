@@ -154,16 +154,19 @@ def tls_server_options(service: str) -> Callable[[F], F]:
 
 
 def tls_client_options(service: str) -> Callable[[F], F]:
-    """A client's TLS and authorization flags for `service` (`--broker.cert-file`,
-    `--broker.cert-key-file`, `--broker.trusted-ca-file`, `--broker.auth-keys`,
-    `--broker.auth-token`), as upstream names them."""
+    """A client's TLS flags for `service` (`--broker.cert-file`, `--broker.cert-key-file`,
+    `--broker.trusted-ca-file`) and, but for etcd, its authorization ones
+    (`--broker.auth-keys`, `--broker.auth-token`), as upstream names them."""
     specs = [
         ("cert-file", "Path to the client TLS certificate"),
         ("cert-key-file", "Path to the client TLS private key"),
         ("trusted-ca-file", "Path to the trusted CA for client verification of server certificates (default: the system's)"),
-        ("auth-keys", "Whitespace or comma separated, base64-encoded keys. The first key is used to sign Authorization tokens."),
-        ("auth-token", f"A pre-shared Authorization token to send (instead of tokens signed with --{service}.auth-keys)"),
     ]  # fmt: skip
+    if service != "etcd":
+        specs += [
+            ("auth-keys", "Whitespace or comma separated, base64-encoded keys. The first key is used to sign Authorization tokens."),
+            ("auth-token", f"A pre-shared Authorization token to send (instead of tokens signed with --{service}.auth-keys)"),
+        ]  # fmt: skip
 
     def apply(f: F) -> F:
         for name, text in reversed(specs):
@@ -173,10 +176,15 @@ def tls_client_options(service: str) -> Callable[[F], F]:
     return apply
 
 
+CREDENTIAL_NAMES = ("cert_file", "cert_key_file", "trusted_ca_file", "auth_keys", "auth_token")
+
+
 def client_credentials(*services: str) -> Callable[[F], F]:
-    """A command's client TLS and authorization flags for each of `services`, applied as the
-    process's default credentials (broker.client.credentials) before the command runs, so
-    every client it makes dials as they say. A bad file or key is one line naming its flag."""
+    """A command's client TLS (and authorization) flags for each of `services`, applied as the
+    process's default credentials (broker.client.credentials) before the command runs, so every
+    client it makes dials as they say; they are exported to the environment too, under
+    upstream's variable names, for the processes it starts (Spark's workers). A bad file or key
+    is one line naming its flag."""
     import functools
 
     def apply(f: F) -> F:
@@ -188,9 +196,8 @@ def client_credentials(*services: str) -> Callable[[F], F]:
 
             for service in services:
                 values = {
-                    name: opts.pop(f"{service}_{name}", "") or ""
-                    for name in ("cert_file", "cert_key_file", "trusted_ca_file", "auth_keys", "auth_token")
-                }  # fmt: skip
+                    name: opts.pop(f"{service}_{name}", "") or "" for name in CREDENTIAL_NAMES
+                }
                 try:
                     creds = credentials.from_settings(
                         service,
@@ -203,6 +210,12 @@ def client_credentials(*services: str) -> Callable[[F], F]:
                 except (TLSConfigError, AuthConfigError) as exc:
                     raise click.ClickException(str(exc)) from None
                 credentials.set_default(service, creds)
+                for name, value in values.items():
+                    variable = f"{service}_{name}".upper()
+                    if value:
+                        os.environ[variable] = value
+                    else:
+                        os.environ.pop(variable, None)
             return f(*args, **opts)
 
         out: Any = wrapper
@@ -215,15 +228,7 @@ def client_credentials(*services: str) -> Callable[[F], F]:
 
 def etcd_tls_options(f: F) -> F:
     """`--etcd.cert-file`, `--etcd.cert-key-file`, `--etcd.trusted-ca-file` (for https://)."""
-    for name, text in reversed(
-        [
-            ("cert-file", "Path to the client TLS certificate of etcd"),
-            ("cert-key-file", "Path to the client TLS private key of etcd"),
-            ("trusted-ca-file", "Path to the trusted CA of etcd's certificate (default: the system's)"),
-        ]
-    ):  # fmt: skip
-        f = option(f"--etcd.{name}", default="", help=text, show_default=False)(f)
-    return f
+    return tls_client_options("etcd")(f)
 
 
 LOG_LEVELS = ["trace", "debug", "info", "warn", "error", "fatal"]

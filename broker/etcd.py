@@ -88,15 +88,18 @@ class TLSClient(aetcd.Client):  # type: ignore[misc]
 def connect(
     address: str, timeout: float | None = None, tls: ClientTLS | None = None
 ) -> aetcd.Client:
-    """A client of etcd at `address`: TLS (with `tls`, else the system's roots) when it is
-    `https://`, plaintext otherwise."""
+    """A client of etcd at `address`: TLS when it is `https://` (with `tls`, else the
+    process's default etcd credentials: `--etcd.*` flags of the command, or $ETCD_CERT_FILE,
+    $ETCD_CERT_KEY_FILE and $ETCD_TRUSTED_CA_FILE), plaintext otherwise."""
     host, port = parse_etcd_address(address)
     # gRPC's default reconnect backoff grows to 2 minutes; an etcd restart should cost seconds.
     options = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 2000}
     if urllib.parse.urlparse(address).scheme == "https":
-        return TLSClient(
-            host=host, port=port, timeout=timeout, options=options, tls=tls or ClientTLS()
-        )
+        if tls is None:
+            from broker.client.credentials import default
+
+            tls = default("etcd").tls
+        return TLSClient(host=host, port=port, timeout=timeout, options=options, tls=tls)
     return aetcd.Client(host=host, port=port, timeout=timeout, options=options)
 
 

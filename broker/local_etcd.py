@@ -66,6 +66,14 @@ class EtcdTLS:
         return context
 
 
+def etcd_environment() -> dict[str, str]:
+    """The environment to run etcd in: etcd reads ETCD_* variables as its own flags (and refuses
+    one that shadows a flag given), so the clients' ($ETCD_CERT_FILE ...) are left out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    env["ETCD_UNSUPPORTED_ARCH"] = os.environ.get("ETCD_UNSUPPORTED_ARCH", "")
+    return env
+
+
 def etcd_command(
     binary: str, data_dir: Path, client_port: int, peer_port: int, tls: EtcdTLS | None = None
 ) -> list[str]:
@@ -146,7 +154,7 @@ class EtcdServer:
         cmd = etcd_command(
             find_etcd_binary(), self.data_dir, self.client_port, self.peer_port, self.tls
         )
-        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
+        env = etcd_environment()
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )

@@ -11,11 +11,13 @@ so an exported BROKER_ADDRESS keeps working.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,11 +34,14 @@ from rich.table import Table
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.local_etcd import (
     EtcdNotFound,
+    EtcdTLS,
     etcd_command,
+    etcd_environment,
     find_etcd_binary,
     free_port,
     wait_etcd_healthy,
 )
+from broker.tls import DevPKI, make_dev_pki
 from gazctl.render import console
 
 STATE = "cluster.json"
@@ -53,6 +58,73 @@ class Proc:
     marker: str  # a string the process's command line must contain for it to be ours
 
 
+@dataclass(frozen=True)
+class DevSecurity:
+    """`up --tls`: a throwaway CA and certificates under <dir>/tls, every process serving TLS
+    (client certificates required) and dialling its peers and etcd with them. `up --auth`: a
+    random key in <dir>/auth-key that every process verifies tokens with, and clients sign with.
+    Clients (gazctl, consumers, Spark, location processes) take them from the environment,
+    under upstream's variable names."""
+
+    pki: DevPKI | None = None
+    auth_key: str = ""
+
+    @staticmethod
+    def make(root: Path, tls: bool, auth: bool) -> DevSecurity:
+        pki = make_dev_pki(root / "tls") if tls else None
+        key = ""
+        if auth:
+            path = root / "auth-key"
+            if not path.exists():
+                path.write_text(base64.b64encode(secrets.token_bytes(32)).decode())
+                path.chmod(0o600)
+            key = path.read_text().strip()
+        return DevSecurity(pki, key)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.pki else "http"
+
+    def etcd_tls(self) -> EtcdTLS | None:
+        p = self.pki
+        if p is None:
+            return None
+        return EtcdTLS(p.server_cert, p.server_key, p.ca_cert, p.client_cert, p.client_key)
+
+    def server_flags(self, service: str) -> list[str]:
+        p = self.pki
+        if p is None:
+            return []
+        return [
+            f"--{service}.server-cert-file", str(p.server_cert),
+            f"--{service}.server-cert-key-file", str(p.server_key),
+            f"--{service}.server-ca-file", str(p.ca_cert),
+            f"--{service}.peer-cert-file", str(p.server_cert),
+            f"--{service}.peer-cert-key-file", str(p.server_key),
+            f"--{service}.peer-ca-file", str(p.ca_cert),
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        """What a client of the cluster needs: BROKER_*, CONSUMER_* and ETCD_* files, and the
+        key (a server takes $BROKER_AUTH_KEYS and $CONSUMER_AUTH_KEYS as its own)."""
+        env: dict[str, str] = {}
+        if self.pki is not None:
+            for service in ("BROKER", "CONSUMER", "ETCD"):
+                env[f"{service}_CERT_FILE"] = str(self.pki.client_cert)
+                env[f"{service}_CERT_KEY_FILE"] = str(self.pki.client_key)
+                env[f"{service}_TRUSTED_CA_FILE"] = str(self.pki.ca_cert)
+        if self.auth_key:
+            env["BROKER_AUTH_KEYS"] = env["CONSUMER_AUTH_KEYS"] = self.auth_key
+        return env
+
+    def apply(self) -> None:
+        """Make this process, and every process it starts, a client of the cluster."""
+        from broker.client import credentials
+
+        os.environ.update(self.environment())
+        credentials.reset_defaults()
+
+
 @dataclass
 class ClusterState:
     dir: str
@@ -64,6 +136,8 @@ class ClusterState:
     # Replication: each location's process, and the broker of its own cluster.
     locations: list[Proc] = field(default_factory=list)
     location_brokers: list[Proc] = field(default_factory=list)
+    tls: bool = False
+    auth: bool = False
 
     def all(self) -> list[Proc]:
         """Every process, in the order to stop them: consumers, locations, brokers,
@@ -96,6 +170,8 @@ class ClusterState:
                 app=str(doc.get("app", "")),
                 locations=[Proc(**c) for c in doc.get("locations", [])],
                 location_brokers=[Proc(**c) for c in doc.get("location_brokers", [])],
+                tls=bool(doc.get("tls", False)),
+                auth=bool(doc.get("auth", False)),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -206,6 +282,9 @@ def print_exports(state: ClusterState) -> None:
     """The environment the other gazctl commands take (stdout's last lines: `eval` them);
     ETCD_ADDRESS is for consumer processes (`--etcd.address`)."""
     click.echo(f"export ETCD_ADDRESS={state.etcd.address}")
+    security = DevSecurity.make(Path(state.dir), state.tls, state.auth)
+    for name, value in security.environment().items():
+        click.echo(f"export {name}={value}")
     click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
     click.echo(f"export BROKER_FILE_ROOT={Path(state.dir) / 'fragments'}")
     if state.postgres is not None:
@@ -243,15 +322,23 @@ def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
 
 
 def spawn(
-    cmd: list[str], log_path: Path, env: dict[str, str] | None = None
+    cmd: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    *,
+    environment: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """Start a detached process logging to `log_path`, in this process's environment plus
+    `env`, or in exactly `environment`."""
+    if environment is None and env:
+        environment = {**os.environ, **env}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **env} if env else None,
+            env=environment,
             start_new_session=True,  # Outlives `gazctl dev up`, and ignores the terminal's ^C.
         )
 
@@ -333,10 +420,16 @@ async def revoke_stale_members(etcd_endpoint: str) -> None:
 
 
 def broker_command(
-    i: int, port: int, etcd: str, file_root: Path, prefix: str = ETCD_PREFIX, name: str = ""
+    i: int,
+    port: int,
+    etcd: str,
+    file_root: Path,
+    prefix: str = ETCD_PREFIX,
+    name: str = "",
+    security: DevSecurity = DevSecurity(),
 ) -> list[str]:
     return [
-        sys.executable, "-m", "broker.main", "serve",
+        sys.executable, "-m", "broker.main", "serve", *security.server_flags("broker"),
         "--broker.zone", "local",
         "--broker.id", name or f"broker-{i}",
         "--broker.host", "127.0.0.1",
@@ -373,7 +466,13 @@ def location_names(text: str) -> list[str]:
 
 
 def start_locations(
-    root: Path, names: Sequence[str], ports: Ports, etcd: str, state: ClusterState, timeout: float
+    root: Path,
+    names: Sequence[str],
+    ports: Ports,
+    etcd: str,
+    state: ClusterState,
+    timeout: float,
+    security: DevSecurity = DevSecurity(),
 ) -> None:
     """Each location in a cluster of its own (one broker, under the etcd prefix
     /gazette/location-NAME), its log's journal there, and its process, registered under
@@ -386,13 +485,13 @@ def start_locations(
     for name in names:
         broker_port = ports.locations[name][0]
         log_path = root / f"location-{name}-broker.log"
-        cmd = broker_command(0, broker_port, etcd, file_root, f"/gazette/location-{name}", f"location-{name}")  # fmt: skip
+        cmd = broker_command(0, broker_port, etcd, file_root, f"/gazette/location-{name}", f"location-{name}", security)  # fmt: skip
         popens.append(spawn(cmd, log_path))
         state.location_brokers.append(
             Proc(
                 f"location-{name}-broker",
                 popens[-1].pid,
-                f"http://127.0.0.1:{broker_port}",
+                f"{security.scheme}://127.0.0.1:{broker_port}",
                 str(log_path),
                 f"--broker.port {broker_port}",
             )
@@ -474,7 +573,14 @@ def check_app(app: str) -> None:
 
 
 def consumer_command(
-    app: str, i: int, port: int, etcd: str, broker: str, stores: Path, postgres: str | None
+    app: str,
+    i: int,
+    port: int,
+    etcd: str,
+    broker: str,
+    stores: Path,
+    postgres: str | None,
+    security: DevSecurity = DevSecurity(),
 ) -> list[str]:
     if app in EXAMPLES:
         cmd = [sys.executable, "-m", EXAMPLES[app], "serve"]
@@ -496,6 +602,7 @@ def consumer_command(
         "--etcd.prefix", f"/gazette/consumers/{app_name(app)}",
         "--etcd.lease", "10s",
         "--consumer.drain-timeout", "5s",
+        *security.server_flags("consumer"),
     ]  # fmt: skip
 
 
@@ -574,6 +681,14 @@ dir_option = click.option(
     help="Also run a replication network's locations: a count (3: A, B, C) or names (east,west), each in a cluster of its own",
 )  # fmt: skip
 @click.option(
+    "--tls", is_flag=True,
+    help="Run every process on TLS, with a throwaway CA and certificates made in <dir>/tls (client certificates required)",
+)  # fmt: skip
+@click.option(
+    "--auth", is_flag=True,
+    help="Require authorization tokens, signed with a random key made in <dir>/auth-key",
+)  # fmt: skip
+@click.option(
     "--timeout",
     default=60.0,
     show_default=True,
@@ -586,6 +701,8 @@ def up(
     app: str | None,
     postgres: bool,
     locations: str | None,
+    tls: bool,
+    auth: bool,
     timeout: float,
 ) -> None:
     """Start etcd and brokers (and PostgreSQL, and consumer processes of an application), wait
@@ -599,7 +716,11 @@ def up(
 
     With --locations, each location runs in a broker cluster of its own with its process
     (`python -m replication serve`), registered under /gazette/replication: connect them with
-    `gazctl replication connect`."""
+    `gazctl replication connect`.
+
+    With --tls, etcd, brokers and consumers serve TLS and require client certificates, all
+    from a throwaway CA in <dir>/tls; with --auth they verify tokens signed with <dir>/auth-key.
+    The printed exports (BROKER_CERT_FILE, BROKER_AUTH_KEYS, ...) make gazctl their client."""
     if consumers is not None and app is None:
         raise click.UsageError("--consumers needs --app: the application they run")
     if app is not None:
@@ -613,6 +734,7 @@ def up(
     if existing is not None:
         running = [p for p in existing.all() if is_running(p)]
         if running and len(running) == len(existing.all()):
+            DevSecurity.make(root, existing.tls, existing.auth).apply()
             click.echo(f"a dev cluster is already running in {root}:", err=True)
             print_status(existing)
             print_exports(existing)
@@ -631,20 +753,29 @@ def up(
     for line in moved:
         click.echo(line, err=True)
     ports.save(root)
+    security = DevSecurity.make(root, tls, auth)
+    security.apply()
     etcd_log = root / "etcd.log"
-    etcd_endpoint = f"http://127.0.0.1:{ports.etcd_client}"
+    etcd_endpoint = f"{security.scheme}://127.0.0.1:{ports.etcd_client}"
     etcd_popen = spawn(
-        etcd_command(etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer),
+        etcd_command(
+            etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer, security.etcd_tls()
+        ),
         etcd_log,
+        environment=etcd_environment(),
     )
     state = ClusterState(
         dir=str(root),
         etcd=Proc("etcd", etcd_popen.pid, etcd_endpoint, str(etcd_log), str(root / "etcd-data")),
+        tls=tls,
+        auth=auth,
     )
     state.save()
     try:
         try:
-            wait_etcd_healthy(etcd_endpoint, timeout=timeout, proc=etcd_popen)
+            wait_etcd_healthy(
+                etcd_endpoint, timeout=timeout, proc=etcd_popen, tls=security.etcd_tls()
+            )
         except (RuntimeError, TimeoutError) as exc:
             raise click.ClickException(
                 f"etcd did not start: {exc}; see {etcd_log}:\n{tail(str(etcd_log))}"
@@ -655,13 +786,14 @@ def up(
         popens = []
         for i, port in enumerate(ports.brokers):
             log_path = root / f"broker-{i}.log"
-            popen = spawn(broker_command(i, port, etcd_endpoint, file_root), log_path)
+            cmd = broker_command(i, port, etcd_endpoint, file_root, security=security)
+            popen = spawn(cmd, log_path)
             popens.append(popen)
             state.brokers.append(
                 Proc(
                     f"broker-{i}",
                     popen.pid,
-                    f"http://127.0.0.1:{port}",
+                    f"{security.scheme}://127.0.0.1:{port}",
                     str(log_path),
                     f"--broker.file-root {file_root}",
                 )
@@ -683,7 +815,7 @@ def up(
             for i, port in enumerate(ports.consumers):
                 log_path = root / f"consumer-{i}.log"
                 cmd = consumer_command(
-                    app, i, port, etcd_endpoint, state.brokers[0].address, stores, dsn
+                    app, i, port, etcd_endpoint, state.brokers[0].address, stores, dsn, security
                 )
                 popen = spawn(cmd, log_path, env)
                 consumer_popens.append(popen)
@@ -691,7 +823,7 @@ def up(
                     Proc(
                         f"consumer-{i}",
                         popen.pid,
-                        f"http://127.0.0.1:{port}",
+                        f"{security.scheme}://127.0.0.1:{port}",
                         str(log_path),
                         f"--consumer.id consumer-{i} --consumer.port {port}",
                     )
@@ -699,7 +831,7 @@ def up(
                 state.save()
             asyncio.run(wait_ready(state.consumers, consumer_popens, timeout, consumers=True))
         if names:
-            start_locations(root, names, ports, etcd_endpoint, state, timeout)
+            start_locations(root, names, ports, etcd_endpoint, state, timeout, security)
     except BaseException:
         for proc in state.all():
             stop_pid(proc)

@@ -56,7 +56,7 @@ def replication_options(f: F) -> F:
         ]
     ):  # fmt: skip
         f = decorator(f)
-    return f
+    return cfg.client_credentials("etcd")(f)
 
 
 @click.group()

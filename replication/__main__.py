@@ -64,6 +64,7 @@ def main() -> None:
     "--etcd.lease", default="10s", help="Time-to-live of the etcd lease of this process's endpoint"
 )
 @cfg.log_options
+@cfg.client_credentials("broker", "etcd")
 def serve(**opts: Any) -> None:  # fmt: skip
     """Serve one location until SIGTERM or SIGINT."""
     cfg.setup_logging(opts["log_level"], opts["log_format"])

@@ -292,3 +292,48 @@ def test_up_with_locations_in_clusters_of_their_own(cluster_dir: Path) -> None:
 
     bad = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--locations", "a,a")
     assert bad.code == 2 and "distinct" in bad.err
+
+
+@pytest.mark.slow
+def test_up_with_tls_and_auth_runs_every_process_on_them(cluster_dir: Path) -> None:
+    r = run_cli(
+        "gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "2", "--tls", "--auth",
+        "--app", "word-count", "--consumers", "1", "--locations", "1", timeout=180,
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    env = exported(r.out)
+    state = ClusterState.load(cluster_dir)
+    assert state is not None and state.tls and state.auth
+    # etcd, brokers and consumers serve TLS only (the location process's own service, on
+    # loopback, does not yet).
+    for proc in (state.etcd, *state.brokers, *state.consumers, *state.location_brokers):
+        assert proc.address.startswith("https://127.0.0.1:"), proc
+    assert env["ETCD_ADDRESS"].startswith("https://") and env["BROKER_AUTH_KEYS"]
+    assert Path(env["BROKER_CERT_FILE"]).is_file() and Path(env["BROKER_TRUSTED_CA_FILE"]).is_file()
+
+    # The exports make gazctl and the application's commands clients of the cluster.
+    assert word_count("setup", env=env).returncode == 0
+    published = word_count("publish", env=env, input="tls and tokens and tls\n")
+    assert published.returncode == 0, published.stderr
+    assert "       2  tls\n" in query_until("tls", "       2  tls\n", env)
+    listed = run_cli("gazctl", "shards", "list", env=env)
+    assert listed.code == 0 and listed.out.count("PRIMARY") == 4, listed.err
+    located = run_cli("gazctl", "replication", "locations", env=env)
+    assert located.code == 0 and "replication/A" in located.out, located.err
+
+    # Without the client certificate, or without the key, the cluster refuses.
+    no_cert = {**env, "BROKER_CERT_FILE": "", "BROKER_CERT_KEY_FILE": ""}
+    refused = run_cli("gazctl", "journals", "list", env=no_cert)
+    assert refused.code != 0 and "Traceback" not in refused.err
+    no_key = {**env, "BROKER_AUTH_KEYS": ""}
+    refused = run_cli("gazctl", "journals", "list", env=no_key)
+    assert refused.code != 0 and "UNAUTHENTICATED" in refused.err
+    plain = {**env, "ETCD_ADDRESS": env["ETCD_ADDRESS"].replace("https://", "http://")}
+    refused = run_cli("gazctl", "replication", "locations", env=plain)
+    assert refused.code != 0 and "Traceback" not in refused.err
+
+    # Up again on the same folder: the same exports; down stops every process.
+    again = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir))
+    assert again.code == 0 and exported(again.out) == env
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
+    assert not any(is_running(p) for p in state.all())

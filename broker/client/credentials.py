@@ -54,6 +54,8 @@ def from_settings(
     """Credentials from a service's flag values, each file checked (TLSConfigError or
     AuthConfigError name the flag that is wrong)."""
     flags = (f"--{service}.cert-file", f"--{service}.cert-key-file", f"--{service}.trusted-ca-file")
+    if service == "etcd":
+        auth_keys = auth_token = ""  # etcd's own authentication is not used.
     tls = ClientTLS(cert_file, key_file, ca_file, flags=flags)
     tls.check()
     return Credentials(tls, auth.authorizer_of(auth_keys, auth_token, f"--{service}.auth-keys"))
