@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker import metrics
 from broker.append_fsm import (
     AppendFSM,
     BrokerExiting,
@@ -62,6 +63,10 @@ class ClientStream:
         if self.min_rate <= 0:
             return None
         return max(0.0, FLOW_GRACE + self._bytes / self.min_rate - self._waited)
+
+    @property
+    def bytes_received(self) -> int:
+        return self._bytes
 
     def leave(self) -> None:
         """The client went away: a read in flight ends, and so does every later one."""
@@ -121,6 +126,7 @@ async def serve_append(
     except validate.ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    timer = metrics.Timer()
     fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
     task = asyncio.ensure_future(fsm.run(stream.receive))
@@ -134,7 +140,13 @@ async def serve_append(
 
     if fsm.state == State.PROXY:
         return await proxy_append(ctx, fsm, first, iterator, context)
-    return response_of(fsm)
+    response = response_of(fsm)
+    status = metrics.status_name(response.status, pb.Status.Name)
+    metrics.append_bytes.labels(status).inc(stream.bytes_received)
+    metrics.append_seconds.labels(status).observe(timer.elapsed())
+    if response.status == pb.OK and response.HasField("commit"):
+        metrics.write_head.labels(response.commit.journal).set(response.commit.end)
+    return response
 
 
 def response_of(fsm: AppendFSM) -> pb.AppendResponse:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from aetcd import transactions
 
 from broker import etcd as etcdx
+from broker import metrics
 from broker.allocator import keyspace as aks
 from broker.allocator.keyspace import route_equivalent
 from broker.auth import Claims
@@ -123,6 +124,7 @@ class AppendFSM:
         self.store_health_error = ""
         self.status: pb.Status = pb.OK
         self.error: BaseException | None = None
+        self.proposed_at = 0.0  # When the commit (or roll-back) proposal was sent to peers.
 
     # ---- driving ----------------------------------------------------------------------------
 
@@ -644,6 +646,7 @@ class AppendFSM:
             proposal.CopyFrom(pln.spool.fragment)  # Roll back.
             if error is not None:
                 self.error = error
+        self.proposed_at = time.monotonic()
         await pln.scatter(
             pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=True)
         )
@@ -673,6 +676,7 @@ class AppendFSM:
             self._fail(error=error)
         else:
             self.state = State.FINISHED
+            metrics.replication_seconds.observe(time.monotonic() - self.proposed_at)
 
 
 # ---- helpers ------------------------------------------------------------------------------

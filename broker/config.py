@@ -231,6 +231,34 @@ def etcd_tls_options(f: F) -> F:
     return tls_client_options("etcd")(f)
 
 
+def http_options(service: str) -> Callable[[F], F]:
+    """The HTTP port of a broker or consumer (`--broker.http-port`: metrics and, for brokers,
+    the gateway), CORS origins, and upstream's `--debug.port` and `--debug.private`."""
+    s = service
+
+    def apply(f: F) -> F:
+        f = option("--debug.private", is_flag=True, default=False, help="When true, don't serve diagnostics (/debug/metrics, /debug/ready) over the HTTP port")(f)  # fmt: skip
+        f = option("--debug.port", default=None, type=click.IntRange(0, 65535), help="Port for diagnostics on loopback: /debug/metrics, /debug/ready and /debug/stacks (every thread's and task's stack); 0 picks a free one")(f)  # fmt: skip
+        f = option(f"--{s}.allow-origin", default="", show_default=False, help="Origins to allow in CORS contexts, separated by commas (* for any)")(f)  # fmt: skip
+        return option(f"--{s}.http-port", default=None, type=click.IntRange(0, 65535), help="Port for HTTP requests: /debug/metrics, /debug/ready" + (" and the journal gateway (GET, HEAD, PUT /JOURNAL)" if s == "broker" else "") + "; 0 picks a free one (default: no HTTP port)")(f)  # fmt: skip
+
+    return apply
+
+
+def http_config(opts: dict[str, Any], service: str) -> Any:
+    from broker.http import HTTPConfig
+
+    origins = tuple(
+        o.strip() for o in (opts[f"{service}_allow_origin"] or "").split(",") if o.strip()
+    )
+    return HTTPConfig(
+        port=opts[f"{service}_http_port"],
+        debug_port=opts["debug_port"],
+        private=bool(opts["debug_private"]),
+        allow_origins=origins,
+    )
+
+
 LOG_LEVELS = ["trace", "debug", "info", "warn", "error", "fatal"]
 LOG_FORMATS = ["json", "text", "color"]
 

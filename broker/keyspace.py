@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import grpc
 from aetcd import rpc
 
+from broker import metrics
 from broker.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -372,6 +373,7 @@ class KeySpace:
                     raise
                 reason = _describe(exc)
             delay = backoff.next_delay()
+            metrics.watch_restarts.inc()
             log.warning(
                 "keyspace %s: watch failed at revision %d (attempt %d, retrying in %.2fs): %s",
                 self.prefix, self._revision, backoff.attempt, delay, reason,

@@ -122,6 +122,7 @@ def cli(ctx: click.Context) -> None:
 @cfg.option(
     "--etcd.lease", env="ETCD_LEASE_TTL", default="20s", help="Time-to-live of the etcd lease"
 )
+@cfg.http_options("broker")
 @cfg.etcd_tls_options
 @cfg.log_options
 def serve(**opts: Any) -> None:
@@ -163,6 +164,7 @@ def serve(**opts: Any) -> None:
             flags=ETCD_TLS_FLAGS,
         ),
         auth_keys=opts["broker_auth_keys"],
+        http=cfg.http_config(opts, "broker"),
     )
     _check(config)
     sys.exit(asyncio.run(_serve(config)))

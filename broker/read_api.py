@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker import metrics
 from broker.append_api import peer_error, relayed_code
 from broker.auth import Claims
 from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
@@ -131,6 +132,7 @@ async def serve_read(
                     break
                 yield wire.read_content(offset, content)  # type: ignore[misc]
                 offset += len(content)
+                metrics.read_bytes.inc(len(content))
             stalled = offset == began
             continue
         assert ctx.persister is not None
@@ -140,6 +142,7 @@ async def serve_read(
                     piece = content[at : at + CHUNK]
                     yield wire.read_content(offset, piece)  # type: ignore[misc]
                     offset += len(piece)
+                    metrics.read_bytes.inc(len(piece))
         except FragmentCorrupt as exc:
             log.error("%s", exc)
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))

@@ -21,13 +21,15 @@ import grpc
 from aetcd import exceptions as etcd_errors
 from aetcd import transactions
 
-from broker import auth
+from broker import auth, metrics
 from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate, broker_rules
 from broker.allocator import keyspace as aks
 from broker.client.credentials import Credentials
 from broker.client.dialer import Dialer
+from broker.fragment import spool
 from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
+from broker.http import Gateway, HTTPConfig, HTTPServers
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
@@ -95,6 +97,8 @@ class BrokerConfig:
     # `--broker.auth-keys`: verifies clients' tokens, and the first key signs this broker's
     # own (to proxy and to replicate). Empty: no authorization.
     auth_keys: str = ""
+    # The HTTP port (metrics, the gateway) and the diagnostics port: see broker.http.
+    http: HTTPConfig = field(default_factory=HTTPConfig)
 
     def bind_host(self) -> str:
         """Where to listen: as given, else loopback when the advertised host is loopback (it
@@ -135,6 +139,7 @@ class Broker:
         # Keyspace watch, lease keep-alive, allocator: a failure of any stops the broker.
         self.tasks = TaskOwner("broker")
         self._allocator: asyncio.Task[None] | None = None
+        self.http: HTTPServers | None = None
         self.done = asyncio.Event()
         self.failure: BaseException | None = None
 
@@ -200,6 +205,7 @@ class Broker:
             self._spawn(self._keep_lease_alive(), "lease keep-alive")
             await self._announce()
             await self.server.start()
+            await self._start_http()
             if self.config.run_allocator:
                 self._allocator = self._spawn(
                     allocate(
@@ -215,6 +221,29 @@ class Broker:
             await self.stop()
             raise
         log.info("broker %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
+
+    async def _start_http(self) -> None:
+        """The HTTP and diagnostics ports, when configured, and this broker's gauges."""
+        loop = asyncio.get_running_loop()
+        metrics.lease_remaining.set_function(lambda: max(0.0, self.lease_valid_until - loop.time()))
+        metrics.watch_revision.set_function(lambda: self.ks.revision)
+        metrics.spool_disk_bytes.set_function(spool.disk_bytes)
+        http = self.config.http
+        if http.port is None and http.debug_port is None:
+            return
+        http.tls = self.config.server_tls
+        http.host = self.config.bind_host()
+        # The gateway calls this broker's own service, as a peer would (its authorization is
+        # the HTTP request's).
+        channel = Credentials(self.config.peer_tls).open_channel(
+            self.endpoint, [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        )
+        self.http = HTTPServers(http, Gateway(channel))
+        await self.http.start()
+        if http.port is not None:
+            log.info("broker %s/%s serves HTTP on port %d", self.config.zone, self.config.id, self.http.port)  # fmt: skip
+        if http.debug_port is not None:
+            log.info("diagnostics on 127.0.0.1:%d", self.http.debug_port)
 
     def _peer_auth(self) -> auth.Authorizer:
         """How this broker authorizes its own calls to peers: signed with its first key."""
@@ -332,6 +361,7 @@ class Broker:
             if reply is not None and reply.TTL <= 0:
                 raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
             if reply is None:
+                metrics.lease_refresh_failures.inc()
                 if not failing_since:
                     failing_since = sent
                     log.warning(
@@ -354,6 +384,7 @@ class Broker:
     def _fence(self, ttl: float, silent: float) -> None:
         """Our lease may have lapsed in etcd: stop taking appends (see `_keep_lease_alive`)."""
         self.fenced = True
+        metrics.fenced.set(1)
         log.warning(
             "etcd answered no lease refresh for %.1fs (TTL %gs): %s may have lost its lease; "
             "appends are paused until etcd answers (the broker exits if etcd says the lease "
@@ -364,6 +395,7 @@ class Broker:
 
     def _unfence(self) -> None:
         self.fenced = False
+        metrics.fenced.set(0)
         log.warning("etcd lease of %s is alive: appends resume", self.member_key)
         self._apply_fence()
 
@@ -427,6 +459,10 @@ class Broker:
             if self.service is not None:
                 with contextlib.suppress(Exception):
                     await self.service.flush_for_exit(FLUSH_ON_EXIT_TIMEOUT)
+        if self.http is not None:
+            with contextlib.suppress(Exception):
+                await self.http.stop()
+            self.http = None
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None

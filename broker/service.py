@@ -17,7 +17,7 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker import auth
+from broker import auth, metrics
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
@@ -410,37 +410,85 @@ class JournalService(pb_grpc.JournalServicer):
         return await serve_store_health(self.ctx, request, context)
 
 
+def _counted(operation: str, handler: Any) -> Any:
+    """A unary or client-streaming handler counted as upstream counts it: started, then
+    completed by the response's status (`<error>` when it fails)."""
+    started = metrics.journal_server_started.labels(operation)
+
+    async def counted(request: Any, context: Context) -> Any:
+        started.inc()
+        status = "<error>"
+        try:
+            response = await handler(request, context)
+            status = metrics.status_name(response.status, pb.Status.Name)
+            return response
+        finally:
+            metrics.journal_server_completed.labels(operation, status).inc()
+
+    return counted
+
+
+def _counted_stream(operation: str, handler: Any) -> Any:
+    """A server-streaming handler, counted by its first response's status."""
+    started = metrics.journal_server_started.labels(operation)
+
+    async def counted(request: Any, context: Context) -> AsyncIterator[Any]:
+        started.inc()
+        status = "<error>"
+        first = True
+        try:
+            async for response in handler(request, context):
+                if first:
+                    first = False
+                    if not isinstance(response, bytes):
+                        status = metrics.status_name(response.status, pb.Status.Name)
+                yield response
+            if first:
+                status = "ok"
+        finally:
+            metrics.journal_server_completed.labels(operation, status).inc()
+
+    return counted
+
+
 def add_journal_service(service: JournalService, server: grpc.aio.Server) -> None:
     """Register the Journal service as the generated code does, except that Read's content
-    responses may be yielded already encoded (see `broker.protocol.wire`)."""
+    responses may be yielded already encoded (see `broker.protocol.wire`), and that each RPC
+    is counted (`gazette_journal_server_*`)."""
     rpc = grpc
     handlers = {
         "List": rpc.unary_stream_rpc_method_handler(
-            service.List, pb.ListRequest.FromString, pb.ListResponse.SerializeToString
+            _counted_stream("List", service.List),
+            pb.ListRequest.FromString,
+            pb.ListResponse.SerializeToString,
         ),
         "Apply": rpc.unary_unary_rpc_method_handler(
-            service.Apply, pb.ApplyRequest.FromString, pb.ApplyResponse.SerializeToString
+            _counted("Apply", service.Apply),
+            pb.ApplyRequest.FromString,
+            pb.ApplyResponse.SerializeToString,
         ),
         "Read": rpc.unary_stream_rpc_method_handler(
-            service.Read,
+            _counted_stream("Read", service.Read),
             pb.ReadRequest.FromString,
             wire.passing_bytes(pb.ReadResponse.SerializeToString),
         ),
         "Append": rpc.stream_unary_rpc_method_handler(
-            service.Append, pb.AppendRequest.FromString, pb.AppendResponse.SerializeToString
+            _counted("Append", service.Append),
+            pb.AppendRequest.FromString,
+            pb.AppendResponse.SerializeToString,
         ),
         "Replicate": rpc.stream_stream_rpc_method_handler(
-            service.Replicate,
+            _counted_stream("Replicate", service.Replicate),
             pb.ReplicateRequest.FromString,
             pb.ReplicateResponse.SerializeToString,
         ),
         "ListFragments": rpc.unary_unary_rpc_method_handler(
-            service.ListFragments,
+            _counted("ListFragments", service.ListFragments),
             pb.FragmentsRequest.FromString,
             pb.FragmentsResponse.SerializeToString,
         ),
         "FragmentStoreHealth": rpc.unary_unary_rpc_method_handler(
-            service.FragmentStoreHealth,
+            _counted("FragmentStoreHealth", service.FragmentStoreHealth),
             pb.FragmentStoreHealthRequest.FromString,
             pb.FragmentStoreHealthResponse.SerializeToString,
         ),

@@ -19,6 +19,7 @@ import grpc
 from aetcd import transactions
 
 from broker import etcd as etcdx
+from broker import metrics
 from broker.allocator import keyspace as aks
 from broker.allocator.converge import MAX_TXN_OPS, Put, Txn, plan
 from broker.allocator.keyspace import Assignment, Member
@@ -159,6 +160,12 @@ def _solve(state: State) -> Sequence[Sequence[int]]:
     for current, want in zip(problem.current, solution.assignments, strict=True):
         added += len(set(want) - set(current))
         removed += len(set(current) - set(want))
+    metrics.allocator_converge.inc()
+    metrics.allocator_max_flow_seconds.observe(elapsed)
+    metrics.allocator_items.set(len(state.items))
+    metrics.allocator_members.set(len(state.members))
+    metrics.allocator_assignment_added.inc(added)
+    metrics.allocator_assignment_removed.inc(removed)
     log.info(
         "allocator: solved %d items on %d members at revision %d in %.3fs: "
         "%d of %d replicas placed, %d to add, %d to remove",

@@ -10,15 +10,17 @@ persisted, the journal is deleted, or the broker stops (when it keeps trying, fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
+from broker import metrics
 from broker.fragment import codecs
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import content_name, content_path
@@ -190,15 +192,23 @@ class Persister:
             registers=completed.registers,
         )
         path = content_path(fragment.journal, postfix, content_name(fragment))
-        if not store.exists(path):
+        with _store_operation(url, "exists"):
+            exists = store.exists(path)
+        if not exists:
             spool_dir = None if self.spool_dir is None else str(self.spool_dir)
             file, length = completed.compressed(spool_dir)
             file.seek(0)
             encoding = codecs.content_encoding(fragment.compression_codec)
-            if store.put(path, file, length, encoding):
+            with _store_operation(url, "put"):
+                put = store.put(path, file, length, encoding)
+            if put:
                 self.persisted += 1
                 self.bytes_persisted += length
+                metrics.store_put_bytes.labels(_store_label(url), encoding or "identity").inc(
+                    length
+                )
                 log.info("persisted %s to %s (%d bytes)", path, url, length)
+        metrics.spool_persisted.inc()
         fragment.backing_store = url
         fragment.path_postfix = postfix
         fragment.mod_time = int(self._clock())
@@ -210,7 +220,8 @@ class Persister:
         """Every fragment of `journal` in every store of its spec (blocking)."""
         out: list[pb.Fragment] = []
         for url in spec.fragment.stores:
-            out.extend(self.store(url).list_fragments(journal))
+            with _store_operation(url, "list"):
+                out.extend(self.store(url).list_fragments(journal))
         return out
 
     async def refresh_loop(self, replica: JournalReplica) -> None:
@@ -296,3 +307,22 @@ class Persister:
         `timeout` seconds (what is not persisted by then is given up, and logged), then stop."""
         self._stopping.set()
         await self.tasks.close(grace=timeout)
+
+
+@contextlib.contextmanager
+def _store_operation(url: str, operation: str) -> Iterator[None]:
+    """Count and time one store operation, by the store's URL and whether it failed."""
+    timer = metrics.Timer()
+    store = _store_label(url)
+    status = "error"
+    try:
+        yield
+        status = "ok"
+    finally:
+        metrics.store_operations.labels(store, operation, status).inc()
+        metrics.store_operation_seconds.labels(store, operation, status).observe(timer.elapsed())
+
+
+def _store_label(url: str) -> str:
+    """A store as a metric label: its URL without the query (which may name a profile)."""
+    return url.split("?", 1)[0]

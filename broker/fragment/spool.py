@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
+from broker import metrics
 from broker.fragment import codecs
 from broker.fragment.fragments import ZERO_DIGEST, digest_of, sum_from_digest
 from broker.protocol import protocol_pb2 as pb
@@ -45,6 +46,17 @@ class SpoolObserver(Protocol):
         content file) and must close it once the fragment is persisted or no longer needed."""
 
 
+_LIVE_FILES: weakref.WeakSet[_SpoolFile] = weakref.WeakSet()
+
+
+def disk_bytes() -> int:
+    """Disk space of this process's spool files (unlinked, so only their descriptors know)."""
+    total = 0
+    for file in list(_LIVE_FILES):
+        total += file.disk_bytes()
+    return total
+
+
 class _SpoolFile:
     """An unlinked temporary file, read and written by position.
 
@@ -65,8 +77,18 @@ class _SpoolFile:
         self._lock = threading.Lock()
         self._readers = 0
         self._closing = False
+        _LIVE_FILES.add(self)
         # Also closes the descriptor if an owner drops the file without closing it.
         self._finalize = weakref.finalize(self, os.close, fd)
+
+    def disk_bytes(self) -> int:
+        with self._lock:
+            if self._closing:
+                return 0
+            try:
+                return os.fstat(self._fd).st_blocks * 512
+            except OSError:
+                return 0
 
     def write(self, data: bytes, offset: int) -> None:
         written = os.pwrite(self._fd, data, offset)
@@ -512,6 +534,9 @@ class Spool:
 
     def rollback(self) -> None:
         """Discard pending content (what a replica does when its replication stream ends)."""
+        if self._delta:
+            metrics.spool_rollbacks.inc()
+            metrics.spool_rollback_bytes.inc(self._delta)
         self._delta = 0
         self._pending_sha = None
 
@@ -577,6 +602,8 @@ class Spool:
 
     def _commit(self, digest: bytes, registers: pb.LabelSet, primary: bool) -> None:
         assert self._pending_sha is not None
+        metrics.spool_commits.inc()
+        metrics.spool_commit_bytes.inc(self._delta)
         self._end += self._delta
         self._delta = 0
         self._committed_sha, self._pending_sha = self._pending_sha, None
@@ -614,6 +641,7 @@ class Spool:
             self._set_registers(registers)
         self._restart(proposal.end, proposal.compression_codec)
         if completed is not None:
+            metrics.spool_completed.inc()
             self._observer.on_complete(completed)
 
     def _set_registers(self, registers: pb.LabelSet) -> None:
