@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker import metrics
+from broker import logs, metrics
 from broker.append_fsm import (
     AppendFSM,
     BrokerExiting,
@@ -127,6 +127,7 @@ async def serve_append(
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     timer = metrics.Timer()
+    logs.bind(journal=first.journal)
     fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
     task = asyncio.ensure_future(fsm.run(stream.receive))

@@ -271,15 +271,6 @@ def log_options(f: F) -> F:
 
 def setup_logging(level: str, fmt: str) -> None:
     """Logging as `--log.level` and `--log.format` ask, on stderr (servers and consumers)."""
-    import logging
-    import sys
+    from broker import logs
 
-    levels = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
-              "warn": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}  # fmt: skip
-    if fmt == "json":
-        format_ = (
-            '{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-        )
-    else:
-        format_ = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=levels[level], format=format_, stream=sys.stderr)
+    logs.setup(level, fmt)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker import logs
 from broker.allocator.keyspace import route_equivalent
 from broker.auth import Claims
 from broker.fragment.spool import Spool, SpoolError
@@ -50,6 +51,7 @@ async def serve_replicate(
         validate.validate_label_set(first.registers, field="registers")
     except validate.ValidationError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    logs.bind(journal=first.proposal.journal)
     spool: Spool | None = None
     while spool is None:
         try:

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from broker import logs
 from broker.allocator import keyspace as aks
 from broker.auth import Claims
 from broker.keyspace import KeySpace, KeyValue, Update
@@ -210,10 +211,11 @@ class Resolver:
                 self.tasks.spawn(replica.demote(), f"demoting {journal}")
             if replica is None:
                 replica = self.new_replica(journal)
-                replica.start()
+                with logs.bound(journal=journal):  # Its tasks log with the journal.
+                    log.info("starting local replica of %s (primary: %s)", journal, primary)
+                    replica.start()
                 replica.create_revision = item_kv.create_revision
                 replica.assignments = assignments
-                log.info("starting local replica of %s (primary: %s)", journal, primary)
             elif _revisions(assignments) != _revisions(replica.assignments):
                 replica.assignments = assignments
                 replica.signal()

@@ -17,7 +17,7 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker import auth, metrics
+from broker import auth, logs, metrics
 from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
@@ -416,6 +416,7 @@ def _counted(operation: str, handler: Any) -> Any:
     started = metrics.journal_server_started.labels(operation)
 
     async def counted(request: Any, context: Context) -> Any:
+        logs.bind(rpc=operation, journal=getattr(request, "journal", ""))
         started.inc()
         status = "<error>"
         try:
@@ -433,6 +434,7 @@ def _counted_stream(operation: str, handler: Any) -> Any:
     started = metrics.journal_server_started.labels(operation)
 
     async def counted(request: Any, context: Context) -> AsyncIterator[Any]:
+        logs.bind(rpc=operation, journal=getattr(request, "journal", ""))
         started.inc()
         status = "<error>"
         first = True

@@ -64,6 +64,7 @@ def consumer_options(f: Callable[..., Any]) -> Callable[..., Any]:
     f = cfg.option("--consumer.auth-keys", default="", show_default=False, help="Whitespace or comma separated, base64-encoded keys used to sign (first key) and verify (all keys) Authorization tokens")(f)  # fmt: skip
     f = cfg.tls_server_options("consumer")(f)
     f = cfg.tls_client_options("broker")(f)
+    f = cfg.http_options("consumer")(f)
     return cfg.etcd_tls_options(f)
 
 
@@ -83,6 +84,7 @@ def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
         etcd_lease=_seconds("--etcd.lease", opts["etcd_lease"]),
         etcd_prefix=(opts["etcd_prefix"] or f"/gazette/consumers/{name}").rstrip("/"),
         auth_keys=opts["consumer_auth_keys"],
+        http=cfg.http_config(opts, "consumer"),
     )
     try:
         config.server_tls = ServerTLS(opts["consumer_server_cert_file"], opts["consumer_server_cert_key_file"], opts["consumer_server_ca_file"], prefix="--consumer.server")  # fmt: skip

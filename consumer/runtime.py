@@ -34,7 +34,7 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker import auth
+from broker import auth, logs, metrics
 from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate
 from broker.allocator import keyspace as aks
@@ -43,6 +43,7 @@ from broker.client.credentials import Credentials
 from broker.client.dialer import Dialer
 from broker.client.journals import JournalsClient
 from broker.client.routes import Router
+from broker.http import HTTPConfig, HTTPServers
 from broker.keyspace import KeySpace, KeyValue
 from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
 from broker.message.publisher import Publisher
@@ -120,6 +121,7 @@ class ConsumerConfig:
     etcd_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=etcdx.ETCD_TLS_FLAGS))
     auth_keys: str = ""
     broker_credentials: Credentials | None = None
+    http: HTTPConfig = field(default_factory=HTTPConfig)
 
 
 @dataclass
@@ -174,6 +176,7 @@ class Consumer:
         self.state = ShardState(self.etcd, self.ks, self.root, self.process_id)
         self.router = Router(config.broker_address, dialer=Dialer(config.broker_credentials))
         self.server: grpc.aio.Server | None = None
+        self.http: HTTPServers | None = None
         self.port = 0
         self.lease_id = 0
         self.tasks = TaskOwner("consumer")
@@ -233,6 +236,7 @@ class Consumer:
                 await init(self)
             self._app_started = True
             await self.server.start()
+            await self._start_http()
             self._spawn(self._reconcile_loop(), "shard replicas")
             if self.config.run_allocator:
                 rules = consumer_rules(self.config.max_hot_standbys)
@@ -244,6 +248,24 @@ class Consumer:
             await self.stop()
             raise
         log.info("consumer %s/%s serving at %s", self.config.zone, self.config.id, self.endpoint)
+
+    async def _start_http(self) -> None:
+        """The HTTP port (metrics) and the diagnostics port, when configured."""
+        metrics.watch_revision.set_function(lambda: self.ks.revision)
+        http = self.config.http
+        if http.port is None and http.debug_port is None:
+            return
+        http.tls = self.config.server_tls
+        http.host = self.config.host
+        self.http = HTTPServers(http)
+        await self.http.start()
+        if http.port is not None:
+            log.info("consumer %s/%s serves HTTP on port %d", self.config.zone, self.config.id, self.http.port)  # fmt: skip
+
+    def _spawn_shard(self, coro: Coroutine[Any, Any, None], shard_id: str) -> asyncio.Task[None]:
+        """A shard's task, whose records (and its tasks') carry the shard's id."""
+        with logs.bound(shard=shard_id):
+            return self.shards.spawn(coro, shard_id)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = self.tasks.spawn(coro, name)
@@ -319,6 +341,10 @@ class Consumer:
                     self.member_key, self.config.drain_timeout,
                 )  # fmt: skip
         await self.shards.close()
+        if self.http is not None:
+            with contextlib.suppress(Exception):
+                await self.http.stop()
+            self.http = None
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
@@ -393,7 +419,7 @@ class Consumer:
             if kv is not None and not was_primary and aks_slot(kv) == 0 and replica.playback:
                 # A standby promoted: it completes its playback by a hand-off, no replay.
                 replica.assignment = kv
-                replica.task = self.shards.spawn(self._run_primary(replica), shard_id)
+                replica.task = self._spawn_shard(self._run_primary(replica), shard_id)
             elif kv is None or was_primary != (aks_slot(kv) == 0):
                 # Unassigned, or demoted, or a standby with nothing played: stop this replica
                 # (one promoted starts afresh as primary below).
@@ -407,9 +433,9 @@ class Consumer:
             replica = _Replica(shard_id, kv)
             self.replicas[shard_id] = replica
             if aks_slot(kv) == 0:
-                replica.task = self.shards.spawn(self._run_primary(replica), shard_id)
+                replica.task = self._spawn_shard(self._run_primary(replica), shard_id)
             else:
-                replica.standby = self.shards.spawn(self._run_standby(replica), shard_id)
+                replica.standby = self._spawn_shard(self._run_standby(replica), shard_id)
 
     async def _stop_replica(self, replica: _Replica) -> None:
         for task in (replica.task, replica.standby):

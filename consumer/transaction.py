@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from broker import metrics
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError, read_retrying
@@ -72,6 +73,8 @@ class Progress:
     published to the offset its last ACK ended at. `changed` is set at each update."""
 
     read_through: dict[str, int] = field(default_factory=dict)
+    # The last write head of each source its reader saw (for the lag metric).
+    write_heads: dict[str, int] = field(default_factory=dict)
     publish_at: dict[str, int] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # The offsets the commit in flight will report once its ACKs are written; what is read
@@ -149,11 +152,25 @@ def _duration(d: Any) -> float:  # A google.protobuf.Duration.
 # ---- reading ----------------------------------------------------------------------------------
 
 
+def _count(shard: Shard, txn: _Txn, read_through: Mapping[str, int], seconds: float) -> None:
+    """A transaction in the shard's metrics: its messages, bytes, read heads and lag."""
+    shard_id = shard.spec.id
+    metrics.shard_transactions.labels(shard_id).inc()
+    metrics.shard_read_messages.labels(shard_id).inc(txn.consumed)
+    metrics.shard_read_bytes.labels(shard_id).inc(txn.consumed_bytes)
+    metrics.shard_transaction_seconds.labels(shard_id).observe(max(0.0, seconds))
+    for journal, offset in read_through.items():
+        metrics.shard_read_head.labels(shard_id, journal).set(offset)
+        head = shard.progress.write_heads.get(journal, 0)
+        metrics.shard_lag_bytes.labels(shard_id, journal).set(max(0, head - offset))
+
+
 async def _read_source(
     stubs: Callable[[], pb_grpc.JournalStub],
     source: Source,
     offset: int,
     into: asyncio.Queue[list[Envelope] | BaseException],
+    write_heads: dict[str, int] | None = None,
 ) -> None:
     """Read `source` from `offset` for good (retrying), putting batches of envelopes on `into`;
     a failure is put there too, for the transaction loop to raise."""
@@ -161,6 +178,8 @@ async def _read_source(
     frames = FrameReader(source.framing)
     try:
         async for chunk in read_retrying(stubs, source.journal, offset, block=True):
+            if write_heads is not None and chunk.write_head:
+                write_heads[source.journal] = chunk.write_head
             batch = reader.envelopes(source.journal, frames.feed(chunk.offset, chunk.content))
             if batch:
                 await into.put(batch)
@@ -204,6 +223,7 @@ class _Input:
 @dataclass
 class _Txn:
     consumed: int = 0
+    consumed_bytes: int = 0
     began_at: float = 0.0
     reading: bool = True
     min_done: bool = False
@@ -251,7 +271,10 @@ async def run_shard(
         )
         for source in sources:
             tasks.create_task(
-                _read_source(stubs, source, offsets[source.journal], queue), name=source.journal
+                _read_source(
+                    stubs, source, offsets[source.journal], queue, shard.progress.write_heads
+                ),
+                name=source.journal,
             )
         # Runs until cancelled or failed; either way the group cancels the readers and commits.
         while True:
@@ -355,6 +378,7 @@ async def _transaction(
             txn.reading = False
             return False
         txn.consumed += 1
+        txn.consumed_bytes += envelope.end - envelope.begin
         return True
 
     if sequencer.dequeued is not None:
@@ -421,6 +445,7 @@ async def _transaction(
     states = sequencer.checkpoint(PRUNE_HORIZON)
     read_through = sequencer.offsets
     shard.progress.committing = read_through
+    _count(shard, txn, read_through, now() - txn.began_at)
     intents = shard.publisher.build_ack_intents()
     checkpoint = build_checkpoint(read_through, states, intents)
     wait_for = shard.service.pending_except(*([recovery_log] if recovery_log else []))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import os
+import re
+import ssl
 import subprocess
 import sys
 import time
@@ -16,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import jwt
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from broker import auth
 from broker.local_etcd import EtcdTLS
@@ -457,6 +461,7 @@ def test_consumers_serve_tls_and_verify_tokens_end_to_end(
         "--consumer.auth-keys", consumer_keys,
         "--broker.cert-file", str(pki.client_cert), "--broker.cert-key-file", str(pki.client_key),
         "--broker.trusted-ca-file", str(pki.ca_cert), "--broker.auth-keys", b64(KEY1),
+        "--consumer.http-port", "0",
     ]  # fmt: skip
     root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
     group = ConsumerProcesses(
@@ -482,6 +487,26 @@ def test_consumers_serve_tls_and_verify_tokens_end_to_end(
         )  # fmt: skip
         assert chunker.returncode == 0, chunker.stderr + chunker.stdout
         assert "all exact" in chunker.stdout
+        # Each summer serves its metrics over TLS (client certificate required, as on gRPC).
+        transactions = 0.0
+        for summer in ("summer-0", "summer-1"):
+            found = re.search(r"serves HTTP on port (\d+)", group.log(summer))
+            assert found, group.log(summer)[-2000:]
+            url = f"https://127.0.0.1:{found.group(1)}/debug/metrics"
+            anonymous = ssl.create_default_context(cafile=str(pki.ca_cert))
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url, verify=anonymous, timeout=10)  # No client certificate.
+            client = ssl.create_default_context(cafile=str(pki.ca_cert))
+            client.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+            text = httpx.get(url, verify=client, timeout=10).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "gazette_shard_transactions_total":
+                        transactions += sample.value
+            assert (
+                "gazette_shard_read_head{" in text or "gazette_shard_transactions_total" not in text
+            )
+        assert transactions > 0
 
         r = run_cli("gazctl", "shards", "list", "--consumer.address", group.address("summer-0"), env=client_env)  # fmt: skip
         assert r.code == 0, r.err
