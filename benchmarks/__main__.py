@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, str] = {
     "sqlite_store": "benchmarks.sqlite_store",
     "replication_throughput": "benchmarks.replication_throughput",
     "convergence": "benchmarks.convergence",
+    "tls_cost": "benchmarks.tls_cost",
+    "auth_overhead": "benchmarks.auth_overhead",
 }
 
 if __name__ == "__main__":

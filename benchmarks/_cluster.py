@@ -7,6 +7,7 @@ own, for benchmarks that kill, restart or watch brokers (failover, idle_tails)."
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import subprocess
 import sys
@@ -16,11 +17,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.client import BrokerUnavailable, JournalsClient
+from broker.auth import NOOP_AUTH, KeyedAuth
+from broker.client import BrokerUnavailable, JournalsClient, credentials
 from broker.client.appender import AppendError, append
+from broker.client.credentials import Credentials
 from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
+from broker.tls import ClientTLS, DevPKI, make_dev_pki
 
 PREFIX = "/bench"
 
@@ -31,6 +35,43 @@ def _journal(name: str) -> pb.JournalSpec:
     spec.fragment.compression_codec = pb.NONE
     spec.fragment.refresh_interval.seconds = 60
     return spec
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS (throwaway certificates, client certificates required) and/or authorization (a
+    key brokers verify with and clients sign with) for a benchmark cluster."""
+
+    pki: DevPKI | None = None
+    key: bytes = b""
+
+    @staticmethod
+    def make(directory: Path, *, tls: bool, auth: bool) -> Security:
+        pki = make_dev_pki(directory / "pki") if tls else None
+        return Security(pki, b"benchmark key of thirty-two bytes!" if auth else b"")
+
+    def broker_flags(self) -> list[str]:
+        flags: list[str] = []
+        if self.pki is not None:
+            p = self.pki
+            flags += [
+                "--broker.server-cert-file", str(p.server_cert),
+                "--broker.server-cert-key-file", str(p.server_key),
+                "--broker.server-ca-file", str(p.ca_cert),
+                "--broker.peer-cert-file", str(p.server_cert),
+                "--broker.peer-cert-key-file", str(p.server_key),
+                "--broker.peer-ca-file", str(p.ca_cert),
+            ]  # fmt: skip
+        if self.key:
+            flags += ["--broker.auth-keys", base64.b64encode(self.key).decode()]
+        return flags
+
+    def credentials(self) -> Credentials:
+        tls = ClientTLS()
+        if self.pki is not None:
+            p = self.pki
+            tls = ClientTLS(str(p.client_cert), str(p.client_key), str(p.ca_cert))
+        return Credentials(tls, KeyedAuth([self.key]) if self.key else NOOP_AUTH)
 
 
 @dataclass
@@ -51,6 +92,7 @@ def start_broker(
     file_root: Path | None = None,
     lease: str | None = None,
     log_level: str = "warn",
+    security: Security | None = None,
 ) -> BrokerProcess:
     """Start `gazette serve` as `broker_id` on a free port, its output in `log`. It is not
     ready yet: see `wait_ready`. `lease` is `--etcd.lease` (default: the broker's)."""
@@ -66,9 +108,13 @@ def start_broker(
         command += ["--broker.file-root", str(file_root)]
     if lease is not None:
         command += ["--etcd.lease", lease]
+    scheme = "http"
+    if security is not None:
+        command += security.broker_flags()
+        scheme = "https" if security.pki else "http"
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    return BrokerProcess(broker_id, f"http://127.0.0.1:{port}", proc, log)
+    return BrokerProcess(broker_id, f"{scheme}://127.0.0.1:{port}", proc, log)
 
 
 async def wait_ready(brokers: Sequence[BrokerProcess], timeout: float = 30) -> None:
@@ -148,18 +194,26 @@ async def cluster(
     spec: pb.JournalSpec | None = None,
     file_root: Path | None = None,
     writable: bool = True,
+    tls: bool = False,
+    auth: bool = False,
 ) -> AsyncIterator[tuple[list[str], Dialer]]:
     """Yields the brokers' addresses (primary of `journal` first) and a dialer. `spec` replaces
     the default spec of `journal`; `file_root` roots the brokers' file:// stores. Unless
     `writable` is false (a journal of existing fragments, to be read), it waits until an
-    append succeeds."""
+    append succeeds. `tls` and `auth` run the brokers on TLS and with token verification
+    (the dialer, and this process's clients, then present a certificate and sign tokens)."""
     spec = spec if spec is not None else _journal(journal)
     procs: list[BrokerProcess] = []
     with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-") as tmp:
+        security = Security.make(Path(tmp), tls=tls, auth=auth)
+        previous = credentials.default("broker")
+        credentials.set_default("broker", security.credentials())
         try:
             for i in range(brokers):
                 log = Path(tmp) / f"broker-{i}.log"
-                procs.append(start_broker(etcd, f"broker-{i}", log, file_root=file_root))
+                procs.append(
+                    start_broker(etcd, f"broker-{i}", log, file_root=file_root, security=security)
+                )
             await wait_ready(procs)
             addresses = [p.address for p in procs]
             route = await placed(addresses[0], spec)
@@ -178,6 +232,7 @@ async def cluster(
             finally:
                 await dialer.close()
         finally:
+            credentials.set_default("broker", previous)
             stop_brokers(procs)
 
 

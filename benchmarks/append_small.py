@@ -16,9 +16,9 @@ PAYLOAD = 256
 JOURNAL = "bench/small"
 
 
-async def measure(duration: float) -> dict[str, Any]:
+async def measure(duration: float, *, auth: bool = False) -> dict[str, Any]:
     payload = b"x" * (PAYLOAD - 1) + b"\n"
-    async with cluster(JOURNAL) as (addresses, dialer):
+    async with cluster(JOURNAL, auth=auth) as (addresses, dialer):
         stub = dialer.journal_stub(addresses[0])
         latencies, elapsed = await appenders(
             stub, JOURNAL, payload, concurrency=CONCURRENCY, duration=duration

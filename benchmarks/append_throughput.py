@@ -16,9 +16,9 @@ APPEND = 1 << 20
 JOURNAL = "bench/throughput"
 
 
-async def measure(duration: float, concurrency: int = 1) -> dict[str, Any]:
+async def measure(duration: float, concurrency: int = 1, *, tls: bool = False) -> dict[str, Any]:
     payload = bytes(range(256)) * (APPEND // 256)
-    async with cluster(JOURNAL) as (addresses, dialer):
+    async with cluster(JOURNAL, tls=tls) as (addresses, dialer):
         stub = dialer.journal_stub(addresses[0])
         latencies, elapsed = await appenders(
             stub, JOURNAL, payload, concurrency=concurrency, duration=duration

@@ -23,9 +23,11 @@ from broker.read_api import CHUNK
 JOURNAL = "bench/read"
 
 
-async def measure(root: Path, total: int, direct: bool, verify: bool = True) -> dict[str, Any]:
+async def measure(
+    root: Path, total: int, direct: bool, verify: bool = True, *, tls: bool = False
+) -> dict[str, Any]:
     async with cluster(
-        JOURNAL, brokers=1, spec=read_spec(JOURNAL), file_root=root, writable=False
+        JOURNAL, brokers=1, spec=read_spec(JOURNAL), file_root=root, writable=False, tls=tls
     ) as (addresses, dialer):
         stub = dialer.journal_stub(addresses[0])
         # Wait for the broker's first listing of the store.

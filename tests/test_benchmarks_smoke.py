@@ -211,3 +211,15 @@ def test_convergence_quick() -> None:
     result = _runner.check("convergence", convergence.run(quick=True))
     assert result["unit"] == "s" and result["events"] == 5
     assert result["stored_per_event"] == 3 and result["filtered_per_event"] >= 1
+
+
+@pytest.mark.slow
+def test_auth_overhead_quick() -> None:
+    """append_small with token verification on, beside it off: both runs append."""
+    from benchmarks import auth_overhead
+
+    assert BENCHMARKS["auth_overhead"] == "benchmarks.auth_overhead"
+    assert BENCHMARKS["tls_cost"] == "benchmarks.tls_cost"
+    result = _runner.check("auth_overhead", auth_overhead.run(quick=True))
+    assert result["unit"] == "appends/s" and result["value"] > 0 and result["baseline"] > 0
+    assert result["target"] == 0.9

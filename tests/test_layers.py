@@ -88,8 +88,9 @@ def test_the_client_library_imports_nothing_of_the_broker_server() -> None:
 
 
 # What consumers may use of `broker`: its client library, protocol, keyspace mirror, allocator,
-# messages, and the small shared helpers (retries, task ownership, etcd connection settings,
-# command-line options bound to environment variables).
+# messages, the small shared helpers (retries, task ownership, etcd connection settings,
+# command-line options bound to environment variables), and what every process serves or
+# verifies alike (TLS, authorization, metrics, logs, the HTTP port).
 CONSUMER_MAY_USE = (
     "broker.client",
     "broker.protocol",
@@ -100,6 +101,11 @@ CONSUMER_MAY_USE = (
     "broker.tasks",
     "broker.etcd",
     "broker.config",
+    "broker.tls",
+    "broker.auth",
+    "broker.metrics",
+    "broker.logs",
+    "broker.http",
 )
 
 
