@@ -72,7 +72,8 @@ async def campaign(args: argparse.Namespace) -> int:
         return 2
     seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
     namespaces = False if args.loopback else None
-    print(f"fault campaign: seed {seed}, scenarios {', '.join(names)}")
+    secure = " with TLS" * args.tls + " with authorization" * args.auth
+    print(f"fault campaign{secure}: seed {seed}, scenarios {', '.join(names)}")
     if not args.loopback and namespaces_unavailable():
         print(f"  network namespaces unavailable ({namespaces_unavailable()}): loopback only")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="gazette-faults-"))
@@ -88,7 +89,7 @@ async def campaign(args: argparse.Namespace) -> int:
         try:
             history, report, wall = await run_scenario(
                 scenario, seed, workdir, cycles=args.cycles, budget=args.budget,
-                namespaces=namespaces,
+                namespaces=namespaces, tls=args.tls, auth=args.auth,
             )  # fmt: skip
         except ScenarioSkipped as exc:
             print(f"  skipped: {exc}")
@@ -140,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="keep each scenario's logs and history under here")
     parser.add_argument("--keep", action="store_true", help="keep passing scenarios' files too")
     parser.add_argument("--loopback", action="store_true", help="no network namespaces")
+    parser.add_argument("--tls", action="store_true", help="brokers and clients on TLS (client certificates required)")  # fmt: skip
+    parser.add_argument("--auth", action="store_true", help="every call's token verified (brokers given auth keys)")  # fmt: skip
     parser.add_argument("--table", help="write the results table (markdown) to this file")
     parser.add_argument("--check", help="check a saved history.json again, and exit")
     parser.add_argument("-v", "--verbose", action="store_true")

@@ -13,10 +13,12 @@ fragment read straight from the store.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import errno
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -105,9 +107,11 @@ class BrokerSlot:
     def id(self) -> str:
         return f"broker-{self.index}"
 
+    scheme: str = "http"
+
     @property
     def address(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -123,6 +127,10 @@ class ClusterConfig:
     namespaces: bool = False
     fragment_length: int = 16 << 10
     extra_flags: tuple[str, ...] = ()
+    # The campaign with TLS (brokers and their clients; client certificates required) and
+    # with authorization (every call's token verified; brokers sign their own).
+    tls: bool = False
+    auth: bool = False
 
 
 @dataclass
@@ -142,6 +150,7 @@ class Cluster:
     _saved_env: dict[str, str | None] = field(default_factory=dict)
     _supervisor: asyncio.Task[None] | None = None
     _renewed_at: float = -1e9
+    _previous_credentials: object = None
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -167,10 +176,12 @@ class Cluster:
         self.etcd_port = _free_port(self.network.etcd_host)
         self.start_etcd()
         await self._start_store()
+        self._secure()
         for index in range(self.config.brokers):
             host = self.network.broker_host(index)
             port = 8080 if self.config.namespaces else _free_port(host)
             slot = BrokerSlot(index, host, port, self.workdir / f"spool-b{index}")
+            slot.scheme = "https" if self.config.tls else "http"
             slot.spool_root.mkdir(exist_ok=True)
             self.brokers.append(slot)
             if self.config.spool_limit:
@@ -183,6 +194,12 @@ class Cluster:
     async def close(self) -> None:
         """Stop everything this harness started (by pid), unmount, remove the network."""
         errors: list[str] = []
+        if self._previous_credentials is not None:
+            from broker.client import credentials
+
+            assert isinstance(self._previous_credentials, credentials.Credentials)
+            credentials.set_default("broker", self._previous_credentials)
+            self._previous_credentials = None
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(BaseException):
@@ -299,6 +316,40 @@ class Cluster:
     def stop_store(self) -> None:
         _stop(self.store_proc)
         self.store_proc = None
+
+    def _secure(self) -> None:
+        """With `tls` or `auth`: certificates for every broker's address and a key; this
+        process's clients (the workload, the checker's reads) present and sign with them."""
+        if not (self.config.tls or self.config.auth):
+            return
+        from broker.auth import KeyedAuth
+        from broker.client import credentials
+        from broker.tls import ClientTLS, make_dev_pki
+
+        flags: list[str] = []
+        tls = ClientTLS()
+        if self.config.tls:
+            hosts = ("localhost", "127.0.0.1", *{self.network.broker_host(i) for i in range(self.config.brokers)})  # fmt: skip
+            pki = make_dev_pki(self.workdir / "pki", hosts)
+            flags += [
+                "--broker.server-cert-file", str(pki.server_cert),
+                "--broker.server-cert-key-file", str(pki.server_key),
+                "--broker.server-ca-file", str(pki.ca_cert),
+                "--broker.peer-cert-file", str(pki.server_cert),
+                "--broker.peer-cert-key-file", str(pki.server_key),
+                "--broker.peer-ca-file", str(pki.ca_cert),
+            ]  # fmt: skip
+            tls = ClientTLS(str(pki.client_cert), str(pki.client_key), str(pki.ca_cert))
+        authorizer = credentials.default("broker").auth
+        if self.config.auth:
+            key = secrets.token_bytes(32)  # Not from rng: a seed replays the same faults.
+            flags += ["--broker.auth-keys", base64.b64encode(key).decode()]
+            authorizer = KeyedAuth([key])
+        creds = credentials.Credentials(tls, authorizer)
+        self._previous_credentials = credentials.default("broker")
+        credentials.set_default("broker", creds)
+        self.dialer = Dialer(creds)
+        self.config.extra_flags = (*self.config.extra_flags, *flags)
 
     # ---- brokers ----------------------------------------------------------------------------
 

@@ -324,6 +324,8 @@ async def run_scenario(
     budget: float = 60.0,
     namespaces: bool | None = None,
     say: Callable[[str], None] = print,
+    tls: bool = False,
+    auth: bool = False,
 ) -> tuple[History, Report, float]:
     """Run `scenario` under `seed` in `workdir`; its history, report and wall time."""
     began = time.monotonic()
@@ -349,6 +351,8 @@ async def run_scenario(
         store=scenario.store,
         spool_limit=scenario.spool_limit,
         namespaces=namespaces,
+        tls=tls,
+        auth=auth,
     )
     cluster = Cluster(config, history, rng=random.Random(f"{seed}/{scenario.name}/cluster"))
     async with cluster:
