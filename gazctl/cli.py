@@ -53,6 +53,10 @@ class GazctlGroup(click.Group):
             ApplyConflict,
         ) as exc:  # fmt: skip
             raise UserError(str(exc)) from None
+        except grpc.aio.AioRpcError as exc:
+            # A refusal outside `run` (a Spark job's driver, say): one line all the same.
+            detail = (exc.details() or "").split("\n")[0]
+            raise UserError(f"broker refused the request ({exc.code().name}): {detail}") from None
 
 
 @click.group(cls=GazctlGroup, context_settings={"help_option_names": ["-h", "--help"]})

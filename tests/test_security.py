@@ -552,3 +552,78 @@ def test_consumers_serve_tls_and_verify_tokens_end_to_end(
         one_line(r, "http://127.0.0.1")
     finally:
         group.stop_all()
+
+
+# ---- Spark --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_spark_replay_reaches_tls_brokers_with_tokens_from_its_executors(
+    etcd_server: EtcdServer, pki_pair: tuple[DevPKI, DevPKI], tmp_path: Path
+) -> None:
+    """`gazctl spark replay --to journal:` in a process of its own: its driver lists through a
+    TLS broker that verifies tokens, and its executors append to it, with the credentials gazctl
+    was given (passed to Spark's workers through the environment)."""
+    pki = pki_pair[0]
+    root = tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    ready = grpc.ssl_channel_credentials(
+        pki.ca_cert.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()
+    )
+    broker = start_broker_process(
+        etcd_server, f"/gazette-test/{uuid.uuid4().hex[:12]}", tmp_path / "broker.log",
+        broker_id="spark-tls-broker",
+        extra=(*tls_flags(pki, b64(KEY1)), "--broker.file-root", str(root)),
+        tls=ready, metadata=bearer(token()),
+    )  # fmt: skip
+    env = {
+        "BROKER_ADDRESS": broker.address,
+        "BROKER_CERT_FILE": str(pki.client_cert),
+        "BROKER_CERT_KEY_FILE": str(pki.client_key),
+        "BROKER_TRUSTED_CA_FILE": str(pki.ca_cert),
+        "BROKER_AUTH_KEYS": b64(KEY1),
+        "BROKER_FILE_ROOT": str(root),
+    }
+    try:
+        for name, store in (("spk/source", "file:///store/"), ("spk/target", "")):
+            stores = f", stores: [{store}]" if store else ""
+            spec = (
+                f"name: {name}\nreplication: 1\n"
+                "labels: [{name: content-type, value: application/x-ndjson}]\n"
+                f"fragment: {{length: 100000, compression_codec: GZIP, refresh_interval: 1s{stores}}}\n"
+            )
+            r = run_cli("gazctl", "journals", "apply", input=spec, env=env)
+            assert r.code == 0, r.err
+        lines = "".join(f'{{"n": {i}}}\n' for i in range(50))
+        r = run_cli("gazctl", "attach-uuids", "--template", '{"_meta":{"uuid":"{{.UUID}}"},"line":{{.Line}}}\n', input=lines, env=env)  # fmt: skip
+        assert r.code == 0, r.err
+        messages = r.out
+        r = run_cli(
+            "gazctl", "journals", "append", "-l", "name=spk/source", input=messages, env=env
+        )
+        assert r.code == 0, r.err
+        r = run_cli("gazctl", "journals", "suspend", "-l", "name=spk/source", "--force", env=env)
+        assert r.code == 0, r.err
+        deadline = time.monotonic() + 30
+        while True:  # Until the store holds it.
+            r = run_cli("gazctl", "journals", "fragments", "-l", "name=spk/source", "-o", "json", env=env)  # fmt: skip
+            if r.code == 0 and "file:///store/" in r.out:
+                break
+            assert time.monotonic() < deadline, r.out + r.err
+            time.sleep(0.5)
+        r = run_cli(
+            "gazctl", "spark", "replay", "-l", "name=spk/source", "--to", "journal:spk/target",
+            env=env, timeout=240,
+        )  # fmt: skip
+        assert r.code == 0, r.err
+        r = run_cli("gazctl", "journals", "read", "-l", "name=spk/target", env=env)
+        assert r.code == 0, r.err
+        assert r.out.count('"line"') == 50, r.out[:2000]
+        # Without the key, the same replay is refused, in one line.
+        r = run_cli(
+            "gazctl", "spark", "replay", "-l", "name=spk/source", "--to", "journal:spk/target",
+            env={**env, "BROKER_AUTH_KEYS": ""}, timeout=240,
+        )  # fmt: skip
+        one_line(r, "UNAUTHENTICATED")
+    finally:
+        stop_process(broker.proc)

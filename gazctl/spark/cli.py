@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import click
+import grpc
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
@@ -65,6 +66,9 @@ def job(fn: Callable[..., T]) -> Callable[..., T]:
             ValidationError,
         ) as exc:  # fmt: skip
             raise click.ClickException(str(exc)) from None
+        except grpc.aio.AioRpcError as exc:
+            detail = (exc.details() or "").split("\n")[0]
+            raise click.ClickException(f"broker refused the request ({exc.code().name}): {detail}") from None  # fmt: skip
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
