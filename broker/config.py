@@ -109,6 +109,10 @@ def iter_dotted_options(command: click.Command) -> Iterator[tuple[str, str, clic
             stack.extend(cmd.commands.values())
 
 
+# Settings whose values are secrets: print-config shows that they are set, not what they are.
+SECRET_KEYS = frozenset({"auth-keys", "auth-token"})
+
+
 def render_ini(command: click.Command, ini: dict[str, dict[str, str]]) -> str:
     """The combined configuration (environment, then INI, then defaults) in INI form."""
     sections: dict[str, list[str]] = {}
@@ -122,6 +126,8 @@ def render_ini(command: click.Command, ini: dict[str, dict[str, str]]) -> str:
             value = param.default() if callable(param.default) else param.default
         if value is None:
             value = ""
+        elif key in SECRET_KEYS and value:
+            value = "<hidden>"  # A secret is never printed (give it again where it is used).
         elif isinstance(value, bool):
             value = "true" if value else "false"
         comment = f"; {param.help}" if param.help else ""

@@ -351,3 +351,18 @@ def test_upstream_yaml_applies_and_lists_back_as_the_same_set(
     got = jspec.flatten(jspec.decode_tree(listed.out))
     assert {e.spec.SerializeToString(deterministic=True) for e in got} == wanted
     assert all(e.revision > 0 for e in got)
+
+
+def test_print_config_never_prints_a_secret(tmp_path: Path) -> None:
+    (tmp_path / "gazctl.ini").write_text("[broker]\nauth-token = token-from-the-ini\n")
+    r = run_cli(
+        "gazctl", "print-config", cwd=tmp_path,
+        env={"HOME": str(tmp_path), "BROKER_AUTH_KEYS": "c2VjcmV0LWtleQ=="},
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    assert "c2VjcmV0LWtleQ==" not in r.out and "token-from-the-ini" not in r.out
+    assert "auth-keys = <hidden>" in r.out and "auth-token = <hidden>" in r.out
+    # Configured through the INI file, the token is used: a broker that is not there is
+    # reported, not the configuration.
+    r = run_cli("gazctl", "journals", "list", "--broker.address", "http://127.0.0.1:1", cwd=tmp_path, env={"HOME": str(tmp_path)})  # fmt: skip
+    assert r.code != 0 and "token-from-the-ini" not in r.err
