@@ -62,6 +62,15 @@ METHOD_CAPABILITY: dict[str, int] = {
     "/consumer.Shard/Apply": APPLY,
     "/consumer.Shard/GetHints": READ,
     "/consumer.Shard/Unassign": APPLY,
+    # Replication networks' Location service (ours): reading, emitting, changing the network.
+    "/gazette_py.replication.Location/Status": READ,
+    "/gazette_py.replication.Location/Read": READ,
+    "/gazette_py.replication.Location/Emit": APPEND,
+    "/gazette_py.replication.Location/Change": APPLY,
+    "/gazette_py.replication.Location/Delete": APPLY,
+    "/gazette_py.replication.Location/ResetProgress": APPLY,
+    "/gazette_py.replication.Location/Recover": APPLY,
+    "/gazette_py.replication.Location/Join": APPLY,
 }
 
 # How long a client's own signed claims live: an hour for blocking RPCs, a minute otherwise.

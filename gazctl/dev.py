@@ -104,6 +104,20 @@ class DevSecurity:
             f"--{service}.peer-ca-file", str(p.ca_cert),
         ]  # fmt: skip
 
+    def location_flags(self) -> list[str]:
+        """A location process's Location service: TLS and token checks as the brokers'."""
+        flags: list[str] = []
+        if self.pki is not None:
+            p = self.pki
+            flags += [
+                "--replication.server-cert-file", str(p.server_cert),
+                "--replication.server-cert-key-file", str(p.server_key),
+                "--replication.server-ca-file", str(p.ca_cert),
+            ]  # fmt: skip
+        if self.auth_key:
+            flags += ["--replication.auth-keys", self.auth_key]
+        return flags
+
     def environment(self) -> dict[str, str]:
         """What a client of the cluster needs: BROKER_*, CONSUMER_* and ETCD_* files, and the
         key (a server takes $BROKER_AUTH_KEYS and $CONSUMER_AUTH_KEYS as its own)."""
@@ -507,14 +521,14 @@ def start_locations(
         cmd = [
             sys.executable, "-m", "replication", "serve", "--location", name,
             "--broker.address", broker.address, "--etcd.address", etcd,
-            "--replication.port", str(port),
+            "--replication.port", str(port), *security.location_flags(),
         ]  # fmt: skip
         location_popens.append(spawn(cmd, log_path))
         state.locations.append(
             Proc(
                 f"location-{name}",
                 location_popens[-1].pid,
-                f"http://127.0.0.1:{port}",
+                f"{security.scheme}://127.0.0.1:{port}",
                 str(log_path),
                 f"--location {name} ",
             )

@@ -12,7 +12,9 @@ from typing import Any
 
 import click
 
+from broker import auth
 from broker import config as cfg
+from broker.tls import ServerTLS, TLSConfigError
 from consumer.main import one_line
 from replication import registry
 from replication.server import LocationConfig, LocationServer, StartError
@@ -63,6 +65,10 @@ def main() -> None:
 @cfg.option(
     "--etcd.lease", default="10s", help="Time-to-live of the etcd lease of this process's endpoint"
 )
+@cfg.option("--replication.server-cert-file", default="", show_default=False, help="Path to the Location service's TLS certificate (serves TLS when given)")  # fmt: skip
+@cfg.option("--replication.server-cert-key-file", default="", show_default=False, help="Path to the Location service's TLS private key")  # fmt: skip
+@cfg.option("--replication.server-ca-file", default="", show_default=False, help="Path to the trusted CA of callers' client certificates (when given, callers must present one)")  # fmt: skip
+@cfg.option("--replication.auth-keys", default="", show_default=False, help="Whitespace or comma separated, base64-encoded keys that verify callers' tokens")  # fmt: skip
 @cfg.log_options
 @cfg.client_credentials("broker", "etcd")
 def serve(**opts: Any) -> None:  # fmt: skip
@@ -88,6 +94,19 @@ def serve(**opts: Any) -> None:  # fmt: skip
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--location") from None
+    config.server_tls = ServerTLS(
+        opts["replication_server_cert_file"],
+        opts["replication_server_cert_key_file"],
+        opts["replication_server_ca_file"],
+        prefix="--replication.server",
+    )
+    config.auth_keys = opts["replication_auth_keys"]
+    try:
+        config.server_tls.check()
+        if config.auth_keys.strip():
+            auth.parse_keys(config.auth_keys, "--replication.auth-keys")
+    except (TLSConfigError, auth.AuthConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
     sys.exit(asyncio.run(_serve(config)))
 
 

@@ -41,17 +41,20 @@ from typing import Any
 import aetcd
 import grpc
 
+from broker import auth
 from broker import etcd as etcdx
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError
+from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
+from broker.tls import ServerTLS
 from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
 from replication.location import EventFilter, check_fail_over
-from replication.rpc import Document, LocationClient, LocationError, generic_handler
+from replication.rpc import SERVICE, Document, LocationClient, LocationError, generic_handler
 from replication.system import change_document, change_from, passes, system_payload
 from replication.topology import (
     Connected,
@@ -104,6 +107,11 @@ class LocationConfig:
     port: int = 0
     lease: float = 10.0
     batch: int = 1000  # Events per replication batch.
+    # TLS of the Location service (`--replication.server-*`) and the keys that verify its
+    # callers' tokens (`--replication.auth-keys`). Its own calls (to brokers, etcd, other
+    # locations) go with the process's client credentials ($BROKER_CERT_FILE ...).
+    server_tls: ServerTLS = field(default_factory=lambda: ServerTLS(prefix="--replication.server"))
+    auth_keys: str = ""
 
     def __post_init__(self) -> None:
         registry.check_name(self.location)
@@ -157,6 +165,7 @@ class LocationServer:
 
     def __init__(self, config: LocationConfig) -> None:
         self.config = config
+        self.verifier = auth.verifier_of(config.auth_keys, "--replication.auth-keys")
         self.name = config.location
         self.log: JournalEventLog | None = None
         self.port = 0
@@ -203,10 +212,15 @@ class LocationServer:
             self._reader = SourceReader(self._stub, cfg.journal)
             server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             server.add_generic_rpc_handlers([generic_handler(self._methods())])
-            self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+            bind = f"{cfg.host}:{cfg.port}"
+            if cfg.server_tls.enabled:
+                self.port = server.add_secure_port(bind, cfg.server_tls.grpc_credentials())
+            else:
+                self.port = server.add_insecure_port(bind)
             if not self.port:
                 raise StartError(f"cannot listen on {cfg.host}:{cfg.port}: the port is taken")
-            self.endpoint = f"http://{cfg.host}:{self.port}"
+            scheme = "https" if cfg.server_tls.enabled else "http"
+            self.endpoint = f"{scheme}://{cfg.host}:{self.port}"
             await server.start()
             stack.push_async_callback(server.stop, 1.0)
             lease = await self._register()
@@ -485,20 +499,29 @@ class LocationServer:
 
     def _methods(self) -> dict[str, Any]:
         return {
-            "Status": self._guard(self.status),
-            "Emit": self._guard(self.emit),
-            "Read": self._guard(self.read),
-            "Change": self._guard(self.change),
-            "Delete": self._guard(self.delete),
-            "ResetProgress": self._guard(self.reset_progress),
-            "Recover": self._guard(self.recover),
-            "Join": self._guard(self.join),
+            "Status": self._guard("Status", self.status),
+            "Emit": self._guard("Emit", self.emit),
+            "Read": self._guard("Read", self.read),
+            "Change": self._guard("Change", self.change),
+            "Delete": self._guard("Delete", self.delete),
+            "ResetProgress": self._guard("ResetProgress", self.reset_progress),
+            "Recover": self._guard("Recover", self.recover),
+            "Join": self._guard("Join", self.join),
         }
 
-    def _guard(self, method: Any) -> Any:
+    def _guard(self, name: str, method: Any) -> Any:
+        """A method of the Location service: its caller's token verified (the capability the
+        method needs; a selector must select the location's log), its errors as statuses."""
+        capability = auth.METHOD_CAPABILITY[f"/{SERVICE}/{name}"]
+
         async def handle(
             request: Document, context: grpc.aio.ServicerContext[Any, Any]
         ) -> Document:
+            claims = await auth.verify_or_abort(self.verifier, context, capability)
+            journal = labels.label_set((labels.META_NAME, self.config.journal))
+            if not claims.sees_labels(journal):
+                # A location whose log the caller may not see does not exist for it.
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no location {self.name}")
             try:
                 reply: Document = await method(request)
                 return reply

@@ -304,9 +304,8 @@ def test_up_with_tls_and_auth_runs_every_process_on_them(cluster_dir: Path) -> N
     env = exported(r.out)
     state = ClusterState.load(cluster_dir)
     assert state is not None and state.tls and state.auth
-    # etcd, brokers and consumers serve TLS only (the location process's own service, on
-    # loopback, does not yet).
-    for proc in (state.etcd, *state.brokers, *state.consumers, *state.location_brokers):
+    # Every process serves TLS only: etcd, brokers, consumers, locations and their brokers.
+    for proc in state.all():
         assert proc.address.startswith("https://127.0.0.1:"), proc
     assert env["ETCD_ADDRESS"].startswith("https://") and env["BROKER_AUTH_KEYS"]
     assert Path(env["BROKER_CERT_FILE"]).is_file() and Path(env["BROKER_TRUSTED_CA_FILE"]).is_file()
@@ -320,6 +319,12 @@ def test_up_with_tls_and_auth_runs_every_process_on_them(cluster_dir: Path) -> N
     assert listed.code == 0 and listed.out.count("PRIMARY") == 4, listed.err
     located = run_cli("gazctl", "replication", "locations", env=env)
     assert located.code == 0 and "replication/A" in located.out, located.err
+    emitted = run_cli("gazctl", "replication", "emit", "A", '{"kind": "secure"}', env=env)
+    assert emitted.code == 0, emitted.err
+    events = run_cli("gazctl", "replication", "events", "A", env=env)
+    assert events.code == 0 and '"kind":"secure"' in events.out, events.err
+    refused = run_cli("gazctl", "replication", "emit", "A", "{}", env={**env, "BROKER_AUTH_KEYS": ""})  # fmt: skip
+    assert refused.code != 0 and "Authorization" in refused.err and "Traceback" not in refused.err
 
     # Without the client certificate, or without the key, the cluster refuses.
     no_cert = {**env, "BROKER_CERT_FILE": "", "BROKER_CERT_KEY_FILE": ""}
