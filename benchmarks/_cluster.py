@@ -53,24 +53,13 @@ class Security:
     def broker_flags(self) -> list[str]:
         flags: list[str] = []
         if self.pki is not None:
-            p = self.pki
-            flags += [
-                "--broker.server-cert-file", str(p.server_cert),
-                "--broker.server-cert-key-file", str(p.server_key),
-                "--broker.server-ca-file", str(p.ca_cert),
-                "--broker.peer-cert-file", str(p.server_cert),
-                "--broker.peer-cert-key-file", str(p.server_key),
-                "--broker.peer-ca-file", str(p.ca_cert),
-            ]  # fmt: skip
+            flags += self.pki.server_flags("broker")
         if self.key:
             flags += ["--broker.auth-keys", base64.b64encode(self.key).decode()]
         return flags
 
     def credentials(self) -> Credentials:
-        tls = ClientTLS()
-        if self.pki is not None:
-            p = self.pki
-            tls = ClientTLS(str(p.client_cert), str(p.client_key), str(p.ca_cert))
+        tls = self.pki.client_tls() if self.pki is not None else ClientTLS()
         return Credentials(tls, KeyedAuth([self.key]) if self.key else NOOP_AUTH)
 
 

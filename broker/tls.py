@@ -187,6 +187,23 @@ class DevPKI:
     client_cert: Path
     client_key: Path
 
+    def server_flags(self, service: str) -> list[str]:
+        """A server's TLS flags on these files (`--broker.server-*` and `--broker.peer-*`, or a
+        consumer's): client certificates required, peers dialled with the server's own."""
+        s = service
+        return [
+            f"--{s}.server-cert-file", str(self.server_cert),
+            f"--{s}.server-cert-key-file", str(self.server_key),
+            f"--{s}.server-ca-file", str(self.ca_cert),
+            f"--{s}.peer-cert-file", str(self.server_cert),
+            f"--{s}.peer-cert-key-file", str(self.server_key),
+            f"--{s}.peer-ca-file", str(self.ca_cert),
+        ]  # fmt: skip
+
+    def client_tls(self) -> ClientTLS:
+        """A client's settings: the client certificate, and the CA to verify servers with."""
+        return ClientTLS(str(self.client_cert), str(self.client_key), str(self.ca_cert))
+
 
 def make_dev_pki(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), *, ca_name: str = "gazette-py dev CA") -> DevPKI:  # fmt: skip
     """Write a CA and certificates for `hosts` into `directory` (kept if already there)."""

@@ -92,17 +92,7 @@ class DevSecurity:
         return EtcdTLS(p.server_cert, p.server_key, p.ca_cert, p.client_cert, p.client_key)
 
     def server_flags(self, service: str) -> list[str]:
-        p = self.pki
-        if p is None:
-            return []
-        return [
-            f"--{service}.server-cert-file", str(p.server_cert),
-            f"--{service}.server-cert-key-file", str(p.server_key),
-            f"--{service}.server-ca-file", str(p.ca_cert),
-            f"--{service}.peer-cert-file", str(p.server_cert),
-            f"--{service}.peer-cert-key-file", str(p.server_key),
-            f"--{service}.peer-ca-file", str(p.ca_cert),
-        ]  # fmt: skip
+        return self.pki.server_flags(service) if self.pki is not None else []
 
     def location_flags(self) -> list[str]:
         """A location process's Location service: TLS and token checks as the brokers'."""

@@ -102,15 +102,7 @@ class Cluster:
 
 
 def tls_flags(pki: DevPKI, keys: str) -> tuple[str, ...]:
-    return (
-        "--broker.server-cert-file", str(pki.server_cert),
-        "--broker.server-cert-key-file", str(pki.server_key),
-        "--broker.server-ca-file", str(pki.ca_cert),
-        "--broker.peer-cert-file", str(pki.server_cert),
-        "--broker.peer-cert-key-file", str(pki.server_key),
-        "--broker.peer-ca-file", str(pki.ca_cert),
-        "--broker.auth-keys", keys,
-    )  # fmt: skip
+    return (*pki.server_flags("broker"), "--broker.auth-keys", keys)
 
 
 @pytest.fixture(scope="module")
@@ -451,13 +443,7 @@ def test_consumers_serve_tls_and_verify_tokens_end_to_end(
     }
     (tmp_path / "stores").mkdir()
     server_flags = [
-        "--summer.store-root", str(tmp_path / "stores"),
-        "--consumer.server-cert-file", str(pki.server_cert),
-        "--consumer.server-cert-key-file", str(pki.server_key),
-        "--consumer.server-ca-file", str(pki.ca_cert),
-        "--consumer.peer-cert-file", str(pki.server_cert),
-        "--consumer.peer-cert-key-file", str(pki.server_key),
-        "--consumer.peer-ca-file", str(pki.ca_cert),
+        "--summer.store-root", str(tmp_path / "stores"), *pki.server_flags("consumer"),
         "--consumer.auth-keys", consumer_keys,
         "--broker.cert-file", str(pki.client_cert), "--broker.cert-key-file", str(pki.client_key),
         "--broker.trusted-ca-file", str(pki.ca_cert), "--broker.auth-keys", b64(KEY1),

@@ -331,15 +331,8 @@ class Cluster:
         if self.config.tls:
             hosts = ("localhost", "127.0.0.1", *{self.network.broker_host(i) for i in range(self.config.brokers)})  # fmt: skip
             pki = make_dev_pki(self.workdir / "pki", hosts)
-            flags += [
-                "--broker.server-cert-file", str(pki.server_cert),
-                "--broker.server-cert-key-file", str(pki.server_key),
-                "--broker.server-ca-file", str(pki.ca_cert),
-                "--broker.peer-cert-file", str(pki.server_cert),
-                "--broker.peer-cert-key-file", str(pki.server_key),
-                "--broker.peer-ca-file", str(pki.ca_cert),
-            ]  # fmt: skip
-            tls = ClientTLS(str(pki.client_cert), str(pki.client_key), str(pki.ca_cert))
+            flags += pki.server_flags("broker")
+            tls = pki.client_tls()
         authorizer = credentials.default("broker").auth
         if self.config.auth:
             key = secrets.token_bytes(32)  # Not from rng: a seed replays the same faults.
