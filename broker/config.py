@@ -232,6 +232,20 @@ def client_credentials(*services: str) -> Callable[[F], F]:
     return apply
 
 
+def logging_from_options(f: F) -> F:
+    """Configure logging from the command's `--log.level` and `--log.format` before it runs
+    (gazctl's commands: warnings of the client library, in the format asked for)."""
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **opts: Any) -> Any:
+        if "log_level" in opts and "log_format" in opts:
+            setup_logging(opts["log_level"], opts["log_format"])
+        return f(*args, **opts)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def etcd_tls_options(f: F) -> F:
     """`--etcd.cert-file`, `--etcd.cert-key-file`, `--etcd.trusted-ca-file` (for https://)."""
     return tls_client_options("etcd")(f)

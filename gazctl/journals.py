@@ -39,7 +39,7 @@ def broker_options(f: F) -> F:
         ]
     ):  # fmt: skip
         f = decorator(f)
-    return cfg.client_credentials("broker")(f)
+    return cfg.client_credentials("broker")(cfg.logging_from_options(f))
 
 
 def file_root_option(help_: str) -> Callable[[F], F]:

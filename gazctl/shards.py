@@ -46,7 +46,7 @@ def consumer_options(f: F) -> F:
         ]
     ):  # fmt: skip
         f = decorator(f)
-    return cfg.client_credentials("consumer", "broker")(f)
+    return cfg.client_credentials("consumer", "broker")(cfg.logging_from_options(f))
 
 
 @click.group()
