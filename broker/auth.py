@@ -20,7 +20,6 @@ import base64
 import binascii
 import contextlib
 import functools
-import json
 import time
 import warnings
 from collections import OrderedDict
@@ -112,10 +111,6 @@ class Claims:
         if self.unrestricted:
             return True
         return labels.matches(labels.rewrite_prefix_meta_label(self.selector), meta_labels)
-
-
-# A sentinel that matches nothing, in case a caller does not check a failed verification.
-NOTHING = Claims(0, labels.selector(include=labels.label_set(("this-label-will", "never-match"))))
 
 
 UNRESTRICTED = Claims(ALL)
@@ -490,8 +485,3 @@ def authorized_channel(channel: grpc.aio.Channel, auth: Authorizer) -> grpc.aio.
 def sees_shard(claims: Claims, spec: Any) -> bool:
     """Whether a shard (its labels plus the `id` meta-label) is visible to `claims`."""
     return claims.unrestricted or claims.sees_labels(labels.shard_meta_labels(spec))
-
-
-def describe(claims: Claims) -> str:
-    """Claims as one log-safe line (never the token)."""
-    return json.dumps({"cap": claims.capability, "sel": labels.format_selector(claims.selector)})

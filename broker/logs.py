@@ -47,10 +47,6 @@ def bound(**fields: str) -> Iterator[None]:
         _fields.reset(token)
 
 
-def current() -> dict[str, str]:
-    return dict(_fields.get())
-
-
 class _AddFields(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         fields = _fields.get()
