@@ -7,7 +7,6 @@ own, for benchmarks that kill, restart or watch brokers (failover, idle_tails)."
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import subprocess
 import sys
@@ -17,14 +16,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.auth import NOOP_AUTH, KeyedAuth
 from broker.client import BrokerUnavailable, JournalsClient, credentials
 from broker.client.appender import AppendError, append
-from broker.client.credentials import Credentials
 from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
-from broker.tls import ClientTLS, DevPKI, make_dev_pki
+from broker.testing.security import Security
 
 PREFIX = "/bench"
 
@@ -35,32 +32,6 @@ def _journal(name: str) -> pb.JournalSpec:
     spec.fragment.compression_codec = pb.NONE
     spec.fragment.refresh_interval.seconds = 60
     return spec
-
-
-@dataclass(frozen=True)
-class Security:
-    """TLS (throwaway certificates, client certificates required) and/or authorization (a
-    key brokers verify with and clients sign with) for a benchmark cluster."""
-
-    pki: DevPKI | None = None
-    key: bytes = b""
-
-    @staticmethod
-    def make(directory: Path, *, tls: bool, auth: bool) -> Security:
-        pki = make_dev_pki(directory / "pki") if tls else None
-        return Security(pki, b"benchmark key of thirty-two bytes!" if auth else b"")
-
-    def broker_flags(self) -> list[str]:
-        flags: list[str] = []
-        if self.pki is not None:
-            flags += self.pki.server_flags("broker")
-        if self.key:
-            flags += ["--broker.auth-keys", base64.b64encode(self.key).decode()]
-        return flags
-
-    def credentials(self) -> Credentials:
-        tls = self.pki.client_tls() if self.pki is not None else ClientTLS()
-        return Credentials(tls, KeyedAuth([self.key]) if self.key else NOOP_AUTH)
 
 
 @dataclass

@@ -99,8 +99,13 @@ class Claims:
         return not self.selector.include.labels and not self.selector.exclude.labels
 
     @functools.cached_property
+    def _selector(self) -> pb.LabelSelector:
+        """The selector with upstream's `prefix` meta-label as a prefix match of `name`."""
+        return labels.rewrite_prefix_meta_label(self.selector)
+
+    @functools.cached_property
     def journal_matcher(self) -> labels.JournalMatcher:
-        return labels.JournalMatcher(labels.rewrite_prefix_meta_label(self.selector))
+        return labels.JournalMatcher(self._selector)
 
     def sees_journal(self, spec: pb.JournalSpec) -> bool:
         return self.unrestricted or self.journal_matcher.matches(spec)
@@ -110,7 +115,7 @@ class Claims:
         `id`, a journal's `name`): how Apply authorizes upserts and deletes."""
         if self.unrestricted:
             return True
-        return labels.matches(labels.rewrite_prefix_meta_label(self.selector), meta_labels)
+        return labels.matches(self._selector, meta_labels)
 
 
 UNRESTRICTED = Claims(ALL)
@@ -204,8 +209,6 @@ class Verifier(Protocol):
 class NoopVerifier:
     """No keys configured: every request has every capability over everything."""
 
-    enabled = False
-
     def verify(self, metadata: Iterable[tuple[str, Any]] | None, require: int) -> Claims:
         return UNRESTRICTED
 
@@ -214,8 +217,6 @@ class KeyedVerifier:
     """Verifies bearer tokens with pre-shared keys. A verified token is cached (its claims and
     expiry), so that a client sending the same token over many calls costs one dict lookup
     after the first."""
-
-    enabled = True
 
     def __init__(self, keys: list[bytes], allow_missing: bool, *, cache_size: int = 4096) -> None:
         self.keys = keys
@@ -362,10 +363,8 @@ class KeyedAuth:
 
     def __init__(self, keys: list[bytes], *, cache_size: int = 1024) -> None:
         self.key = keys[0]
-        self._cache: OrderedDict[
-            tuple[int, bytes, float], tuple[float, tuple[tuple[str, str], ...]]
-        ]
-        self._cache = OrderedDict()
+        # (capability, selector, ttl): (reuse until, metadata).
+        self._cache: OrderedDict[tuple[int, bytes, float], tuple[float, tuple[tuple[str, str], ...]]] = OrderedDict()  # fmt: skip
         self._cache_size = cache_size
 
     @classmethod

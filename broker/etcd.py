@@ -71,7 +71,7 @@ class TLSClient(aetcd.Client):  # type: ignore[misc]
             self._is_connecting = True
             target = f"{self._host}:{self._port}"
             self.channel = grpc.aio.secure_channel(
-                target, self._tls.channel_credentials(), options=list(self._options.items())
+                target, self._tls.channel_credentials, options=list(self._options.items())
             )
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)

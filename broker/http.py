@@ -43,6 +43,7 @@ from google.protobuf import text_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker import metrics
+from broker.fragment.fragments import content_name, digest_of
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import validate
@@ -86,14 +87,16 @@ def stacks_text() -> str:
 
 @dataclass
 class HTTPConfig:
-    """Where and what a process serves over HTTP."""
+    """What a process serves over HTTP (its flags)."""
 
-    host: str = "127.0.0.1"
     port: int | None = None  # None: no HTTP port. 0: a free one.
     debug_port: int | None = None  # The diagnostics port (stack dumps), on loopback.
     private: bool = False  # --debug.private: no /debug/* on the HTTP port.
     allow_origins: Sequence[str] = field(default_factory=tuple)
-    tls: ServerTLS = field(default_factory=ServerTLS)
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None or self.debug_port is not None
 
 
 class Gateway:
@@ -140,7 +143,7 @@ class Gateway:
         headers: dict[str, str] = {}
         self._route_headers(request, first.header, headers)
         if first.HasField("fragment"):
-            headers["X-Fragment-Name"] = _content_name(first.fragment)
+            headers["X-Fragment-Name"] = content_name(first.fragment)
             if first.fragment.mod_time:
                 headers["X-Fragment-Last-Modified"] = formatdate(first.fragment.mod_time, usegmt=True)  # fmt: skip
             if first.fragment_url:
@@ -197,7 +200,7 @@ class Gateway:
             headers["X-Commit-Begin"] = str(answer.commit.begin)
             headers["X-Commit-End"] = str(answer.commit.end)
             headers["X-Write-Head"] = str(answer.commit.end)
-            headers["X-Commit-SHA1-Sum"] = _sha1_hex(answer.commit.sum)
+            headers["X-Commit-SHA1-Sum"] = digest_of(answer.commit.sum).hex()
         if answer.status == pb.OK:
             return web.Response(status=204, headers=headers)
         if answer.status == pb.JOURNAL_NOT_FOUND:
@@ -223,18 +226,6 @@ def _bool(text: str) -> bool:
     if lowered in ("1", "t", "true"):
         return True
     raise ValueError(f'schema: error converting value for "block": {text!r} is not a bool')
-
-
-def _sha1_hex(sum_: pb.SHA1Sum) -> str:
-    from broker.fragment.fragments import digest_of
-
-    return digest_of(sum_).hex()
-
-
-def _content_name(fragment: pb.Fragment) -> str:
-    from broker.fragment.fragments import content_name
-
-    return content_name(fragment)
 
 
 def _rpc_error(exc: grpc.aio.AioRpcError) -> web.Response:
@@ -291,10 +282,23 @@ async def _stacks(_: web.Request) -> web.Response:
 
 
 class HTTPServers:
-    """The HTTP port and the diagnostics port of one process, started and stopped together."""
+    """The HTTP port and the diagnostics port of one process (`name`, for its log), started
+    and stopped together; both serve TLS when `tls` is on. The HTTP port listens on `host`,
+    the diagnostics port on loopback."""
 
-    def __init__(self, config: HTTPConfig, gateway: Gateway | None = None) -> None:
+    def __init__(
+        self,
+        config: HTTPConfig,
+        *,
+        name: str = "",
+        host: str = "127.0.0.1",
+        tls: ServerTLS | None = None,
+        gateway: Gateway | None = None,
+    ) -> None:
         self.config = config
+        self.name = name
+        self.host = host
+        self.tls = tls or ServerTLS()
         self.gateway = gateway
         self._runners: list[web.AppRunner] = []
         self.port = 0
@@ -317,11 +321,11 @@ class HTTPServers:
             app.router.add_route("PUT", "/{journal:.+}", gateway.append)
         return app
 
-    async def _serve(self, app: web.Application, host: str, port: int, tls: bool) -> int:
+    async def _serve(self, app: web.Application, host: str, port: int) -> int:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         self._runners.append(runner)
-        context = self.config.tls.ssl_context() if tls else None
+        context = self.tls.ssl_context() if self.tls.enabled else None
         site = web.TCPSite(runner, host, port, ssl_context=context, reuse_port=False)
         await site.start()
         server = site._server
@@ -332,11 +336,11 @@ class HTTPServers:
         c = self.config
         try:
             if c.port is not None:
-                self.port = await self._serve(self._app(main=True), c.host, c.port, c.tls.enabled)
+                self.port = await self._serve(self._app(main=True), self.host, c.port)
+                log.info("%s serves HTTP on port %d", self.name, self.port)
             if c.debug_port is not None:
-                self.debug_port = await self._serve(
-                    self._app(main=False), "127.0.0.1", c.debug_port, c.tls.enabled
-                )
+                self.debug_port = await self._serve(self._app(main=False), "127.0.0.1", c.debug_port)  # fmt: skip
+                log.info("%s serves diagnostics on 127.0.0.1:%d", self.name, self.debug_port)
         except BaseException:
             await self.stop()
             raise

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import tempfile
 import time
@@ -18,6 +17,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from broker.tls import DevPKI
 
 
 class EtcdNotFound(RuntimeError):
@@ -49,23 +50,6 @@ def free_port() -> int:
         return port
 
 
-@dataclass(frozen=True)
-class EtcdTLS:
-    """PEM files for an etcd serving TLS with client certificates required (`server_*`, `ca`),
-    and the client certificate to reach it with (`client_*`)."""
-
-    server_cert: Path
-    server_key: Path
-    ca: Path
-    client_cert: Path
-    client_key: Path
-
-    def ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=str(self.ca))
-        context.load_cert_chain(str(self.client_cert), str(self.client_key))
-        return context
-
-
 def etcd_environment() -> dict[str, str]:
     """The environment to run etcd in: etcd reads ETCD_* variables as its own flags (and refuses
     one that shadows a flag given), so the clients' ($ETCD_CERT_FILE ...) are left out."""
@@ -75,7 +59,7 @@ def etcd_environment() -> dict[str, str]:
 
 
 def etcd_command(
-    binary: str, data_dir: Path, client_port: int, peer_port: int, tls: EtcdTLS | None = None
+    binary: str, data_dir: Path, client_port: int, peer_port: int, tls: DevPKI | None = None
 ) -> list[str]:
     client = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
@@ -83,7 +67,7 @@ def etcd_command(
     if tls is not None:
         secure = [
             "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
-            "--trusted-ca-file", str(tls.ca), "--client-cert-auth",
+            "--trusted-ca-file", str(tls.ca_cert), "--client-cert-auth",
         ]  # fmt: skip
     return [
         binary,
@@ -104,7 +88,7 @@ def wait_etcd_healthy(
     endpoint: str,
     timeout: float = 20.0,
     proc: subprocess.Popen[bytes] | None = None,
-    tls: EtcdTLS | None = None,
+    tls: DevPKI | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -112,7 +96,7 @@ def wait_etcd_healthy(
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"etcd exited with status {proc.returncode} before becoming healthy")
         try:
-            context = tls.ssl_context() if tls is not None else None
+            context = tls.client_tls().ssl_context() if tls is not None else None
             with urllib.request.urlopen(f"{endpoint}/health", timeout=1, context=context) as rsp:
                 if b'"true"' in rsp.read():
                     return
@@ -134,7 +118,7 @@ class EtcdServer:
     client_port: int = 0
     peer_port: int = 0
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    tls: EtcdTLS | None = None
+    tls: DevPKI | None = None
     _own_dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
     @property

@@ -13,7 +13,7 @@ import click
 
 from broker import auth
 from broker import config as cfg
-from broker.etcd import ETCD_TLS_FLAGS
+from broker.etcd import etcd_tls
 from broker.server import PEER_TLS_FLAGS, AnnounceError, Broker, BrokerConfig
 from broker.tls import ClientTLS, ServerTLS, TLSConfigError
 
@@ -157,11 +157,11 @@ def serve(**opts: Any) -> None:
             opts["broker_peer_ca_file"],
             flags=PEER_TLS_FLAGS,
         ),
-        etcd_tls=ClientTLS(
+        etcd_tls=etcd_tls(
             opts["etcd_cert_file"],
             opts["etcd_cert_key_file"],
             opts["etcd_trusted_ca_file"],
-            flags=ETCD_TLS_FLAGS,
+            check=False,  # Checked below, with the other flags.
         ),
         auth_keys=opts["broker_auth_keys"],
         http=cfg.http_config(opts, "broker"),

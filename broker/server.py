@@ -228,22 +228,21 @@ class Broker:
         metrics.lease_remaining.set_function(lambda: max(0.0, self.lease_valid_until - loop.time()))
         metrics.watch_revision.set_function(lambda: self.ks.revision)
         metrics.spool_disk_bytes.set_function(spool.disk_bytes)
-        http = self.config.http
-        if http.port is None and http.debug_port is None:
+        if not self.config.http.enabled:
             return
-        http.tls = self.config.server_tls
-        http.host = self.config.bind_host()
         # The gateway calls this broker's own service, as a peer would (its authorization is
         # the HTTP request's).
         channel = Credentials(self.config.peer_tls).open_channel(
             self.endpoint, [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )
-        self.http = HTTPServers(http, Gateway(channel))
+        self.http = HTTPServers(
+            self.config.http,
+            name=f"broker {self.config.zone}/{self.config.id}",
+            host=self.config.bind_host(),
+            tls=self.config.server_tls,
+            gateway=Gateway(channel),
+        )
         await self.http.start()
-        if http.port is not None:
-            log.info("broker %s/%s serves HTTP on port %d", self.config.zone, self.config.id, self.http.port)  # fmt: skip
-        if http.debug_port is not None:
-            log.info("diagnostics on 127.0.0.1:%d", self.http.debug_port)
 
     def _peer_auth(self) -> auth.Authorizer:
         """How this broker authorizes its own calls to peers: signed with its first key."""

@@ -14,10 +14,11 @@ mismatched file is one line naming its flag, not a failure at the first connecti
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import ssl
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -118,7 +119,6 @@ class ClientTLS:
         "--broker.cert-key-file",
         "--broker.trusted-ca-file",
     )
-    _creds: list[grpc.ChannelCredentials] = field(default_factory=list, compare=False, repr=False)
 
     def check(self) -> None:
         cert_flag, key_flag, ca_flag = self.flags
@@ -133,17 +133,15 @@ class ClientTLS:
             _read(self.ca_file, ca_flag)
             _check_ca(self.ca_file, ca_flag)
 
+    @functools.cached_property
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        if not self._creds:
-            ca = Path(self.ca_file).read_bytes() if self.ca_file else None
-            key = Path(self.key_file).read_bytes() if self.key_file else None
-            cert = Path(self.cert_file).read_bytes() if self.cert_file else None
-            self._creds.append(
-                grpc.ssl_channel_credentials(
-                    root_certificates=ca, private_key=key, certificate_chain=cert
-                )
-            )
-        return self._creds[0]
+        """gRPC's credentials of these files (read once)."""
+        ca = Path(self.ca_file).read_bytes() if self.ca_file else None
+        key = Path(self.key_file).read_bytes() if self.key_file else None
+        cert = Path(self.cert_file).read_bytes() if self.cert_file else None
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
 
     def ssl_context(self) -> ssl.SSLContext:
         context = ssl.create_default_context(cafile=self.ca_file or None)
@@ -156,12 +154,12 @@ class AddressError(ValueError):
     """An address that is not `http://HOST:PORT` or `https://HOST:PORT`."""
 
 
-def split_address(address: str, *, default_port: int = 80, what: str = "broker address") -> tuple[str, bool]:  # fmt: skip
+def split_address(address: str, *, what: str = "broker address") -> tuple[str, bool]:
     """`http(s)://host:port` (or a bare `host:port`) as a gRPC target `host:port` and whether
     it is dialled with TLS."""
     parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
     try:
-        port = parsed.port or (443 if parsed.scheme == "https" else default_port)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
     except ValueError:  # A port that is not a number, or out of range.
         port = 0
     if parsed.scheme not in ("http", "https") or not parsed.hostname or not port:

@@ -252,15 +252,15 @@ class Consumer:
     async def _start_http(self) -> None:
         """The HTTP port (metrics) and the diagnostics port, when configured."""
         metrics.watch_revision.set_function(lambda: self.ks.revision)
-        http = self.config.http
-        if http.port is None and http.debug_port is None:
+        if not self.config.http.enabled:
             return
-        http.tls = self.config.server_tls
-        http.host = self.config.host
-        self.http = HTTPServers(http)
+        self.http = HTTPServers(
+            self.config.http,
+            name=f"consumer {self.config.zone}/{self.config.id}",
+            host=self.config.host,
+            tls=self.config.server_tls,
+        )
         await self.http.start()
-        if http.port is not None:
-            log.info("consumer %s/%s serves HTTP on port %d", self.config.zone, self.config.id, self.http.port)  # fmt: skip
 
     def _spawn_shard(self, coro: Coroutine[Any, Any, None], shard_id: str) -> asyncio.Task[None]:
         """A shard's task, whose records (and its tasks') carry the shard's id."""

@@ -34,7 +34,6 @@ from rich.table import Table
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.local_etcd import (
     EtcdNotFound,
-    EtcdTLS,
     etcd_command,
     etcd_environment,
     find_etcd_binary,
@@ -84,12 +83,6 @@ class DevSecurity:
     @property
     def scheme(self) -> str:
         return "https" if self.pki else "http"
-
-    def etcd_tls(self) -> EtcdTLS | None:
-        p = self.pki
-        if p is None:
-            return None
-        return EtcdTLS(p.server_cert, p.server_key, p.ca_cert, p.client_cert, p.client_key)
 
     def server_flags(self, service: str) -> list[str]:
         return self.pki.server_flags(service) if self.pki is not None else []
@@ -763,7 +756,7 @@ def up(
     etcd_endpoint = f"{security.scheme}://127.0.0.1:{ports.etcd_client}"
     etcd_popen = spawn(
         etcd_command(
-            etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer, security.etcd_tls()
+            etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer, security.pki
         ),
         etcd_log,
         environment=etcd_environment(),
@@ -777,9 +770,7 @@ def up(
     state.save()
     try:
         try:
-            wait_etcd_healthy(
-                etcd_endpoint, timeout=timeout, proc=etcd_popen, tls=security.etcd_tls()
-            )
+            wait_etcd_healthy(etcd_endpoint, timeout=timeout, proc=etcd_popen, tls=security.pki)
         except (RuntimeError, TimeoutError) as exc:
             raise click.ClickException(
                 f"etcd did not start: {exc}; see {etcd_log}:\n{tail(str(etcd_log))}"

@@ -24,7 +24,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker import auth
-from broker.local_etcd import EtcdTLS
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
@@ -376,8 +375,7 @@ def test_a_read_proxied_by_a_broker_carries_its_own_authorization(cluster: Clust
 @pytest.fixture(scope="module")
 def tls_etcd(pki_pair: tuple[DevPKI, DevPKI]) -> Iterator[EtcdServer]:
     pki = pki_pair[0]
-    tls = EtcdTLS(pki.server_cert, pki.server_key, pki.ca_cert, pki.client_cert, pki.client_key)
-    with EtcdServer(tls=tls) as etcd:
+    with EtcdServer(tls=pki) as etcd:
         yield etcd
 
 

@@ -19,8 +19,6 @@ import grpc
 from broker import auth
 from broker.tls import ClientTLS, split_address
 
-SERVICES = ("broker", "consumer", "etcd")
-
 
 @dataclass(frozen=True)
 class Credentials:
@@ -34,9 +32,7 @@ class Credentials:
         authorizer's tokens on every call. AddressError for an address that is neither."""
         target, secure = split_address(address, what=what)
         if secure:
-            channel = grpc.aio.secure_channel(
-                target, self.tls.channel_credentials(), options=options
-            )
+            channel = grpc.aio.secure_channel(target, self.tls.channel_credentials, options=options)
         else:
             channel = grpc.aio.insecure_channel(target, options=options)
         return auth.authorized_channel(channel, self.auth)

@@ -13,12 +13,10 @@ fragment read straight from the store.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import errno
 import os
 import random
-import secrets
 import signal
 import subprocess
 import sys
@@ -322,27 +320,17 @@ class Cluster:
         process's clients (the workload, the checker's reads) present and sign with them."""
         if not (self.config.tls or self.config.auth):
             return
-        from broker.auth import KeyedAuth
         from broker.client import credentials
-        from broker.tls import ClientTLS, make_dev_pki
+        from broker.testing.security import Security
 
-        flags: list[str] = []
-        tls = ClientTLS()
-        if self.config.tls:
-            hosts = ("localhost", "127.0.0.1", *{self.network.broker_host(i) for i in range(self.config.brokers)})  # fmt: skip
-            pki = make_dev_pki(self.workdir / "pki", hosts)
-            flags += pki.server_flags("broker")
-            tls = pki.client_tls()
-        authorizer = credentials.default("broker").auth
-        if self.config.auth:
-            key = secrets.token_bytes(32)  # Not from rng: a seed replays the same faults.
-            flags += ["--broker.auth-keys", base64.b64encode(key).decode()]
-            authorizer = KeyedAuth([key])
-        creds = credentials.Credentials(tls, authorizer)
+        hosts = ("localhost", "127.0.0.1", *{self.network.broker_host(i) for i in range(self.config.brokers)})  # fmt: skip
+        # The key is not drawn from rng: a seed replays the same faults either way.
+        security = Security.make(self.workdir, tls=self.config.tls, auth=self.config.auth, hosts=hosts)  # fmt: skip
+        creds = security.credentials()
         self._previous_credentials = credentials.default("broker")
         credentials.set_default("broker", creds)
         self.dialer = Dialer(creds)
-        self.config.extra_flags = (*self.config.extra_flags, *flags)
+        self.config.extra_flags = (*self.config.extra_flags, *security.broker_flags())
 
     # ---- brokers ----------------------------------------------------------------------------
 
