@@ -513,12 +513,12 @@ class LocationServer:
         """A method of the Location service: its caller's token verified (the capability the
         method needs; a selector must select the location's log), its errors as statuses."""
         capability = auth.METHOD_CAPABILITY[f"/{SERVICE}/{name}"]
+        journal = labels.label_set((labels.META_NAME, self.config.journal))
 
         async def handle(
             request: Document, context: grpc.aio.ServicerContext[Any, Any]
         ) -> Document:
             claims = await auth.verify_or_abort(self.verifier, context, capability)
-            journal = labels.label_set((labels.META_NAME, self.config.journal))
             if not claims.sees_labels(journal):
                 # A location whose log the caller may not see does not exist for it.
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no location {self.name}")
