@@ -25,11 +25,46 @@ PROTOS = [
 GRPCIO_TOOLS_FOR_GENERATION = "grpcio-tools==1.66.2"
 
 
+# Workers for the parallel part of `nox -s tests`: most tests wait on leases, processes and etcd
+# rather than compute, so more workers than this machine's two cores pay (measurements in
+# docs/architecture.md, "Testing"). GAZETTE_TEST_WORKERS overrides it.
+TEST_WORKERS = os.environ.get("GAZETTE_TEST_WORKERS", "4")
+
+
+def _chooses_workers(args: list[str]) -> bool:
+    return any(a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in args)
+
+
+def _split_marker(args: list[str]) -> tuple[list[str], str]:
+    """`args` without a `-m EXPR`, and EXPR ("" if none), so each part can add its own."""
+    rest, expression = [], ""
+    it = iter(args)
+    for a in it:
+        if a == "-m":
+            expression = next(it, "")
+        elif a.startswith("-m") and not a.startswith("--"):
+            expression = a[2:]
+        else:
+            rest.append(a)
+    return rest, expression
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Run the test suite against real etcd, real gRPC servers and real subprocesses."""
+    """Run the test suite against real etcd, real gRPC servers and real subprocesses: the tests
+    that share the machine in parallel (pytest-xdist), then the `serial` ones alone.
+    `nox -s tests -- -n 0` runs everything serially in one process (for debugging); other
+    arguments go to pytest in both parts."""
     session.install("-e", ".[test]")
-    session.run("pytest", *(session.posargs or ["-q"]))
+    args = session.posargs or ["-q"]
+    if _chooses_workers(args):
+        session.run("pytest", *args)
+        return
+    rest, expression = _split_marker(args)
+    chosen = f"({expression}) and " if expression else ""
+    session.run("pytest", "-n", TEST_WORKERS, "-m", f"{chosen}not serial", *rest, success_codes=[0, 5])
+    # Exit code 5: nothing selected in that part (arguments that name only serial tests, or none).
+    session.run("pytest", "-p", "no:xdist", "-m", f"{chosen}serial", *rest, success_codes=[0, 5])
 
 
 @nox.session(python=PYTHON)

@@ -243,7 +243,7 @@ def test_build_rejects_bad_input(args: tuple[object, int, int], needle: str) -> 
 @pytest.mark.parametrize(
     "u",
     [
-        uuid.uuid4(),
+        uuid.UUID("6f1c2a3e-9d4b-4c7e-8a1f-2b3c4d5e6f70"),  # version 4
         uuid.UUID(int=0),
         uuid.UUID("00000000-0000-1000-c000-000000000000"),  # v1, Microsoft variant
         uuid.UUID("00000000-0000-1000-0000-000000000000"),  # v1, NCS variant
@@ -286,7 +286,7 @@ def test_parse_text_agrees_with_parse(producer: bytes, clock: int, flags: int) -
 @pytest.mark.parametrize(
     "text",
     [
-        str(uuid.uuid4()),  # not version 1
+        "6f1c2a3e-9d4b-4c7e-8a1f-2b3c4d5e6f70",  # not version 1 (version 4)
         "00000000-0000-1000-c000-000000000000",  # v1, Microsoft variant
         " 0075bcd-0000-1000-9402-010203040507",  # int() would take the space
         "0075bcd1-0000-1000-9402-0102030405_7",  # and the underscore
