@@ -151,6 +151,16 @@ pytest_plugins = [
 ]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, every test that uses Spark runs on one worker (`--dist loadgroup`): one JVM
+    for them all rather than one per worker, each costing some 20 s of CPU to start."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("spark"))
+
+
 @pytest.fixture(scope="session")
 def spark(gcs_server: object, s3_server: object) -> Iterator[object]:  # noqa: F811
     """One real Spark (local[2]) for every test that needs it, started after the storage

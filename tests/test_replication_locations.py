@@ -79,6 +79,9 @@ def test_a_network_of_location_processes_converges(
         wait_until(lambda n=name: len(ids(locations.events(n))) == 4, f"{name} holds 4 events")
         assert_causal_order(locations.events(name))
     app_ids = {name: ids(locations.events(name)) for name in "ABC"}
+    # gazctl prints the same events, one JSON line each (the helpers read them in-process).
+    printed = [json.loads(line) for line in locations.ok("events", "B").splitlines()]
+    assert printed == locations.events("B")
     assert set(app_ids["A"]) == set(app_ids["B"]) == set(app_ids["C"])
     assert sorted(e for e, _ in app_ids["A"]) == ["A", "A", "B", "C"]
 
@@ -88,6 +91,8 @@ def test_a_network_of_location_processes_converges(
         "B's connections caught up",
     )
     status_b = locations.status("B")
+    printed_status = json.loads(locations.ok("status", "B", "--format", "json"))
+    assert printed_status.keys() == status_b.keys() and printed_status["cvv"] == status_b["cvv"]
     assert [(c["source"], c["via"], c["state"]) for c in status_b["connections"]] == [
         ("A", "location", "replicating"),
         ("C", "location", "replicating"),
