@@ -32,7 +32,9 @@ TEST_WORKERS = os.environ.get("GAZETTE_TEST_WORKERS", "4")
 
 
 def _chooses_workers(args: list[str]) -> bool:
-    return any(a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in args)
+    return any(
+        a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in args
+    )
 
 
 def _split_marker(args: list[str]) -> tuple[list[str], str]:
@@ -62,7 +64,17 @@ def tests(session: nox.Session) -> None:
         return
     rest, expression = _split_marker(args)
     chosen = f"({expression}) and " if expression else ""
-    session.run("pytest", "-n", TEST_WORKERS, "--dist", "loadgroup", "-m", f"{chosen}not serial", *rest, success_codes=[0, 5])
+    session.run(
+        "pytest",
+        "-n",
+        TEST_WORKERS,
+        "--dist",
+        "loadgroup",
+        "-m",
+        f"{chosen}not serial",
+        *rest,
+        success_codes=[0, 5],
+    )
     # Exit code 5: nothing selected in that part (arguments that name only serial tests, or none).
     session.run("pytest", "-p", "no:xdist", "-m", f"{chosen}serial", *rest, success_codes=[0, 5])
 

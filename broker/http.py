@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 MAX_INT64 = 2**63 - 1
 PUT_CHUNK = 256 * 1024
+# Seconds that requests still open at stop get to finish before they are cancelled.
+HANDLER_STOP_TIMEOUT = 2.0
 
 _READ_STATUS = {
     pb.OK: 206,
@@ -322,7 +324,12 @@ class HTTPServers:
         return app
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # At stop, requests still open get HANDLER_STOP_TIMEOUT to finish, then are cancelled:
+        # a blocking gateway read ends only with new content, and aiohttp's default (60 s)
+        # outlasts any supervisor's patience, which then kills the broker mid-flush.
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=HANDLER_STOP_TIMEOUT
+        )
         await runner.setup()
         self._runners.append(runner)
         context = self.tls.ssl_context() if self.tls.enabled else None

@@ -16,8 +16,8 @@ from broker.client import JournalsClient
 from broker.client.appender import append
 from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
-from broker.testing import EtcdServer
-from tests.conftest import BrokerProcess, start_broker_process, stop_process
+from broker.testing import EtcdServer, stop_processes
+from tests.conftest import BrokerProcess, start_broker_process
 from tests.journals_testing import journal_spec
 
 
@@ -128,5 +128,4 @@ async def test_primary_killed_during_appends(etcd_server: EtcdServer, tmp_path: 
         assert len(acked) == 60
     finally:
         await dialer.close()
-        for b in brokers:
-            stop_process(b.proc)
+        stop_processes(b.proc for b in brokers)

@@ -603,7 +603,10 @@ def test_fused_json_decode_equals_decode_then_uuid(doc: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
-        (b'{"_meta":{"uuid":"6f1c2a3e-9d4b-4c7e-8a1f-2b3c4d5e6f70"}}\n', "not a message UUID"),  # v4
+        (
+            b'{"_meta":{"uuid":"6f1c2a3e-9d4b-4c7e-8a1f-2b3c4d5e6f70"}}\n',
+            "not a message UUID",
+        ),  # v4
         (b'{"_meta":{"uuid":"nonsense"}}\n', "not a UUID"),
         (b'{"_meta":{"uuid":7}}\n', "not a UUID string"),
         (b"[1, 2]\n", "not an object"),

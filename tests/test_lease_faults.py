@@ -23,7 +23,7 @@ from broker.client.appender import append
 from broker.client.journals import dial
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import BrokerHarness, EtcdServer, stop_process
+from broker.testing import BrokerHarness, EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.journals_testing import journal_spec, set_journal, started_brokers
 from tests.test_persistence import JOURNAL, append_retrying, read_all, read_from_store, routed
@@ -76,8 +76,7 @@ def start_brokers(
                 start_broker_process(etcd_server, prefix, log, name, lease=lease, extra=extra)
             )
     except BaseException:
-        for broker in brokers:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in brokers)
         raise
     return brokers
 
@@ -131,8 +130,7 @@ async def test_a_short_etcd_outage_is_a_pause_not_a_loss(
         finally:
             await channel.close(None)
     finally:
-        for broker in brokers:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in brokers)
 
 
 async def test_a_broker_whose_lease_is_gone_persists_its_spools_before_exiting(
@@ -171,8 +169,7 @@ async def test_a_broker_whose_lease_is_gone_persists_its_spools_before_exiting(
         stored = read_from_store("file:///fragments/", cluster_dir / "store")
         assert stored == b"".join(written), logs(brokers)
     finally:
-        for broker in brokers:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in brokers)
 
 
 # ---- in-process: a broker that cannot reach etcd while etcd keeps its lease ---------------------

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker import auth
 from broker.http import HTTPConfig, HTTPServers
-from broker.testing import EtcdServer, free_port, stop_process
+from broker.testing import EtcdServer, free_port, stop_processes
 from tests.conftest import BrokerProcess, run_cli, start_broker_process
 
 KEY = b"the operations tests' key, long enough for HS256"
@@ -103,8 +103,7 @@ def ops(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
             assert r.code == 0, r.err
         yield Ops(brokers, http, debug, env)
     finally:
-        for b in brokers:
-            stop_process(b.proc)
+        stop_processes(b.proc for b in brokers)
 
 
 def test_a_scrape_parses_and_its_counters_move_with_a_workload(ops: Ops) -> None:
@@ -259,3 +258,30 @@ def test_json_logs_carry_the_journal_and_rpc(ops: Ops) -> None:
 def test_bad_http_flags_are_one_line(tmp_path: Path) -> None:
     r = run_cli("gazette", "serve", "--broker.id", "bad-http", "--broker.http-port", "99999")
     assert r.code != 0 and "--broker.http-port" in r.err and "Traceback" not in r.err
+
+
+def test_a_gateway_read_left_blocking_does_not_hold_up_a_graceful_stop(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """A blocking gateway read whose client gave up never ends by itself: on SIGTERM the broker
+    still exits by itself (status 0), instead of waiting on it until it is killed."""
+    http_port = free_port()
+    broker = start_broker_process(
+        etcd_server, f"/gazette-test/{uuid.uuid4().hex[:12]}", tmp_path / "broker.log",
+        broker_id="gateway-stop", extra=("--broker.http-port", str(http_port)),
+    )  # fmt: skip
+    try:
+        spec = "name: ops/blocked\nreplication: 1\nfragment: {length: 100000, compression_codec: NONE, refresh_interval: 1m}\n"
+        r = run_cli("gazctl", "journals", "apply", input=spec, env={"BROKER_ADDRESS": broker.address})  # fmt: skip
+        assert r.code == 0, r.err
+        blocking = {"offset": "0", "block": "true"}
+        url = f"http://127.0.0.1:{http_port}/ops/blocked"
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            httpx.stream("GET", url, params=blocking, timeout=1.0) as s,
+        ):
+            for _ in s.iter_bytes():
+                pass
+    finally:
+        status = stop_processes([broker.proc])
+    assert status == [0], (status, broker.log.read_text()[-2000:])

@@ -28,7 +28,7 @@ from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer, stop_process
+from broker.testing import EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.journals_testing import started_brokers
 
@@ -168,8 +168,7 @@ def start_brokers(
                 )
             )
     except BaseException:
-        for broker in brokers:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in brokers)
         raise
     return brokers
 
@@ -246,8 +245,7 @@ async def test_acknowledged_bytes_survive_killing_every_broker(
         finally:
             await channel.close(None)
     finally:
-        for broker in first + second:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in first + second)
 
 
 # ---- the same journal on each kind of store ---------------------------------------------------
@@ -404,8 +402,7 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
         finally:
             await channel.close(None)
     finally:
-        for broker in first + second:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in first + second)
 
 
 async def test_graceful_stop_of_every_broker_persists_and_resumes_without_reset_head(
@@ -445,5 +442,4 @@ async def test_graceful_stop_of_every_broker_persists_and_resumes_without_reset_
         finally:
             await channel.close(None)
     finally:
-        for broker in first + second:
-            stop_process(broker.proc)
+        stop_processes(broker.proc for broker in first + second)

@@ -21,8 +21,8 @@ from broker.client.reader import read
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition
 from broker.message.publisher import Publisher, Reader, read_committed, read_uncommitted
-from broker.testing import EtcdServer
-from tests.conftest import BrokerProcess, stop_process
+from broker.testing import EtcdServer, stop_processes
+from tests.conftest import BrokerProcess
 from tests.tcp_proxy import TcpProxy, host_port
 from tests.test_broker_failure import placed, start_brokers
 
@@ -131,5 +131,4 @@ async def test_retried_batch_is_duplicated_in_the_journal_but_read_once(
         assert not reader.errors
     finally:
         await dialer.close()
-        for b in brokers:
-            stop_process(b.proc)
+        stop_processes(b.proc for b in brokers)

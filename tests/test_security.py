@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker import auth
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer, stop_process
+from broker.testing import EtcdServer, stop_process, stop_processes
 from broker.tls import DevPKI, make_dev_pki
 from tests.conftest import BrokerProcess, run_cli, start_broker_process
 
@@ -148,8 +148,7 @@ def cluster(
             assert r.code == 0, r.err
         yield c
     finally:
-        for b in brokers:
-            stop_process(b.proc)
+        stop_processes(b.proc for b in brokers)
 
 
 def gazctl(c: Cluster, *args: str, input: str | None = None, **env: str) -> Any:
