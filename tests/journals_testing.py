@@ -24,6 +24,10 @@ def journal_spec(name: str, replication: int = 3, length: int = 1 << 20) -> pb.J
     return spec
 
 
+# The brokers `started_brokers` runs in this process, by etcd root (each test has its own).
+_STARTED: dict[str, list[BrokerHarness]] = {}
+
+
 async def set_journal(
     etcd: aetcd.Client, root: str, spec: pb.JournalSpec, members: list[tuple[str, str]]
 ) -> None:
@@ -45,7 +49,13 @@ async def set_journal(
         if key not in existing:
             ops.append(transactions.Put(key, b"", lease=member.lease))
     ops.extend(transactions.Delete(key) for key in existing - wanted)
-    await etcdx.txn(etcd, [], ops)
+    result = await etcdx.txn(etcd, [], ops)
+    # As upstream's setTestJournal: return once the running brokers under `root` (those of
+    # `started_brokers`) see the change, so that the test's next call finds the journal
+    # however loaded the machine is.
+    for harness in _STARTED.get(root, []):
+        if harness.broker.server is not None:
+            await harness.broker.ks.wait_for_revision(result.revision, timeout=10)
 
 
 @contextlib.asynccontextmanager
@@ -56,13 +66,18 @@ async def started_brokers(
     allocator: tests of the broker core place journals with `set_journal`."""
     options.setdefault("run_allocator", False)
     started: list[BrokerHarness] = []
+    running = _STARTED.setdefault(root, [])
     try:
         for broker_id in ids:
             harness = BrokerHarness(etcd_endpoint, root, id=broker_id, **options)
             await harness.__aenter__()
             started.append(harness)
+            running.append(harness)
         yield started
     finally:
         for harness in reversed(started):
             if harness.broker.server is not None:
                 await harness.__aexit__(None, None, None)
+            running.remove(harness)
+        if not running:
+            _STARTED.pop(root, None)
