@@ -43,6 +43,7 @@ from google.protobuf import text_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker import metrics
+from broker.client.appender import append
 from broker.fragment.fragments import content_name, digest_of
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -186,14 +187,17 @@ class Gateway:
         except (ValueError, validate.ValidationError) as exc:
             return web.Response(status=400, text=f"{exc}\n")
 
-        async def requests() -> AsyncIterator[pb.AppendRequest]:
-            yield first
+        async def body() -> AsyncIterator[bytes]:
             while chunk := await request.content.read(PUT_CHUNK):
-                yield pb.AppendRequest(content=chunk)
-            yield pb.AppendRequest()  # Commit.
+                yield chunk
 
         try:
-            answer = await self.stub.Append(requests(), metadata=self._metadata(request))
+            # As any client's append: a refusal may come while the body still streams, and the
+            # answer is then the refusal, not the failed write after it.
+            answer = await append(
+                self.stub, journal, body(), check=False, chunk_size=PUT_CHUNK,
+                metadata=self._metadata(request),
+            )  # fmt: skip
         except grpc.aio.AioRpcError as exc:
             return _rpc_error(exc)
         headers: dict[str, str] = {}

@@ -164,6 +164,26 @@ def test_nothing_secret_or_hidden_reaches_metrics_or_logs(ops: Ops) -> None:
         assert secret not in log and bad not in log and base64.b64encode(KEY).decode() not in log
 
 
+@pytest.mark.xfail(
+    reason="open defect: when the broker refuses an Append while its body still streams in, "
+    "the gRPC call sometimes ends INTERNAL ('Internal error from Core', about 1 in 8 with a "
+    "4 MiB body, 1 in 300 with one byte) instead of the refusal; found by a 2-worker run of "
+    "test_nothing_secret_or_hidden_reaches_metrics_or_logs, not yet fixed",
+    strict=False,
+)
+def test_a_refused_gateway_append_is_401_while_its_body_still_streams(ops: Ops) -> None:
+    """The broker refuses a bad token at the first message, while the gateway may still be
+    streaming the body into the call: the answer is the refusal (401), never the write's own
+    failure after it (gRPC's "Internal error from Core", a 500)."""
+    bad = jwt.encode({"cap": auth.ALL, "exp": int(time.time()) + 60}, b"not the key" * 4, algorithm="HS256")  # fmt: skip
+    body = b"x" * (4 << 20)
+    statuses = [
+        httpx.put(f"{ops.http[0]}/ops/one", content=body, headers=bearer(bad), timeout=30)
+        for _ in range(50)
+    ]
+    assert [r.status_code for r in statuses] == [401] * 50, {r.text for r in statuses}
+
+
 def test_the_http_gateway_reads_and_appends_as_upstreams(ops: Ops) -> None:
     base = ops.http[1]  # Either broker serves the gateway; it proxies as its service does.
     body = b"through the gateway\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Sequence
 
 import grpc
 
@@ -73,12 +73,14 @@ async def append(
     timeout: float | None = None,
     check: bool = True,
     chunk_size: int = CHUNK,
+    metadata: Sequence[tuple[str, str]] | None = None,
 ) -> pb.AppendResponse:
     """Append `content` to `journal` as one transaction, and return the broker's response.
 
     With `check` (the default), a non-OK status raises AppendError. Content is streamed in
     messages of at most `chunk_size` bytes; the append commits only once all of it is sent
-    (with the final empty chunk).
+    (with the final empty chunk). `metadata` goes with the call (the HTTP gateway passes on
+    its request's authorization).
     """
     first = pb.AppendRequest(
         journal=journal, offset=offset, do_not_proxy=do_not_proxy, suspend=suspend
@@ -89,7 +91,7 @@ async def append(
         first.union_registers.CopyFrom(union_registers)
     if subtract_registers is not None:
         first.subtract_registers.CopyFrom(subtract_registers)
-    call = stub.Append(timeout=timeout)
+    call = stub.Append(timeout=timeout, metadata=metadata)
     try:
         # A write fails when the broker already answered (a refusal before the content, or an
         # abort): its answer, or its error, is the call's outcome, awaited just below.
