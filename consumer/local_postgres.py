@@ -82,7 +82,7 @@ def wait_postgres_ready(
     proc: subprocess.Popen[bytes], root: Path, port: int, log: Path, timeout: float = 30.0
 ) -> None:
     deadline = time.monotonic() + timeout
-    while not (root / "data" / "postmaster.pid").exists() or not _accepts(port):
+    while not (root / "data" / "postmaster.pid").exists() or not _accepts_logins(port):
         if proc.poll() is not None:
             lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
             raise RuntimeError(f"postgres exited with status {proc.returncode}: {lines[-1]}")
@@ -93,7 +93,13 @@ def wait_postgres_ready(
         time.sleep(0.05)
 
 
-def _accepts(port: int) -> bool:
+def _accepts_logins(port: int) -> bool:
+    """Whether the server takes logins: it listens on its port before that, while it starts
+    up (and refuses them: "the database system is starting up"), so a connected socket is not
+    enough; pg_isready tells the two apart."""
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        if s.connect_ex(("127.0.0.1", port)) != 0:
+            return False
+    check = [postgres_binary("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port), "-t", "2"]
+    return subprocess.run([*check, "-U", "postgres", "-d", "postgres"], check=False).returncode == 0
