@@ -58,6 +58,10 @@ async def sums_stub(sums_broker: BrokerHarness) -> AsyncIterator[pb_grpc.Journal
         await channel.close()
 
 
+# Seconds a consumer process gets to stop gracefully before SIGKILL (see ConsumerProcesses.stop).
+STOP_TIMEOUT = 30.0
+
+
 class ConsumerProcesses:
     """Consumer processes of an example (`example`: its command line, `app_args`: its own
     flags) by id, each started (again) on its own port, and stopped by pid."""
@@ -132,7 +136,10 @@ class ConsumerProcesses:
         self.procs[consumer_id].wait()
 
     def stop(self, consumer_id: str) -> int:
-        return stop_process(self.procs[consumer_id])
+        """SIGTERM, and SIGKILL only past the bound of a graceful stop: the drain (5 s here),
+        the gRPC grace (5 s), and the lease revocation and etcd close (5 s each at most), with
+        the shards' final commits between (a 10 s bound killed a hand-off under load)."""
+        return stop_process(self.procs[consumer_id], timeout=STOP_TIMEOUT)
 
     def stop_all(self) -> list[int]:
-        return [stop_process(proc) for proc in self.procs.values()]
+        return [stop_process(proc, timeout=STOP_TIMEOUT) for proc in self.procs.values()]
