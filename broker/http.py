@@ -42,7 +42,7 @@ from aiohttp import web
 from google.protobuf import text_format
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from broker import metrics
+from broker import auth, metrics
 from broker.client.appender import append
 from broker.fragment.fragments import content_name, digest_of
 from broker.protocol import protocol_pb2 as pb
@@ -105,9 +105,12 @@ class HTTPConfig:
 class Gateway:
     """Upstream's HTTP gateway over the broker's own Journal service (a gRPC channel to it)."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, verifier: auth.Verifier | None = None) -> None:
         self.channel = channel
         self.stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        # The broker's own verifier: a PUT whose token it refuses is answered before the body
+        # streams into a call (a refusal mid-stream can end the call INTERNAL, not UNAUTHENTICATED).
+        self.verifier = verifier or auth.NoopVerifier()
 
     @staticmethod
     def _metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
@@ -186,6 +189,11 @@ class Gateway:
             validate.validate_append_request(first)
         except (ValueError, validate.ValidationError) as exc:
             return web.Response(status=400, text=f"{exc}\n")
+
+        try:
+            self.verifier.verify(self._metadata(request), auth.APPEND)
+        except auth.Unauthenticated as exc:
+            return web.Response(status=401, text=f"{exc}\n")
 
         async def body() -> AsyncIterator[bytes]:
             while chunk := await request.content.read(PUT_CHUNK):

@@ -240,7 +240,7 @@ class Broker:
             name=f"broker {self.config.zone}/{self.config.id}",
             host=self.config.bind_host(),
             tls=self.config.server_tls,
-            gateway=Gateway(channel),
+            gateway=Gateway(channel, self.service.verifier if self.service else None),
         )
         await self.http.start()
 

@@ -164,13 +164,6 @@ def test_nothing_secret_or_hidden_reaches_metrics_or_logs(ops: Ops) -> None:
         assert secret not in log and bad not in log and base64.b64encode(KEY).decode() not in log
 
 
-@pytest.mark.xfail(
-    reason="open defect: when the broker refuses an Append while its body still streams in, "
-    "the gRPC call sometimes ends INTERNAL ('Internal error from Core', about 1 in 8 with a "
-    "4 MiB body, 1 in 300 with one byte) instead of the refusal; found by a 2-worker run of "
-    "test_nothing_secret_or_hidden_reaches_metrics_or_logs, not yet fixed",
-    strict=False,
-)
 def test_a_refused_gateway_append_is_401_while_its_body_still_streams(ops: Ops) -> None:
     """The broker refuses a bad token at the first message, while the gateway may still be
     streaming the body into the call: the answer is the refusal (401), never the write's own
