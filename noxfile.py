@@ -64,17 +64,8 @@ def tests(session: nox.Session) -> None:
         return
     rest, expression = _split_marker(args)
     chosen = f"({expression}) and " if expression else ""
-    session.run(
-        "pytest",
-        "-n",
-        TEST_WORKERS,
-        "--dist",
-        "loadgroup",
-        "-m",
-        f"{chosen}not serial",
-        *rest,
-        success_codes=[0, 5],
-    )
+    parallel = ["-n", TEST_WORKERS, "--dist", "loadgroup", "-m", f"{chosen}not serial"]
+    session.run("pytest", *parallel, *rest, success_codes=[0, 5])
     # Exit code 5: nothing selected in that part (arguments that name only serial tests, or none).
     session.run("pytest", "-p", "no:xdist", "-m", f"{chosen}serial", *rest, success_codes=[0, 5])
 

@@ -11,14 +11,7 @@ from collections.abc import Iterable
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
     """Stop `proc` (SIGTERM; SIGKILL after `timeout` seconds) and return its exit status."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
+    return stop_processes([proc], timeout)[0]
 
 
 def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 10) -> list[int]:
