@@ -24,7 +24,7 @@ from gazctl.journals import file_root_option
 from replication import registry
 from replication.rpc import Document, LocationClient, LocationError
 from replication.server import read_reply
-from replication.system import change_document, change_from
+from replication.system import change_document, topology_of_documents
 from replication.topology import (
     Change,
     Connected,
@@ -115,12 +115,14 @@ class Network:
             raise UserError(str(exc)) from None
 
     async def change(self, change: Change, at: Sequence[str]) -> None:
-        """Check `change` at every location of `at`, then record it at each."""
+        """Check `change` at every location of `at`, then record it at each as one command: in
+        the order etcd gives it among all topology changes."""
         body = change_document(change)
         for name in at:
             await self.call(name, "Change", change=body)
+        op = await registry.issue_op(self.etcd, self.prefix, body)
         for name in at:
-            await self.call(name, "Change", change=body, record=True)
+            await self.call(name, "Change", change=body, record=True, op=op)
 
 
 def _vector(document: Any) -> str:
@@ -280,7 +282,7 @@ async def _current(net: Network, at: str) -> dict[tuple[str, str], str]:
 
 
 def _view(status: Document) -> Topology:
-    return Topology.of(change_from(d) for d in status["history"])
+    return topology_of_documents(status["history"])
 
 
 @replication.command("disconnect")

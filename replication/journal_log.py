@@ -67,7 +67,7 @@ from replication.records import (
     record_line,
     split_records,
 )
-from replication.system import change_document, change_from, change_of
+from replication.system import change_from, key_from, keyed_change_of, keyed_document
 from replication.topology import Topology
 from replication.vclock import VectorClock
 
@@ -455,7 +455,11 @@ class JournalEventLog(_LogVectors):
         if raw.emitter == self.location:
             self.local_time = max(self.local_time, raw.ts.get(self.location, 0))
         if raw.is_system:
-            self.topology.apply(change_of(raw.event()))
+            self._fold_system(raw)
+
+    def _fold_system(self, raw: RawEvent) -> None:
+        key, change = keyed_change_of(raw.event())
+        self.topology.apply(change, key)
 
     def _fold(self, record: Mapping[str, Any]) -> None:
         self._fold_vectors(record)
@@ -476,9 +480,10 @@ class JournalEventLog(_LogVectors):
                 self.progress[source] = max(self.progress.get(source, 0), int(seq))
             for source, cvv in dict(record["cached_cvv"]).items():
                 self.cached_cvv.setdefault(source, VectorClock.from_json(cvv, field="checkpoint"))
-            history = [change_from(c, "checkpoint.history") for c in record["history"]]
-            if len(history) > len(self.topology.history):
-                self.topology = Topology.of(history)
+            for i, c in enumerate(record["history"]):
+                # A checkpoint written before changes had keys holds them in the order folded.
+                key = key_from(c, "checkpoint.history") or (0, -1, "", i)
+                self.topology.apply(change_from(c, "checkpoint.history"), key)
 
     @property
     def name(self) -> str:
@@ -532,7 +537,7 @@ class JournalEventLog(_LogVectors):
             "cvv": self._cvv, "dvv": self.dvv.to_json(), "deleted_through": self.deleted_through,
             "progress": self.progress,
             "cached_cvv": {k: v.to_json() for k, v in self.cached_cvv.items()},
-            "history": [change_document(c) for c in self.topology.history],
+            "history": [keyed_document(k, c) for k, c in self.topology.keyed()],
         })  # fmt: skip
 
     def _take(self, raw: RawEvent) -> tuple[int, bytes]:
@@ -541,7 +546,7 @@ class JournalEventLog(_LogVectors):
         self.next_seq += 1
         self._raise_cvv(raw.ts)
         if raw.is_system:
-            self.topology.apply(change_of(raw.event()))
+            self._fold_system(raw)
         return seq, raw.line(seq)
 
     async def _stage(self, lines: Sequence[bytes]) -> Awaitable[Any]:
@@ -586,7 +591,7 @@ class JournalEventLog(_LogVectors):
         merge_stamps(stamps, self._cvv)
         self._cvv_clock = None
         for raw in systems:
-            self.topology.apply(change_of(raw.event()))
+            self._fold_system(raw)
         progress = record_line(
             {"kind": "progress", "source": batch.source, "seq": through,
              "cvv": batch.source_cvv.to_json()}

@@ -8,6 +8,7 @@ argument INVALID_ARGUMENT, an unknown location NOT_FOUND; each with one line tha
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -104,6 +105,9 @@ class LocationClient:
         try:
             reply: bytes = await stub(body, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
+            task = asyncio.current_task()
+            if exc.code() == grpc.StatusCode.CANCELLED and task is not None and task.cancelling():
+                raise asyncio.CancelledError() from None  # Ours, not the peer's: a cancellation.
             detail = (exc.details() or "").split("\n")[0]
             raise LocationError(self.location, exc.code(), detail) from None
         return reply

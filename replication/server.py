@@ -55,7 +55,15 @@ from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
 from replication.location import EventFilter, check_fail_over
 from replication.rpc import SERVICE, Document, LocationClient, LocationError, generic_handler
-from replication.system import change_document, change_from, passes, system_payload
+from replication.system import (
+    change_document,
+    change_from,
+    key_from,
+    keyed_document,
+    passes,
+    system_payload,
+    topology_of_documents,
+)
 from replication.topology import (
     Connected,
     Disconnected,
@@ -63,7 +71,6 @@ from replication.topology import (
     Filtered,
     Retired,
     RuleViolation,
-    Topology,
 )
 from replication.vclock import VectorClock, lub
 
@@ -88,6 +95,15 @@ class StartError(RuntimeError):
 class WriterFailed(RuntimeError):
     """The location's writer failed an append (another process took the log: this one is a
     zombie, fenced out), so this process stops serving it."""
+
+
+def _raise_if_cancelling(exc: BaseException) -> None:
+    """Re-raise the cancellation of the current task if one is under way: a call that ends in
+    the same moment as its task is cancelled can surface as its own error (a gRPC call as
+    CANCELLED), and a loop that took it for a failure would go on as a zombie."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from exc
 
 
 def _writer_failure(name: str, exc: AppendError) -> str:
@@ -466,6 +482,7 @@ class LocationServer:
                     elif not entry.endpoint:
                         await asyncio.sleep(_RETRY)  # The source's journal, polled.
             except AppendError as exc:
+                _raise_if_cancelling(exc)
                 self.failure = _writer_failure(self.name, exc)
                 self._failed.set()
                 return
@@ -473,6 +490,7 @@ class LocationServer:
                 LocationError, BrokerUnavailable, ReadError, grpc.aio.AioRpcError,
                 registry.UnknownLocation, ValueError,
             ) as exc:  # fmt: skip
+                _raise_if_cancelling(exc)
                 # The source unreachable, its journal gone or made anew: read it afresh.
                 direct, entry = None, None
                 state.state, state.error = "retrying", str(exc).split("\n")[0]
@@ -557,7 +575,7 @@ class LocationServer:
             "progress": dict(lg.progress),
             "cached_cvv": {s: c.to_json() for s, c in lg.cached_cvv.items()},
             "connections": [c.document(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
-            "history": [change_document(c) for c in view.history],
+            "history": [keyed_document(k, c) for k, c in view.keyed()],
             "retired": sorted(view.retired), "lost": self.lost, "prunable_before": prunable,
         }  # fmt: skip
 
@@ -606,7 +624,12 @@ class LocationServer:
         as a system event here)."""
         assert self.log is not None
         change = change_from(request.get("change"))
+        op = request.get("op")  # The command's order, issued by etcd (None: issued here).
+        key = key_from({"op": op}, "op") if op is not None else None
         view = self.log.topology
+        if key is not None and key in view.changes:
+            # This command is recorded here already (it arrived by replication from the other end).
+            return {"change": change_document(change), "recorded": False}
         if isinstance(change, Retired):
             names = [change.location]
         elif isinstance(change, FailedOver):
@@ -624,10 +647,12 @@ class LocationServer:
             in_effect = key not in view.current and key in view.ever
         else:
             in_effect = key in view.current and view.current[key] == change.filter
-        if in_effect:
-            # Recorded here already (it may have arrived by replication from the other end).
+        if in_effect and key is None:
+            # In effect here already: nothing to record.
             return {"change": change_document(change), "recorded": False}
-        if isinstance(change, FailedOver):
+        if in_effect:
+            pass  # The command was checked where it was made; here it only keeps its order.
+        elif isinstance(change, FailedOver):
             parse_filter(change.filter)
             view.check_fail_over(change.previous, change.source, change.target, change.filter)
             if change.target == self.name:  # The rule of the cached CVV, checked here.
@@ -648,7 +673,9 @@ class LocationServer:
         elif isinstance(change, Disconnected) and key not in view.current:
             raise RuleViolation(f"{change.source} -> {change.target} is not connected")
         if request.get("record"):
-            await self.log.emit([system_payload(change)])
+            if op is None:
+                op = await registry.issue_op(self._etcd_client(), self.config.prefix, change_document(change))  # fmt: skip
+            await self.log.emit([system_payload(change, op)])
             self._topology_changed.set()
         return {"change": change_document(change), "recorded": bool(request.get("record"))}
 
@@ -719,7 +746,7 @@ class LocationServer:
             )
         neighbours = []
         for other in others:
-            view = Topology.of(change_from(d) for d in other.status["history"])
+            view = topology_of_documents(other.status["history"])
             if (other.name, self.name) in view.current or (self.name, other.name) in view.current:
                 neighbours.append((other, view))
         if not neighbours:

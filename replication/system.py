@@ -3,9 +3,11 @@
 A connection change, a filter change or a retirement is emitted as an event at the location that
 makes it (payload `{"system": {...}}`), and replicated like any other event; replication filters
 never drop system events. Every location folds the system events of its own log, in storage
-order, into the topology view, so all locations build the same view of the network's history,
-eventually (storage order is a linear extension of causality, so a change is never seen before
-what it depends on)."""
+order, into the topology view. A change made by an operator command carries the command's
+order (`op`, an etcd revision): one command recorded at both ends of a connection is one change,
+and the view folds changes in that order, not in the order they arrived, so all locations build
+the same view of the network's history, eventually, whatever order replication brought the
+events in (see `replication.topology`)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,10 @@ from replication.topology import (
     Disconnected,
     FailedOver,
     Filtered,
+    OpKey,
     Retired,
     Topology,
+    command_key,
 )
 
 __all__ = [
@@ -28,32 +32,64 @@ __all__ = [
     "change_from",
     "change_of",
     "is_system",
+    "key_from",
+    "keyed_change_of",
+    "keyed_document",
     "passes",
     "system_payload",
     "topology_of",
+    "topology_of_documents",
 ]
 
 
-def system_payload(change: Change) -> dict[str, Any]:
-    """The payload of the system event recording `change`."""
-    return {"system": change_document(change)}
+def system_payload(change: Change, op: int | None = None) -> dict[str, Any]:
+    """The payload of the system event recording `change`, made by the operator command etcd
+    ordered at revision `op` (None: a change without one, ordered by its event's timestamp)."""
+    return {"system": change_document(change, op)}
 
 
-def change_document(change: Change) -> dict[str, Any]:
+def change_document(change: Change, op: int | None = None) -> dict[str, Any]:
     """A change as JSON (in a system event, a checkpoint, the Location service)."""
+    body: dict[str, Any]
     if isinstance(change, Retired):
-        return {"type": "retired", "location": change.location}
-    if isinstance(change, FailedOver):
-        return {"type": "failed-over", "previous": change.previous, "source": change.source,
+        body = {"type": "retired", "location": change.location}
+    elif isinstance(change, FailedOver):
+        body = {"type": "failed-over", "previous": change.previous, "source": change.source,
                 "target": change.target, "filter": change.filter}  # fmt: skip
-    body: dict[str, Any] = {"source": change.source, "target": change.target}
-    if isinstance(change, Connected):
-        body |= {"type": "connected", "filter": change.filter}
-    elif isinstance(change, Disconnected):
-        body |= {"type": "disconnected"}
     else:
-        body |= {"type": "filtered", "filter": change.filter}
+        body = {"source": change.source, "target": change.target}
+        if isinstance(change, Connected):
+            body |= {"type": "connected", "filter": change.filter}
+        elif isinstance(change, Disconnected):
+            body |= {"type": "disconnected"}
+        else:
+            body |= {"type": "filtered", "filter": change.filter}
+    if op is not None:
+        body["op"] = op
     return body
+
+
+def keyed_document(key: OpKey, change: Change) -> dict[str, Any]:
+    """A change and its key as JSON (a checkpoint's history, the Location service's)."""
+    return change_document(change) | {"key": list(key)}
+
+
+def key_from(body: Any, what: str = "change") -> OpKey | None:
+    """The key a change's JSON carries (`key`, or a command's `op`), or None."""
+    if not isinstance(body, Mapping):
+        return None
+    try:
+        if "key" in body:
+            rev, total, emitter, time = body["key"]
+            return (int(rev), int(total), str(emitter), int(time))
+        if "op" in body:
+            op = body["op"]
+            if isinstance(op, bool) or not isinstance(op, int) or op < 1:
+                raise ValueError(op)
+            return command_key(op)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what}: not a change's order ({exc})") from None
+    return None
 
 
 def is_system(event: Event) -> bool:
@@ -86,9 +122,29 @@ def change_from(body: Any, what: str = "change") -> Change:
         raise ValueError(f"{what}: not a topology change ({exc})") from None
 
 
+def keyed_change_of(event: Event) -> tuple[OpKey, Change]:
+    """The change a system event records, and its place in the history: its command's order, or
+    (for a change made without one) its timestamp's sum, emitter and time."""
+    change = change_of(event)
+    key = key_from(event.payload.get("system"), f"system event {event.id}")
+    if key is None:
+        ts = event.timestamp.to_json()
+        key = (0, sum(ts.values()), event.emitter, ts.get(event.emitter, 0))
+    return key, change
+
+
+def topology_of_documents(history: Iterable[Any]) -> Topology:
+    """The view of a history as JSON (a location's Status): keyed changes, or changes in order."""
+    out = Topology()
+    for i, body in enumerate(history):
+        key = key_from(body, "history") or (0, -1, "", i)
+        out.apply(change_from(body, "history"), key)
+    return out
+
+
 def topology_of(events: Iterable[Event]) -> Topology:
-    """The view of the system events among `events`, in their order."""
-    return Topology.of(change_of(e) for e in events if is_system(e))
+    """The view of the system events among `events` (in any order: the view is the same)."""
+    return Topology.of(keyed_change_of(e) for e in events if is_system(e))
 
 
 def passes(replication_filter: EventFilter | None) -> EventFilter | None:

@@ -2,7 +2,11 @@
 "Replication network history" and "Global topology view").
 
 Connection changes, filter changes and retirements are system events; every location folds the
-same history into the same view, eventually. The *projected history* is the network of every
+same history into the same view, eventually. The view is a convergent replicated data type: each
+change carries the order of the operator command that made it (`OpKey`, issued by etcd), one
+command recorded at several locations is one change, and the view is the fold of its changes in
+that order, whatever order they arrived in. Any two locations holding the same set of changes
+hold the same view; for a connection, the latest command wins. The *projected history* is the network of every
 connection that ever existed between locations not retired, as undirected links (a
 bi-directional pair is one link; cycles need three or more locations). A link lies on a cycle of
 the projected history when removing it leaves its two ends connected. A connection that was ever
@@ -26,6 +30,7 @@ __all__ = [
     "Disconnected",
     "FailedOver",
     "Filtered",
+    "OpKey",
     "Retired",
     "RuleViolation",
     "Topology",
@@ -80,6 +85,13 @@ class FailedOver:
 
 Change = Connected | Disconnected | Filtered | Retired | FailedOver
 
+# The order of a change in the history: (etcd revision of the operator command, then, for a
+# change recorded without one, the sum of its event's vector timestamp, its emitter and the
+# emitter's time). Every location gives one change the same key; keys sort commands in the order
+# etcd issued them, and changes without a command in an order consistent with causality (a
+# timestamp's sum grows along every causal chain), ahead of every command's.
+OpKey = tuple[int, int, str, int]
+
 
 def _link(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a < b else (b, a)
@@ -103,27 +115,74 @@ def _path(neighbours: Mapping[str, set[str]], a: str, b: str) -> list[str] | Non
     return None
 
 
+def command_key(revision: int) -> OpKey:
+    """The key of a change made by the operator command etcd ordered at `revision`."""
+    return (revision, 0, "", 0)
+
+
 @dataclass
 class Topology:
-    """The view of a replication network built from its history of changes."""
+    """The view of a replication network built from its history of changes: a set of keyed
+    changes, folded in key order."""
 
-    history: list[Change] = field(default_factory=list)
+    changes: dict[OpKey, Change] = field(default_factory=dict)
     current: dict[tuple[str, str], str] = field(default_factory=dict)  # (source, target): filter
     ever: set[tuple[str, str]] = field(default_factory=set)  # Every connection that existed.
     ever_filtered: set[tuple[str, str]] = field(default_factory=set)
     retired: set[str] = field(default_factory=set)
     locations: set[str] = field(default_factory=set)
+    _last: OpKey | None = None  # The greatest key folded.
 
     @staticmethod
-    def of(history: Iterable[Change]) -> Topology:
+    def of(history: Iterable[Change | tuple[OpKey, Change]]) -> Topology:
+        """The view of `history`: keyed changes, or plain ones taken as commands in order."""
         view = Topology()
-        for change in history:
-            view.apply(change)
+        for item in history:
+            if isinstance(item, tuple):
+                view.apply(item[1], item[0])
+            else:
+                view.apply(item)
         return view
 
-    def apply(self, change: Change) -> None:
-        """Fold one change in (no rule checked: the history is what happened)."""
-        self.history.append(change)
+    @property
+    def history(self) -> list[Change]:
+        """Every change, in the order the view folds them."""
+        return [self.changes[k] for k in sorted(self.changes)]
+
+    def keyed(self) -> list[tuple[OpKey, Change]]:
+        return sorted(self.changes.items())
+
+    def next_key(self) -> OpKey:
+        """A key after every change held (for a change not yet ordered by etcd: a check)."""
+        return command_key(max((k[0] for k in self.changes), default=0) + 1)
+
+    def state(self) -> tuple[object, ...]:
+        """What two views must agree on to be the same view."""
+        return (
+            self.keyed(), self.current, self.ever, self.ever_filtered, self.retired,
+            self.locations,
+        )  # fmt: skip
+
+    def apply(self, change: Change, key: OpKey | None = None) -> bool:
+        """Fold one change in at its key (no rule checked: the history is what happened);
+        False if the view holds that change already (recorded at another location too)."""
+        if key is None:
+            key = self.next_key()
+        if key in self.changes:
+            return False
+        self.changes[key] = change
+        if self._last is None or key > self._last:
+            self._last = key
+            self._fold(change)
+            return True
+        # It sorts before changes folded already: fold the whole history again, in key order.
+        self.current, self.ever, self.ever_filtered = {}, set(), set()
+        self.retired, self.locations = set(), set()
+        for _, each in self.keyed():
+            self._fold(each)
+        return True
+
+    def _fold(self, change: Change) -> None:
         if isinstance(change, Retired):
             self.retired.add(change.location)
             for key in [k for k in self.current if change.location in k]:
@@ -252,7 +311,7 @@ class Topology:
             if (source, target) in self.current
             else Connected(source, target, text)
         )
-        Topology.of([*self.history, change])._check(source, target, filter is not None)
+        self._with(change)._check(source, target, filter is not None)
 
     def check_fail_over(self, previous: str, source: str, target: str, filter: str) -> None:
         """May the filtered connection previous -> target switch to source -> target (the
@@ -268,14 +327,18 @@ class Topology:
         if (source, target) in self.current:
             raise RuleViolation(f"{source} -> {target} is connected already")
         change = FailedOver(previous, source, target, filter)
-        Topology.of([*self.history, change])._check(source, target)
+        self._with(change)._check(source, target)
 
     def check_connect(self, source: str, target: str, filter: str = "") -> None:
         """May replication source -> target begin, with this filter (or none)?"""
         self.check_location(source, target)
         if source == target:
             raise RuleViolation(f"{source} -> {target}: a location does not replicate to itself")
-        Topology.of([*self.history, Connected(source, target, filter)])._check(source, target)
+        self._with(Connected(source, target, filter))._check(source, target)
+
+    def _with(self, change: Change) -> Topology:
+        """This view with `change` made next."""
+        return Topology.of([*self.keyed(), (self.next_key(), change)])
 
     def validate(self) -> None:
         """Whether the view as it is keeps the rules (RuleViolation naming one that breaks)."""

@@ -193,3 +193,29 @@ async def test_register_checks_and_barriers_go_in_order_and_a_mismatch_is_not_re
     assert await read_all(brokers[1], "svc/reg") == (
         b"one\ntwo\nthree\nfour\nseven\n" + b"eight\n" * 3
     )
+
+
+async def test_a_writer_cancelled_while_it_waits_leaves_the_batch_to_the_others(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    # Two records in one batch; the task waiting for the first is cancelled before the batch
+    # commits. The batch is not the cancelled task's alone: it still commits, and the second
+    # record's writer learns where its record landed (not CancelledError for a record that
+    # was appended, which a retry would store twice).
+    await set_journal(
+        etcd, etcd_prefix, journal_spec("svc/cancel", replication=2), [("local", i) for i in IDS]
+    )
+    async with AppendService(stub(brokers[0])) as service:
+        first = await service.write("svc/cancel", b"one\n")
+        second = await service.write("svc/cancel", b"two\n")
+        assert first.batch is second.batch
+        waiter = asyncio.ensure_future(first)
+        await asyncio.sleep(0)  # It waits on the batch now.
+        assert not first.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        span = await second
+        assert not first.batch.cancelled()
+        assert (await first).end == span.begin
+    assert await read_all(brokers[0], "svc/cancel") == b"one\ntwo\n"

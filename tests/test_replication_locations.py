@@ -292,12 +292,6 @@ def test_recovery_waits_for_every_location_that_may_hold_its_events(
     assert f"A: {seen_by_c + 1}" in out
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent: B sometimes does not catch up with A within 30 s after `connect A B` "
-    "(2 of 4 CI runs in session 11, never in 8 runs alone: about 10 s); a defect of the "
-    "connection's restart, not yet found",
-)
 def test_a_filtered_connection_fails_over_once_the_new_source_has_caught_up(
     location_broker: BrokerProcess, locations: LocationProcesses
 ) -> None:

@@ -101,7 +101,8 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 class PendingSpan(NamedTuple):
     """Where a written record will land: await it for its `Span` once its batch commits (or
     for the batch's error). `done()` says whether it is settled. It is awaitable any number of
-    times, and `asyncio.gather` and `asyncio.wait_for` take it."""
+    times, and `asyncio.gather` and `asyncio.wait_for` take it; cancelling a waiter cancels the
+    wait, never the batch."""
 
     journal: str
     batch: asyncio.Future[int]
@@ -109,7 +110,9 @@ class PendingSpan(NamedTuple):
     length: int
 
     def __await__(self) -> Generator[Any, None, Span]:
-        begin = yield from self.batch.__await__()
+        # Shielded: the batch is every writer's in it, so a waiter cancelled (a client gone, a
+        # connection stopped) must not cancel it for the others, whose records it appends.
+        begin = yield from asyncio.shield(self.batch).__await__()
         at = begin + self.offset
         return Span(self.journal, at, at + self.length)
 

@@ -1,0 +1,106 @@
+"""A location's process in this test's own event loop (`LocationServer`), for the states of its
+connection loop that a test cannot reach through a separate process: a peer's call that ends
+as the connection is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from broker.testing import EtcdServer
+from replication.journals import apply_location_journals
+from replication.server import LocationConfig, LocationServer
+from replication.system import change_document
+from replication.topology import Connected, Disconnected
+from tests.conftest import BrokerProcess
+
+
+@contextlib.asynccontextmanager
+async def serving(config: LocationConfig) -> AsyncIterator[LocationServer]:
+    server = LocationServer(config)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    async with asyncio.TaskGroup() as tasks:
+        task = tasks.create_task(server.run(stop, ready))
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        try:
+            yield server
+        finally:
+            stop.set()
+
+
+class EndsAsAnErrorWhenCancelled:
+    """A peer's client whose Read, cancelled while it waits, ends with the call's CANCELLED
+    status rather than the cancellation, as a gRPC call can when it completes in the same
+    moment: the race, made certain."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.cancelled_reads = 0
+
+    async def call_raw(self, method: str, **body: Any) -> bytes:
+        try:
+            reply: bytes = await self.inner.call_raw(method, **body)
+            return reply
+        except asyncio.CancelledError:
+            if method != "Read" or self.cancelled_reads:
+                raise  # Once is the race; a test that fails must still stop.
+            self.cancelled_reads += 1
+            md = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, md, md, "Locally cancelled") from None  # fmt: skip
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def record(server: LocationServer, change: Any) -> None:
+    await server.change({"change": change_document(change), "record": True})
+
+
+def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_effect(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    async def go() -> None:
+        await apply_location_journals(location_broker.address, "A", "B")
+
+        def config(name: str) -> LocationConfig:
+            return LocationConfig(name, location_broker.address, etcd_server.endpoint,
+                                  prefix=etcd_prefix + "/replication", lease=2)  # fmt: skip
+
+        async with serving(config("A")) as a, serving(config("B")) as b:
+            ask = b._ask
+            wrapped: dict[str, EndsAsAnErrorWhenCancelled] = {}
+
+            def patched(entry: Any) -> Any:
+                if entry.endpoint not in wrapped:
+                    wrapped[entry.endpoint] = EndsAsAnErrorWhenCancelled(ask(entry))
+                return wrapped[entry.endpoint]
+
+            b._ask = patched  # type: ignore[method-assign]
+            for server in (b, a):
+                await record(server, Connected("A", "B"))
+            await a.emit({"payloads": [{"n": 1}]})
+            async with asyncio.timeout(30):
+                while b.log is None or b.log.progress.get("A", 0) < 2:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)  # B's connection waits in a blocking Read of A now.
+            for server in (b, a):
+                await record(server, Disconnected("A", "B"))
+            async with asyncio.timeout(10):  # The connection stops; the loop goes on.
+                while "A" in b.connections:
+                    await asyncio.sleep(0.05)
+            assert sum(w.cancelled_reads for w in wrapped.values()) >= 1
+            # And the loop still follows the topology: a new connection starts.
+            for server in (b, a):
+                await record(server, Connected("A", "B"))
+            await a.emit({"payloads": [{"n": 2}]})
+            async with asyncio.timeout(30):
+                while b.log.progress.get("A", 0) < 5:
+                    await asyncio.sleep(0.05)
+
+    asyncio.run(go())
