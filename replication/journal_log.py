@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.client.append_service import AppendService, Registers
+from broker.client.append_service import AppendService, PendingSpan, Registers
 from broker.client.reader import read_retrying
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -494,24 +494,29 @@ class JournalEventLog(_LogVectors):
         to (at least) `floor`, the least upper bound of their DVVs (a `joined` record), so that
         the start rule DVV-neighbour <= CVV-here holds at once."""
         record = {"kind": "joined", "floor": floor.to_json()}
-        await self._append([record_line(record)])
+        await self._room()
+        await self._queue([record_line(record)])
         self._fold_vectors(record)
 
     async def set_local_time(self, time: int) -> None:
         """Metadata recovery: the local clock set ahead to `time` (never back)."""
+        await self._room()
         if time > self.local_time:
-            await self._append([record_line({"kind": "local-time", "time": time})])
-            self.local_time = time
+            commit = self._queue([record_line({"kind": "local-time", "time": time})])
+            self.local_time = time  # Staged: no emit after it reuses a time below it.
+            await commit
 
     async def reset_progress(self, source: str, seq: int) -> None:
         """Metadata recovery of `source`: its progress here set back to its last surviving
         sequence number (0 if it lost everything), so its new events are read again."""
+        await self._room()
         cvv = self.cached_cvv.get(source, VectorClock())
-        await self._append(
+        commit = self._queue(
             [record_line({"kind": "progress", "source": source, "seq": seq, "reset": True,
                           "cvv": cvv.to_json()})]
         )  # fmt: skip
         self.progress[source] = seq
+        await commit
 
     async def delete(self, through_seq: int, neighbours: Sequence[Vectors]) -> VectorClock:
         """Delete every event through `through_seq`, if afterwards DVV ≤ CVV-i for every
@@ -521,11 +526,12 @@ class JournalEventLog(_LogVectors):
         doomed = await reader.raw_after(self.deleted_through, 1 << 30)
         dvv = self.dvv.merge(*(VectorClock(r.ts) for r in doomed if r.seq <= through_seq))
         check_deletion(self.location, through_seq, dvv, neighbours)
+        await self._room()
         deleted = record_line({"kind": "deleted", "through": through_seq, "dvv": dvv.to_json()})
         self.deleted_through = max(self.deleted_through, through_seq)
         self.dvv = dvv
         checkpoint = self._checkpoint()
-        span = await (await self._stage([deleted, checkpoint]))
+        span = await self._queue([deleted, checkpoint])
         self.checkpoint_offset = span.end - len(checkpoint)
         return dvv
 
@@ -549,9 +555,17 @@ class JournalEventLog(_LogVectors):
             self._fold_system(raw)
         return seq, raw.line(seq)
 
-    async def _stage(self, lines: Sequence[bytes]) -> Awaitable[Any]:
-        """Queue an append of `lines` (in order after every earlier one); its commit."""
-        commit = await self.service.write(self.journal, b"".join(lines), self._check)
+    async def _room(self) -> None:
+        """Wait while the append service holds too much for this log: before a change of state
+        is staged, never between the two (a write that waited after staging could be overtaken
+        by a later one, storing an event before its causes)."""
+        await self.service.room(self.journal)
+
+    def _queue(self, lines: Sequence[bytes]) -> PendingSpan:
+        """Queue an append of `lines` (in order after every earlier one) at once; its commit.
+        Callers wait for `_room` first, and stage their state and queue without awaiting in
+        between."""
+        commit = self.service.write_now(self.journal, b"".join(lines), self._check)
         commit.batch.add_done_callback(self._committed)
         return commit
 
@@ -560,18 +574,16 @@ class JournalEventLog(_LogVectors):
             self._grown.set()
             self._grown = None
 
-    async def _append(self, lines: Sequence[bytes]) -> None:
-        await (await self._stage(lines))
-
     async def emit(self, payloads: Sequence[Mapping[str, Any]]) -> list[Event]:
         """New events, each causally after everything stored before it, in one append."""
+        await self._room()
         events, lines = [], []
         for payload in payloads:
             self.local_time = max(self.local_time, self._cvv.get(self.location, 0)) + 1
             event = Event(self.location, self.cvv.set(self.location, self.local_time), payload)
             events.append(event)
             lines.append(self._take(encode_event(0, event))[1])
-        await self._append(lines)
+        await self._queue(lines)
         return events
 
     async def stage_lines(
@@ -583,6 +595,7 @@ class JournalEventLog(_LogVectors):
         timestamp restricted to the group is not <= the CVV, and the progress before it. This
         log's state (CVV, sequence numbers, progress) moves on at once; appends commit in
         order."""
+        await self._room()
         lines, stamps, systems, stopped = _pass_events(
             batch.data, self._cvv, keep, self.next_seq, group
         )
@@ -598,7 +611,7 @@ class JournalEventLog(_LogVectors):
         )  # fmt: skip
         self.progress[batch.source] = max(self.progress.get(batch.source, 0), through)
         self.cached_cvv[batch.source] = batch.source_cvv
-        return lines, await self._stage([*lines, progress])
+        return lines, self._queue([*lines, progress])
 
     async def write_lines(
         self, batch: LineBatch, keep: EventFilter | None = None, group: Collection[str] = ()

@@ -5,6 +5,7 @@ stored twice), storage order a linear extension of causality."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -220,3 +221,29 @@ async def test_disaster_recovery_on_journals_in_rounds(
         assert [s.event.id for s in await replicate_journals(
             "A4", journals["A4-after-disaster"], b
         )] == [("A4", 4)]  # fmt: skip
+
+
+async def test_a_write_held_by_back_pressure_is_not_overtaken(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub
+) -> None:
+    # The service has too much pending (its room closed) when A emits: that emit must wait for
+    # room before it takes its sequence number and moves the CVV on, or an emit that comes in
+    # just as room opens overtakes it: sequence numbers out of order in the journal, and an
+    # event stored before one of its causes.
+    stub = recovery_stub
+    journals = await logs(recovery_broker, "A")
+    async with AppendService(stub) as service:
+        a = JournalEventLog("A", journals["A"], lambda: stub, service, author=1)
+        await a.open()
+        await a.emit([{"n": 0}])
+        room = service._journals[journals["A"]].room
+        room.clear()  # Back-pressure: too much pending.
+        first = asyncio.ensure_future(a.emit([{"n": 1}]))
+        await asyncio.sleep(0)  # It waits for room.
+        second = asyncio.ensure_future(a.emit([{"n": 2}]))  # Runs as room opens.
+        room.set()
+        await asyncio.gather(first, second)
+        stored, _ = await read_events(lambda: stub, journals["A"])
+    assert [s.seq for s in stored] == [1, 2, 3]
+    for x, y in itertools.combinations(stored, 2):
+        assert not y.event.timestamp < x.event.timestamp, (x, y)

@@ -324,6 +324,19 @@ class AppendService:
             await j.room.wait()
         return j.write(data, registers)
 
+    async def room(self, journal: str) -> None:
+        """Wait while too much is pending for `journal` (the back-pressure `write` applies)."""
+        j = self._journal(journal)
+        if not j.room.is_set():
+            await j.room.wait()
+
+    def write_now(
+        self, journal: str, data: bytes, registers: Registers | None = None
+    ) -> PendingSpan:
+        """`write` without waiting for room: for a caller that waited with `room` and must
+        queue in the same step as it changes its own state (no write may overtake it)."""
+        return self._journal(journal).write(data, registers)
+
     def barrier(
         self,
         journal: str,
