@@ -428,6 +428,12 @@ class JournalEventLog(_LogVectors):
         # The view of the topology's history folded from the system events stored here.
         self.topology = Topology()
         self.checkpoint_offset = 0  # Where its last checkpoint record is (0: none).
+        # What its committed appends hold: the last sequence number and the CVV (the state above
+        # moves on as appends are staged). What other locations are told (Status) and what a
+        # deletion covers are committed events only.
+        self.committed_seq = 0
+        self._committed_cvv: dict[str, int] = {}
+        self._last_queued: PendingSpan | None = None
         self._check = Registers(check=pb.LabelSelector(include=_fence(author)))
         self._grown: asyncio.Event | None = None
 
@@ -448,6 +454,7 @@ class JournalEventLog(_LogVectors):
                 self._fold(rec)
                 if rec.get("kind") == "checkpoint":
                     self.checkpoint_offset = offset
+        self.committed_seq, self._committed_cvv = self.next_seq - 1, dict(self._cvv)
 
     def _fold_event(self, raw: RawEvent) -> None:
         self._raise_cvv(raw.ts)
@@ -495,8 +502,8 @@ class JournalEventLog(_LogVectors):
         the start rule DVV-neighbour <= CVV-here holds at once."""
         record = {"kind": "joined", "floor": floor.to_json()}
         await self._room()
-        await self._queue([record_line(record)])
         self._fold_vectors(record)
+        await self._queue([record_line(record)])
 
     async def set_local_time(self, time: int) -> None:
         """Metadata recovery: the local clock set ahead to `time` (never back)."""
@@ -521,6 +528,7 @@ class JournalEventLog(_LogVectors):
     async def delete(self, through_seq: int, neighbours: Sequence[Vectors]) -> VectorClock:
         """Delete every event through `through_seq`, if afterwards DVV ≤ CVV-i for every
         directly connected location i (RuleViolation, nothing recorded, if not); the DVV."""
+        await self.settled()  # Events staged through `through_seq` are read below, committed.
         reader = SourceReader(self.stubs, self.journal)
         await reader.catch_up()
         doomed = await reader.raw_after(self.deleted_through, 1 << 30)
@@ -566,13 +574,29 @@ class JournalEventLog(_LogVectors):
         Callers wait for `_room` first, and stage their state and queue without awaiting in
         between."""
         commit = self.service.write_now(self.journal, b"".join(lines), self._check)
-        commit.batch.add_done_callback(self._committed)
+        state = (self.next_seq - 1, dict(self._cvv))  # What it holds once it commits.
+        commit.batch.add_done_callback(lambda batch: self._committed(batch, state))
+        self._last_queued = commit
         return commit
 
-    def _committed(self, batch: asyncio.Future[int]) -> None:
-        if not batch.cancelled() and batch.exception() is None and self._grown is not None:
+    def _committed(self, batch: asyncio.Future[int], state: tuple[int, dict[str, int]]) -> None:
+        if batch.cancelled() or batch.exception() is not None:
+            return
+        # Appends commit in order, so this is the state of everything committed.
+        self.committed_seq, self._committed_cvv = state
+        if self._grown is not None:
             self._grown.set()
             self._grown = None
+
+    @property
+    def committed_cvv(self) -> VectorClock:
+        """The CVV of the events its committed appends hold."""
+        return VectorClock(self._committed_cvv)
+
+    async def settled(self) -> None:
+        """Wait until every append staged so far has committed (AppendError if one failed)."""
+        if self._last_queued is not None:
+            await self._last_queued
 
     async def emit(self, payloads: Sequence[Mapping[str, Any]]) -> list[Event]:
         """New events, each causally after everything stored before it, in one append."""

@@ -570,7 +570,7 @@ class LocationServer:
             prunable = min(lg.checkpoint_offset, self._reader.offset_after(lg.deleted_through))
         return {
             "location": self.name, "journal": self.config.journal, "endpoint": self.endpoint,
-            "cvv": lg.cvv.to_json(), "dvv": lg.dvv.to_json(), "last_seq": lg.next_seq - 1,
+            "cvv": lg.committed_cvv.to_json(), "dvv": lg.dvv.to_json(), "last_seq": lg.committed_seq,
             "deleted_through": lg.deleted_through, "local_time": lg.local_time,
             "progress": dict(lg.progress),
             "cached_cvv": {s: c.to_json() for s, c in lg.cached_cvv.items()},

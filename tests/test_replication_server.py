@@ -104,3 +104,44 @@ def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_
                     await asyncio.sleep(0.05)
 
     asyncio.run(go())
+
+
+def test_status_and_deletion_see_committed_events_only(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    # An emit staged and not yet committed (its append held behind a barrier): Status reports
+    # the CVV and last sequence number of what is committed (a neighbour's deletion and
+    # fail-over checks trust them), and a deletion through the staged event waits for it to
+    # commit, so the DVV covers every event the deletion covers.
+    async def go() -> None:
+        async with asyncio.timeout(60):
+            await steps()
+
+    async def steps() -> None:
+        await apply_location_journals(location_broker.address, "A")
+        config = LocationConfig("A", location_broker.address, etcd_server.endpoint,
+                                prefix=etcd_prefix + "/replication", lease=2)  # fmt: skip
+        async with serving(config) as a:
+            assert a.log is not None
+            await a.emit({"payloads": [{"n": 1}]})
+            before = await a.status({})
+            hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            try:
+                a.log.service.barrier(config.journal, dependency=hold)
+                emitting = asyncio.ensure_future(a.emit({"payloads": [{"n": 2}]}))
+                await asyncio.sleep(0.2)
+                assert not emitting.done() and a.log.next_seq == before["last_seq"] + 2
+                held = await a.status({})
+                assert (held["cvv"], held["last_seq"]) == (before["cvv"], before["last_seq"])
+                deleting = asyncio.ensure_future(a.delete({"through": held["last_seq"] + 1}))
+                await asyncio.sleep(0.2)
+                hold.set_result(None)
+                emitted, deleted = await emitting, await deleting
+                assert deleted["dvv"]["A"] == emitted["events"][0]["ts"]["A"] == 2
+                after = await a.status({})
+                assert after["last_seq"] == before["last_seq"] + 1 and after["cvv"]["A"] == 2
+            finally:
+                if not hold.done():
+                    hold.set_result(None)  # A failed check must not hold the log's appends.
+
+    asyncio.run(go())
