@@ -625,9 +625,9 @@ class LocationServer:
         assert self.log is not None
         change = change_from(request.get("change"))
         op = request.get("op")  # The command's order, issued by etcd (None: issued here).
-        key = key_from({"op": op}, "op") if op is not None else None
+        op_key = key_from({"op": op}, "op") if op is not None else None
         view = self.log.topology
-        if key is not None and key in view.changes:
+        if op_key is not None and op_key in view.changes:
             # This command is recorded here already (it arrived by replication from the other end).
             return {"change": change_document(change), "recorded": False}
         if isinstance(change, Retired):
@@ -647,7 +647,7 @@ class LocationServer:
             in_effect = key not in view.current and key in view.ever
         else:
             in_effect = key in view.current and view.current[key] == change.filter
-        if in_effect and key is None:
+        if in_effect and op_key is None:
             # In effect here already: nothing to record.
             return {"change": change_document(change), "recorded": False}
         if in_effect:

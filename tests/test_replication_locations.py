@@ -14,8 +14,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from broker.testing import EtcdServer, stop_process
 from replication.journals import apply_location_journals
 from replication.rpc import LocationClient, LocationError
