@@ -70,6 +70,7 @@ METHOD_CAPABILITY: dict[str, int] = {
     "/gazette_py.replication.Location/ResetProgress": APPLY,
     "/gazette_py.replication.Location/Recover": APPLY,
     "/gazette_py.replication.Location/Join": APPLY,
+    "/gazette_py.replication.Location/TrustClock": APPLY,
 }
 
 # How long a client's own signed claims live: an hour for blocking RPCs, a minute otherwise.

@@ -162,6 +162,8 @@ def locations_cmd(fmt: str, **opts: Any) -> None:  # fmt: skip
             process = entry.endpoint or "<down>"
             if status.get("lost"):
                 process += " (needs recovery)"
+            elif status.get("clock", "ok") != "ok":
+                process += f" ({status['clock']})"
             table.add_row(entry.name, entry.journal, entry.broker, process, str(status.get("last_seq", "")), _vector(status.get("cvv")) if status else "")  # fmt: skip
         render.console.print(table)
 
@@ -201,6 +203,8 @@ def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: s
         )
         if status.get("lost"):
             click.echo(f"  {status['lost']}")
+        elif status.get("clock", "ok") != "ok":
+            click.echo(f"  emits nothing yet: {status['clock']} since it started")
         if not status["connections"]:
             click.echo("  no connections into it")
             continue
@@ -328,6 +332,35 @@ def retire_cmd(name: str, **opts: Any) -> None:
             click.echo(f"{name}: retired (recorded at {', '.join(at)})")
 
     run(go())
+
+
+@replication.command("trust-clock")
+@click.argument("name")
+@click.option(
+    "--without", required=True,
+    help="Locations (comma-separated) NAME has not heard from since it started, to emit without",
+)  # fmt: skip
+@replication_options
+def trust_clock_cmd(name: str, without: str, **opts: Any) -> None:
+    """Let NAME emit although the locations named have not answered since its process started.
+
+    A location emits only once every registered location has answered (one of them may hold a
+    time of NAME's that NAME's log lost). Use this when one of them is gone for long: if it
+    does hold such a time, it will drop NAME's new events that reuse it."""
+    names = [n.strip() for n in without.split(",") if n.strip()]
+    if not names:
+        raise UserError("--without: name the locations not heard from (comma-separated)")
+
+    async def go() -> Document:
+        async with Network(opts) as net:
+            await net.entries(*names)
+            return await net.call(name, "TrustClock", without=names)
+
+    reply = run(go())
+    if reply["clock"] == "ok":
+        click.echo(f"{name}: emits without having heard from {', '.join(names)}")
+    else:
+        raise UserError(f"{name}: still {reply['clock']}: name them too, or start them")
 
 
 # ---- deletion, recovery, events --------------------------------------------------------------

@@ -190,6 +190,14 @@ class LocationServer:
         # Why this location must be recovered before it emits or replicates ("" if not): a
         # neighbour has seen more of its events than its log holds (a disaster).
         self.lost = ""
+        # Whether it may emit: only once every registered location (not retired) has answered
+        # since this process started, none of them having seen more of its times than its log
+        # holds, or the operator waived those that did not answer (`trust-clock`). Until then,
+        # `unheard` names those not heard from.
+        self.clock_ok = False
+        self.unheard: list[str] = []
+        self._heard: set[str] = set()
+        self._waived: set[str] = set()
         self._peers: dict[str, LocationClient] = {}
         self._etcd: aetcd.Client | None = None
         self._client: JournalsClient | None = None
@@ -240,9 +248,11 @@ class LocationServer:
             await server.start()
             stack.push_async_callback(server.stop, 1.0)
             lease = await self._register()
+            await self._clock_round()  # Before it says it is ready: whether it may emit.
             async with asyncio.TaskGroup() as tasks:
                 background = [
                     tasks.create_task(self._keep_lease(lease), name="lease keep-alive"),
+                    tasks.create_task(self._watch_clock(), name="clock check"),
                     tasks.create_task(self._run_connections(), name="connections"),
                 ]
                 if ready is not None:
@@ -356,12 +366,18 @@ class LocationServer:
                 continue  # Not reachable now.
         return out
 
-    async def _check_lost_events(self) -> None:
-        """Before anything runs: has another location seen more of this location's events
-        than its log holds? Then it lost them (its view of the topology perhaps with them), and
-        waits for Recover."""
+    async def _clock_round(self) -> None:
+        """One round of the clock check: ask every registered location not heard from yet. Has
+        one seen more of this location's times than its log holds? Then it lost events (its
+        view of the topology perhaps with them), and waits for Recover. Once every one has
+        answered (or was waived), it may emit."""
         assert self.log is not None
-        for other in await self._others():
+        if self.clock_ok or self.lost:
+            return
+        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        pending = {n: e for n, e in known.items() if n not in self._heard | {self.name}}
+        others = await self._others(pending)
+        for other in others:
             if other.cvv[self.name] > self.log.local_time:
                 self.lost = (
                     f"location {self.name} lost events: {other.name} has seen its time "
@@ -369,11 +385,43 @@ class LocationServer:
                     f"replication recover {self.name}` before it emits or replicates"
                 )
                 log.warning("%s", self.lost)
+                self._topology_changed.set()  # Its connections stop until it is recovered.
                 return
+            self._heard.add(other.name)
+        retired = self.log.topology.retired.union(*(o.status.get("retired", []) for o in others))
+        self.unheard = sorted(
+            n for n in known if n not in self._heard | retired | self._waived | {self.name}
+        )
+        if not self.unheard:
+            self.clock_ok = True
+
+    async def _watch_clock(self) -> None:
+        """Clock rounds until it may emit (or knows it lost events)."""
+        while not (self.clock_ok or self.lost):
+            await asyncio.sleep(_RETRY)
+            try:
+                await self._clock_round()
+            except (aetcd.exceptions.ClientError, LocationError) as exc:
+                log.warning("%s: checking its clock: %s", self.name, str(exc).split("\n")[0])
+
+    async def _check_may_emit(self) -> None:
+        """RuleViolation unless this location may emit (a new event, or a system event). Those
+        not heard from yet are asked again first: one that has just started answers now."""
+        if not (self.clock_ok or self.lost):
+            await self._clock_round()
+        if self.lost:
+            raise RuleViolation(self.lost)
+        if not self.clock_ok:
+            names = ", ".join(self.unheard) or "the registered locations"
+            raise RuleViolation(
+                f"location {self.name} has not heard from {names} since it started: one of "
+                "them may hold a time of its that its clock has not reached (start them or "
+                f"retire them, or run `gazctl replication trust-clock {self.name} --without "
+                f"{','.join(self.unheard)}` to emit without them)"
+            )
 
     async def _run_connections(self) -> None:
         assert self.log is not None
-        await self._check_lost_events()
         running: dict[str, tuple[str, asyncio.Task[None]]] = {}
         async with asyncio.TaskGroup() as group:
             while True:
@@ -427,9 +475,11 @@ class LocationServer:
                     entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]  # fmt: skip
                     looked_up = loop.time()
                 or_here = self._terminal() and bool(state.filter)
-                # A filtered connection writes into this location's unfiltered group only what
-                # the group's part of its timestamp allows (redundant filtered connections).
-                group = target.topology.guarded_group(self.name) if state.filter else frozenset()
+                # A connection from outside this location's unfiltered group (filtered or not)
+                # writes only what the group's part of its timestamp allows (redundant
+                # filtered connections; an event from outside may carry the group's events
+                # that a filter on the way out left behind).
+                group = target.topology.guard_for(source, self.name)
                 after = target.progress.get(source, 0)
                 if entry.endpoint:
                     direct = None
@@ -525,6 +575,7 @@ class LocationServer:
             "ResetProgress": self._guard("ResetProgress", self.reset_progress),
             "Recover": self._guard("Recover", self.recover),
             "Join": self._guard("Join", self.join),
+            "TrustClock": self._guard("TrustClock", self.trust_clock),
         }
 
     def _guard(self, name: str, method: Any) -> Any:
@@ -577,6 +628,7 @@ class LocationServer:
             "connections": [c.document(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
             "history": [keyed_document(k, c) for k, c in view.keyed()],
             "retired": sorted(view.retired), "lost": self.lost, "prunable_before": prunable,
+            "clock": "ok" if self.clock_ok else f"not heard from {', '.join(self.unheard)}",
         }  # fmt: skip
 
     async def emit(self, request: Document) -> Document:
@@ -588,8 +640,7 @@ class LocationServer:
             raise ValueError("payloads: the field 'system' is reserved for topology changes")
         if self.name in self.log.topology.retired:
             raise RuleViolation(f"location {self.name} is retired: it emits no events")
-        if self.lost:
-            raise RuleViolation(self.lost)
+        await self._check_may_emit()
         events = await self.log.emit(payloads)
         return {"events": [{"emitter": e.emitter, "ts": e.timestamp.to_json()} for e in events]}
 
@@ -673,6 +724,7 @@ class LocationServer:
         elif isinstance(change, Disconnected) and key not in view.current:
             raise RuleViolation(f"{change.source} -> {change.target} is not connected")
         if request.get("record"):
+            await self._check_may_emit()  # A system event is an event of its own, at its time.
             if op is None:
                 op = await registry.issue_op(self._etcd_client(), self.config.prefix, change_document(change))  # fmt: skip
             await self.log.emit([system_payload(change, op)])
@@ -706,6 +758,27 @@ class LocationServer:
         neighbours = await self._neighbours()
         dvv = await self.log.delete(through, neighbours)
         return {"dvv": dvv.to_json(), "deleted_through": through}
+
+    async def trust_clock(self, request: Document) -> Document:
+        """The operator's decision: this location may emit without hearing from `without` (each
+        a location it has not heard from since it started); the others must still answer."""
+        without = request.get("without")
+        if not isinstance(without, list) or not all(isinstance(n, str) for n in without):
+            raise ValueError("without: expected the names of the locations not heard from")
+        if self.lost:
+            raise RuleViolation(self.lost)
+        strangers = sorted(set(without) - set(self.unheard))
+        if strangers and not self.clock_ok:
+            raise ValueError(
+                f"without {', '.join(strangers)}: only a location not heard from can be left "
+                f"out (not heard from: {', '.join(self.unheard) or 'none'})"
+            )
+        self._waived |= set(without)
+        await self._clock_round()
+        if self.clock_ok and without:
+            log.warning("%s: emitting without having heard from %s (the operator's decision)", self.name, ", ".join(without))  # fmt: skip
+        return {"clock": "ok" if self.clock_ok else "not heard from " + ", ".join(self.unheard),
+                "unheard": self.unheard}  # fmt: skip
 
     async def join(self, request: Document) -> Document:
         """Only new events from `sources`: this location's CVV and DVV raised to the least
@@ -758,7 +831,13 @@ class LocationServer:
         # The clock: the most any location saw of it (not only its neighbours of now: a past
         # connection may have carried its events further).
         await lg.set_local_time(max([lg.local_time, *(o.cvv[self.name] for o in others)]))
-        for n, _ in neighbours:
+        # Progress for it is reset wherever it was ever replicated to, not only at its
+        # neighbours of now: a past connection that comes back would skip its new events.
+        readers = {n.name: n for n, _ in neighbours}
+        for other in others:
+            if (self.name, other.name) in topology_of_documents(other.status["history"]).ever:
+                readers.setdefault(other.name, other)
+        for n in readers.values():
             await self._ask(n.entry).call("ResetProgress", source=self.name, seq=survivors)
         terminal = len(neighbours) == 1
         self._recovered_neighbours = {n.name for n, _ in neighbours}
@@ -777,6 +856,7 @@ class LocationServer:
                 await lg.write_lines(LineBatch(n.name, b"", last, n.cvv))
             skipped.append(n.name)
         self.lost = ""
+        self.clock_ok = True  # Every location answered above, and its clock is past theirs.
         self._topology_changed.set()  # Its connections start (again), from their progress.
         return {"survivors": survivors, "local_time": lg.local_time, "not_recovered_from": skipped}
 

@@ -129,6 +129,9 @@ class Topology:
     current: dict[tuple[str, str], str] = field(default_factory=dict)  # (source, target): filter
     ever: set[tuple[str, str]] = field(default_factory=set)  # Every connection that existed.
     ever_filtered: set[tuple[str, str]] = field(default_factory=set)
+    # Every filter a connection ever carried ("" for none): redundant connections filter alike
+    # over the history, since a disconnected one's events stay where it took them.
+    filters_ever: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     retired: set[str] = field(default_factory=set)
     locations: set[str] = field(default_factory=set)
     _last: OpKey | None = None  # The greatest key folded.
@@ -176,7 +179,7 @@ class Topology:
             self._fold(change)
             return True
         # It sorts before changes folded already: fold the whole history again, in key order.
-        self.current, self.ever, self.ever_filtered = {}, set(), set()
+        self.current, self.ever, self.ever_filtered, self.filters_ever = {}, set(), set(), {}
         self.retired, self.locations = set(), set()
         for _, each in self.keyed():
             self._fold(each)
@@ -193,6 +196,7 @@ class Topology:
             self.current.pop(old, None)
             self.ever.discard(old)
             self.ever_filtered.discard(old)
+            self.filters_ever.pop(old, None)
             change = Connected(change.source, change.target, change.filter)  # The history
             # keeps the FailedOver; the view folds it as the new connection.
         key = (change.source, change.target)
@@ -200,12 +204,15 @@ class Topology:
         if isinstance(change, Connected):
             self.current[key] = change.filter
             self.ever.add(key)
+            self.filters_ever.setdefault(key, set()).add(change.filter)
             if change.filter:
                 self.ever_filtered.add(key)
         elif isinstance(change, Disconnected):
             self.current.pop(key, None)
         else:
             self.current[key] = change.filter
+            self.ever.add(key)
+            self.filters_ever.setdefault(key, set()).add(change.filter)
             if change.filter:
                 self.ever_filtered.add(key)
 
@@ -281,6 +288,14 @@ class Topology:
         its own only after a disaster, and gets them back only so."""
         group = self.group_of(location)
         return group if len(group) > 1 else frozenset()
+
+    def guard_for(self, source: str, target: str) -> frozenset[str]:
+        """The locations whose part of an event's timestamp must be in the target's CVV before
+        the connection source -> target writes the event there: the target's unfiltered group
+        when the source is outside it, whether the connection is filtered or not (an event from
+        outside may carry the group's events that a filter on the way out left behind)."""
+        group = self.guarded_group(target)
+        return frozenset() if source in group else group
 
     def _filtered_links(self) -> set[tuple[str, str]]:
         return {
@@ -392,19 +407,26 @@ class Topology:
             parent[root(x)] = root(y)
         if not same_filters:
             return
-        # 3: identical filters from one group to another.
-        seen: dict[tuple[frozenset[str], frozenset[str]], tuple[str, str, str]] = {}
-        ordered = sorted(self.current.items(), key=lambda kv: (kv[0] != (source, target), kv[0]))
-        for (s, t), f in ordered:
+        # 3: identical filters from one group to another, over the history: every filter that
+        # any connection between the two groups ever carried, a disconnected one's too.
+        between: dict[tuple[frozenset[str], frozenset[str]], list[tuple[str, str]]] = {}
+        for s, t in sorted(self.ever, key=lambda c: (c != (source, target), c)):
             if s in self.retired or t in self.retired or groups.get(s) == groups.get(t):
                 continue
-            key = (groups[s], groups[t])
-            if key in seen and seen[key][2] != f:
-                x, y, other = seen[key]
-                first, second = ((s, t, f), (x, y, other)) if (x, y) == (source, target) else ((x, y, other), (s, t, f))  # fmt: skip
-                raise RuleViolation(
-                    f"{second[0]} -> {second[1]} must filter as {first[0]} -> {first[1]} does "
-                    f"({first[2] or 'no filter'!r}): connections from one unfiltered group to "
-                    "another are redundant and filter alike"
-                )
-            seen.setdefault(key, (s, t, f))
+            between.setdefault((groups[s], groups[t]), []).append((s, t))
+        for connections in between.values():
+            if len(connections) < 2:
+                continue  # One connection alone may change its filter: nothing is redundant.
+            filters = [(c, f) for c in connections for f in sorted(self.filters_ever.get(c, ()))]
+            first = next(((c, f) for c, f in filters if c != (source, target)), filters[0])
+            for (x, y), f in filters:
+                if f != first[1]:
+                    (s, t), other = first
+                    if (s, t) == (source, target):
+                        (s, t), other, (x, y), f = (x, y), f, (s, t), other
+                    tense = "does" if self.current.get((s, t)) == other else "did"
+                    raise RuleViolation(
+                        f"{x} -> {y} must filter as {s} -> {t} {tense} ({other or 'no filter'!r}): "
+                        "connections from one unfiltered group to another are redundant and "
+                        "filter alike, over the topology's history"
+                    )

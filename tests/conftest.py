@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
@@ -176,42 +175,12 @@ def _module_scoped() -> frozenset[str]:
     )
 
 
-def _known_durations() -> dict[str, float]:
-    out = {}
-    for line in (Path(__file__).parent / "durations.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            seconds, nodeid = line.split(maxsplit=1)
-            out[nodeid] = float(seconds)
-    return out
-
-
-SHORT_TEST = 0.5  # Seconds assumed for a test not in durations.txt.
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In a parallel worker: the longest work first (a scope's known durations, summed), so the
-    run does not end with one long test alone on one worker while the others idle. Every
-    worker orders the same collection the same way, as xdist requires."""
-    if not hasattr(config, "workerinput"):  # Not an xdist worker (`-n 0`, `-p no:xdist`).
-        return
-    known, module_scoped = _known_durations(), _module_scoped()
-    weight: dict[str, float] = collections.defaultdict(float)
-    scopes = [_xdist_scope(item.nodeid, module_scoped) for item in items]
-    for item, scope in zip(items, scopes, strict=True):
-        weight[scope] += known.get(item.nodeid, SHORT_TEST)
-    first_seen = {scope: i for i, scope in reversed(list(enumerate(scopes)))}
-    order = sorted(range(len(items)), key=lambda i: (-weight[scopes[i]], first_seen[scopes[i]], i))
-    items[:] = [items[i] for i in order]
-
-
 @pytest.hookimpl(optionalhook=True)  # Unknown without xdist (`-p no:xdist`).
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    # Scopes in collection order, which the workers sorted longest first (not by test count).
-    config.option.loadscopereorder = False
     module_scoped = _module_scoped()
 
     class Grouped(LoadScopeScheduling):

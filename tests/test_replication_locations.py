@@ -290,6 +290,81 @@ def test_recovery_waits_for_every_location_that_may_hold_its_events(
     assert f"A: {seen_by_c + 1}" in out
 
 
+def test_a_location_emits_only_once_every_location_answered_since_it_started(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A lost its log while C, the one location holding its last events, was down. Started
+    again, A must not emit (a time C holds would come again, and C would drop that event as
+    seen): its emits and topology changes are refused in one line naming C until C answers;
+    then A knows it lost events, is recovered, and its next event follows what C saw."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "C")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}')
+    wait_until(lambda: len(ids(locations.events("C"))) == 2, "C holds A's events")
+    seen_by_c = locations.status("C")["cvv"]["A"]
+    locations.stop("C")
+    locations.stop("A")
+    asyncio.run(_lose_log(location_broker.address, "A"))
+    locations.start("A", location_broker.address)
+    line = refused(locations, "emit", "A", '{"num": 3}')
+    assert "location A has not heard from C since it started" in line
+    assert "gazctl replication trust-clock A --without C" in line
+    assert "not heard from C" in locations.gazctl("status", "A").out
+    assert "has not heard from C" in refused(locations, "connect", "B", "A")
+    locations.start("C", location_broker.address)
+    wait_until(lambda: locations.status("A")["lost"] != "", "A learns it lost events")
+    assert "A lost events" in refused(locations, "emit", "A", '{"num": 3}')
+    locations.ok("recover", "A")
+    assert f"A: {seen_by_c + 1}" in locations.ok("emit", "A", '{"num": 3}')
+
+
+def test_an_operator_lets_a_location_emit_without_one_that_does_not_answer(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """B is down for good when A starts again: A emits only once the operator says so, naming
+    B; naming a location A has heard from is refused, and nothing changes."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.stop("B")
+    locations.stop("A")
+    locations.start("A", location_broker.address)
+    assert "has not heard from B" in refused(locations, "emit", "A", '{"num": 1}')
+    line = refused(locations, "trust-clock", "A", "--without", "C")
+    assert "only a location not heard from can be left out (not heard from: B)" in line
+    assert "emits without having heard from B" in locations.ok("trust-clock", "A", "--without", "B")
+    assert "A {A: 2}" in locations.ok("emit", "A", '{"num": 1}')  # After its Connected.
+
+
+def test_recovery_resets_progress_wherever_the_location_was_replicated_to(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A -> B ran and was disconnected; then A lost its log and was recovered from C. B's
+    progress for A goes back with A's log, so when A -> B comes back, A's new events reach B."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("connect", "A", "C", "--both")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}')
+    wait_until(lambda: locations.status("B")["progress"].get("A", 0) >= 2, "B read A")
+    wait_until(lambda: len(ids(locations.events("C"))) == 2, "C holds A's events")
+    locations.ok("disconnect", "A", "B")
+    locations.stop("A")
+    asyncio.run(_lose_log(location_broker.address, "A"))
+    locations.start("A", location_broker.address)
+    wait_until(lambda: locations.status("A")["lost"] != "", "A learns it lost events")
+    locations.ok("recover", "A")
+    assert locations.status("B")["progress"]["A"] == 0
+    wait_until(lambda: len(ids(locations.events("A"))) == 2, "A recovered its events")
+    locations.ok("emit", "A", '{"num": 3}')
+    locations.ok("connect", "A", "B")
+    wait_until(lambda: [e["payload"].get("num") for e in locations.events("B") if "num" in e["payload"]] == [1, 2, 3], "B holds A's new event")  # fmt: skip
+
+
 def test_a_filtered_connection_fails_over_once_the_new_source_has_caught_up(
     location_broker: BrokerProcess, locations: LocationProcesses
 ) -> None:

@@ -185,6 +185,33 @@ def test_redundant_connections_lose_an_event_without_the_group_rule() -> None:
             assert stored == [d1] and a1.timestamp <= b.cvv  # a1 is lost at B.
 
 
+def test_an_unfiltered_connection_from_outside_a_group_loses_an_event_without_the_guard() -> None:
+    """The seed's first anomaly routed through D: A -> D and B -> D filtered (A's e2 passes, its
+    cause e1 does not), D -> A and D -> B unfiltered. e2 written at B before e1 arrives there puts e1 in B's causal
+    past, and B drops it for good. The group write guard, on every connection into ABC from
+    outside it (filtered or not), holds e2 back until B has e1."""
+    view = Topology.of(
+        [*(Connected(x, y) for x, y in itertools.permutations("ABC", 2)),
+         Connected("A", "D", "name=e2"), Connected("B", "D", "name=e2"),
+         Connected("D", "A"), Connected("D", "B")]
+    )  # fmt: skip
+    view.validate()  # The rules accept it: D is a group of its own, joined by filtered links.
+    for guard_on in (False, True):
+        loc = net("A", "B", "C", "D")
+        a, b, d = loc["A"], loc["B"], loc["D"]
+        e1, e2 = a.emit({"name": "e1"}), a.emit({"name": "e2"})
+        replicate(a, d, only("e2"))
+        guard = sorted(view.guard_for("D", "B")) if guard_on else ()
+        replicate(d, b, cycle=guard)
+        replicate(a, b)
+        replicate(d, b, cycle=guard)
+        stored = [s.event for s in b.log]
+        if guard_on:
+            assert stored == [e1, e2]
+        else:
+            assert stored == [e2] and e1.timestamp <= b.cvv  # e1 is lost at B.
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_two_data_centres_partitioned_keep_working_and_converge(seed: int) -> None:
     """The seed's example: the cycle ABC (application 1: A and C in data centre 1, B in 2) and
@@ -212,7 +239,7 @@ def test_two_data_centres_partitioned_keep_working_and_converge(seed: int) -> No
         for source, target, keep in connections:
             if partitioned and centre[source] != centre[target]:
                 continue
-            group = sorted(view.guarded_group(target)) if keep else ()
+            group = sorted(view.guard_for(source, target))
             replicate(loc[source], loc[target], keep, cycle=group, limit=rng.randrange(1, 4))
 
     for step in range(60):

@@ -130,7 +130,7 @@ class Network:
         filter_text = self.view.current[(self.loc(source), self.loc(target))]
         reader = self.reader(source, target)
         await reader.catch_up()
-        group = self.view.guarded_group(self.loc(target)) if filter_text else frozenset()
+        group = self.view.guard_for(self.loc(source), self.loc(target))
         staged = await replicate_round(
             self.loc(source), reader, self.writers[target], passes(parse_filter(filter_text)),
             limit=self.rng.choice([1, 3, 1000]), group=group,

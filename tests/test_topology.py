@@ -175,3 +175,31 @@ def test_a_connection_failed_over_leaves_the_projected_history() -> None:
         view.check_fail_over("C", "A", "E", "")  # Only a filtered connection fails over.
     with pytest.raises(RuleViolation, match="C -> D is not a filtered connection"):
         view.check_fail_over("C", "A", "D", "x=2")  # Nor one that does not exist.
+
+
+def test_redundant_connections_filter_alike_over_the_history() -> None:
+    """D -> B filtered `kind=two` ran, then was disconnected: its events are in ABC still. D -> A
+    filtered `kind=one` would be redundant with it over the history (an event that went
+    D -> B -> A makes A's causality filter drop an earlier one that passes `kind=one`), so it
+    must filter as D -> B did; with the same filter it is accepted."""
+    view = Topology.of([*abc(), Connected("D", "B", "kind=two"), Disconnected("D", "B")])
+    with pytest.raises(RuleViolation, match=r"D -> A must filter as D -> B did \('kind=two'\)"):
+        view.check_connect("D", "A", "kind=one")
+    view.check_connect("D", "A", "kind=two")
+    # One connection alone between two groups may change its filter: nothing is redundant.
+    single = Topology.of([*abc(), Connected("D", "B", "kind=two")])
+    single.check_filter("D", "B", "kind=three")
+
+
+def test_every_connection_into_a_group_from_outside_it_is_guarded() -> None:
+    """A -> D and B -> D filtered, D -> A and D -> B not: D is a group of its own, and events
+    from D into ABC carry ABC's parts (A's e2 passed A -> D's filter, its cause e1 did not). The
+    group write guard holds for D -> A and D -> B although they have no filter; inside a group,
+    nothing is guarded."""
+    view = Topology.of(
+        [*abc(), Connected("A", "D", "k=x"), Connected("B", "D", "k=x"),
+         Connected("D", "A"), Connected("D", "B")]
+    )  # fmt: skip
+    view.validate()
+    assert view.guard_for("D", "B") == {"A", "B", "C"} == view.guard_for("D", "A")
+    assert view.guard_for("A", "B") == frozenset() and view.guard_for("A", "D") == frozenset()
