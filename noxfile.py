@@ -16,6 +16,9 @@ nox.options.reuse_existing_virtualenvs = True
 # uv makes virtualenvs and installs in about half pip's time (a fresh clone's `nox -s tests`
 # spends 45 s installing with pip); without uv, nox falls back to virtualenv and pip.
 nox.options.default_venv_backend = "uv|virtualenv"
+# uv does not compile bytecode as it installs (pip does); where PYTHONDONTWRITEBYTECODE is set,
+# as on these machines, every process would then compile every module it imports, every time.
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
 PYTHON = "3.11"
 PROTOS = [

@@ -9,7 +9,7 @@ nothing was recorded anywhere."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -117,12 +117,25 @@ class Network:
     async def change(self, change: Change, at: Sequence[str]) -> None:
         """Check `change` at every location of `at`, then record it at each as one command: in
         the order etcd gives it among all topology changes."""
-        body = change_document(change)
-        for name in at:
-            await self.call(name, "Change", change=body)
-        op = await registry.issue_op(self.etcd, self.prefix, body)
-        for name in at:
-            await self.call(name, "Change", change=body, record=True, op=op)
+        await self.changes([(change, at)])
+
+    async def changes(
+        self,
+        changes: Sequence[tuple[Change, Sequence[str]]],
+        before_recording: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        """Check every change at each of its locations first, and record them only once all
+        passed (a refusal records none of them); `before_recording` runs in between."""
+        for change, at in changes:
+            for name in at:
+                await self.call(name, "Change", change=change_document(change))
+        if before_recording is not None:
+            await before_recording()
+        for change, at in changes:
+            body = change_document(change)
+            op = await registry.issue_op(self.etcd, self.prefix, body)
+            for name in at:
+                await self.call(name, "Change", change=body, record=True, op=op)
 
 
 def _vector(document: Any) -> str:
@@ -255,28 +268,37 @@ def connect_cmd(
 
     async def go() -> None:
         async with Network(opts) as net:
-            if new_only:
-                reply = await net.call(target, "Join", sources=[source])
-                click.echo(f"{target}: joined for new events (CVV {_vector(reply['cvv'])})")
+
+            async def join() -> None:
+                # Only once every check passed: a refused connect changes nothing.
+                if new_only:
+                    reply = await net.call(target, "Join", sources=[source])
+                    click.echo(f"{target}: joined for new events (CVV {_vector(reply['cvv'])})")
+
             if previous:
                 if both:
                     raise UserError("--fail-over-from switches one connection: leave out --both")
                 change = FailedOver(previous, source, target, filter_)
-                await net.change(change, at=[target, source, previous])
+                await net.changes([(change, [target, source, previous])], join)
                 click.echo(f"{target}: failed over from {previous} to {source}")
                 return
             pairs = [(source, target)] + ([(target, source)] if both else [])
+            changes: list[tuple[Change, Sequence[str]]] = []
+            said = []
             for s, t in pairs:
                 current = await _current(net, t)
-                if (s, t) in current:
-                    if current[(s, t)] == filter_:
-                        click.echo(f"{s} -> {t}: connected already")
-                        continue
-                    await net.change(Filtered(s, t, filter_), at=[t, s])
-                    click.echo(f"{s} -> {t}: filter changed to {filter_ or '(none)'}")
-                    continue
-                await net.change(Connected(s, t, filter_), at=[t, s])
-                click.echo(f"{s} -> {t}: connected" + (f" (filter {filter_})" if filter_ else ""))
+                if (s, t) in current and current[(s, t)] == filter_:
+                    said.append(f"{s} -> {t}: connected already")
+                elif (s, t) in current:
+                    changes.append((Filtered(s, t, filter_), [t, s]))
+                    said.append(f"{s} -> {t}: filter changed to {filter_ or '(none)'}")
+                else:
+                    changes.append((Connected(s, t, filter_), [t, s]))
+                    said.append(f"{s} -> {t}: connected" + (f" (filter {filter_})" if filter_ else ""))  # fmt: skip
+            # Both directions are checked before either is recorded: both or neither.
+            await net.changes(changes, join)
+            for line in said:
+                click.echo(line)
 
     run(go())
 
@@ -299,8 +321,9 @@ def disconnect_cmd(source: str, target: str, both: bool, **opts: Any) -> None:
 
     async def go() -> None:
         async with Network(opts) as net:
-            for s, t in [(source, target)] + ([(target, source)] if both else []):
-                await net.change(Disconnected(s, t), at=[t, s])
+            pairs = [(source, target)] + ([(target, source)] if both else [])
+            await net.changes([(Disconnected(s, t), [t, s]) for s, t in pairs])  # Both or neither.
+            for s, t in pairs:
                 click.echo(f"{s} -> {t}: disconnected")
 
     run(go())
@@ -371,20 +394,45 @@ def trust_clock_cmd(name: str, without: str, **opts: Any) -> None:
 @click.option(
     "--through",
     required=True,
-    type=click.IntRange(1),
-    help="Delete events through this sequence number",
+    help="Delete events through this sequence number, or through this event (EMITTER:TIME, "
+    "its id: where it is stored here)",
 )
 @replication_options
-def delete_cmd(name: str, through: int, **opts: Any) -> None:  # fmt: skip
-    """Delete a location's events through a sequence number: allowed only if afterwards its DVV
-    is <= the CVV of every directly connected location."""
+def delete_cmd(name: str, through: str, **opts: Any) -> None:  # fmt: skip
+    """Delete a location's events through a sequence number or an event: allowed only if
+    afterwards its DVV is <= the CVV of every directly connected location."""
+    emitter, colon, time = through.rpartition(":")
+    try:
+        number = int(time)
+        if number < 1 or (colon and not emitter):
+            raise ValueError
+    except ValueError:
+        raise UserError(
+            f"--through {through!r}: give a sequence number (1 or more) or an event's id, "
+            "EMITTER:TIME (as `events` shows it)"
+        ) from None
 
     async def go() -> Document:
         async with Network(opts) as net:
-            return await net.call(name, "Delete", through=through)
+            seq = await _seq_of(net, name, emitter, number) if colon else number
+            return await net.call(name, "Delete", through=seq)
 
     reply = run(go())
     click.echo(f"{name}: deleted through {reply['deleted_through']}, DVV {_vector(reply['dvv'])}")
+
+
+async def _seq_of(net: Network, name: str, emitter: str, time: int) -> int:
+    """Where the event EMITTER:TIME is stored at location `name` (UserError if it is not)."""
+    from replication.records import split_records
+
+    async for data in _pages(net, name, 0, None):
+        for _, _, raw in split_records(data)[0]:
+            if raw is not None and raw.emitter == emitter and raw.ts.get(emitter) == time:
+                return raw.seq
+    raise UserError(
+        f"event {emitter}:{time} is not in {name}'s log (deleted already, not replicated there, "
+        "or never emitted): `gazctl replication events` lists what is"
+    )
 
 
 @replication.command("prune")
@@ -468,17 +516,39 @@ def emit_cmd(name: str, payloads: tuple[str, ...], **opts: Any) -> None:
 @click.option(
     "--after", default=0, type=click.IntRange(0), help="Events after this sequence number"
 )
-@click.option("--limit", default=1000, type=click.IntRange(1), help="At most this many")
+@click.option(
+    "--limit", default=None, type=click.IntRange(1), help="At most this many (default: every one)"
+)
 @replication_options
-def events_cmd(name: str, after: int, limit: int, **opts: Any) -> None:  # fmt: skip
-    """A location's stored events in storage order, as JSON lines."""
+def events_cmd(name: str, after: int, limit: int | None, **opts: Any) -> None:  # fmt: skip
+    """A location's stored events in storage order, as JSON lines (read page by page, through
+    the last committed one)."""
 
-    async def go() -> bytes:
+    async def go() -> None:
         async with Network(opts) as net:
-            return await net.call_raw(name, "Read", after=after, limit=limit)
+            async for data in _pages(net, name, after, limit):
+                click.echo(data.decode(), nl=False)
 
-    _, batch = read_reply(name, run(go()))
-    click.echo(batch.data.decode(), nl=False)
+    run(go())
+
+
+PAGE = 1000  # Events per Read of `events` and `delete --through EMITTER:TIME`.
+
+
+async def _pages(net: Network, name: str, after: int, limit: int | None) -> AsyncIterator[bytes]:
+    """A location's event records after `after`, page by page, through its last committed
+    event (at most `limit` events)."""
+    left = limit
+    while left is None or left > 0:
+        reply = await net.call_raw(name, "Read", after=after, limit=PAGE if left is None else min(PAGE, left))  # fmt: skip
+        header, batch = read_reply(name, reply)
+        if batch.data:
+            yield batch.data
+            if left is not None:
+                left -= batch.data.count(b"\n")
+        if batch.through_seq <= after or batch.through_seq >= int(header["last_seq"]):
+            return
+        after = batch.through_seq
 
 
 # ---- topology ---------------------------------------------------------------------------------

@@ -365,6 +365,38 @@ def test_recovery_resets_progress_wherever_the_location_was_replicated_to(
     wait_until(lambda: [e["payload"].get("num") for e in locations.events("B") if "num" in e["payload"]] == [1, 2, 3], "B holds A's new event")  # fmt: skip
 
 
+def test_gazctl_replication_pages_deletes_by_id_and_changes_all_or_nothing(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """`events` pages through a log of more than one page; `delete --through` takes an event's
+    id; `disconnect --both` with one direction not connected changes neither; a refused
+    `connect --new-events-only` leaves the target's vectors as they were (it joins only once
+    the connection's checks passed)."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "D"))
+    for name in "ABD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.call_raw("A", "Emit", payloads=[{"num": i} for i in range(1200)])
+    out = locations.ok("events", "A")
+    assert [json.loads(line)["payload"].get("num") for line in out.splitlines()][-1200:] == list(range(1200))  # fmt: skip
+    assert len(locations.ok("events", "A", "--limit", "1100").splitlines()) == 1100
+    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 1201, "B holds A's events", 60)
+    seq = next(json.loads(line)["seq"] for line in out.splitlines() if json.loads(line)["payload"].get("num") == 4)  # fmt: skip
+    assert f"A: deleted through {seq}, DVV {{A: 6}}" in locations.ok("delete", "A", "--through", "A:6")  # fmt: skip
+    assert "event A:99999 is not in A's log" in refused(locations, "delete", "A", "--through", "A:99999")  # fmt: skip
+    assert "give a sequence number" in refused(locations, "delete", "A", "--through", "A:x")
+
+    line = refused(locations, "disconnect", "A", "B", "--both")
+    assert "B -> A is not connected" in line
+    assert ("A", "B") in {(c["source"], "B") for c in locations.status("B")["connections"]}
+    assert "A -> B: connected already" in locations.ok("connect", "A", "B")
+
+    before = locations.status("D")
+    refused(locations, "connect", "A", "D", "--filter", "not a selector((", "--new-events-only")
+    after = locations.status("D")
+    assert (after["cvv"], after["dvv"]) == (before["cvv"], before["dvv"]) == ({}, {})
+
+
 def test_a_filtered_connection_fails_over_once_the_new_source_has_caught_up(
     location_broker: BrokerProcess, locations: LocationProcesses
 ) -> None:
