@@ -260,6 +260,8 @@ class LocationServer:
                 waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._failed.wait())]  # fmt: skip
                 try:
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if self.failure:
+                        log.warning("%s: stopping", self.failure)
                 finally:
                     for task in [*waits, *background]:
                         task.cancel()
