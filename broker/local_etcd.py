@@ -7,6 +7,7 @@ loopback only, keeps its data in a directory the caller owns, and is stopped by 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,12 +43,41 @@ def find_etcd_binary() -> str:
     return str(candidate)
 
 
+_GIVEN: set[int] = set()  # Ports this process handed out already.
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The range the kernel takes ports from for outgoing connections (and for bind to 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default.
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, for a server about to start. It is chosen below
+    the kernel's ephemeral range: a port from that range, free when asked, can be taken by any
+    outgoing connection on the machine before the server binds it (seen under a parallel test
+    run: "Address already in use"). Below it, only another caller of this function could pick
+    the same port, at random among thousands, and none in this process twice."""
+    low, _ = _ephemeral_range()
+    start = 10000 if low > 12000 else 1024
+    for _ in range(200):
+        port = random.randrange(start, low)
+        if port in _GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
         return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # No room below: any port.
+        s.bind(("127.0.0.1", 0))
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def etcd_environment() -> dict[str, str]:
