@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import importlib
 import signal
 import sys
 from collections.abc import Coroutine
@@ -59,7 +60,60 @@ class GazctlGroup(click.Group):
             raise UserError(f"broker refused the request ({exc.code().name}): {detail}") from None
 
 
-@click.group(cls=GazctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+# The top-level commands, each imported only when used (a gazctl process pays for the modules of
+# the command it runs, not for every command's): name -> (modules to import, in order: the
+# later ones add sub-commands to the first's group; the attribute that is the command).
+_COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
+    # journals fragments|prune|store-health|suspend and append|read|reset-head join `journals`.
+    "journals": (("gazctl.journals", "gazctl.fragments", "gazctl.journals_io"), "journals"),
+    "shards": (("gazctl.shards",), "shards"),
+    "replication": (("gazctl.replication",), "replication"),
+    "dev": (("gazctl.dev",), "dev"),
+    "attach-uuids": (("gazctl.attach_uuids",), "attach_uuids"),
+    "spark": (("gazctl.spark.cli",), "spark"),
+}
+
+
+class LazyGazctlGroup(GazctlGroup):
+    """The root group: its commands are loaded by name, on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *_COMMANDS})
+
+    def get_command(self, ctx: click.Context | None, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in _COMMANDS:
+            modules, attribute = _COMMANDS[cmd_name]
+            for module in modules:
+                importlib.import_module(module)
+            self.add_command(getattr(sys.modules[modules[0]], attribute), cmd_name)
+        return self.commands.get(cmd_name)
+
+    def load_all(self) -> LazyGazctlGroup:
+        """Every command loaded (for what walks the whole tree: print-config, the reference)."""
+        for name in _COMMANDS:
+            self.get_command(None, name)
+        return self
+
+
+class _Defaults(dict[str, Any]):
+    """The root's click default_map, each command's part built from the INI sections when click
+    first asks for it (building it needs the command loaded)."""
+
+    def __init__(self, ini: dict[str, dict[str, str]]) -> None:
+        super().__init__(cfg.default_map(cli, ini))
+        self.ini = ini
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key not in self and key in _COMMANDS:
+            command = cli.get_command(None, key)
+            assert command is not None
+            nested = cfg.default_map(command, self.ini, (key,))
+            if nested:
+                self[key] = nested
+        return super().get(key, default)
+
+
+@click.group(cls=LazyGazctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """gazctl is a tool for interacting with Gazette brokers and consumer applications.
@@ -71,36 +125,14 @@ def cli(ctx: click.Context) -> None:
     except cfg.ConfigFileError as exc:
         raise UserError(str(exc)) from None
     ctx.obj = ini
-    ctx.default_map = cfg.default_map(cli, ini)
+    ctx.default_map = _Defaults(ini)
 
 
 @cli.command("print-config")
 @click.pass_context
 def print_config(ctx: click.Context) -> None:
     """Print the combined configuration (gazctl.ini, environment, defaults) in INI form."""
-    click.echo(cfg.render_ini(cli, ctx.obj or {}), nl=False)
-
-
-def _register() -> None:
-    # Registers journals fragments|prune|store-health|suspend.
-    import gazctl.fragments
-    import gazctl.journals_io  # noqa: F401  (registers journals append|read|reset-head)
-    from gazctl.attach_uuids import attach_uuids
-    from gazctl.dev import dev
-    from gazctl.journals import journals
-    from gazctl.replication import replication
-    from gazctl.shards import shards
-    from gazctl.spark.cli import spark
-
-    cli.add_command(journals)
-    cli.add_command(shards)
-    cli.add_command(replication)
-    cli.add_command(dev)
-    cli.add_command(attach_uuids)
-    cli.add_command(spark)
-
-
-_register()
+    click.echo(cfg.render_ini(cli.load_all(), ctx.obj or {}), nl=False)
 
 
 def main() -> None:

@@ -80,6 +80,7 @@ def full() -> str:
     """The gazctl tree, then the broker's own `gazette` command."""
     from broker.main import cli as gazette
 
+    cli.load_all()  # Its commands are loaded on first use: the reference shows every one.
     broker = render(gazette, ("gazette",)).replace(HEADER, "")
     intro = (
         "\n---\n\n# gazette (the broker)\n\nSettings come from flags, environment, then "

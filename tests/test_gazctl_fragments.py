@@ -294,7 +294,7 @@ def test_file_root_from_env(cluster: Cluster, history: History, tmp_path: Path) 
             for name, sub in command.commands.items():
                 yield from with_file_root(sub, f"{path} {name}")
 
-    found = dict(with_file_root(gazctl_cli, "gazctl"))
+    found = dict(with_file_root(gazctl_cli.load_all(), "gazctl"))
     assert {"gazctl journals read", "gazctl journals prune", "gazctl spark compact",
             "gazctl spark replay"} <= set(found)  # fmt: skip
     assert {path: option.envvar for path, option in found.items()} == {
