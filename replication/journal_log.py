@@ -67,7 +67,7 @@ from replication.records import (
     record_line,
     split_records,
 )
-from replication.system import change_from, key_from, keyed_change_of, keyed_document
+from replication.system import keyed_change_of, keyed_changes, keyed_document
 from replication.topology import Topology
 from replication.vclock import VectorClock
 
@@ -487,10 +487,8 @@ class JournalEventLog(_LogVectors):
                 self.progress[source] = max(self.progress.get(source, 0), int(seq))
             for source, cvv in dict(record["cached_cvv"]).items():
                 self.cached_cvv.setdefault(source, VectorClock.from_json(cvv, field="checkpoint"))
-            for i, c in enumerate(record["history"]):
-                # A checkpoint written before changes had keys holds them in the order folded.
-                key = key_from(c, "checkpoint.history") or (0, -1, "", i)
-                self.topology.apply(change_from(c, "checkpoint.history"), key)
+            for key, change in keyed_changes(record["history"], "checkpoint.history"):
+                self.topology.apply(change, key)
 
     @property
     def name(self) -> str:

@@ -34,6 +34,7 @@ __all__ = [
     "is_system",
     "key_from",
     "keyed_change_of",
+    "keyed_changes",
     "keyed_document",
     "passes",
     "system_payload",
@@ -133,13 +134,18 @@ def keyed_change_of(event: Event) -> tuple[OpKey, Change]:
     return key, change
 
 
+def keyed_changes(history: Iterable[Any], what: str = "history") -> list[tuple[OpKey, Change]]:
+    """A history as JSON (a checkpoint's, a location's Status) as keyed changes; one written
+    before changes had keys holds them in the order folded, and keeps that order."""
+    return [
+        (key_from(body, what) or (0, -1, "", i), change_from(body, what))
+        for i, body in enumerate(history)
+    ]
+
+
 def topology_of_documents(history: Iterable[Any]) -> Topology:
-    """The view of a history as JSON (a location's Status): keyed changes, or changes in order."""
-    out = Topology()
-    for i, body in enumerate(history):
-        key = key_from(body, "history") or (0, -1, "", i)
-        out.apply(change_from(body, "history"), key)
-    return out
+    """The view of a history as JSON (a location's Status)."""
+    return Topology.of(keyed_changes(history))
 
 
 def topology_of(events: Iterable[Event]) -> Topology:

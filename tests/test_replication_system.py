@@ -28,6 +28,7 @@ from replication.topology import (
     Retired,
     RuleViolation,
     Topology,
+    command_key,
 )
 from replication.vclock import VectorClock
 
@@ -177,7 +178,7 @@ def test_every_causal_delivery_order_gives_one_view(
     # Duplicates of one command are one change, and commands fold in the order etcd issued them:
     # the view is the one the operator's commands made, one after another.
     if all(ordered for _, _, ordered in commands):
-        intended = Topology.of([((op, 0, "", 0), c) for op, c, _ in commands])
+        intended = Topology.of([(command_key(op), c) for op, c, _ in commands])
         assert views[0].state() == intended.state()
     # Any batch of the same events, arriving in pieces (a checkpoint's history, then the rest).
     shuffled = list(orders[rng.randrange(len(orders))])
