@@ -26,6 +26,7 @@ PROTOS = [
     "broker/protocol/recorded_op.proto",
     "broker/protocol/consumer.proto",
     "consumer/examples/word_count.proto",
+    "replication/location.proto",
 ]
 # Generated code is produced with this grpcio-tools release: its gencode (protobuf 5.27.2) runs on
 # every protobuf runtime from 5.27.2 on, which is the floor aetcd needs anyway.

@@ -528,7 +528,7 @@ async def wait_locations(
     async def answers(proc: Proc) -> bool:
         async with LocationClient(proc.role, proc.address, timeout=2.0) as client:
             try:
-                await client.call("Status")
+                await client.status()
                 return True
             except LocationError:
                 return False

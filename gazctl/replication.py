@@ -9,7 +9,7 @@ nothing was recorded anywhere."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,9 +21,9 @@ from broker import config as cfg
 from broker import etcd as etcdx
 from gazctl import render
 from gazctl.journals import file_root_option
+from replication import location_pb2 as lpb
 from replication import registry
-from replication.rpc import Document, LocationClient, LocationError
-from replication.server import read_reply
+from replication.rpc import Document, LocationClient, LocationError, status_document
 from replication.system import change_document, topology_of_documents
 from replication.topology import (
     Change,
@@ -95,24 +95,30 @@ class Network:
         except registry.UnknownLocation as exc:
             raise UserError(str(exc)) from None
 
-    async def call(self, name: str, method: str, **body: Any) -> Document:
-        reply: Document = json.loads(await self.call_raw(name, method, **body))
-        return reply
-
-    async def call_raw(self, name: str, method: str, **body: Any) -> bytes:
-        entry = (await self.entries(name))[0]
-        if not entry.endpoint:
-            raise UserError(
-                f"location {name} is not running: no process serves it (start it with "
-                f"`python -m replication serve --location {name}`)"
-            )
+    async def client(self, name: str) -> LocationClient:
+        """The client of location `name`'s process (UserError if none serves it)."""
         client = self.clients.get(name)
         if client is None:
+            entry = (await self.entries(name))[0]
+            if not entry.endpoint:
+                raise UserError(
+                    f"location {name} is not running: no process serves it (start it with "
+                    f"`python -m replication serve --location {name}`)"
+                )
             client = self.clients[name] = LocationClient(name, entry.endpoint)
+        return client
+
+    async def ask(self, name: str, call: Callable[[LocationClient], Awaitable[T]]) -> T:
+        """`call` made with location `name`'s client; its refusal as a UserError."""
+        client = await self.client(name)
         try:
-            return await client.call_raw(method, **body)
+            return await call(client)
         except LocationError as exc:
             raise UserError(str(exc)) from None
+
+    async def status(self, name: str) -> Document:
+        """Location `name`'s Status, as `status --format json` prints it."""
+        return status_document(await self.ask(name, lambda c: c.status()))
 
     async def change(self, change: Change, at: Sequence[str]) -> None:
         """Check `change` at every location of `at`, then record it at each as one command: in
@@ -128,18 +134,24 @@ class Network:
         passed (a refusal records none of them); `before_recording` runs in between."""
         for change, at in changes:
             for name in at:
-                await self.call(name, "Change", change=change_document(change))
+                await self._change(name, change)
         if before_recording is not None:
             await before_recording()
         for change, at in changes:
-            body = change_document(change)
-            op = await registry.issue_op(self.etcd, self.prefix, body)
+            op = await registry.issue_op(self.etcd, self.prefix, change_document(change))
             for name in at:
-                await self.call(name, "Change", change=body, record=True, op=op)
+                await self._change(name, change, record=True, op=op)
+
+    async def _change(self, name: str, change: Change, record: bool = False, op: int = 0) -> None:
+        client = await self.client(name)
+        try:
+            await client.change(change, record=record, op=op)
+        except LocationError as exc:
+            raise UserError(str(exc)) from None
 
 
-def _vector(document: Any) -> str:
-    return str(VectorClock.from_json(document or {}))
+def _vector(clock: Mapping[str, int] | None) -> str:
+    return str(VectorClock(clock or {}))
 
 
 # ---- locations, status -----------------------------------------------------------------------
@@ -160,7 +172,7 @@ def locations_cmd(fmt: str, **opts: Any) -> None:  # fmt: skip
                 status: Document = {}
                 if entry.endpoint:
                     try:
-                        status = await net.call(entry.name, "Status")
+                        status = await net.status(entry.name)
                     except UserError:
                         status = {}
                 rows.append((entry, status))
@@ -200,7 +212,7 @@ def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: s
                 chosen = list(names)
             else:
                 chosen = [e.name for e in (await net.locations()).values() if e.endpoint]
-            return [await net.call(n, "Status") for n in chosen]
+            return [await net.status(n) for n in chosen]
 
     statuses = run(go())
     if fmt == "json":
@@ -272,8 +284,8 @@ def connect_cmd(
             async def join() -> None:
                 # Only once every check passed: a refused connect changes nothing.
                 if new_only:
-                    reply = await net.call(target, "Join", sources=[source])
-                    click.echo(f"{target}: joined for new events (CVV {_vector(reply['cvv'])})")
+                    reply = await net.ask(target, lambda c: c.join([source]))
+                    click.echo(f"{target}: joined for new events (CVV {_vector(reply.cvv.times)})")
 
             if previous:
                 if both:
@@ -304,7 +316,7 @@ def connect_cmd(
 
 
 async def _current(net: Network, at: str) -> dict[tuple[str, str], str]:
-    return _view(await net.call(at, "Status")).current
+    return _view(await net.status(at)).current
 
 
 def _view(status: Document) -> Topology:
@@ -342,7 +354,7 @@ def retire_cmd(name: str, **opts: Any) -> None:
             at, already = [], []
             for entry in (await net.locations()).values():
                 if entry.endpoint:
-                    view = _view(await net.call(entry.name, "Status"))
+                    view = _view(await net.status(entry.name))
                     if entry.name == name or name in view.locations:
                         at.append(entry.name)
                         already.append(name in view.retired)
@@ -374,16 +386,17 @@ def trust_clock_cmd(name: str, without: str, **opts: Any) -> None:
     if not names:
         raise UserError("--without: name the locations not heard from (comma-separated)")
 
-    async def go() -> Document:
+    async def go() -> lpb.TrustClockResponse:
         async with Network(opts) as net:
             await net.entries(*names)
-            return await net.call(name, "TrustClock", without=names)
+            return await net.ask(name, lambda c: c.trust_clock(names))
 
     reply = run(go())
-    if reply["clock"] == "ok":
+    if reply.clock_ok:
         click.echo(f"{name}: emits without having heard from {', '.join(names)}")
     else:
-        raise UserError(f"{name}: still {reply['clock']}: name them too, or start them")
+        unheard = ", ".join(reply.unheard)
+        raise UserError(f"{name}: still not heard from {unheard}: name them too, or start them")
 
 
 # ---- deletion, recovery, events --------------------------------------------------------------
@@ -412,13 +425,13 @@ def delete_cmd(name: str, through: str, **opts: Any) -> None:  # fmt: skip
             "EMITTER:TIME (as `events` shows it)"
         ) from None
 
-    async def go() -> Document:
+    async def go() -> lpb.DeleteResponse:
         async with Network(opts) as net:
             seq = await _seq_of(net, name, emitter, number) if colon else number
-            return await net.call(name, "Delete", through=seq)
+            return await net.ask(name, lambda c: c.delete(seq))
 
     reply = run(go())
-    click.echo(f"{name}: deleted through {reply['deleted_through']}, DVV {_vector(reply['dvv'])}")
+    click.echo(f"{name}: deleted through {reply.deleted_through}, DVV {_vector(reply.dvv.times)}")
 
 
 async def _seq_of(net: Network, name: str, emitter: str, time: int) -> int:
@@ -449,8 +462,8 @@ def prune_cmd(name: str, dry_run: bool, file_root: Path | None, **opts: Any) -> 
     async def plan() -> tuple[str, int, list[Any], int]:
         async with Network(opts) as net:
             entry = (await net.entries(name))[0]
-            status = await net.call(name, "Status")
-        bound = int(status["prunable_before"])
+            status = await net.ask(name, lambda c: c.status())
+        bound = status.prunable_before
         async with JournalsClient(entry.broker) as journals:
             listed = [f.spec for f in await list_fragments(journals.stub, entry.journal)]
         doomed = [f for f in listed if f.end <= bound and f.backing_store]
@@ -474,15 +487,15 @@ def recover_cmd(name: str, **opts: Any) -> None:
     """Disaster recovery of a location whose log lost events: its clock and its neighbours'
     progress first, then events from the neighbours allowed to give them back."""
 
-    async def go() -> Document:
+    async def go() -> lpb.RecoverResponse:
         async with Network(opts) as net:
-            return await net.call(name, "Recover")
+            return await net.ask(name, lambda c: c.recover())
 
     reply = run(go())
-    skipped = reply["not_recovered_from"]
+    skipped = list(reply.not_recovered_from)
     click.echo(
-        f"{name}: recovered metadata (events 1-{reply['survivors']} survived, local time "
-        f"{reply['local_time']}); events come back over its connections"
+        f"{name}: recovered metadata (events 1-{reply.survivors} survived, local time "
+        f"{reply.local_time}); events come back over its connections"
         + (f"; not from {', '.join(skipped)} (filtered, and not terminal)" if skipped else "")
     )
 
@@ -503,12 +516,15 @@ def emit_cmd(name: str, payloads: tuple[str, ...], **opts: Any) -> None:
             raise UserError(f"payload {i}: expected a JSON object, got {text!r}")
         documents.append(document)
 
-    async def go() -> Document:
-        async with Network(opts) as net:
-            return await net.call(name, "Emit", payloads=documents)
+    request = lpb.EmitRequest(payloads=[json.dumps(d).encode() for d in documents])
 
-    for event in run(go())["events"]:
-        click.echo(f"{event['emitter']} {_vector(event['ts'])}")
+    async def go() -> lpb.EmitResponse:
+        async with Network(opts) as net:
+            reply: lpb.EmitResponse = await net.ask(name, lambda c: c.invoke("Emit", request))
+            return reply
+
+    for event in run(go()).events:
+        click.echo(f"{event.emitter} {_vector(event.timestamp.times)}")
 
 
 @replication.command("events")
@@ -540,15 +556,19 @@ async def _pages(net: Network, name: str, after: int, limit: int | None) -> Asyn
     event (at most `limit` events)."""
     left = limit
     while left is None or left > 0:
-        reply = await net.call_raw(name, "Read", after=after, limit=PAGE if left is None else min(PAGE, left))  # fmt: skip
-        header, batch = read_reply(name, reply)
-        if batch.data:
-            yield batch.data
+        page = PAGE if left is None else min(PAGE, left)
+        client = await net.client(name)
+        try:
+            reply = await client.read(after, page)
+        except LocationError as exc:
+            raise UserError(str(exc)) from None
+        if reply.records:
+            yield reply.records
             if left is not None:
-                left -= batch.data.count(b"\n")
-        if batch.through_seq <= after or batch.through_seq >= int(header["last_seq"]):
+                left -= reply.records.count(b"\n")
+        if reply.through <= after or reply.through >= reply.last_seq:
             return
-        after = batch.through_seq
+        after = reply.through
 
 
 # ---- topology ---------------------------------------------------------------------------------
@@ -576,7 +596,7 @@ def topology_cmd(at: str, fmt: str, **opts: Any) -> None:  # fmt: skip
                 if not running:
                     raise UserError(f"no location is running under {net.prefix}: nothing to ask")
                 name = running[0]
-            return await net.call(name, "Status")
+            return await net.status(name)
 
     status = run(go())
     view = _view(status)

@@ -1,48 +1,164 @@
-"""The Location service: a location process's gRPC service, its messages JSON documents (one
-unary method each; the service is this project's own, so it has no .proto to match).
+"""The Location service's client, and conversions between its messages (replication/location.proto)
+and the replication model's values.
 
 Methods: `Status`, `Emit`, `Read` (a replication batch, filtered at the source by the target's
 CVV and the connection's filter), `Change` (check, and record, a topology change), `Delete`,
-`ResetProgress` and `Recover`. A rule the change would break is FAILED_PRECONDITION, a bad
-argument INVALID_ARGUMENT, an unknown location NOT_FOUND; each with one line that says why."""
+`ResetProgress`, `Recover`, `Join` and `TrustClock`. A rule the request would break is
+FAILED_PRECONDITION, a bad argument INVALID_ARGUMENT, an unknown location NOT_FOUND; each with
+one line that says why."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from broker.client.journals import dial
+from replication import location_pb2 as lpb
+from replication import location_pb2_grpc as lpb_grpc
 from replication.location import Stored
+from replication.topology import (
+    Change,
+    Connected,
+    Disconnected,
+    FailedOver,
+    Filtered,
+    OpKey,
+    Retired,
+    Topology,
+)
+from replication.vclock import VectorClock
 
-__all__ = ["SERVICE", "LocationClient", "LocationError", "generic_handler"]
+__all__ = [
+    "SERVICE",
+    "LocationClient",
+    "LocationError",
+    "change_message",
+    "change_of_message",
+    "clock_message",
+    "clock_of",
+    "key_message",
+    "key_of_message",
+    "status_document",
+    "topology_of_status",
+]
 
 SERVICE = "gazette_py.replication.Location"
 
 Document = dict[str, Any]
-Method = Callable[[Document, grpc.aio.ServicerContext[Any, Any]], Awaitable[Document | bytes]]
 
 
-def _encode(document: Mapping[str, Any] | bytes) -> bytes:
-    """A reply's bytes: a JSON document, or bytes a method made itself (Read's)."""
-    if isinstance(document, bytes):
-        return document
-    return json.dumps(document, separators=(",", ":")).encode()
+# ---- conversions ----------------------------------------------------------------------------------
 
 
-def generic_handler(methods: Mapping[str, Method]) -> grpc.GenericRpcHandler[Any, Any]:
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            name: grpc.unary_unary_rpc_method_handler(
-                method, request_deserializer=json.loads, response_serializer=_encode
+def clock_message(clock: Mapping[str, int]) -> lpb.Clock:
+    return lpb.Clock(times={k: v for k, v in clock.items() if v})
+
+
+def clock_of(message: lpb.Clock, what: str = "clock") -> VectorClock:
+    return VectorClock.from_json(dict(message.times), field=what)
+
+
+def change_message(change: Change) -> lpb.Change:
+    if isinstance(change, Retired):
+        return lpb.Change(retired=change.location)
+    if isinstance(change, FailedOver):
+        return lpb.Change(
+            failed_over=lpb.Change.FailOver(
+                previous=change.previous, source=change.source, target=change.target,
+                filter=change.filter,
             )
-            for name, method in methods.items()
-        },
+        )  # fmt: skip
+    if isinstance(change, Connected):
+        return lpb.Change(connected=_connection(change.source, change.target, change.filter))
+    if isinstance(change, Filtered):
+        return lpb.Change(filtered=_connection(change.source, change.target, change.filter))
+    return lpb.Change(disconnected=_connection(change.source, change.target))
+
+
+def _connection(source: str, target: str, filter: str = "") -> lpb.Change.Connection:
+    return lpb.Change.Connection(source=source, target=target, filter=filter)
+
+
+def change_of_message(message: lpb.Change, what: str = "change") -> Change:
+    """The change a message carries (ValueError naming `what` if it carries none, or names no
+    location where it must)."""
+    kind = message.WhichOneof("change")
+    if kind == "retired":
+        if not message.retired:
+            raise ValueError(f"{what}: a retirement names no location")
+        return Retired(message.retired)
+    if kind == "failed_over":
+        f = message.failed_over
+        _named(what, f.previous, f.source, f.target)
+        return FailedOver(f.previous, f.source, f.target, f.filter)
+    if kind is None:
+        raise ValueError(f"{what}: no change given")
+    c = getattr(message, kind)
+    _named(what, c.source, c.target)
+    if kind == "connected":
+        return Connected(c.source, c.target, c.filter)
+    if kind == "filtered":
+        return Filtered(c.source, c.target, c.filter)
+    return Disconnected(c.source, c.target)
+
+
+def _named(what: str, *names: str) -> None:
+    if not all(names):
+        raise ValueError(f"{what}: a connection names its source and target locations")
+
+
+def key_message(key: OpKey) -> lpb.ChangeKey:
+    revision, total, emitter, time = key
+    return lpb.ChangeKey(revision=revision, sum=total, emitter=emitter, time=time)
+
+
+def key_of_message(message: lpb.ChangeKey) -> OpKey:
+    return (message.revision, message.sum, message.emitter, message.time)
+
+
+def topology_of_status(status: lpb.StatusResponse) -> Topology:
+    """A location's view of the topology, as its Status reports it."""
+    return Topology.of(
+        (key_of_message(k.key), change_of_message(k.change, f"{status.location}'s history"))
+        for k in status.history
     )
+
+
+def status_document(status: lpb.StatusResponse) -> Document:
+    """A Status as JSON (`gazctl replication status --format json`): vectors as objects, the
+    history's changes as a system event stores them, each with its key."""
+    from replication.system import keyed_document
+
+    def clock(c: lpb.Clock) -> dict[str, int]:
+        return dict(sorted(c.times.items()))
+
+    view = topology_of_status(status)
+    return {
+        "location": status.location, "journal": status.journal, "endpoint": status.endpoint,
+        "cvv": clock(status.cvv), "dvv": clock(status.dvv), "last_seq": status.last_seq,
+        "deleted_through": status.deleted_through, "local_time": status.local_time,
+        "progress": dict(sorted(status.progress.items())),
+        "cached_cvv": {s: clock(c) for s, c in sorted(status.cached_cvv.items())},
+        "connections": [
+            {
+                "source": c.source, "filter": c.filter, "state": c.state, "via": c.via,
+                "progress": c.progress, "source_last_seq": c.source_last_seq, "lag": c.lag,
+                "read": c.read, "written": c.written, "error": c.error,
+            }
+            for c in status.connections
+        ],
+        "history": [keyed_document(k, c) for k, c in view.keyed()],
+        "retired": list(status.retired), "lost": status.lost,
+        "prunable_before": status.prunable_before,
+        "clock": "ok" if status.clock_ok else f"not heard from {', '.join(status.unheard)}",
+    }  # fmt: skip
+
+
+# ---- the client -----------------------------------------------------------------------------------
 
 
 class LocationError(RuntimeError):
@@ -59,12 +175,13 @@ class LocationError(RuntimeError):
 
 
 class LocationClient:
-    """Calls to one location's process: `emit`, `events` and `status` for applications, `call`
-    for any method of the Location service."""
+    """Calls to one location's process, each a method of the Location service; a refusal or an
+    unreachable process is a LocationError."""
 
     def __init__(self, location: str, endpoint: str, *, timeout: float = 30.0) -> None:
         self.location, self.endpoint, self.timeout = location, endpoint, timeout
         self.channel = dial(endpoint)
+        self.stub = lpb_grpc.LocationStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
         await self.channel.close(None)
@@ -75,39 +192,80 @@ class LocationClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def emit(self, *payloads: Mapping[str, Any]) -> list[tuple[str, int]]:
-        """Emit events at the location (each payload a JSON object); their ids, (emitter,
-        time)."""
-        reply = await self.call("Emit", payloads=[dict(p) for p in payloads])
-        return [(e["emitter"], e["ts"][e["emitter"]]) for e in reply["events"]]
-
-    async def events(self, after: int = 0, limit: int = 1000, wait: float = 0.0) -> list[Stored]:
-        """The location's stored events after sequence number `after`, in storage order
-        (read-committed; deleted ones left out), waiting up to `wait` seconds for some."""
-        from replication.records import split_records
-
-        reply = await self.call_raw("Read", after=after, limit=limit, wait=wait)
-        body = reply[reply.index(b"\n") + 1 :]
-        return [raw.stored() for _, _, raw in split_records(body)[0] if raw is not None]
-
-    async def status(self) -> Document:
-        return await self.call("Status")
-
-    async def call(self, method: str, timeout: float | None = None, **body: Any) -> Document:
-        reply: Document = json.loads(await self.call_raw(method, timeout, **body))
-        return reply
-
-    async def call_raw(self, method: str, timeout: float | None = None, **body: Any) -> bytes:
-        """The reply's bytes (Read's are not one JSON document)."""
-        stub = self.channel.unary_unary(
-            f"/{SERVICE}/{method}", request_serializer=_encode, response_deserializer=bytes
-        )
+    async def invoke(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """The reply of `method` (a name of the service) to `request` (its request message)."""
         try:
-            reply: bytes = await stub(body, timeout=timeout or self.timeout)
+            return await getattr(self.stub, method)(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
             task = asyncio.current_task()
             if exc.code() == grpc.StatusCode.CANCELLED and task is not None and task.cancelling():
                 raise asyncio.CancelledError() from None  # Ours, not the peer's: a cancellation.
             detail = (exc.details() or "").split("\n")[0]
             raise LocationError(self.location, exc.code(), detail) from None
+
+    async def status(self, timeout: float | None = None) -> lpb.StatusResponse:
+        reply: lpb.StatusResponse = await self.invoke("Status", lpb.StatusRequest(), timeout)
+        return reply
+
+    async def emit(self, *payloads: Mapping[str, Any]) -> list[tuple[str, int]]:
+        """Emit events at the location (each payload a JSON object); their ids, (emitter,
+        time)."""
+        request = lpb.EmitRequest(payloads=[json.dumps(dict(p)).encode() for p in payloads])
+        reply: lpb.EmitResponse = await self.invoke("Emit", request)
+        return [(e.emitter, e.time) for e in reply.events]
+
+    async def read(
+        self,
+        after: int = 0,
+        limit: int = 1000,
+        *,
+        cvv: Mapping[str, int] | None = None,
+        filter: str = "",
+        or_emitter: str = "",
+        wait: float = 0.0,
+    ) -> lpb.ReadResponse:
+        """A replication batch: the events after `after` that `cvv` does not cover and `filter`
+        admits (or `or_emitter` emitted), waiting up to `wait` seconds for some."""
+        request = lpb.ReadRequest(
+            after=after, limit=limit, cvv=clock_message(cvv or {}), filter=filter,
+            or_emitter=or_emitter, wait=wait,
+        )  # fmt: skip
+        reply: lpb.ReadResponse = await self.invoke("Read", request)
+        return reply
+
+    async def events(self, after: int = 0, limit: int = 1000, wait: float = 0.0) -> list[Stored]:
+        """The location's stored events after sequence number `after`, in storage order
+        (read-committed; deleted ones left out), waiting up to `wait` seconds for some."""
+        from replication.records import split_records
+
+        reply = await self.read(after, limit, wait=wait)
+        return [raw.stored() for _, _, raw in split_records(reply.records)[0] if raw is not None]
+
+    async def change(self, change: Change, *, record: bool = False, op: int = 0) -> bool:
+        """Check `change` against the location's view; with `record`, store it there as a system
+        event (made by the command etcd ordered at `op`). Whether it was recorded."""
+        request = lpb.ChangeRequest(change=change_message(change), record=record, op=op)
+        reply: lpb.ChangeResponse = await self.invoke("Change", request)
+        return reply.recorded
+
+    async def delete(self, through: int) -> lpb.DeleteResponse:
+        reply: lpb.DeleteResponse = await self.invoke("Delete", lpb.DeleteRequest(through=through))
+        return reply
+
+    async def reset_progress(self, source: str, seq: int) -> int:
+        request = lpb.ResetProgressRequest(source=source, seq=seq)
+        reply: lpb.ResetProgressResponse = await self.invoke("ResetProgress", request)
+        return reply.progress
+
+    async def recover(self) -> lpb.RecoverResponse:
+        reply: lpb.RecoverResponse = await self.invoke("Recover", lpb.RecoverRequest())
+        return reply
+
+    async def join(self, sources: Sequence[str]) -> lpb.JoinResponse:
+        reply: lpb.JoinResponse = await self.invoke("Join", lpb.JoinRequest(sources=sources))
+        return reply
+
+    async def trust_clock(self, without: Iterable[str]) -> lpb.TrustClockResponse:
+        request = lpb.TrustClockRequest(without=list(without))
+        reply: lpb.TrustClockResponse = await self.invoke("TrustClock", request)
         return reply

@@ -50,20 +50,24 @@ from broker.client.reader import ReadError
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.tls import ServerTLS
+from replication import location_pb2 as lpb
+from replication import location_pb2_grpc as lpb_grpc
 from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
 from replication.location import EventFilter, check_fail_over
-from replication.rpc import SERVICE, Document, LocationClient, LocationError, generic_handler
-from replication.system import (
-    change_document,
-    change_from,
-    key_from,
-    keyed_document,
-    passes,
-    system_payload,
-    topology_of_documents,
+from replication.rpc import (
+    SERVICE,
+    LocationClient,
+    LocationError,
+    change_message,
+    change_of_message,
+    clock_message,
+    clock_of,
+    key_message,
+    topology_of_status,
 )
+from replication.system import change_document, passes, system_payload
 from replication.topology import (
     Connected,
     Disconnected,
@@ -71,6 +75,7 @@ from replication.topology import (
     Filtered,
     Retired,
     RuleViolation,
+    command_key,
 )
 from replication.vclock import VectorClock, lub
 
@@ -79,7 +84,7 @@ __all__ = [
     "LocationServer",
     "StartError",
     "WriterFailed",
-    "read_reply",
+    "batch_of",
 ]
 
 log = logging.getLogger("replication")
@@ -134,12 +139,9 @@ class LocationConfig:
         self.journal = self.journal or f"replication/{self.location}"
 
 
-def read_reply(source: str, reply: bytes) -> tuple[Document, LineBatch]:
-    """A Read reply: its header, and the batch it carries."""
-    newline = reply.index(b"\n") + 1
-    header: Document = json.loads(reply[:newline])
-    cvv = VectorClock.from_json(header["cvv"], field="cvv")
-    return header, LineBatch(source, reply[newline:], int(header["through"]), cvv)
+def batch_of(source: str, reply: lpb.ReadResponse) -> LineBatch:
+    """The batch a Read reply carries."""
+    return LineBatch(source, reply.records, reply.through, clock_of(reply.cvv, "cvv"))
 
 
 @dataclass
@@ -155,13 +157,13 @@ class ConnectionState:
     written: int = 0
     error: str = ""
 
-    def document(self, progress: int) -> Document:
-        return {
-            "source": self.source, "filter": self.filter, "state": self.state, "via": self.via,
-            "progress": progress, "source_last_seq": self.source_last_seq,
-            "lag": max(0, self.source_last_seq - progress), "read": self.read,
-            "written": self.written, "error": self.error,
-        }  # fmt: skip
+    def message(self, progress: int) -> lpb.ConnectionStatus:
+        return lpb.ConnectionStatus(
+            source=self.source, filter=self.filter, state=self.state, via=self.via,
+            progress=progress, source_last_seq=self.source_last_seq,
+            lag=max(0, self.source_last_seq - progress), read=self.read, written=self.written,
+            error=self.error,
+        )  # fmt: skip
 
 
 @dataclass
@@ -169,7 +171,7 @@ class _Neighbour:
     entry: registry.LocationEntry
     cvv: VectorClock
     dvv: VectorClock
-    status: Document = field(default_factory=dict)
+    status: lpb.StatusResponse = field(default_factory=lpb.StatusResponse)
 
     @property
     def name(self) -> str:
@@ -235,7 +237,7 @@ class LocationServer:
             self.log = log_
             self._reader = SourceReader(self._stub, cfg.journal)
             server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            server.add_generic_rpc_handlers([generic_handler(self._methods())])
+            lpb_grpc.add_LocationServicer_to_server(self._servicer(), server)  # type: ignore[no-untyped-call]
             bind = f"{cfg.host}:{cfg.port}"
             if cfg.server_tls.enabled:
                 self.port = server.add_secure_port(bind, cfg.server_tls.grpc_credentials())
@@ -390,7 +392,7 @@ class LocationServer:
                 self._topology_changed.set()  # Its connections stop until it is recovered.
                 return
             self._heard.add(other.name)
-        retired = self.log.topology.retired.union(*(o.status.get("retired", []) for o in others))
+        retired = self.log.topology.retired.union(*(o.status.retired for o in others))
         self.unheard = sorted(
             n for n in known if n not in self._heard | retired | self._waived | {self.name}
         )
@@ -485,15 +487,15 @@ class LocationServer:
                 after = target.progress.get(source, 0)
                 if entry.endpoint:
                     direct = None
-                    reply = await self._ask(entry).call_raw(
-                        "Read", after=after, cvv=target._cvv, filter=state.filter,
-                        or_emitter=self.name if or_here else "", limit=self.config.batch,
+                    reply = await self._ask(entry).read(
+                        after, self.config.batch, cvv=target._cvv, filter=state.filter,
+                        or_emitter=self.name if or_here else "",
                         wait=0.0 if pending is not None else 1.0,
                     )  # fmt: skip
                     state.via = "location"
-                    header, batch = read_reply(source, reply)
-                    dvv = VectorClock.from_json(header["dvv"], field="dvv")
-                    deleted_through, last_seq = int(header["deleted_through"]), int(header["last_seq"])  # fmt: skip
+                    batch = batch_of(source, reply)
+                    dvv = clock_of(reply.dvv, "dvv")
+                    deleted_through, last_seq = reply.deleted_through, reply.last_seq
                 else:
                     if direct is None:
                         direct = SourceReader(self._broker(entry.broker), entry.journal)
@@ -567,17 +569,23 @@ class LocationServer:
 
     # ---- the Location service ----------------------------------------------------------------------
 
+    def _servicer(self) -> lpb_grpc.LocationServicer:
+        servicer = lpb_grpc.LocationServicer()
+        for name, method in self._methods().items():
+            setattr(servicer, name, self._guard(name, method))
+        return servicer
+
     def _methods(self) -> dict[str, Any]:
         return {
-            "Status": self._guard("Status", self.status),
-            "Emit": self._guard("Emit", self.emit),
-            "Read": self._guard("Read", self.read),
-            "Change": self._guard("Change", self.change),
-            "Delete": self._guard("Delete", self.delete),
-            "ResetProgress": self._guard("ResetProgress", self.reset_progress),
-            "Recover": self._guard("Recover", self.recover),
-            "Join": self._guard("Join", self.join),
-            "TrustClock": self._guard("TrustClock", self.trust_clock),
+            "Status": self.status,
+            "Emit": self.emit,
+            "Read": self.read,
+            "Change": self.change,
+            "Delete": self.delete,
+            "ResetProgress": self.reset_progress,
+            "Recover": self.recover,
+            "Join": self.join,
+            "TrustClock": self.trust_clock,
         }
 
     def _guard(self, name: str, method: Any) -> Any:
@@ -586,16 +594,13 @@ class LocationServer:
         capability = auth.METHOD_CAPABILITY[f"/{SERVICE}/{name}"]
         journal = labels.label_set((labels.META_NAME, self.config.journal))
 
-        async def handle(
-            request: Document, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> Document:
+        async def handle(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             claims = await auth.verify_or_abort(self.verifier, context, capability)
             if not claims.sees_labels(journal):
                 # A location whose log the caller may not see does not exist for it.
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no location {self.name}")
             try:
-                reply: Document = await method(request)
-                return reply
+                return await method(request)
             except RuleViolation as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except registry.UnknownLocation as exc:
@@ -612,7 +617,7 @@ class LocationServer:
 
         return handle
 
-    async def status(self, request: Document) -> Document:
+    async def status(self, request: lpb.StatusRequest) -> lpb.StatusResponse:
         assert self.log is not None and self._reader is not None
         lg = self.log
         view = lg.topology
@@ -621,41 +626,47 @@ class LocationServer:
             async with self._reader_lock:
                 await self._reader.catch_up()
             prunable = min(lg.checkpoint_offset, self._reader.offset_after(lg.deleted_through))
-        return {
-            "location": self.name, "journal": self.config.journal, "endpoint": self.endpoint,
-            "cvv": lg.committed_cvv.to_json(), "dvv": lg.dvv.to_json(), "last_seq": lg.committed_seq,
-            "deleted_through": lg.deleted_through, "local_time": lg.local_time,
-            "progress": dict(lg.progress),
-            "cached_cvv": {s: c.to_json() for s, c in lg.cached_cvv.items()},
-            "connections": [c.document(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
-            "history": [keyed_document(k, c) for k, c in view.keyed()],
-            "retired": sorted(view.retired), "lost": self.lost, "prunable_before": prunable,
-            "clock": "ok" if self.clock_ok else f"not heard from {', '.join(self.unheard)}",
-        }  # fmt: skip
+        return lpb.StatusResponse(
+            location=self.name, journal=self.config.journal, endpoint=self.endpoint,
+            cvv=clock_message(lg.committed_cvv), dvv=clock_message(lg.dvv),
+            last_seq=lg.committed_seq, deleted_through=lg.deleted_through,
+            local_time=lg.local_time, progress=dict(lg.progress),
+            cached_cvv={s: clock_message(c) for s, c in lg.cached_cvv.items()},
+            connections=[c.message(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
+            history=[lpb.KeyedChange(key=key_message(k), change=change_message(c)) for k, c in view.keyed()],
+            retired=sorted(view.retired), lost=self.lost, prunable_before=prunable,
+            clock_ok=self.clock_ok, unheard=self.unheard,
+        )  # fmt: skip
 
-    async def emit(self, request: Document) -> Document:
+    async def emit(self, request: lpb.EmitRequest) -> lpb.EmitResponse:
         assert self.log is not None
-        payloads = request.get("payloads")
-        if not isinstance(payloads, list) or not all(isinstance(p, dict) for p in payloads):
-            raise ValueError("payloads: expected a list of objects")
+        payloads = [_json_object(p, f"payloads[{i}]") for i, p in enumerate(request.payloads)]
         if any("system" in p for p in payloads):
             raise ValueError("payloads: the field 'system' is reserved for topology changes")
         if self.name in self.log.topology.retired:
             raise RuleViolation(f"location {self.name} is retired: it emits no events")
         await self._check_may_emit()
         events = await self.log.emit(payloads)
-        return {"events": [{"emitter": e.emitter, "ts": e.timestamp.to_json()} for e in events]}
+        return lpb.EmitResponse(
+            events=[
+                lpb.EventId(
+                    emitter=e.emitter, time=e.timestamp[e.emitter],
+                    timestamp=clock_message(e.timestamp),
+                )
+                for e in events
+            ]
+        )  # fmt: skip
 
-    async def read(self, request: Document) -> bytes:
+    async def read(self, request: lpb.ReadRequest) -> lpb.ReadResponse:
         """A replication batch for a target: events after `after`, less those ≤ the target's
         `cvv` and those its `filter` drops (OR `emitter` = `or_emitter`), waiting up to `wait`
-        seconds for some. The reply is a JSON header line (`through`, `cvv`, `dvv`,
-        `deleted_through`, `last_seq`) and the events' records as stored here."""
+        seconds for some. The reply carries the events' records as stored here, and this
+        location's vectors."""
         assert self.log is not None and self._reader is not None
-        after, limit = int(request.get("after", 0)), int(request.get("limit", 1000))
-        cvv = VectorClock.from_json(request.get("cvv", {}), field="cvv").to_json()
-        keep = _filter(str(request.get("filter", "")), str(request.get("or_emitter", "")))
-        wait = min(float(request.get("wait", 0)), 10.0)
+        after, limit = request.after, request.limit or 1000
+        cvv = clock_of(request.cvv, "cvv").to_json()
+        keep = _filter(request.filter, request.or_emitter)
+        wait = min(max(request.wait, 0.0), 10.0)
         reader = self._reader
         async with self._reader_lock:
             await reader.catch_up()
@@ -665,24 +676,27 @@ class LocationServer:
             async with self._reader_lock:
                 await reader.catch_up()
         batch = await select_lines(self.name, reader, after, cvv, keep, limit)
-        header = {
-            "through": batch.through_seq if batch else after,
-            "cvv": reader.cvv.to_json(), "dvv": reader.dvv.to_json(),
-            "deleted_through": reader.deleted_through, "last_seq": reader.last_seq,
-        }  # fmt: skip
-        return b"".join([json.dumps(header).encode(), b"\n", batch.data if batch else b""])
+        return lpb.ReadResponse(
+            through=batch.through_seq if batch else after,
+            cvv=clock_message(reader.cvv), dvv=clock_message(reader.dvv),
+            deleted_through=reader.deleted_through, last_seq=reader.last_seq,
+            records=batch.data if batch else b"",
+        )  # fmt: skip
 
-    async def change(self, request: Document) -> Document:
+    async def change(self, request: lpb.ChangeRequest) -> lpb.ChangeResponse:
         """Check a topology change against this location's view (and, with `record`, store it
         as a system event here)."""
         assert self.log is not None
-        change = change_from(request.get("change"))
-        op = request.get("op")  # The command's order, issued by etcd (None: issued here).
-        op_key = key_from({"op": op}, "op") if op is not None else None
+        change = change_of_message(request.change)
+        if request.op < 0:
+            raise ValueError(f"op {request.op}: a command's order is an etcd revision")
+        op = request.op or None  # The command's order, issued by etcd (None: issued here).
+        op_key = command_key(op) if op is not None else None
         view = self.log.topology
+        unrecorded = lpb.ChangeResponse(change=request.change, recorded=False)
         if op_key is not None and op_key in view.changes:
             # This command is recorded here already (it arrived by replication from the other end).
-            return {"change": change_document(change), "recorded": False}
+            return unrecorded
         if isinstance(change, Retired):
             names = [change.location]
         elif isinstance(change, FailedOver):
@@ -701,8 +715,7 @@ class LocationServer:
         else:
             in_effect = key in view.current and view.current[key] == change.filter
         if in_effect and op_key is None:
-            # In effect here already: nothing to record.
-            return {"change": change_document(change), "recorded": False}
+            return unrecorded  # In effect here already: nothing to record.
         if in_effect:
             pass  # The command was checked where it was made; here it only keeps its order.
         elif isinstance(change, FailedOver):
@@ -725,22 +738,21 @@ class LocationServer:
             view.check_filter(change.source, change.target, change.filter)
         elif isinstance(change, Disconnected) and key not in view.current:
             raise RuleViolation(f"{change.source} -> {change.target} is not connected")
-        if request.get("record"):
+        if request.record:
             await self._check_may_emit()  # A system event is an event of its own, at its time.
             if op is None:
                 op = await registry.issue_op(self._etcd_client(), self.config.prefix, change_document(change))  # fmt: skip
             await self.log.emit([system_payload(change, op)])
             self._topology_changed.set()
-        return {"change": change_document(change), "recorded": bool(request.get("record"))}
+        return lpb.ChangeResponse(change=request.change, recorded=request.record)
 
     async def _vectors(self, entry: registry.LocationEntry, timeout: float | None = None) -> _Neighbour:  # fmt: skip
         """A location's CVV, DVV and status, asked of its process (LocationError if it is down:
         a rule that needs them cannot be checked without)."""
         if not entry.endpoint:
             raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")
-        status = await self._ask(entry).call("Status", timeout=timeout)
-        cvv = VectorClock.from_json(status["cvv"], field="cvv")
-        return _Neighbour(entry, cvv, VectorClock.from_json(status["dvv"], field="dvv"), status)
+        status = await self._ask(entry).status(timeout=timeout)
+        return _Neighbour(entry, clock_of(status.cvv, "cvv"), clock_of(status.dvv, "dvv"), status)
 
     async def _vectors_of(self, *names: str) -> list[_Neighbour]:
         entries = await registry.lookup(self._etcd_client(), self.config.prefix, *names)
@@ -750,23 +762,21 @@ class LocationServer:
         """The vectors of every directly connected location."""
         return await self._vectors_of(*self._neighbour_names())
 
-    async def delete(self, request: Document) -> Document:
+    async def delete(self, request: lpb.DeleteRequest) -> lpb.DeleteResponse:
         assert self.log is not None
-        through = int(request["through"])
+        through = request.through
         if through < 1 or through >= self.log.next_seq:
             raise ValueError(f"through {through}: this log holds sequence numbers 1-{self.log.next_seq - 1}")  # fmt: skip
         if through <= self.log.deleted_through:
             raise ValueError(f"through {through}: deleted through {self.log.deleted_through} already")  # fmt: skip
         neighbours = await self._neighbours()
         dvv = await self.log.delete(through, neighbours)
-        return {"dvv": dvv.to_json(), "deleted_through": through}
+        return lpb.DeleteResponse(dvv=clock_message(dvv), deleted_through=through)
 
-    async def trust_clock(self, request: Document) -> Document:
+    async def trust_clock(self, request: lpb.TrustClockRequest) -> lpb.TrustClockResponse:
         """The operator's decision: this location may emit without hearing from `without` (each
         a location it has not heard from since it started); the others must still answer."""
-        without = request.get("without")
-        if not isinstance(without, list) or not all(isinstance(n, str) for n in without):
-            raise ValueError("without: expected the names of the locations not heard from")
+        without = list(request.without)
         if self.lost:
             raise RuleViolation(self.lost)
         strangers = sorted(set(without) - set(self.unheard))
@@ -779,28 +789,27 @@ class LocationServer:
         await self._clock_round()
         if self.clock_ok and without:
             log.warning("%s: emitting without having heard from %s (the operator's decision)", self.name, ", ".join(without))  # fmt: skip
-        return {"clock": "ok" if self.clock_ok else "not heard from " + ", ".join(self.unheard),
-                "unheard": self.unheard}  # fmt: skip
+        return lpb.TrustClockResponse(clock_ok=self.clock_ok, unheard=self.unheard)
 
-    async def join(self, request: Document) -> Document:
+    async def join(self, request: lpb.JoinRequest) -> lpb.JoinResponse:
         """Only new events from `sources`: this location's CVV and DVV raised to the least
         upper bound of their DVVs (location addition)."""
         assert self.log is not None
-        sources = request.get("sources")
-        if not isinstance(sources, list) or not sources:
+        sources = list(request.sources)
+        if not sources:
             raise ValueError("sources: expected the names of the new neighbours")
-        floor = lub(n.dvv for n in await self._vectors_of(*map(str, sources)))
+        floor = lub(n.dvv for n in await self._vectors_of(*sources))
         await self.log.join(floor)
-        return {"cvv": self.log.cvv.to_json(), "dvv": self.log.dvv.to_json()}
+        return lpb.JoinResponse(cvv=clock_message(self.log.cvv), dvv=clock_message(self.log.dvv))
 
-    async def reset_progress(self, request: Document) -> Document:
+    async def reset_progress(self, request: lpb.ResetProgressRequest) -> lpb.ResetProgressResponse:
         assert self.log is not None
-        source, seq = str(request["source"]), int(request["seq"])
+        source, seq = request.source, request.seq
         if seq < self.log.progress.get(source, 0):
             await self.log.reset_progress(source, seq)
-        return {"progress": self.log.progress.get(source, 0)}
+        return lpb.ResetProgressResponse(progress=self.log.progress.get(source, 0))
 
-    async def recover(self, request: Document) -> Document:
+    async def recover(self, request: lpb.RecoverRequest) -> lpb.RecoverResponse:
         """Disaster recovery of this location, after its log lost events (see the module). Every
         registered location must answer (any may hold its latest times). Its directly connected
         locations are those whose views connect them with it (its own view may be lost with its
@@ -810,7 +819,7 @@ class LocationServer:
         lg = self.log
         known = await registry.read_locations(self._etcd_client(), self.config.prefix)
         others = await self._others(known)
-        retired = set().union(*(o.status.get("retired", []) for o in others))
+        retired = set().union(*(o.status.retired for o in others))
         answered = {o.name for o in others}
         missing = sorted(n for n in known if n not in answered | retired | {self.name})
         if missing:
@@ -821,7 +830,7 @@ class LocationServer:
             )
         neighbours = []
         for other in others:
-            view = topology_of_documents(other.status["history"])
+            view = topology_of_status(other.status)
             if (other.name, self.name) in view.current or (self.name, other.name) in view.current:
                 neighbours.append((other, view))
         if not neighbours:
@@ -837,10 +846,10 @@ class LocationServer:
         # neighbours of now: a past connection that comes back would skip its new events.
         readers = {n.name: n for n, _ in neighbours}
         for other in others:
-            if (self.name, other.name) in topology_of_documents(other.status["history"]).ever:
+            if (self.name, other.name) in topology_of_status(other.status).ever:
                 readers.setdefault(other.name, other)
         for n in readers.values():
-            await self._ask(n.entry).call("ResetProgress", source=self.name, seq=survivors)
+            await self._ask(n.entry).reset_progress(self.name, survivors)
         terminal = len(neighbours) == 1
         self._recovered_neighbours = {n.name for n, _ in neighbours}
         skipped = []
@@ -853,14 +862,27 @@ class LocationServer:
             if (inbound == "" and outbound == "") or terminal:
                 continue  # Event recovery from n: the connection reads from its progress.
             # Not allowed to recover from n: resume at its head, skipping what it holds now.
-            last = int(n.status.get("last_seq", 0))
+            last = n.status.last_seq
             if lg.progress.get(n.name, 0) < last:
                 await lg.write_lines(LineBatch(n.name, b"", last, n.cvv))
             skipped.append(n.name)
         self.lost = ""
         self.clock_ok = True  # Every location answered above, and its clock is past theirs.
         self._topology_changed.set()  # Its connections start (again), from their progress.
-        return {"survivors": survivors, "local_time": lg.local_time, "not_recovered_from": skipped}
+        return lpb.RecoverResponse(
+            survivors=survivors, local_time=lg.local_time, not_recovered_from=skipped
+        )
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    """A payload: a JSON object (ValueError naming `what` if it is not one)."""
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"{what}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: expected a JSON object")
+    return value
 
 
 def _filter(text: str, or_emitter: str) -> EventFilter | None:

@@ -10,16 +10,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from broker.testing import EtcdServer, stop_process
 from gazctl.replication import Network
-from replication.server import read_reply
+from replication.rpc import LocationClient, status_document
 from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
+
+T = TypeVar("T")
 
 
 class LocationProcesses:
@@ -89,27 +91,26 @@ class LocationProcesses:
         assert result.code == 0, (args, result.err)
         return result.out
 
-    def call_raw(self, name: str, method: str, **body: Any) -> bytes:
-        """A Location service call through the registry, in this process, as `gazctl
-        replication` makes it (polls use this: a gazctl process per poll costs half a second
-        of CPU, which a parallel suite pays many times over)."""
+    def ask(self, name: str, call: Callable[[LocationClient], Awaitable[T]]) -> T:
+        """`call` made with the client of location `name`, found through the registry, in this
+        process, as `gazctl replication` makes it (polls use this: a gazctl process per poll
+        costs half a second of CPU, which a parallel suite pays many times over)."""
 
-        async def go() -> bytes:
+        async def go() -> T:
             network = Network({"replication_prefix": self.prefix, "etcd_address": self.etcd.endpoint})  # fmt: skip
             async with network:
-                return await network.call_raw(name, method, **body)
+                return await network.ask(name, call)
 
         return asyncio.run(go())
 
     def status(self, name: str) -> dict[str, Any]:
         """`gazctl replication status NAME --format json`'s document, read in this process."""
-        document: dict[str, Any] = json.loads(self.call_raw(name, "Status"))
-        return document
+        return status_document(self.ask(name, lambda c: c.status()))
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """`gazctl replication events NAME`'s lines, read in this process."""
-        _, batch = read_reply(name, self.call_raw(name, "Read", after=0, limit=1000))
-        return [json.loads(line) for line in batch.data.decode().splitlines()]
+        reply = self.ask(name, lambda c: c.read(0, 1000))
+        return [json.loads(line) for line in reply.records.decode().splitlines()]
 
     def wait_for(self, name: str, count: int, timeout: float = 30) -> list[dict[str, Any]]:
         """The events of `name` once it holds `count`."""

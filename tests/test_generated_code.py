@@ -24,6 +24,7 @@ PROTOS = {
     "broker/protocol/recorded_op.proto": "broker.protocol.recorded_op",
     "broker/protocol/consumer.proto": "broker.protocol.consumer",
     "consumer/examples/word_count.proto": "consumer.examples.word_count",
+    "replication/location.proto": "replication.location",
 }
 
 
@@ -71,6 +72,7 @@ def test_generated_pb2_matches_proto(proto: str, tmp_path: Path) -> None:
         "broker/protocol/protocol.proto",
         "broker/protocol/consumer.proto",
         "consumer/examples/word_count.proto",
+        "replication/location.proto",
     ],
 )
 def test_generated_grpc_matches_services(proto: str, tmp_path: Path) -> None:

@@ -206,7 +206,7 @@ def test_a_second_process_of_a_location_fences_the_first(
     async def zombie_emit() -> str:
         async with LocationClient("A", old) as client:
             try:
-                await client.call("Emit", payloads=[{"num": "zombie"}])
+                await client.emit({"num": "zombie"})
             except LocationError as exc:
                 return str(exc)
         return "accepted"
@@ -376,7 +376,7 @@ def test_gazctl_replication_pages_deletes_by_id_and_changes_all_or_nothing(
     for name in "ABD":
         locations.start(name, location_broker.address)
     locations.ok("connect", "A", "B")
-    locations.call_raw("A", "Emit", payloads=[{"num": i} for i in range(1200)])
+    locations.ask("A", lambda c: c.emit(*[{"num": i} for i in range(1200)]))
     out = locations.ok("events", "A")
     assert [json.loads(line)["payload"].get("num") for line in out.splitlines()][-1200:] == list(range(1200))  # fmt: skip
     assert len(locations.ok("events", "A", "--limit", "1100").splitlines()) == 1100
@@ -521,7 +521,7 @@ def test_applications_emit_and_read_through_the_async_client(
             started = time.monotonic()
             assert await client.events(after=2, wait=0.3) == []  # Waited for more: none came.
             assert time.monotonic() - started >= 0.25
-            assert (await client.status())["last_seq"] == 2
+            assert (await client.status()).last_seq == 2
 
     asyncio.run(use())
 
@@ -549,3 +549,64 @@ def test_a_terminal_location_recovers_its_own_events_over_a_filtered_connection(
     assert "not from" not in out  # A terminal location recovers over its filtered connection.
     wait_until(lambda: sorted(ids(locations.events("D"))) == before, "D has its events back")
     assert_causal_order(locations.events("D"))
+
+
+def test_the_location_service_is_typed_and_refuses_with_status_codes(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A client built from replication/location.proto alone (the generated stub on a plain
+    channel, none of this project's client code) emits, reads and checks changes; a rule's
+    refusal is FAILED_PRECONDITION with the rule's reason, a bad request INVALID_ARGUMENT."""
+    import grpc
+
+    from replication import location_pb2 as lpb
+    from replication import location_pb2_grpc as lpb_grpc
+
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, location_broker.address)
+    for source, target in ["AB", "BC", "CA"]:
+        locations.ok("connect", source, target)
+    address = locations.endpoint("A").removeprefix("http://")
+
+    async def use() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = lpb_grpc.LocationStub(channel)  # type: ignore[no-untyped-call]
+            emitted = await stub.Emit(lpb.EmitRequest(payloads=[b'{"kind": "typed"}']))
+            (event,) = emitted.events
+            assert event.emitter == "A" and event.timestamp.times["A"] == event.time
+            read = await stub.Read(lpb.ReadRequest(after=0, limit=100))
+            lines = [json.loads(line) for line in read.records.decode().splitlines()]
+            assert lines[-1]["payload"] == {"kind": "typed"} and read.last_seq == len(lines)
+            status = await stub.Status(lpb.StatusRequest())
+            assert status.cvv.times["A"] == event.time and status.clock_ok
+            # A's view has its own connections at least (B -> C comes by replication).
+            assert {(k.change.connected.source, k.change.connected.target) for k in status.history} >= {("A", "B"), ("C", "A")}  # fmt: skip
+            # A filter on the cycle A - B - C: the rule's reason, as a status.
+            cycle = lpb.Change(filtered=lpb.Change.Connection(source="A", target="B", filter="kind=x"))  # fmt: skip
+            try:
+                await stub.Change(lpb.ChangeRequest(change=cycle))
+                raise AssertionError("a filter on a cycle was accepted")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "cycle" in (exc.details() or "")
+            for bad, why in [
+                (lpb.EmitRequest(payloads=[b"[1, 2]"]), "payloads[0]: expected a JSON object"),
+                (lpb.EmitRequest(payloads=[b"{"]), "payloads[0]: not JSON"),
+            ]:
+                try:
+                    await stub.Emit(bad)
+                    raise AssertionError(f"{bad} was accepted")
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert why in (exc.details() or "")
+            try:
+                await stub.Change(lpb.ChangeRequest())
+                raise AssertionError("a change request without a change was accepted")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "no change given" in (exc.details() or "")
+
+    asyncio.run(use())
+    # Nothing refused was recorded: B's connection from A is as it was, unfiltered.
+    assert [(c["source"], c["filter"]) for c in locations.status("B")["connections"]] == [("A", "")]

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from broker.testing import EtcdServer
+from replication import location_pb2 as lpb
 from replication.journals import apply_location_journals
+from replication.rpc import change_message
 from replication.server import LocationConfig, LocationServer
-from replication.system import change_document
 from replication.topology import Connected, Disconnected
 from tests.conftest import BrokerProcess
 
@@ -43,12 +45,11 @@ class EndsAsAnErrorWhenCancelled:
         self.inner = inner
         self.cancelled_reads = 0
 
-    async def call_raw(self, method: str, **body: Any) -> bytes:
+    async def read(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            reply: bytes = await self.inner.call_raw(method, **body)
-            return reply
+            return await self.inner.read(*args, **kwargs)
         except asyncio.CancelledError:
-            if method != "Read" or self.cancelled_reads:
+            if self.cancelled_reads:
                 raise  # Once is the race; a test that fails must still stop.
             self.cancelled_reads += 1
             md = grpc.aio.Metadata()
@@ -59,7 +60,11 @@ class EndsAsAnErrorWhenCancelled:
 
 
 async def record(server: LocationServer, change: Any) -> None:
-    await server.change({"change": change_document(change), "record": True})
+    await server.change(lpb.ChangeRequest(change=change_message(change), record=True))
+
+
+async def emit(server: LocationServer, *payloads: dict[str, Any]) -> lpb.EmitResponse:
+    return await server.emit(lpb.EmitRequest(payloads=[json.dumps(p).encode() for p in payloads]))
 
 
 def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_effect(
@@ -84,7 +89,7 @@ def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_
             b._ask = patched  # type: ignore[method-assign]
             for server in (b, a):
                 await record(server, Connected("A", "B"))
-            await a.emit({"payloads": [{"n": 1}]})
+            await emit(a, {"n": 1})
             async with asyncio.timeout(30):
                 while b.log is None or b.log.progress.get("A", 0) < 2:
                     await asyncio.sleep(0.05)
@@ -98,7 +103,7 @@ def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_
             # And the loop still follows the topology: a new connection starts.
             for server in (b, a):
                 await record(server, Connected("A", "B"))
-            await a.emit({"payloads": [{"n": 2}]})
+            await emit(a, {"n": 2})
             async with asyncio.timeout(30):
                 while b.log.progress.get("A", 0) < 5:
                     await asyncio.sleep(0.05)
@@ -123,23 +128,24 @@ def test_status_and_deletion_see_committed_events_only(
                                 prefix=etcd_prefix + "/replication", lease=2)  # fmt: skip
         async with serving(config) as a:
             assert a.log is not None
-            await a.emit({"payloads": [{"n": 1}]})
-            before = await a.status({})
+            await emit(a, {"n": 1})
+            before = await a.status(lpb.StatusRequest())
             hold: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             try:
                 a.log.service.barrier(config.journal, dependency=hold)
-                emitting = asyncio.ensure_future(a.emit({"payloads": [{"n": 2}]}))
+                emitting = asyncio.ensure_future(emit(a, {"n": 2}))
                 await asyncio.sleep(0.2)
-                assert not emitting.done() and a.log.next_seq == before["last_seq"] + 2
-                held = await a.status({})
-                assert (held["cvv"], held["last_seq"]) == (before["cvv"], before["last_seq"])
-                deleting = asyncio.ensure_future(a.delete({"through": held["last_seq"] + 1}))
+                assert not emitting.done() and a.log.next_seq == before.last_seq + 2
+                held = await a.status(lpb.StatusRequest())
+                assert (held.cvv, held.last_seq) == (before.cvv, before.last_seq)
+                through = held.last_seq + 1
+                deleting = asyncio.ensure_future(a.delete(lpb.DeleteRequest(through=through)))
                 await asyncio.sleep(0.2)
                 hold.set_result(None)
                 emitted, deleted = await emitting, await deleting
-                assert deleted["dvv"]["A"] == emitted["events"][0]["ts"]["A"] == 2
-                after = await a.status({})
-                assert after["last_seq"] == before["last_seq"] + 1 and after["cvv"]["A"] == 2
+                assert deleted.dvv.times["A"] == emitted.events[0].time == 2
+                after = await a.status(lpb.StatusRequest())
+                assert after.last_seq == before.last_seq + 1 and after.cvv.times["A"] == 2
             finally:
                 if not hold.done():
                     hold.set_result(None)  # A failed check must not hold the log's appends.
