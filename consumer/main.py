@@ -28,7 +28,7 @@ from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_s
 from consumer.runtime import CONSUMER_PEER_TLS_FLAGS, Consumer, ConsumerApplication, ConsumerConfig
 from spec.durations import DurationError, parse_go_duration
 
-__all__ = ["run_command", "serve_command"]
+__all__ = ["run_command", "serve_command", "serve_config"]
 
 AppFactory = Callable[[dict[str, Any]], ConsumerApplication]
 T = TypeVar("T")
@@ -178,6 +178,11 @@ async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) ->
     return 0
 
 
+def serve_config(config: ConsumerConfig, app: ConsumerApplication, name: str) -> int:
+    """Run a consumer process of `app` until SIGTERM or SIGINT; its exit code."""
+    return asyncio.run(_serve(config, app, name))
+
+
 def serve_command(
     name: str, app_factory: AppFactory, *app_options: Callable[[Any], Any]
 ) -> click.Command:
@@ -189,7 +194,7 @@ def serve_command(
         cfg.setup_logging(opts["log_level"], opts["log_format"])
         config = config_of(opts, name)
         app = app_factory(opts)
-        sys.exit(asyncio.run(_serve(config, app, name)))
+        sys.exit(serve_config(config, app, name))
 
     command: Any = serve
     for option in reversed(app_options):

@@ -84,7 +84,13 @@ class ConsumerApplication(Application, Protocol):
     type of each source journal (default: JSON objects, as dicts); `async
     init_application(consumer)` runs as the process starts, before it serves (an application's
     own gRPC services go on `consumer.server` there, as upstream's `InitApplication`), and
-    `async close_application()` as it stops, after its shards stopped."""
+    `async close_application()` as it stops, after its shards stopped.
+
+    An application whose shards serve rather than consume (a replication location, see
+    `replication.host`) gives `async run_primary(consumer, spec, ready)`, run as the shard's
+    primary instead of the transaction loop (it calls `await ready()` once it has fenced out
+    any earlier primary and serves: only then is it advertised PRIMARY), and optionally `async
+    run_standby(consumer, spec)`, run by each standby (STANDBY) until the replica stops."""
 
     async def new_store(self, shard: Shard) -> Store: ...
 
@@ -461,6 +467,14 @@ class Consumer:
             await self._set_status(
                 replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY), assignment
             )
+            follow = getattr(self.app, "run_standby", None)
+            if spec is not None and follow is not None:
+                try:
+                    await follow(self, spec)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:
+                    await self._failed(replica, "standby of shard", exc, assignment)
             return
         try:
             async with AppendService(self.router) as service:
@@ -529,6 +543,10 @@ class Consumer:
 
     async def _run_primary(self, replica: _Replica) -> None:
         spec = self._spec_of(replica.shard_id)
+        serve = getattr(self.app, "run_primary", None)
+        if serve is not None:
+            await self._serve_primary(replica, spec, serve)
+            return
         try:
             if spec is None:
                 raise ValueError(f"shard {replica.shard_id} has no spec")
@@ -561,6 +579,23 @@ class Consumer:
                 finally:
                     replica.store = None
                     await store.close()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            await self._failed(replica, "shard", exc)
+
+    async def _serve_primary(
+        self, replica: _Replica, spec: cpb.ShardSpec | None, serve: Any
+    ) -> None:
+        """The primary of an application that serves (`run_primary`)."""
+
+        async def ready() -> None:
+            await self._set_status(replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY))
+
+        try:
+            if spec is None:
+                raise ValueError(f"shard {replica.shard_id} has no spec")
+            await serve(self, spec, ready)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from broker import config as cfg
 from broker import etcd as etcdx
+from broker.protocol import protocol_pb2 as pb
 from gazctl import render
 from gazctl.journals import file_root_option
 from replication import location_pb2 as lpb
@@ -96,15 +97,18 @@ class Network:
             raise UserError(str(exc)) from None
 
     async def client(self, name: str) -> LocationClient:
-        """The client of location `name`'s process (UserError if none serves it)."""
+        """The client of the process that serves location `name` now (UserError if none)."""
+        entry = (await self.entries(name))[0]
+        if not entry.endpoint:
+            raise UserError(
+                f"location {name} is not running: no process serves it (start a location host, "
+                f"`python -m replication host`, or `python -m replication serve --location {name}`)"
+            )
         client = self.clients.get(name)
+        if client is not None and client.endpoint != entry.endpoint:
+            await client.close()  # Another process serves it now.
+            client = None
         if client is None:
-            entry = (await self.entries(name))[0]
-            if not entry.endpoint:
-                raise UserError(
-                    f"location {name} is not running: no process serves it (start it with "
-                    f"`python -m replication serve --location {name}`)"
-                )
             client = self.clients[name] = LocationClient(name, entry.endpoint)
         return client
 
@@ -482,13 +486,37 @@ def prune_cmd(name: str, dry_run: bool, file_root: Path | None, **opts: Any) -> 
 
 @replication.command("recover")
 @click.argument("name")
+@click.option(
+    "--timeout", default=60.0, type=click.FloatRange(1), show_default=True,
+    help="Seconds to wait for a location host to serve the location again",
+)  # fmt: skip
 @replication_options
-def recover_cmd(name: str, **opts: Any) -> None:
+def recover_cmd(name: str, timeout: float, **opts: Any) -> None:
     """Disaster recovery of a location whose log lost events: its clock and its neighbours'
-    progress first, then events from the neighbours allowed to give them back."""
+    progress first, then events from the neighbours allowed to give them back.
+
+    A journal that is gone is made anew first (as `add` made it), and a location hosts run is
+    restarted on its new log (its process fails once its journal is deleted or made anew); one
+    started by hand (`python -m replication serve`) must be started again by hand."""
 
     async def go() -> lpb.RecoverResponse:
         async with Network(opts) as net:
+            entry = (await net.entries(name))[0]
+            created = await _journal_made(entry)
+            status = await _status_if_serving(net, name)
+            if status is None or status["journal_created"] != created:
+                from replication.host import location_shard, restart_location
+
+                spec, _ = await location_shard(net.etcd, net.prefix, name)
+                if spec is None:
+                    doing = "is not running" if status is None else "still serves the log it lost"
+                    raise UserError(
+                        f"location {name}: its process {doing}; start it again (`python -m "
+                        f"replication serve --location {name}`), then run this again"
+                    )
+                await restart_location(net.etcd, net.prefix, name)
+                click.echo(f"{name}: restarting its process on a location host, on its new log")
+                await _wait_serving(net, name, created, timeout)
             return await net.ask(name, lambda c: c.recover())
 
     reply = run(go())
@@ -498,6 +526,119 @@ def recover_cmd(name: str, **opts: Any) -> None:
         f"{reply.local_time}); events come back over its connections"
         + (f"; not from {', '.join(skipped)} (filtered, and not terminal)" if skipped else "")
     )
+
+
+async def _journal_made(entry: registry.LocationEntry) -> int:
+    """The etcd revision that created the location's journal, made anew first if it is gone
+    (as `add` declared it)."""
+    from broker.client import BrokerUnavailable, JournalsClient
+    from replication.host import journal_created
+    from replication.journals import location_journal_spec
+
+    try:
+        async with JournalsClient(entry.broker) as journals:
+            created = await journal_created(journals, entry.journal)
+            if created:
+                return created
+            if not entry.replication:
+                raise UserError(
+                    f"location {entry.name}: its journal {entry.journal} does not exist at "
+                    f"{entry.broker}, and the registry does not say how to make it (the "
+                    "location was not added with `gazctl replication add`): create it with "
+                    "`gazctl journals apply`, then run this again"
+                )
+            spec = location_journal_spec(entry.name, entry.store, entry.replication, name=entry.journal)  # fmt: skip
+            await journals.apply([pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=0)])
+            click.echo(f"{entry.name}: its journal {entry.journal} made anew at {entry.broker}")
+            return await journal_created(journals, entry.journal)
+    except (BrokerUnavailable, ValueError) as exc:
+        raise UserError(f"location {entry.name}: {exc}") from None
+
+
+async def _status_if_serving(net: Network, name: str) -> Document | None:
+    """The location's Status, or None if no process answers for it."""
+    try:
+        return await net.status(name)
+    except UserError:
+        return None
+
+
+async def _wait_serving(net: Network, name: str, created: int, timeout: float) -> None:
+    """Until a process serves location `name` on the journal made at revision `created`."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        status = await _status_if_serving(net, name)
+        if status is not None and status["journal_created"] == created:
+            return
+        if loop.time() > deadline:
+            raise UserError(
+                f"location {name}: no location host served it on its new log within "
+                f"{timeout:g}s (are hosts running? `gazctl replication locations` shows where it "
+                "stands); run this again once one does"
+            )
+        await asyncio.sleep(0.2)
+
+
+@replication.command("add")
+@click.argument("name")
+@cfg.option("--broker.address", required=True, show_default=False, help="Service address of a broker of the cluster that holds the location's log")  # fmt: skip
+@click.option("--journal", default="", help="Journal of the location's log (default: replication/NAME)")  # fmt: skip
+@click.option("--fragment-store", default="", help="Fragment store of the journal (file:///..., s3://..., gs://...; default: the brokers' spools only)")  # fmt: skip
+@click.option("--journal-replication", default=1, show_default=True, type=click.IntRange(1, 5), help="Replication factor of the journal")  # fmt: skip
+@click.option("--standbys", default=1, show_default=True, type=click.IntRange(0, 4), help="Hot standbys of the location's process, on other location hosts")  # fmt: skip
+@replication_options
+def add_cmd(
+    name: str, broker_address: str, journal: str, fragment_store: str, journal_replication: int,
+    standbys: int, **opts: Any,
+) -> None:  # fmt: skip
+    """Add a location that location hosts run (`python -m replication host`): create its log's
+    journal (unless it exists), declare it in the registry, and create its shard, which the
+    hosts' allocator gives a primary and hot standbys. Nothing is declared if the journal
+    cannot be made."""
+    from broker.client import BrokerUnavailable, JournalsClient
+    from replication.host import add_location, hosts_prefix, journal_created
+    from replication.journals import location_journal_spec
+
+    try:
+        registry.check_name(name)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    spec = location_journal_spec(name, fragment_store, journal_replication, name=journal)
+    broker = broker_address
+
+    async def go() -> None:
+        async with Network(opts) as net:
+            known = (await net.locations()).get(name)
+            if known is not None and (known.journal, known.broker) != (spec.name, broker):
+                raise UserError(
+                    f"location {name} is registered with journal {known.journal} at "
+                    f"{known.broker}: a location keeps its log (choose another name)"
+                )
+            try:
+                async with JournalsClient(broker) as journals:
+                    if await journal_created(journals, spec.name):
+                        said = f"{name}: journal {spec.name} exists at {broker}"
+                    else:
+                        await journals.apply([pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=0)])  # fmt: skip
+                        said = f"{name}: journal {spec.name} created at {broker}"
+            except (BrokerUnavailable, ValueError) as exc:
+                raise UserError(f"location {name}: {exc}") from None
+            try:
+                declared, sharded = await add_location(net.etcd, net.prefix, name, broker, spec, standbys)  # fmt: skip
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            click.echo(said)
+            click.echo(f"{name}: {'declared' if declared else 'declared already'} in the registry")
+            standby = f"{standbys} hot standb{'y' if standbys == 1 else 'ies'}"
+            if sharded:
+                click.echo(f"{name}: location hosts under {hosts_prefix(net.prefix)} run it ({standby})")  # fmt: skip
+            else:
+                click.echo(f"{name}: location hosts run it already")
+
+    run(go())
 
 
 @replication.command("emit")
@@ -583,10 +724,18 @@ async def _pages(net: Network, name: str, after: int, limit: int | None) -> Asyn
     type=click.Choice(["table", "dot", "picture", "json"]),
     help="A table of the connections and the history, Graphviz dot, a terminal picture, or JSON",
 )
+@click.option(
+    "--check", is_flag=True,
+    help="Compare every running location's view instead, and name the changes where they "
+    "differ (exit 1 if they do)",
+)  # fmt: skip
 @replication_options
-def topology_cmd(at: str, fmt: str, **opts: Any) -> None:  # fmt: skip
+def topology_cmd(at: str, fmt: str, check: bool, **opts: Any) -> None:  # fmt: skip
     """The replication network as a location sees it: its connections (those on a cycle of the
     projected history marked) and the topology's whole history."""
+    if check:
+        _check_views(opts)
+        return
 
     async def go() -> Document:
         async with Network(opts) as net:
@@ -620,6 +769,46 @@ def topology_cmd(at: str, fmt: str, **opts: Any) -> None:  # fmt: skip
         click.echo("history:")
         for i, change in enumerate(view.history, 1):
             click.echo(f"  {i}. {describe(change)}")
+
+
+def _check_views(opts: dict[str, Any]) -> None:
+    """`topology --check`: every running location's view against the union of them all."""
+
+    async def go() -> tuple[dict[str, Topology], list[str]]:
+        async with Network(opts) as net:
+            views, down = {}, []
+            for entry in (await net.locations()).values():
+                status = await _status_if_serving(net, entry.name)
+                if status is None:
+                    down.append(entry.name)
+                else:
+                    views[entry.name] = _view(status)
+            return views, down
+
+    views, down = run(go())
+    if not views:
+        raise UserError("no location is running: there is no view to compare")
+    retired = set().union(*(v.retired for v in views.values()))
+    down = [n for n in down if n not in retired]
+    every = {kc for v in views.values() for kc in v.keyed()}
+    lacking = {n: sorted(every - set(v.keyed()), key=lambda kc: kc[0]) for n, v in views.items()}
+    for name in down:
+        click.echo(f"{name}: not running (its view is not compared)")
+    if not any(lacking.values()):
+        click.echo(f"{len(views)} locations hold the same view ({len(every)} changes): {', '.join(sorted(views))}")  # fmt: skip
+        return
+    for name, missing in sorted(lacking.items()):
+        if missing:
+            click.echo(f"{name} lacks {len(missing)} of {len(every)} changes:")
+            for key, change in missing:
+                order = f"op {key[0]}" if key[0] else f"{key[2]}:{key[3]}"
+                click.echo(f"  [{order}] {describe(change)}")
+        else:
+            click.echo(f"{name}: holds every change ({len(every)})")
+    raise UserError(
+        "the views differ: a change replicates to a location with the system events of its "
+        "connections; one that stays missing names a connection that does not reach it"
+    )
 
 
 def describe(change: Change) -> str:

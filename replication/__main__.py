@@ -1,5 +1,10 @@
 """`python -m replication serve --location NAME`: the process of one location (it owns its log's
 writer, serves the Location service and runs the connections into it) until SIGTERM or SIGINT.
+
+`python -m replication host`: a location host, a consumer process whose shards are locations
+(`gazctl replication add` declares them): it runs the primaries the allocator gives it and keeps
+hot standbys of others, which take over when their primary's host dies (see replication.host).
+
 Bad flags are one line and exit 2; a process that cannot start says why in one line and exits 1.
 """
 
@@ -15,7 +20,7 @@ import click
 from broker import auth
 from broker import config as cfg
 from broker.tls import ServerTLS, TLSConfigError
-from consumer.main import one_line
+from consumer.main import consumer_options, one_line
 from replication import registry
 from replication.server import LocationConfig, LocationServer, StartError
 from spec.durations import DurationError, parse_go_duration
@@ -134,6 +139,57 @@ async def _serve(config: LocationConfig) -> int:
 async def _announce(server: LocationServer, ready: asyncio.Event) -> None:
     await ready.wait()
     print(f"location {server.name} serving at {server.endpoint}", flush=True)
+
+
+@main.command("host")
+@cfg.option(
+    "--replication.prefix",
+    default=registry.DEFAULT_PREFIX,
+    help="etcd prefix of the replication registry (one per replication network)",
+)
+@cfg.option(
+    "--replication.batch", default=1000, type=click.IntRange(1), help="Events per replication batch"
+)
+@cfg.option(
+    "--replication.lease", default="10s",
+    help="Time-to-live of the etcd lease of each location's endpoint",
+)  # fmt: skip
+@cfg.option("--replication.server-cert-file", default="", show_default=False, help="Path to the Location services' TLS certificate (serve TLS when given)")  # fmt: skip
+@cfg.option("--replication.server-cert-key-file", default="", show_default=False, help="Path to the Location services' TLS private key")  # fmt: skip
+@cfg.option("--replication.server-ca-file", default="", show_default=False, help="Path to the trusted CA of callers' client certificates (when given, callers must present one)")  # fmt: skip
+@cfg.option("--replication.auth-keys", default="", show_default=False, help="Whitespace or comma separated, base64-encoded keys that verify callers' tokens")  # fmt: skip
+@consumer_options
+def host(**opts: Any) -> None:  # fmt: skip
+    """Host locations (and standbys of locations) until SIGTERM or SIGINT. Its shard keyspace
+    is PREFIX/hosts unless --etcd.prefix says otherwise."""
+    from consumer.main import config_of, serve_config
+    from replication.host import HostSettings, LocationHost, hosts_prefix
+
+    cfg.setup_logging(opts["log_level"], opts["log_format"])
+    prefix = opts["replication_prefix"]
+    if not prefix.startswith("/"):
+        raise click.BadParameter("must start with '/'", param_hint="--replication.prefix")
+    try:
+        lease = parse_go_duration(opts["replication_lease"]) / 1e9
+    except DurationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--replication.lease") from None
+    opts["etcd_prefix"] = opts["etcd_prefix"] or hosts_prefix(prefix)
+    config = config_of(opts, "locations")
+    settings = HostSettings(
+        prefix=prefix.rstrip("/"), batch=opts["replication_batch"], lease=max(1.0, lease),
+        server_tls=ServerTLS(
+            opts["replication_server_cert_file"], opts["replication_server_cert_key_file"],
+            opts["replication_server_ca_file"], prefix="--replication.server",
+        ),
+        auth_keys=opts["replication_auth_keys"],
+    )  # fmt: skip
+    try:
+        settings.server_tls.check()
+        if settings.auth_keys.strip():
+            auth.parse_keys(settings.auth_keys, "--replication.auth-keys")
+    except (TLSConfigError, auth.AuthConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(serve_config(config, LocationHost(settings), "location host"))
 
 
 def _first(exc: BaseException) -> BaseException:

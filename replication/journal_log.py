@@ -129,11 +129,11 @@ class _LogVectors:
 
 
 async def scan_records(
-    stubs: Callable[[], pb_grpc.JournalStub], journal: str
+    stubs: Callable[[], pb_grpc.JournalStub], journal: str, begin: int = 0
 ) -> list[tuple[int, int, RawEvent | None, dict[str, Any]]]:
-    """Every record of a location's journal (from where it begins) to its write head, each with
-    its offset and end: an event as a RawEvent, or another record decoded."""
-    at, data = await read_lines(stubs, journal, 0)
+    """Every record of a location's journal from `begin` (or from where it begins) to its write
+    head, each with its offset and end: an event as a RawEvent, or another record decoded."""
+    at, data = await read_lines(stubs, journal, begin)
     out: list[tuple[int, int, RawEvent | None, dict[str, Any]]] = []
     for start, end, raw in split_records(data)[0]:
         record = _NO_RECORD
@@ -415,12 +415,16 @@ class JournalEventLog(_LogVectors):
         location: str,
         journal: str,
         stubs: Callable[[], pb_grpc.JournalStub],
-        service: AppendService,
+        service: AppendService | None,
         author: int,
     ) -> None:
+        """`service` None: a log only folded (`fold`), by a standby, until `bind` gives it a
+        writer."""
         super().__init__()
         self.location, self.journal = location, journal
         self.stubs, self.service, self.author = stubs, service, author
+        self.folded_to = 0  # The journal's offset through which its records are folded.
+        self.created = 0  # The etcd revision that created its journal, where known.
         self.next_seq = 1
         self.local_time = 0
         self.progress: dict[str, int] = {}
@@ -443,18 +447,39 @@ class JournalEventLog(_LogVectors):
             self._grown = asyncio.Event()
         await self._grown.wait()
 
+    def bind(
+        self, stubs: Callable[[], pb_grpc.JournalStub], service: AppendService, author: int
+    ) -> None:
+        """Make a log folded by a standby this process's, to `open` as its writer."""
+        self.stubs, self.service, self.author = stubs, service, author
+        self._check = Registers(check=pb.LabelSelector(include=_fence(author)))
+
     async def open(self) -> None:
-        """Take the log (fencing out any earlier writer) and rebuild its state."""
+        """Take the log (fencing out any earlier writer) and rebuild its state: fold what was
+        appended since it was last folded (all of it, for a log not folded before)."""
         record = record_line({"kind": "writer", "author": self.author})
-        await (await self.service.write(self.journal, record, Registers(union=_fence(self.author))))
-        for offset, _, raw, rec in await scan_records(self.stubs, self.journal):
+        await (await self._writer().write(self.journal, record, Registers(union=_fence(self.author))))  # fmt: skip
+        await self.fold()
+        self.committed_seq, self._committed_cvv = self.next_seq - 1, dict(self._cvv)
+
+    async def fold(self) -> None:
+        """Fold the records appended since the last fold, through the write head (a standby
+        keeps a log folded so, and its primary folds only the rest when it takes over)."""
+        records = await scan_records(self.stubs, self.journal, self.folded_to)
+        for offset, _, raw, rec in records:
             if raw is not None:
                 self._fold_event(raw)
             else:
                 self._fold(rec)
                 if rec.get("kind") == "checkpoint":
                     self.checkpoint_offset = offset
-        self.committed_seq, self._committed_cvv = self.next_seq - 1, dict(self._cvv)
+        if records:
+            self.folded_to = records[-1][1]
+
+    def _writer(self) -> AppendService:
+        if self.service is None:
+            raise RuntimeError(f"location {self.location}: its log is only folded here, not written")  # fmt: skip
+        return self.service
 
     def _fold_event(self, raw: RawEvent) -> None:
         self._raise_cvv(raw.ts)
@@ -565,13 +590,13 @@ class JournalEventLog(_LogVectors):
         """Wait while the append service holds too much for this log: before a change of state
         is staged, never between the two (a write that waited after staging could be overtaken
         by a later one, storing an event before its causes)."""
-        await self.service.room(self.journal)
+        await self._writer().room(self.journal)
 
     def _queue(self, lines: Sequence[bytes]) -> PendingSpan:
         """Queue an append of `lines` (in order after every earlier one) at once; its commit.
         Callers wait for `_room` first, and stage their state and queue without awaiting in
         between."""
-        commit = self.service.write_now(self.journal, b"".join(lines), self._check)
+        commit = self._writer().write_now(self.journal, b"".join(lines), self._check)
         state = (self.next_seq - 1, dict(self._cvv))  # What it holds once it commits.
         commit.batch.add_done_callback(lambda batch: self._committed(batch, state))
         self._last_queued = commit

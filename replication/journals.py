@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 
@@ -18,10 +20,12 @@ def location_journal_spec(
     replication: int = 1,
     fragment_length: int = 64 << 20,
     refresh_seconds: int = 60,
+    name: str = "",
 ) -> pb.JournalSpec:
     """JSON lines (one record each), uncompressed, in fragments of up to 64 MiB persisted to
-    `store` (none: the brokers' spools only), its store listed every minute."""
-    spec = pb.JournalSpec(name=location_journal(location), replication=replication)
+    `store` (none: the brokers' spools only), its store listed every minute. Its name is
+    `name`, or replication/LOCATION."""
+    spec = pb.JournalSpec(name=name or location_journal(location), replication=replication)
     spec.fragment.length = fragment_length
     spec.fragment.compression_codec = pb.NONE
     spec.fragment.refresh_interval.seconds = refresh_seconds
@@ -32,7 +36,7 @@ def location_journal_spec(
 
 
 async def apply_location_journals(
-    broker: str, *locations: str, store: str = "", **spec: int
+    broker: str, *locations: str, store: str = "", **spec: Any
 ) -> None:
     """Create the journals of these locations' logs at `broker`'s cluster, those that do not
     exist yet (an existing one is left as it is: its brokers may be changing it)."""

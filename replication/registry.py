@@ -2,8 +2,10 @@
 `/gazette/replication`):
 
 * `PREFIX/locations/NAME`: the location's declaration, kept for good once its process first
-  started: `{"journal": ..., "broker": ...}`, its local event log and the broker address of the
-  cluster that holds it (locations in different clusters read each other's logs by that address);
+  started (or `gazctl replication add` declared it): `{"journal": ..., "broker": ...}`, its
+  local event log and the broker address of the cluster that holds it (locations in different
+  clusters read each other's logs by that address); with `add`, also the journal's fragment
+  `store` and `replication`, to make it anew after a disaster;
 * `PREFIX/endpoints/NAME`: `{"endpoint": ..., "pid": ...}` under the lease of the process that
   owns the location's writer and serves its Location service, gone when that process is;
 * `PREFIX/topology-op`: the last topology change ordered; the revision of each put orders one
@@ -68,6 +70,8 @@ class LocationEntry:
     broker: str
     endpoint: str = ""  # Empty: no process serves the location now.
     pid: int = 0
+    store: str = ""  # Its journal's fragment store, as declared by `add` ("": none declared).
+    replication: int = 0  # Its journal's replication, as declared by `add` (0: not declared).
 
 
 async def read_locations(etcd: aetcd.Client, prefix: str) -> dict[str, LocationEntry]:
@@ -95,6 +99,8 @@ async def read_locations(etcd: aetcd.Client, prefix: str) -> dict[str, LocationE
             str(body.get("broker", "")),
             str(up.get("endpoint", "")),
             int(str(up.get("pid", 0))),
+            str(body.get("store", "")),
+            int(str(body.get("replication", 0))),
         )
     return out
 

@@ -214,6 +214,8 @@ class LocationServer:
         # view was lost with its log), until its own view has them again.
         self._adopted: dict[str, str] = {}
         self._recovered_neighbours: set[str] = set()  # Its neighbours, as Recover found them.
+        # Its log as a standby folded it (a location host's): `run` folds only the rest.
+        self.folded: JournalEventLog | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -228,11 +230,17 @@ class LocationServer:
             stack.push_async_callback(self._etcd.close)
             self._client = JournalsClient(cfg.broker_address)
             stack.push_async_callback(self._close_clients)
-            await self._check_journal()
+            created = await self._check_journal()
             service = await stack.enter_async_context(AppendService(lambda _j: self._stub()))
-            log_ = JournalEventLog(
-                self.name, cfg.journal, self._stub, service, author=random.getrandbits(62) or 1
-            )
+            author = random.getrandbits(62) or 1
+            log_ = self.folded
+            if log_ is not None and log_.created == created:
+                log_.bind(self._stub, service, author)  # Folded by its standby: the rest only.
+                log.info("location %s: takes over its log folded through offset %d by its standby", self.name, log_.folded_to)  # fmt: skip
+            else:
+                log_ = JournalEventLog(self.name, cfg.journal, self._stub, service, author)
+                log_.created = created
+            self.folded = None
             await log_.open()
             self.log = log_
             self._reader = SourceReader(self._stub, cfg.journal)
@@ -255,6 +263,7 @@ class LocationServer:
                 background = [
                     tasks.create_task(self._keep_lease(lease), name="lease keep-alive"),
                     tasks.create_task(self._watch_clock(), name="clock check"),
+                    tasks.create_task(self._watch_journal(), name="journal check"),
                     tasks.create_task(self._run_connections(), name="connections"),
                 ]
                 if ready is not None:
@@ -285,7 +294,9 @@ class LocationServer:
             if client is not None:
                 await client.close()
 
-    async def _check_journal(self) -> None:
+    async def _check_journal(self) -> int:
+        """The etcd revision that created the location's journal (StartError if it does not
+        exist)."""
         assert self._client is not None
         cfg = self.config
         selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=cfg.journal)]))  # fmt: skip
@@ -293,11 +304,13 @@ class LocationServer:
             listed = await self._client.list(selector)
         except BrokerUnavailable as exc:
             raise StartError(str(exc)) from None
-        if not any(j.spec.name == cfg.journal for j in listed.journals):
-            raise StartError(
-                f"journal {cfg.journal} does not exist at {cfg.broker_address}: apply it first "
-                "(gazctl journals apply; gazctl dev up --locations creates them)"
-            )
+        for journal in listed.journals:
+            if journal.spec.name == cfg.journal:
+                return int(journal.create_revision)
+        raise StartError(
+            f"journal {cfg.journal} does not exist at {cfg.broker_address}: apply it first "
+            "(gazctl replication add creates it; so does gazctl dev up --locations)"
+        )
 
     async def _register(self) -> int:
         assert self._etcd is not None
@@ -310,8 +323,9 @@ class LocationServer:
                 f"{mine.broker}, not {cfg.journal} at {cfg.broker_address}: a location keeps its "
                 "log (start it with those, or choose another name)"
             )
-        declaration = {"journal": cfg.journal, "broker": cfg.broker_address}
-        await self._etcd.put(registry.location_key(cfg.prefix, self.name), json.dumps(declaration).encode())  # fmt: skip
+        if mine is None:  # Declared by its first start (`gazctl replication add` declares more).
+            declaration = {"journal": cfg.journal, "broker": cfg.broker_address}
+            await self._etcd.put(registry.location_key(cfg.prefix, self.name), json.dumps(declaration).encode())  # fmt: skip
         return await self._put_endpoint()
 
     async def _put_endpoint(self) -> int:
@@ -398,6 +412,29 @@ class LocationServer:
         )
         if not self.unheard:
             self.clock_ok = True
+
+    async def _watch_journal(self) -> None:
+        """Stop serving if the log's journal is deleted or made anew (its log was lost): this
+        process's state is that of a log that no longer exists."""
+        assert self.log is not None and self._client is not None
+        journal = self.config.journal
+        selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))  # fmt: skip
+        while True:
+            await asyncio.sleep(max(1.0, self.config.lease / 3))
+            try:
+                listed = await self._client.list(selector)
+            except Exception as exc:  # Its broker away: ask again at the next round.
+                log.warning("%s: checking its journal: %s", self.name, str(exc).split("\n")[0])
+                continue
+            created = [int(j.create_revision) for j in listed.journals if j.spec.name == journal]
+            if created != [self.log.created]:
+                self.failure = (
+                    f"location {self.name}: its journal {journal} was "
+                    f"{'made anew' if created else 'deleted'} (its log was lost): run `gazctl "
+                    f"replication recover {self.name}`"
+                )
+                self._failed.set()
+                return
 
     async def _watch_clock(self) -> None:
         """Clock rounds until it may emit (or knows it lost events)."""
@@ -635,7 +672,7 @@ class LocationServer:
             connections=[c.message(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
             history=[lpb.KeyedChange(key=key_message(k), change=change_message(c)) for k, c in view.keyed()],
             retired=sorted(view.retired), lost=self.lost, prunable_before=prunable,
-            clock_ok=self.clock_ok, unheard=self.unheard,
+            clock_ok=self.clock_ok, unheard=self.unheard, journal_created=lg.created,
         )  # fmt: skip
 
     async def emit(self, request: lpb.EmitRequest) -> lpb.EmitResponse:

@@ -53,6 +53,38 @@ class LocationProcesses:
         if wait:
             self.wait_ready(key, before)
 
+    def start_host(self, key: str, broker: str, *, lease: str = "2s") -> None:
+        """Start a location host (`python -m replication host`), known here as `key`: it runs
+        the locations `gazctl replication add` declared, and standbys of them."""
+        log = self.logs / f"{key}.log"
+        with log.open("ab") as out:
+            self.procs[key] = subprocess.Popen(
+                [
+                    sys.executable, "-m", "replication", "host", "--consumer.id", key,
+                    "--consumer.port", "0", "--broker.address", broker,
+                    "--etcd.address", self.etcd.endpoint, "--etcd.lease", lease,
+                    "--replication.prefix", self.prefix, "--replication.lease", "2s",
+                ],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while f"consumer local/{key} serving at" not in self.log(key):
+            proc = self.procs[key]
+            if proc.poll() is not None:
+                raise RuntimeError(f"host {key} exited {proc.returncode}: {self.log(key)[-2000:]}")  # fmt: skip
+            assert time.monotonic() < deadline, f"host {key} did not start"
+            time.sleep(0.05)
+
+    def served_by(self, name: str) -> int:
+        """The pid of the process that serves location `name` now (0: none)."""
+
+        async def go() -> int:
+            network = Network({"replication_prefix": self.prefix, "etcd_address": self.etcd.endpoint})  # fmt: skip
+            async with network:
+                return (await network.entries(name))[0].pid
+
+        return asyncio.run(go())
+
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()
 

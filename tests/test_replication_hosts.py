@@ -1,0 +1,144 @@
+"""Location hosts (`python -m replication host`): locations added with `gazctl replication add`
+run as shards of the consumer framework, each with a hot standby on another host that takes
+over when its host dies; a lost log is recovered with `gazctl replication` alone; and
+`topology --check` compares the views of every running location."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+from broker.client import JournalsClient
+from broker.protocol import protocol_pb2 as pb
+from replication.journals import apply_location_journals
+from replication.vclock import VectorClock
+from tests.conftest import BrokerProcess
+from tests.replication_testing import LocationProcesses
+from tests.test_replication_locations import assert_causal_order, ids, refused, wait_until
+
+
+def payloads(events: list[dict[str, object]]) -> list[object]:
+    return [e["payload"] for e in events if "system" not in e["payload"]]  # type: ignore[operator]
+
+
+def test_a_standby_host_takes_over_a_location_whose_host_dies(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    broker = location_broker.address
+    for name in "AB":
+        out = locations.ok("add", name, "--broker.address", broker)
+        assert f"{name}: journal replication/{name} created at {broker}" in out
+        assert f"{name}: declared in the registry" in out
+        assert "run it (1 hot standby)" in out
+    again = locations.ok("add", "A", "--broker.address", broker)
+    assert "journal replication/A exists" in again and "declared already" in again
+    assert "location hosts run it already" in again
+    for host in ("host1", "host2"):
+        locations.start_host(host, broker)
+    wait_until(lambda: locations.served_by("A") and locations.served_by("B"), "A and B are served")  # fmt: skip
+    locations.ok("connect", "A", "B", "--both")
+    locations.ok("emit", "A", '{"n": 1}', '{"n": 2}')
+    wait_until(lambda: len(ids(locations.events("B"))) == 2, "B holds A's events")
+
+    # A's host dies: the other host's standby takes A over once the dead host's lease expires.
+    time_before = locations.status("A")["local_time"]
+    victim = locations.served_by("A")
+    killed = next(k for k, p in locations.procs.items() if p.pid == victim)
+    os.kill(victim, signal.SIGKILL)
+    locations.procs[killed].wait()
+    started = time.monotonic()
+    wait_until(lambda: locations.served_by("A") not in (0, victim), "a standby serves A", 30)
+    took = time.monotonic() - started
+    survivor = next(k for k in ("host1", "host2") if k != killed)
+    # The survivor's standby had folded A's log: its primary folded only the rest.
+    assert "location A: takes over its log folded through offset" in locations.log(survivor)
+    emitted = locations.ok("emit", "A", '{"n": 3}')
+    # Its clock went on from the log it took over: no time is reused.
+    assert f"A {{A: {time_before + 1}" in emitted, emitted
+    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's new event")
+    assert payloads(locations.events("B")) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    for name in "AB":
+        assert_causal_order(locations.events(name))
+    assert took < 20, f"takeover took {took:.1f}s"  # The lease is 2 s; generous for a busy machine.
+
+    # A new host becomes A's standby; the views agree.
+    locations.start_host("host3", broker)
+    assert "2 locations hold the same view" in locations.ok("topology", "--check")
+    assert locations.procs[survivor].poll() is None
+
+
+def test_a_lost_log_is_recovered_with_gazctl_alone(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A's journal is deleted while its host runs it (a disaster). A's process notices and
+    fails; `gazctl replication recover A` makes the journal anew, has a host run A on it,
+    recovers A's clock and lets its events come back from B: no hand-made journal, no process
+    started by hand."""
+    broker = location_broker.address
+    for name in "AB":
+        locations.ok("add", name, "--broker.address", broker)
+    for host in ("host1", "host2"):
+        locations.start_host(host, broker)
+    wait_until(lambda: locations.served_by("A") and locations.served_by("B"), "A and B are served")  # fmt: skip
+    locations.ok("connect", "A", "B", "--both")
+    locations.ok("emit", "A", '{"n": 1}', '{"n": 2}')
+    locations.ok("emit", "B", '{"n": 3}')
+    wait_until(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
+    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
+    before = set(ids(locations.events("B")))
+    seen = locations.status("B")["cvv"]["A"]
+
+    async def lose() -> None:
+        async with JournalsClient(broker) as client:
+            await client.apply([pb.ApplyRequest.Change(delete="replication/A", expect_mod_revision=-1)])  # fmt: skip
+
+    asyncio.run(lose())
+    out = locations.ok("recover", "A", "--timeout", "60")
+    assert "A: its journal replication/A made anew" in out
+    assert "restarting its process on a location host" in out
+    assert f"local time {seen}" in out and "events 1-0 survived" in out
+    wait_until(lambda: set(ids(locations.events("A"))) == before, "A has its events back")
+    emitted = locations.ok("emit", "A", '{"n": 4}')
+    assert f"A {{A: {seen + 1}" in emitted, emitted
+    wait_until(lambda: len(ids(locations.events("B"))) == 4, "B gets A's new event")
+    for name in "AB":
+        assert_causal_order(locations.events(name))
+    new = [e for e in locations.events("A") if e["payload"] == {"n": 4}]
+    assert VectorClock.from_json(json.loads(json.dumps(new[0]["ts"])))["A"] == seen + 1
+
+
+def test_topology_check_names_the_changes_a_location_lacks_and_add_refuses_bad_input(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    broker = location_broker.address
+    asyncio.run(apply_location_journals(broker, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, broker)
+    locations.ok("connect", "A", "B", "--both")
+    wait_until(
+        lambda: len(locations.status("A")["history"]) == len(locations.status("B")["history"]) == 2,
+        "A and B hold both changes",
+    )
+    # C is connected with no one: it never learns of A <-> B.
+    result = locations.gazctl("topology", "--check")
+    assert result.code == 1, result.out
+    assert "C lacks 2 of 2 changes:" in result.out
+    assert "A -> B connected" in result.out and "B -> A connected" in result.out
+    assert "A: holds every change (2)" in result.out
+    assert "the views differ" in result.err and "Traceback" not in result.err
+    locations.ok("connect", "B", "C")
+    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "C learns the history")
+    assert "3 locations hold the same view (3 changes)" in locations.ok("topology", "--check")
+
+    # `add` refuses in one line and declares nothing.
+    assert "location name" in refused(locations, "add", "bad name!", "--broker.address", broker)
+    line = refused(locations, "add", "D", "--broker.address", "http://127.0.0.1:1")
+    assert "location D" in line
+    assert "D" not in locations.ok("locations", "--format", "json")
+    line = refused(
+        locations, "add", "A", "--broker.address", broker, "--journal", "replication/other"
+    )
+    assert "a location keeps its log" in line
