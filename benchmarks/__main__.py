@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "sqlite_store": "benchmarks.sqlite_store",
     "replication_throughput": "benchmarks.replication_throughput",
     "convergence": "benchmarks.convergence",
+    "location_takeover": "benchmarks.location_takeover",
     "tls_cost": "benchmarks.tls_cost",
     "auth_overhead": "benchmarks.auth_overhead",
 }

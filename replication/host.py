@@ -143,7 +143,8 @@ class LocationHost:
                 await asyncio.shield(running)
             finally:
                 self.servers.pop(name, None)
-                stop.set()  # Cancelled: it stops serving, and revokes its endpoint.
+                stop.set()  # Cancelled (or it failed): it stops serving, revoking its endpoint,
+                await asyncio.wait([running], timeout=5)  # before the task group cancels it.
 
     async def run_standby(self, consumer: Consumer, spec: cpb.ShardSpec) -> None:
         """Fold the location's log as it grows, until the replica stops or is promoted (its

@@ -192,6 +192,18 @@ def test_standby_takeover_quick() -> None:
 
 
 @pytest.mark.slow
+def test_location_takeover_quick() -> None:
+    """One kill of the host running a location, lease 2 s: its standby writes an event after
+    the dead host's lease expired."""
+    from benchmarks import location_takeover
+
+    assert BENCHMARKS["location_takeover"] == "benchmarks.location_takeover"
+    result = _runner.check("location_takeover", location_takeover.run(quick=True))
+    assert result["unit"] == "s" and result["kills"] == 1 and result["lease_ttl"] == 2
+    assert 0 < result["baseline"] <= result["value"]
+
+
+@pytest.mark.slow
 def test_replication_throughput_quick() -> None:
     from benchmarks import replication_throughput
 
