@@ -142,3 +142,43 @@ def test_topology_check_names_the_changes_a_location_lacks_and_add_refuses_bad_i
         locations, "add", "A", "--broker.address", broker, "--journal", "replication/other"
     )
     assert "a location keeps its log" in line
+
+
+def test_a_paused_host_that_resumes_after_its_standby_took_over_writes_nothing(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """SIGSTOP the host running A for longer than its lease: the standby takes A over. Once the
+    paused host resumes, an emit through its old endpoint is refused (its writer was fenced
+    out by the new one's register) or finds nothing serving: A's log holds only what was
+    acknowledged, each event once."""
+    from replication.rpc import LocationClient, LocationError
+
+    broker = location_broker.address
+    locations.ok("add", "A", "--broker.address", broker)
+    for host in ("host1", "host2"):
+        locations.start_host(host, broker)
+    wait_until(lambda: locations.served_by("A"), "A is served")
+    locations.ok("emit", "A", '{"n": 1}')
+    paused = locations.served_by("A")
+    old = locations.status("A")["endpoint"]
+    os.kill(paused, signal.SIGSTOP)
+    try:
+        wait_until(lambda: locations.served_by("A") not in (0, paused), "the standby serves A", 30)
+        locations.ok("emit", "A", '{"n": 2}')
+    finally:
+        os.kill(paused, signal.SIGCONT)
+
+    async def zombie_emit() -> str:
+        async with LocationClient("A", old, timeout=10) as client:
+            try:
+                await client.emit({"n": "zombie"})
+            except LocationError as exc:
+                return str(exc)
+        return "accepted"
+
+    answer = asyncio.run(zombie_emit())
+    assert answer != "accepted"
+    assert "fenced out" in answer or "unreachable" in answer or "no location" in answer, answer
+    locations.ok("emit", "A", '{"n": 3}')
+    assert payloads(locations.events("A")) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert_causal_order(locations.events("A"))
