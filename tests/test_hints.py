@@ -39,6 +39,19 @@ def test_hints_encode_as_upstream_writes_them() -> None:
     )
 
 
+def test_hints_escape_html_characters_as_go_does() -> None:
+    """Go's json.Marshal escapes <, > and & (and U+2028, U+2029) in strings as \\u00XX, lower
+    case; other characters stay as UTF-8. Hints written here must be byte for byte upstream's."""
+    hints = rpb.FSMHints(
+        log="l/og", properties=[rpb.Property(path="/a&b", content="<x>\u2028\u2029é\n\"")]
+    )
+    assert encode_hints(hints) == (
+        b'{"log":"l/og","live_nodes":null,"properties":[{"path":"/a\\u0026b",'
+        b'"content":"\\u003cx\\u003e\\u2028\\u2029\xc3\xa9\\n\\""}]}'
+    )
+    assert decode_hints(encode_hints(hints)) == hints
+
+
 def test_hints_decode_from_json_in_any_layout_and_from_protobuf() -> None:
     assert decode_hints(UPSTREAM_JSON) == example()
     indented = b'{\n  "log": "example/log",\n  "live_nodes": [{"fnode": 1018, "segments": [\n'

@@ -34,7 +34,13 @@ def encode_hints(hints: rpb.FSMHints) -> bytes:
         document["log"] = hints.log
     document["live_nodes"] = [_fnode_document(n) for n in hints.live_nodes] or None
     document["properties"] = [_property_document(p) for p in hints.properties] or None
-    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
+    text = json.dumps(document, separators=(",", ":"), ensure_ascii=False)
+    return text.translate(_GO_ESCAPES).encode()
+
+
+# Go's json.Marshal escapes these in strings (HTML-safe output, and the JavaScript line
+# separators); they occur nowhere else in the document, so translating the whole text is exact.
+_GO_ESCAPES = {ord(c): f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"}
 
 
 def _fnode_document(node: rpb.FnodeSegments) -> dict[str, Any]:
