@@ -93,7 +93,14 @@ class JSONFileStore:
     ) -> None:
         for awaitable in wait_for:
             await awaitable
-        await asyncio.to_thread(self._commit, fence, checkpoint, text)
+        work = asyncio.get_running_loop().run_in_executor(None, self._commit, fence, checkpoint, text)  # fmt: skip
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # A write under way cannot be stopped: it completes before the commit says it
+            # stopped, so nothing is written once the shard has.
+            await asyncio.wait([work])
+            raise
         self.committed = json.loads(text)
 
     async def close(self) -> None:

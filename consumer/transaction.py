@@ -449,7 +449,9 @@ async def _transaction(
     intents = shard.publisher.build_ack_intents()
     checkpoint = build_checkpoint(read_through, states, intents)
     wait_for = shard.service.pending_except(*([recovery_log] if recovery_log else []))
-    committed = asyncio.ensure_future(store.start_commit(checkpoint, wait_for))
+    # The snapshot is taken now; the commit's completion belongs to the shard's task group, so
+    # a shard that stops (cancelled anywhere from here on) has no commit still running.
+    committed = tasks.create_task(_durable(store.start_commit(checkpoint, wait_for)), name="store commit")  # fmt: skip
     finished = getattr(app, "finished_txn", None)
     if finished is not None:
         await finished(shard, store, committed)
@@ -460,6 +462,10 @@ async def _transaction(
     return tasks.create_task(
         _await_acks(shard, acks, read_through, committed=committed), name="commit"
     )
+
+
+async def _durable(commit: Awaitable[None]) -> None:
+    await commit
 
 
 _DUPLICATES = frozenset(

@@ -376,3 +376,57 @@ async def test_a_shard_publishes_two_content_types_under_one_producer(
             as_protos.append((envelope.message.ngram, envelope.message.count))
     assert as_protos == outputs  # The same outputs, in the same order, each once.
     assert proto_producers == json_producers
+
+
+class HoldsAfterCommitStarts(Summer):
+    """Its `finished_txn` hook (called once a commit has started, before the transaction loop
+    owns the commit's completion) never returns: the shard is cancelled there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = asyncio.Event()
+
+    async def finished_txn(self, shard: Shard, store: Any, committed: Any) -> None:
+        self.holding.set()
+        await asyncio.Event().wait()
+
+
+class CommitsLater(JSONFileStore):
+    """A store whose commit waits a moment before it writes (as one waiting for its
+    transaction's appends would), counting the writes it makes."""
+
+    def __init__(self, root: Path, shard_id: str) -> None:
+        super().__init__(root, shard_id)
+        self.writes = 0
+
+    async def _finish_commit(self, *args: Any) -> None:
+        await asyncio.sleep(0.3)
+        await super()._finish_commit(*args)
+
+    def _commit(self, fence: int, checkpoint: bytes, state_text: str) -> None:
+        self.writes += 1
+        super()._commit(fence, checkpoint, state_text)
+
+
+async def test_a_shard_cancelled_as_its_commit_starts_writes_nothing_after_it_stopped(
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """The commit belongs to the shard's task group: once run_shard has returned (cancelled),
+    no commit of it is still running, and the store is not written any more."""
+    stub = sums_stub
+    await publish_inputs(stub, 20, seed=7)
+    store = CommitsLater(tmp_path, "summer-0")
+    app = HoldsAfterCommitStarts()
+    async with AppendService(stub) as service:
+        shard = Shard(shard_spec(), service, Publisher(service, DictMessages(), JSONLines()))
+        task = asyncio.create_task(run_shard(shard, app, store, [source()], lambda: stub))
+        async with asyncio.timeout(30):
+            await app.holding.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        writes = store.writes
+        leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        await asyncio.sleep(0.6)
+    assert store.writes == writes, "the store was written after the shard stopped"
+    assert not [t for t in leftover if "_finish_commit" in repr(t.get_coro())], leftover
