@@ -8,12 +8,17 @@
 Each scenario prints its seed and the command that replays it; the campaign ends with the table
 of docs/reliability.md (`--table FILE` writes it) and exits 1 if the checker found a violation.
 A failing scenario's history and logs are kept (the path is printed).
+
+The replication scenarios (`tests/faults/replication_scenarios.py`: a network of locations on
+broker clusters of their own, under location faults) run after the broker ones and print a table
+of their own; `--replication` runs only them, `--brokers` only the broker ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import secrets
 import shutil
@@ -26,7 +31,13 @@ from pathlib import Path
 from tests.faults.checker import Report, check
 from tests.faults.history import History
 from tests.faults.network import namespaces_unavailable
+from tests.faults.replication_checker import ReplicationHistory
+from tests.faults.replication_checker import Report as ReplicationReport
+from tests.faults.replication_checker import check as check_replication
+from tests.faults.replication_scenarios import REPLICATION_SCENARIOS, run_replication_scenario
 from tests.faults.scenarios import SCENARIOS, ScenarioSkipped, run_scenario
+
+ALL_SCENARIOS = [*SCENARIOS, *REPLICATION_SCENARIOS]
 
 
 def table(rows: list[tuple[Report, float]]) -> str:
@@ -55,6 +66,33 @@ def table(rows: list[tuple[Report, float]]) -> str:
     return "\n".join(lines)
 
 
+def replication_table(rows: list[tuple[ReplicationReport, float]]) -> str:
+    lines = [
+        "| scenario | seed | cycles | acknowledged emits | indeterminate | events checked "
+        "| duplicated | reused times | out of causal order | missing | lost to a disaster "
+        "| longest unavailability | wall time | violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, wall in rows:
+        lines.append(
+            f"| {r.scenario} | {r.seed} | {r.cycles} | {r.acked} | {r.indeterminate} "
+            f"| {r.events_checked} | {r.duplicates} | {r.reused_times} | {r.order_violations} "
+            f"| {r.missing} | {r.lost_to_disaster} | {r.longest_unavailability:.1f} s "
+            f"({r.unavailable_location or '-'}) | {wall:.0f} s | {r.violation_count} |"
+        )
+    total = [r for r, _ in rows]
+    lines.append(
+        f"| **all** | | {sum(r.cycles for r in total)} | {sum(r.acked for r in total)} "
+        f"| {sum(r.indeterminate for r in total)} | {sum(r.events_checked for r in total)} "
+        f"| {sum(r.duplicates for r in total)} | {sum(r.reused_times for r in total)} "
+        f"| {sum(r.order_violations for r in total)} | {sum(r.missing for r in total)} "
+        f"| {sum(r.lost_to_disaster for r in total)} "
+        f"| {max((r.longest_unavailability for r in total), default=0):.1f} s "
+        f"| {sum(w for _, w in rows):.0f} s | {sum(r.violation_count for r in total)} |"
+    )
+    return "\n".join(lines)
+
+
 def _dump_tasks() -> None:
     """SIGUSR1: print every task's stack (what a stuck run waits for)."""
     for task in asyncio.all_tasks():
@@ -65,10 +103,16 @@ def _dump_tasks() -> None:
 
 async def campaign(args: argparse.Namespace) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
-    names = args.scenario or list(SCENARIOS)
-    unknown = [n for n in names if n not in SCENARIOS]
+    if args.scenario:
+        names = args.scenario
+    else:
+        names = [
+            *([] if args.replication else SCENARIOS),
+            *([] if args.brokers else [n for n, s in REPLICATION_SCENARIOS.items() if s.default]),
+        ]
+    unknown = [n for n in names if n not in ALL_SCENARIOS]
     if unknown:
-        print(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}", file=sys.stderr)
+        print(f"unknown scenario(s) {unknown}; known: {', '.join(ALL_SCENARIOS)}", file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
     namespaces = False if args.loopback else None
@@ -78,8 +122,12 @@ async def campaign(args: argparse.Namespace) -> int:
         print(f"  network namespaces unavailable ({namespaces_unavailable()}): loopback only")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="gazette-faults-"))
     rows: list[tuple[Report, float]] = []
+    replication_rows: list[tuple[ReplicationReport, float]] = []
     failed = False
     for name in names:
+        if name in REPLICATION_SCENARIOS:
+            failed |= not await _replication(args, name, seed, root, namespaces, replication_rows)
+            continue
         scenario = SCENARIOS[name]
         workdir = root / name
         if workdir.exists():
@@ -88,7 +136,7 @@ async def campaign(args: argparse.Namespace) -> int:
         print(f"{name} (seed {seed}): {scenario.summary}", flush=True)
         try:
             history, report, wall = await run_scenario(
-                scenario, seed, workdir, cycles=args.cycles, budget=args.budget,
+                scenario, seed, workdir, cycles=args.cycles, budget=args.budget or 60.0,
                 namespaces=namespaces, tls=args.tls, auth=args.auth,
             )  # fmt: skip
         except ScenarioSkipped as exc:
@@ -118,14 +166,64 @@ async def campaign(args: argparse.Namespace) -> int:
                         child.unlink()
         sys.stdout.flush()
     print()
-    print(table(rows))
+    tables = []
+    if rows:
+        tables.append(table(rows))
+    if replication_rows:
+        tables.append(replication_table(replication_rows))
+    print("\n\n".join(tables))
     if args.table:
-        Path(args.table).write_text(table(rows) + "\n")
+        Path(args.table).write_text("\n\n".join(tables) + "\n")
     if not failed and not args.keep and not args.workdir:
         shutil.rmtree(root, ignore_errors=True)
     else:
         print(f"histories under {root}")
     return 1 if failed else 0
+
+
+async def _replication(
+    args: argparse.Namespace,
+    name: str,
+    seed: int,
+    root: Path,
+    namespaces: bool | None,
+    rows: list[tuple[ReplicationReport, float]],
+) -> bool:
+    """Run replication scenario `name` as `campaign` runs a broker one; whether it passed."""
+    scenario = REPLICATION_SCENARIOS[name]
+    workdir = root / name
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    print(f"{name} (seed {seed}): {scenario.summary}", flush=True)
+    replay = f"python -m tests.faults --scenario {name} --seed {seed}"
+    try:
+        history, report, wall = await run_replication_scenario(
+            scenario, seed, workdir, cycles=args.cycles, budget=args.budget, namespaces=namespaces
+        )
+    except ScenarioSkipped as exc:
+        print(f"  skipped: {exc}")
+        return True
+    except Exception as exc:
+        print(f"  FAILED to run: {type(exc).__name__}: {exc}")
+        print(f"  logs in {workdir}; replay: {replay}")
+        return False
+    history.save(workdir / "history.json")
+    rows.append((report, wall))
+    print("  " + report.summary().replace("\n", "\n  "))
+    if not report.ok:
+        print(f"  history and logs kept in {workdir}")
+        print(f"  replay: {replay}")
+        return False
+    if not args.keep:
+        for child in workdir.iterdir():
+            if child.name != "history.json":
+                if child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
+    sys.stdout.flush()
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, help="seed of every scenario (default: a new one)")
     parser.add_argument(
-        "--scenario", action="append", choices=list(SCENARIOS), help="run only these (repeat)"
+        "--scenario", action="append", choices=ALL_SCENARIOS, help="run only these (repeat)"
     )
+    parser.add_argument("--replication", action="store_true", help="only the replication scenarios")  # fmt: skip
+    parser.add_argument("--brokers", action="store_true", help="only the broker scenarios")
     parser.add_argument("--cycles", type=int, help="fault cycles per scenario (default: its own)")
-    parser.add_argument("--budget", type=float, default=60.0, help="seconds per scenario")
+    parser.add_argument(
+        "--budget", type=float,
+        help="seconds per scenario (default: 60 for broker scenarios, each replication one its own)",
+    )  # fmt: skip
     parser.add_argument("--workdir", help="keep each scenario's logs and history under here")
     parser.add_argument("--keep", action="store_true", help="keep passing scenarios' files too")
     parser.add_argument("--loopback", action="store_true", help="no network namespaces")
@@ -152,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         # Readers report frames torn by a reset-head's new epoch; the checker judges them.
         logging.getLogger("broker.message").setLevel(logging.CRITICAL)
     if args.check:
+        document = json.loads(Path(args.check).read_text())
+        if "emits" in document:  # A replication scenario's history.
+            replication = check_replication(ReplicationHistory.load(Path(args.check)))
+            print(replication.summary())
+            return 0 if replication.ok else 1
         report = check(History.load(Path(args.check)))
         print(report.summary())
         return 0 if report.ok else 1
