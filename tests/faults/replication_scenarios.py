@@ -103,7 +103,7 @@ async def location_pause(ctx: Context) -> None:
 
 
 async def location_partition(ctx: Context) -> None:
-    """Cut one location's side (its brokers and the host serving it) from another's, 1-3
+    """Cut one location's side (its brokers and the host serving it) from another's, 1-2.5
     leases, then mend: its connections with that location stop, events go around."""
     names = list(ctx.net.config.locations)
     x, y = ctx.rng.sample(names, 2)
@@ -114,7 +114,7 @@ async def location_partition(ctx: Context) -> None:
         return
     side_x = [s.node for s in ctx.net.brokers_of[x]] + [hx.node]
     side_y = [s.node for s in ctx.net.brokers_of[y]] + [hy.node]
-    duration = ctx.rng.uniform(1.0 * ctx.lease, 3.0 * ctx.lease)
+    duration = ctx.rng.uniform(1.0 * ctx.lease, 2.5 * ctx.lease)
     fault = ctx.fault("partition", f"{x}|{y}", f"{side_x} from {side_y} for {duration:.1f}s")
     ctx.net.nodes.cut(side_x, side_y)
     await asyncio.sleep(duration)
@@ -157,7 +157,7 @@ async def topology_churn(ctx: Context) -> None:
     source, target = choice.split(">")
     fault = ctx.fault("disconnect", f"{source} -> {target}")
     await _gazctl(ctx, "disconnect", source, target)
-    await ctx.hold(0.5, 3.0)
+    await ctx.hold(0.3, 2.0)
     filter_ = ctx.filters.get((source, target), RED[0] if (source, target) == ("C", "D") else "")
     await _gazctl(ctx, "connect", source, target, *(["--filter", filter_] if filter_ else []))
     ctx.heal(fault)
@@ -209,7 +209,7 @@ class ReplicationScenario:
     cycle: Cycle
     cycles: int
     summary: str
-    budget: float = 150.0
+    budget: float = 200.0  # A cap: a scenario ends once its cycles ran.
     partitions: bool = False
     store: bool = False
     lease: float = 2.0
@@ -219,18 +219,18 @@ class ReplicationScenario:
 REPLICATION_SCENARIOS = {
     s.name: s
     for s in [
-        ReplicationScenario("location-kill", location_kill, 12, "SIGKILL the host serving a location; its standby takes over"),
+        ReplicationScenario("location-kill", location_kill, 13, "SIGKILL the host serving a location; its standby takes over"),
         ReplicationScenario("location-pause", location_pause, 12, "SIGSTOP the host serving a location 3-6 s (lease 2 s), SIGCONT: fenced"),
         ReplicationScenario(
-            "location-partition", location_partition, 20,
-            "a location's brokers and host cut from another's 2-6 s", partitions=True,
+            "location-partition", location_partition, 21,
+            "a location's brokers and host cut from another's 2-5 s", partitions=True,
         ),
         ReplicationScenario(
             "location-broker-kill", location_broker_kill, 15,
             "SIGKILL a broker of a location's cluster (RF 2), restart it 0.5-2.5 s later", store=True,
         ),
-        ReplicationScenario("topology-churn", topology_churn, 35, "disconnect and connect a connection, or change the terminal's filter, under traffic"),
-        ReplicationScenario("disaster", disaster, 8, "delete A's, B's or D's journal while it runs; gazctl replication recover"),
+        ReplicationScenario("topology-churn", topology_churn, 30, "disconnect and connect a connection, or change the terminal's filter, under traffic"),
+        ReplicationScenario("disaster", disaster, 10, "delete A's, B's or D's journal while it runs; gazctl replication recover"),
         ReplicationScenario(
             "disaster-hub", disaster_hub, 3,
             "delete C's journal while it runs; gazctl replication recover (known defect)",
