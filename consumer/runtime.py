@@ -565,16 +565,18 @@ class Consumer:
                 replica.shard = shard
                 store = await self.app.new_store(shard)
                 replica.store = store
-                try:
+                async def advertise() -> None:  # Once the store is fenced and restored.
                     await self._set_status(
                         replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
                     )
+
+                try:
                     async with asyncio.TaskGroup() as tasks:
                         if recorder is not None:
                             tasks.create_task(self._store_hints_periodically(replica, spec, store))
                         await run_shard(
                             shard, self.app, store, sources, lambda: self.router.stub_for(""),
-                            recovery_log=log_name,
+                            recovery_log=log_name, restored=advertise,
                         )  # fmt: skip
                 finally:
                     replica.store = None

@@ -239,12 +239,17 @@ async def run_shard(
     *,
     recovery_log: str = "",
     now: Callable[[], float] = time.monotonic,
+    restored: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Run the shard's transactions until cancelled (or until a failure, which it raises: the
     shard is then FAILED). Cancellation abandons the open transaction; a commit in flight is
-    awaited only if already durable-bound (its store write), never half-applied."""
+    awaited only if already durable-bound (its store write), never half-applied. `restored`
+    runs once the store is fenced and its checkpoint restored (the runtime advertises PRIMARY
+    then, as upstream does)."""
     spec = shard.spec
     checkpoint = await store.restore_checkpoint()
+    if restored is not None:
+        await restored()
     offsets = read_through_of(checkpoint)
     for source in sources:
         offsets[source.journal] = max(offsets.get(source.journal, 0), source.min_offset)

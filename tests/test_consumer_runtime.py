@@ -248,3 +248,62 @@ async def test_a_shard_whose_store_is_unreachable_fails_alone(
         await consumer.stop()
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
+
+
+class RestoresSlowly(StoredSummer):
+    """Its store's checkpoint restore (which fences out earlier instances) waits until let go."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.restoring = asyncio.Event()
+        self.let_go = asyncio.Event()
+
+    async def new_store(self, shard: Shard) -> JSONFileStore:
+        app = self
+
+        class Slow(JSONFileStore):
+            async def restore_checkpoint(self) -> Any:
+                app.restoring.set()
+                await app.let_go.wait()
+                return await super().restore_checkpoint()
+
+        return Slow(self.root, shard.spec.id)
+
+
+async def test_primary_is_advertised_only_once_its_store_is_fenced_and_restored(
+    etcd_server: EtcdServer, sums_broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """Upstream advertises PRIMARY after the store is restored (and fenced): a reader of the
+    route must not take a primary that cannot serve yet for one that can."""
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        id="consumer-0", broker_address=sums_broker.endpoint, etcd_address=etcd_server.endpoint,
+        etcd_prefix=root, etcd_lease=5.0,
+    )  # fmt: skip
+    app = RestoresSlowly(tmp_path)
+    consumer = Consumer(config, app)
+    await consumer.start()
+    try:
+        shards, channel = shard_stub(consumer)
+        spec = cpb.ShardSpec(
+            id="sum-0", sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )  # fmt: skip
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+        async with asyncio.timeout(30):
+            await app.restoring.wait()
+        await asyncio.sleep(0.3)  # Time for a status write, were one coming.
+        assert await statuses(shards) != [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
+        app.let_go.set()
+        await until(
+            lambda: _equals(statuses(shards), [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)])
+        )
+        await channel.close()
+    finally:
+        await consumer.stop()
+        async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
+            await client.delete_prefix(root.encode())
+
+
+async def _equals(got: Any, expected: Any) -> bool:
+    return bool(await got == expected)
