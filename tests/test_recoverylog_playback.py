@@ -115,6 +115,44 @@ async def test_recorded_files_play_back_byte_for_byte(
     assert fsm.next_checksum == recorder.fsm.next_checksum
 
 
+async def test_a_stray_append_between_frames_is_skipped_with_a_warning(
+    recovery_broker: BrokerHarness,
+    recovery_stub: pb_grpc.JournalStub,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bytes that are not a frame (someone appended to the log by mistake) are read past to the
+    next frame's marker, with a warning naming where and how many, as upstream's player does:
+    a primary or standby that plays the log is not stopped by them."""
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker)
+    source = tmp_path / "source"
+    source.mkdir()
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(source), service)
+        await recorder.start()
+        files = Mirror(recorder, source)
+        files.create("db", b"page-0" * 1000)
+        await recorder.build_hints()  # Its appends so far are written.
+        await service.flush()
+        await append(stub, log, b'{"oops": "a stray line"}\n\x66\x33')  # Not a frame.
+        files.write_at("db", b"PAGE-1" * 500, 4096)
+        files.create("MANIFEST", b"manifest")
+        hints = await recorder.build_hints()
+        await service.flush()
+        await append(stub, log, b"trailing junk")  # After the last frame too.
+
+    async with AppendService(stub) as service:
+        player = Player()
+        player.finish_at_write_head()
+        with caplog.at_level("WARNING", logger="consumer.recoverylog.player"):
+            fsm = await player.play(hints, tmp_path / "played", lambda: stub, service)
+    assert snapshot(tmp_path / "played") == snapshot(source)
+    assert fsm.next_seq_no == recorder.fsm.next_seq_no
+    skipped = [r.getMessage() for r in caplog.records if "not a frame" in r.getMessage()]
+    assert len(skipped) == 2 and "27 bytes" in skipped[0] and "13 bytes" in skipped[1], skipped
+
+
 async def test_a_log_in_upstreams_layout_plays_back(
     recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
@@ -218,11 +256,12 @@ async def test_corrupt_logs_fail_playback_and_leave_nothing(
     w.op(1, **create("/f"))
     body = w.ops[0][1]
     frame = b"\x66\x33\x93\x36" + len(body).to_bytes(4, "little") + body
-    await append(stub, log, frame + b"\x00garbage-not-a-frame")
+    bogus = b"\xff" * 12  # A frame's marker and length, and a body that is no RecordedOp.
+    await append(stub, log, frame + b"\x66\x33\x93\x36" + len(bogus).to_bytes(4, "little") + bogus)
     async with AppendService(stub) as service:
         player = Player()
         player.finish_at_write_head()
-        with pytest.raises(PlaybackError, match="not a recovery-log frame"):
+        with pytest.raises(PlaybackError, match="not a RecordedOp"):
             await player.play(rpb.FSMHints(log=log), tmp_path / "out", lambda: stub, service)
     assert not (tmp_path / "out").exists()
 

@@ -16,9 +16,11 @@ log (`tailing` is set): a hot standby. Playback ends on request:
   ours: the files are made live. Not applied (the old recorder appended first), it reads on and
   injects again.
 
-Any inconsistency it cannot skip (a corrupt frame, a hinted segment that is not there, an offset
-jump over a hinted segment) raises PlaybackError, and the directory is removed: nothing half
-played is left to be mistaken for a store.
+Bytes between frames that are not a frame (a stray append to the log) are read past to the next
+frame's marker, with a warning naming where and how many, as upstream's player does. Any
+inconsistency it cannot skip (a frame whose body is not an operation, a hinted segment that is
+not there, an offset jump over a hinted segment) raises PlaybackError, and the directory is
+removed: nothing half played is left to be mistaken for a store.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from broker.client.reader import Chunk, read_retrying
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
 from consumer.recoverylog.fsm import (
+    FRAME_MAGIC,
     FSM,
     HEADER,
     Applied,
@@ -80,6 +83,42 @@ class _LogReader:
         self.jumped_to: int | None = None
         self._chunks: AsyncIterator[Chunk] | None = None
         self._block = True
+        self._skipped, self._skipped_at = 0, 0  # A run of bytes that are not a frame.
+
+    def skip_to_frame(self) -> bool:
+        """Drop buffered bytes that cannot begin a frame, up to the next frame's marker buffered
+        (keeping a tail that may be the start of one); whether the buffer now begins with a
+        frame's marker."""
+        if self.buffer.startswith(FRAME_MAGIC):
+            return True
+        found = self.buffer.find(FRAME_MAGIC)
+        if found < 0:  # Keep a tail that may begin a marker whose rest is not read yet.
+            tail = next((n for n in range(len(FRAME_MAGIC) - 1, 0, -1) if self.buffer.endswith(FRAME_MAGIC[:n])), 0)  # fmt: skip
+            found_or_tail = len(self.buffer) - tail
+        self._skip(found if found >= 0 else found_or_tail)
+        if found >= 0:
+            self.report_skipped(f"skipped to the next frame at {self.offset}")
+        return found >= 0
+
+    def skip_rest(self) -> None:
+        """At the write head: what is buffered is not a frame (appends are whole frames)."""
+        self._skip(len(self.buffer))
+        self.report_skipped(f"read past them to the write head at {self.offset}")
+
+    def _skip(self, size: int) -> None:
+        if size > 0:
+            if not self._skipped:
+                self._skipped_at = self.offset
+            self._skipped += size
+            self.take(size)
+
+    def report_skipped(self, what: str) -> None:
+        if self._skipped:
+            log.warning(
+                "recovery log %s: %d bytes at offset %d are not a frame: %s",
+                self.log, self._skipped, self._skipped_at, what,
+            )  # fmt: skip
+            self._skipped = 0
 
     def seek(self, log_name: str, offset: int) -> None:
         if log_name == self.log and self.offset <= offset <= self.offset + len(self.buffer):
@@ -239,7 +278,9 @@ class Player:
                     handoff = self._handoff or 0
                     state = _State.INJECT_AT_HEAD if handoff else _State.EXIT_AT_HEAD
 
-                block = state in (_State.TAIL, _State.READ_HANDOFF) or reader.offset < read_through
+                # Blocking while the head is not buffered yet (a frame is whole by the head).
+                buffered_to = reader.offset + len(reader.buffer)
+                block = state in (_State.TAIL, _State.READ_HANDOFF) or buffered_to < read_through
                 if state == _State.TAIL:
                     ready = await self._fill_or_request(reader)
                     if ready is None:
@@ -248,6 +289,10 @@ class Player:
                     ready = await reader.fill(HEADER, block)
                 if reader.jumped_to is not None:
                     self._check_jump(reader, fsm)
+                if ready and not reader.skip_to_frame():
+                    continue  # Not a frame (a stray append): read on to the next one.
+                if not ready and not block:
+                    reader.skip_rest()  # What is buffered at the head is no frame, if anything.
                 if not ready:  # A non-blocking read reached the write head.
                     self.tailing.set()
                     if state == _State.BACKFILL:
