@@ -59,25 +59,33 @@ class _RecordingVFS(apsw.VFS):
     def __init__(self, name: str, recorder: Recorder) -> None:
         self.recorder = recorder
         self.base = apsw.vfs_names()[0]
+        # SQLite names files by their resolved path (a directory reached through a symlink,
+        # as macOS's temporary directory is, resolves elsewhere): recognised by that.
+        self.resolved = os.path.realpath(recorder.directory)
         super().__init__(name, self.base)
 
-    def recorded(self, filename: str | None) -> bool:
-        return filename is not None and filename.startswith(self.recorder.directory + "/")
+    def xFullPathname(self, name: str) -> str:
+        # The default VFS answers SQLITE_OK_SYMLINK for a path through a symlink, which a
+        # Python VFS takes for an error ("not an error"): resolved here instead.
+        return os.path.realpath(name)
+
+    def recorded(self, filename: str | None) -> str | None:
+        """The recorder's name of `filename` (under its directory as it was given), or None
+        if the file is not under it."""
+        if filename is None or not filename.startswith(self.resolved + "/"):
+            return None
+        return self.recorder.directory + filename[len(self.resolved) :]
 
     def xOpen(self, name: Any, flags: list[int]) -> _RecordingFile:
         filename = name.filename() if isinstance(name, apsw.URIFilename) else name
-        record = bool(flags[0] & _RECORDED) and self.recorded(filename)
-        return _RecordingFile(
-            self, name, flags, filename if record else None, wal=bool(flags[0] & _WAL)
-        )
+        recorded = self.recorded(filename) if flags[0] & _RECORDED else None
+        return _RecordingFile(self, name, flags, recorded, wal=bool(flags[0] & _WAL))
 
     def xDelete(self, filename: str, syncdir: bool) -> None:
         super().xDelete(filename, syncdir)
-        if (
-            self.recorded(filename)
-            and self.recorder.fsm.links.get(self._path(filename)) is not None
-        ):
-            self.recorder.record_remove(filename)
+        recorded = self.recorded(filename)
+        if recorded is not None and self.recorder.fsm.links.get(self._path(recorded)) is not None:
+            self.recorder.record_remove(recorded)
 
     def _path(self, filename: str) -> str:
         return "/" + os.path.relpath(filename, self.recorder.directory)

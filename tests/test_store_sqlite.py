@@ -84,6 +84,33 @@ async def test_commits_play_back_with_their_checkpoint(
         assert sorted(p.name for p in (tmp_path / "played").iterdir()) == [DATABASE]
 
 
+async def test_a_store_in_a_directory_reached_through_a_symlink_records_and_plays_back(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """macOS's temporary directory is a symlink: SQLite then resolves the database's name (its
+    xFullPathname says SQLITE_OK_SYMLINK), and the resolved name must still be recognised as
+    under the recorder's directory, or nothing would be recorded."""
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker, 1 << 22)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    primary = tmp_path / "link" / "primary"
+    primary.mkdir()
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(primary), service)
+        await recorder.start()
+        store = SQLiteStore(recorder)
+        assert await store.restore_checkpoint() == cpb.Checkpoint()
+        await store.run(insert(range(100)))
+        await store.start_commit(checkpoint(7))
+        hints = await store.build_hints()
+        await store.close()
+        assert hints.live_nodes, "the database was recorded"
+        expected = read_back(primary)
+        await play(hints, tmp_path / "played", stub, service)
+        assert read_back(tmp_path / "played") == expected and expected[1] == checkpoint(7)
+
+
 @pytest.mark.parametrize("journal_mode", ["WAL", "DELETE"])
 async def test_a_transaction_cut_short_plays_back_as_the_last_commit(
     recovery_broker: BrokerHarness,
