@@ -40,6 +40,7 @@ from typing import Any
 
 import aetcd
 import grpc
+from aetcd import transactions
 
 from broker import auth
 from broker import etcd as etcdx
@@ -328,29 +329,40 @@ class LocationServer:
             await self._etcd.put(registry.location_key(cfg.prefix, self.name), json.dumps(declaration).encode())  # fmt: skip
         return await self._put_endpoint()
 
-    async def _put_endpoint(self) -> int:
+    async def _put_endpoint(self, if_absent: bool = False) -> int:
+        """Register this process's endpoint under a new lease (its id); with `if_absent`, only
+        if no process's endpoint is registered (0 if one is)."""
         assert self._etcd is not None
         lease = await self._etcd.lease(max(1, round(self.config.lease)))
         body = json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}).encode()
-        await self._etcd.put(
-            registry.endpoint_key(self.config.prefix, self.name), body, lease=lease
-        )
+        key = registry.endpoint_key(self.config.prefix, self.name)
+        compare = [transactions.Version(key) == 0] if if_absent else []
+        result = await etcdx.txn(self._etcd, compare, [transactions.Put(key, body, lease=lease)])
+        if not result.succeeded:
+            await self._etcd.revoke_lease(lease.id)
+            return 0
         self._lease_id = int(lease.id)
         return self._lease_id
 
     async def _keep_lease(self, lease_id: int) -> None:
-        """Refresh the endpoint's lease; if it was lost (etcd was away for longer than its TTL),
-        register the endpoint again under a new one. The endpoint is for discovery only: the
-        log's writer is fenced by the journal's register, not by this lease."""
+        """Refresh the endpoint's lease; if it was lost (etcd was away, or this process paused,
+        for longer than its TTL), register the endpoint again under a new one, unless another
+        process registered the location meanwhile (it took the location over: its endpoint is
+        not overwritten). The endpoint is for discovery only: the log's writer is fenced by the
+        journal's register, not by this lease."""
         assert self._etcd is not None
         ttl = max(1, round(self.config.lease))
         while True:
             await asyncio.sleep(ttl / 3)
             try:
-                reply = await asyncio.wait_for(self._etcd.refresh_lease(lease_id), ttl / 3)
-                if reply.TTL <= 0:
-                    log.warning("%s: the endpoint's lease expired: registering it again", self.name)
-                    lease_id = await self._put_endpoint()
+                if lease_id:
+                    reply = await asyncio.wait_for(self._etcd.refresh_lease(lease_id), ttl / 3)
+                    if reply.TTL > 0:
+                        continue
+                    log.warning("%s: the endpoint's lease expired", self.name)
+                lease_id = await self._put_endpoint(if_absent=True)
+                if lease_id:
+                    log.warning("%s: its endpoint is registered again", self.name)
             except Exception as exc:
                 log.warning("%s: refreshing the endpoint's lease failed: %s", self.name, exc)
 

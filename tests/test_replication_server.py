@@ -151,3 +151,40 @@ def test_status_and_deletion_see_committed_events_only(
                     hold.set_result(None)  # A failed check must not hold the log's appends.
 
     asyncio.run(go())
+
+
+def test_a_process_whose_endpoint_lease_expired_does_not_take_back_anothers_endpoint(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A location process paused past its endpoint's lease (as a zombie host is) finds, when it
+    resumes, that another process registered the location meanwhile: it must not overwrite
+    that endpoint (found in a fault campaign: the zombie's put left the location unreachable
+    once the zombie exited). An endpoint that is gone it registers again."""
+    import aetcd
+
+    from replication import registry
+
+    async def go() -> None:
+        await apply_location_journals(location_broker.address, "A")
+        prefix = etcd_prefix + "/replication"
+        config = LocationConfig("A", location_broker.address, etcd_server.endpoint,
+                                prefix=prefix, lease=2)  # fmt: skip
+        key = registry.endpoint_key(prefix, "A")
+        etcd_client = aetcd.Client(host=etcd_server.host, port=etcd_server.client_port)
+        async with etcd_client as etcd, serving(config) as a:
+            # Its lease expires (the process was paused), and another takes the location.
+            await etcd.revoke_lease(a._lease_id)
+            other = await etcd.lease(30)
+            theirs = json.dumps({"endpoint": "http://127.0.0.1:1", "pid": 1}).encode()
+            await etcd.put(key, theirs, lease=other)
+            await asyncio.sleep(2.5)  # Its keep-alive notices, more than once.
+            got = await etcd.get(key)
+            assert got is not None and got.value == theirs
+            # The other goes: this process registers the location again.
+            await etcd.revoke_lease(other.id)
+            async with asyncio.timeout(10):
+                while (got := await etcd.get(key)) is None:
+                    await asyncio.sleep(0.1)
+            assert json.loads(got.value)["endpoint"] == a.endpoint
+
+    asyncio.run(go())
