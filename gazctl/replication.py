@@ -232,6 +232,8 @@ def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: s
         )
         if status.get("lost"):
             click.echo(f"  {status['lost']}")
+        elif status.get("recovering"):
+            click.echo(f"  emits nothing yet: {status['recovering']}")
         elif status.get("clock", "ok") != "ok":
             click.echo(f"  emits nothing yet: {status['clock']} since it started")
         if not status["connections"]:

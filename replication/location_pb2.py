@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1areplication/location.proto\x12\x16gazette_py.replication\"n\n\x05\x43lock\x12\x37\n\x05times\x18\x01 \x03(\x0b\x32(.gazette_py.replication.Clock.TimesEntry\x1a,\n\nTimesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb3\x03\n\x06\x43hange\x12>\n\tconnected\x18\x01 \x01(\x0b\x32).gazette_py.replication.Change.ConnectionH\x00\x12\x41\n\x0c\x64isconnected\x18\x02 \x01(\x0b\x32).gazette_py.replication.Change.ConnectionH\x00\x12=\n\x08\x66iltered\x18\x03 \x01(\x0b\x32).gazette_py.replication.Change.ConnectionH\x00\x12\x11\n\x07retired\x18\x04 \x01(\tH\x00\x12>\n\x0b\x66\x61iled_over\x18\x05 \x01(\x0b\x32\'.gazette_py.replication.Change.FailOverH\x00\x1a<\n\nConnection\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\x1aL\n\x08\x46\x61ilOver\x12\x10\n\x08previous\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x04 \x01(\tB\x08\n\x06\x63hange\"I\n\tChangeKey\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x0b\n\x03sum\x18\x02 \x01(\x03\x12\x0f\n\x07\x65mitter\x18\x03 \x01(\t\x12\x0c\n\x04time\x18\x04 \x01(\x03\"m\n\x0bKeyedChange\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.gazette_py.replication.ChangeKey\x12.\n\x06\x63hange\x18\x02 \x01(\x0b\x32\x1e.gazette_py.replication.Change\"\x0f\n\rStatusRequest\"\xb4\x01\n\x10\x43onnectionStatus\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0b\n\x03via\x18\x04 \x01(\t\x12\x10\n\x08progress\x18\x05 \x01(\x04\x12\x17\n\x0fsource_last_seq\x18\x06 \x01(\x04\x12\x0b\n\x03lag\x18\x07 \x01(\x04\x12\x0c\n\x04read\x18\x08 \x01(\x04\x12\x0f\n\x07written\x18\t \x01(\x04\x12\r\n\x05\x65rror\x18\n \x01(\t\"\xda\x05\n\x0eStatusResponse\x12\x10\n\x08location\x18\x01 \x01(\t\x12\x0f\n\x07journal\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12*\n\x03\x63vv\x18\x04 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12*\n\x03\x64vv\x18\x05 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x10\n\x08last_seq\x18\x06 \x01(\x04\x12\x17\n\x0f\x64\x65leted_through\x18\x07 \x01(\x04\x12\x12\n\nlocal_time\x18\x08 \x01(\x04\x12\x46\n\x08progress\x18\t \x03(\x0b\x32\x34.gazette_py.replication.StatusResponse.ProgressEntry\x12I\n\ncached_cvv\x18\n \x03(\x0b\x32\x35.gazette_py.replication.StatusResponse.CachedCvvEntry\x12=\n\x0b\x63onnections\x18\x0b \x03(\x0b\x32(.gazette_py.replication.ConnectionStatus\x12\x34\n\x07history\x18\x0c \x03(\x0b\x32#.gazette_py.replication.KeyedChange\x12\x0f\n\x07retired\x18\r \x03(\t\x12\x0c\n\x04lost\x18\x0e \x01(\t\x12\x17\n\x0fprunable_before\x18\x0f \x01(\x03\x12\x10\n\x08\x63lock_ok\x18\x10 \x01(\x08\x12\x0f\n\x07unheard\x18\x11 \x03(\t\x12\x17\n\x0fjournal_created\x18\x12 \x01(\x03\x1a/\n\rProgressEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1aO\n\x0e\x43\x61\x63hedCvvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.gazette_py.replication.Clock:\x02\x38\x01\"\x1f\n\x0b\x45mitRequest\x12\x10\n\x08payloads\x18\x01 \x03(\x0c\"Z\n\x07\x45ventId\x12\x0f\n\x07\x65mitter\x18\x01 \x01(\t\x12\x0c\n\x04time\x18\x02 \x01(\x04\x12\x30\n\ttimestamp\x18\x03 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\"?\n\x0c\x45mitResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.gazette_py.replication.EventId\"\x89\x01\n\x0bReadRequest\x12\r\n\x05\x61\x66ter\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12*\n\x03\x63vv\x18\x03 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x0e\n\x06\x66ilter\x18\x04 \x01(\t\x12\x12\n\nor_emitter\x18\x05 \x01(\t\x12\x0c\n\x04wait\x18\x06 \x01(\x01\"\xb3\x01\n\x0cReadResponse\x12\x0f\n\x07through\x18\x01 \x01(\x04\x12*\n\x03\x63vv\x18\x02 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12*\n\x03\x64vv\x18\x03 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x17\n\x0f\x64\x65leted_through\x18\x04 \x01(\x04\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\x12\x0f\n\x07records\x18\x06 \x01(\x0c\"[\n\rChangeRequest\x12.\n\x06\x63hange\x18\x01 \x01(\x0b\x32\x1e.gazette_py.replication.Change\x12\x0e\n\x06record\x18\x02 \x01(\x08\x12\n\n\x02op\x18\x03 \x01(\x03\"R\n\x0e\x43hangeResponse\x12.\n\x06\x63hange\x18\x01 \x01(\x0b\x32\x1e.gazette_py.replication.Change\x12\x10\n\x08recorded\x18\x02 \x01(\x08\" \n\rDeleteRequest\x12\x0f\n\x07through\x18\x01 \x01(\x04\"U\n\x0e\x44\x65leteResponse\x12*\n\x03\x64vv\x18\x01 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x17\n\x0f\x64\x65leted_through\x18\x02 \x01(\x04\"3\n\x14ResetProgressRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\")\n\x15ResetProgressResponse\x12\x10\n\x08progress\x18\x01 \x01(\x04\"\x10\n\x0eRecoverRequest\"T\n\x0fRecoverResponse\x12\x11\n\tsurvivors\x18\x01 \x01(\x04\x12\x12\n\nlocal_time\x18\x02 \x01(\x04\x12\x1a\n\x12not_recovered_from\x18\x03 \x03(\t\"\x1e\n\x0bJoinRequest\x12\x0f\n\x07sources\x18\x01 \x03(\t\"f\n\x0cJoinResponse\x12*\n\x03\x63vv\x18\x01 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12*\n\x03\x64vv\x18\x02 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\"$\n\x11TrustClockRequest\x12\x0f\n\x07without\x18\x01 \x03(\t\"7\n\x12TrustClockResponse\x12\x10\n\x08\x63lock_ok\x18\x01 \x01(\x08\x12\x0f\n\x07unheard\x18\x02 \x03(\t2\xbd\x06\n\x08Location\x12W\n\x06Status\x12%.gazette_py.replication.StatusRequest\x1a&.gazette_py.replication.StatusResponse\x12Q\n\x04\x45mit\x12#.gazette_py.replication.EmitRequest\x1a$.gazette_py.replication.EmitResponse\x12Q\n\x04Read\x12#.gazette_py.replication.ReadRequest\x1a$.gazette_py.replication.ReadResponse\x12W\n\x06\x43hange\x12%.gazette_py.replication.ChangeRequest\x1a&.gazette_py.replication.ChangeResponse\x12W\n\x06\x44\x65lete\x12%.gazette_py.replication.DeleteRequest\x1a&.gazette_py.replication.DeleteResponse\x12l\n\rResetProgress\x12,.gazette_py.replication.ResetProgressRequest\x1a-.gazette_py.replication.ResetProgressResponse\x12Z\n\x07Recover\x12&.gazette_py.replication.RecoverRequest\x1a\'.gazette_py.replication.RecoverResponse\x12Q\n\x04Join\x12#.gazette_py.replication.JoinRequest\x1a$.gazette_py.replication.JoinResponse\x12\x63\n\nTrustClock\x12).gazette_py.replication.TrustClockRequest\x1a*.gazette_py.replication.TrustClockResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1areplication/location.proto\x12\x16gazette_py.replication\"n\n\x05\x43lock\x12\x37\n\x05times\x18\x01 \x03(\x0b\x32(.gazette_py.replication.Clock.TimesEntry\x1a,\n\nTimesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb3\x03\n\x06\x43hange\x12>\n\tconnected\x18\x01 \x01(\x0b\x32).gazette_py.replication.Change.ConnectionH\x00\x12\x41\n\x0c\x64isconnected\x18\x02 \x01(\x0b\x32).gazette_py.replication.Change.ConnectionH\x00\x12=\n\x08\x66iltered\x18\x03 \x01(\x0b\x32).gazette_py.replication.Change.ConnectionH\x00\x12\x11\n\x07retired\x18\x04 \x01(\tH\x00\x12>\n\x0b\x66\x61iled_over\x18\x05 \x01(\x0b\x32\'.gazette_py.replication.Change.FailOverH\x00\x1a<\n\nConnection\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\x1aL\n\x08\x46\x61ilOver\x12\x10\n\x08previous\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x04 \x01(\tB\x08\n\x06\x63hange\"I\n\tChangeKey\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x0b\n\x03sum\x18\x02 \x01(\x03\x12\x0f\n\x07\x65mitter\x18\x03 \x01(\t\x12\x0c\n\x04time\x18\x04 \x01(\x03\"m\n\x0bKeyedChange\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.gazette_py.replication.ChangeKey\x12.\n\x06\x63hange\x18\x02 \x01(\x0b\x32\x1e.gazette_py.replication.Change\"\x0f\n\rStatusRequest\"\xb4\x01\n\x10\x43onnectionStatus\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0b\n\x03via\x18\x04 \x01(\t\x12\x10\n\x08progress\x18\x05 \x01(\x04\x12\x17\n\x0fsource_last_seq\x18\x06 \x01(\x04\x12\x0b\n\x03lag\x18\x07 \x01(\x04\x12\x0c\n\x04read\x18\x08 \x01(\x04\x12\x0f\n\x07written\x18\t \x01(\x04\x12\r\n\x05\x65rror\x18\n \x01(\t\"\xee\x05\n\x0eStatusResponse\x12\x10\n\x08location\x18\x01 \x01(\t\x12\x0f\n\x07journal\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12*\n\x03\x63vv\x18\x04 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12*\n\x03\x64vv\x18\x05 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x10\n\x08last_seq\x18\x06 \x01(\x04\x12\x17\n\x0f\x64\x65leted_through\x18\x07 \x01(\x04\x12\x12\n\nlocal_time\x18\x08 \x01(\x04\x12\x46\n\x08progress\x18\t \x03(\x0b\x32\x34.gazette_py.replication.StatusResponse.ProgressEntry\x12I\n\ncached_cvv\x18\n \x03(\x0b\x32\x35.gazette_py.replication.StatusResponse.CachedCvvEntry\x12=\n\x0b\x63onnections\x18\x0b \x03(\x0b\x32(.gazette_py.replication.ConnectionStatus\x12\x34\n\x07history\x18\x0c \x03(\x0b\x32#.gazette_py.replication.KeyedChange\x12\x0f\n\x07retired\x18\r \x03(\t\x12\x0c\n\x04lost\x18\x0e \x01(\t\x12\x17\n\x0fprunable_before\x18\x0f \x01(\x03\x12\x10\n\x08\x63lock_ok\x18\x10 \x01(\x08\x12\x0f\n\x07unheard\x18\x11 \x03(\t\x12\x17\n\x0fjournal_created\x18\x12 \x01(\x03\x12\x12\n\nrecovering\x18\x13 \x01(\t\x1a/\n\rProgressEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1aO\n\x0e\x43\x61\x63hedCvvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.gazette_py.replication.Clock:\x02\x38\x01\"\x1f\n\x0b\x45mitRequest\x12\x10\n\x08payloads\x18\x01 \x03(\x0c\"Z\n\x07\x45ventId\x12\x0f\n\x07\x65mitter\x18\x01 \x01(\t\x12\x0c\n\x04time\x18\x02 \x01(\x04\x12\x30\n\ttimestamp\x18\x03 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\"?\n\x0c\x45mitResponse\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.gazette_py.replication.EventId\"\x89\x01\n\x0bReadRequest\x12\r\n\x05\x61\x66ter\x18\x01 \x01(\x04\x12\r\n\x05limit\x18\x02 \x01(\r\x12*\n\x03\x63vv\x18\x03 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x0e\n\x06\x66ilter\x18\x04 \x01(\t\x12\x12\n\nor_emitter\x18\x05 \x01(\t\x12\x0c\n\x04wait\x18\x06 \x01(\x01\"\xb3\x01\n\x0cReadResponse\x12\x0f\n\x07through\x18\x01 \x01(\x04\x12*\n\x03\x63vv\x18\x02 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12*\n\x03\x64vv\x18\x03 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x17\n\x0f\x64\x65leted_through\x18\x04 \x01(\x04\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\x12\x0f\n\x07records\x18\x06 \x01(\x0c\"[\n\rChangeRequest\x12.\n\x06\x63hange\x18\x01 \x01(\x0b\x32\x1e.gazette_py.replication.Change\x12\x0e\n\x06record\x18\x02 \x01(\x08\x12\n\n\x02op\x18\x03 \x01(\x03\"R\n\x0e\x43hangeResponse\x12.\n\x06\x63hange\x18\x01 \x01(\x0b\x32\x1e.gazette_py.replication.Change\x12\x10\n\x08recorded\x18\x02 \x01(\x08\" \n\rDeleteRequest\x12\x0f\n\x07through\x18\x01 \x01(\x04\"U\n\x0e\x44\x65leteResponse\x12*\n\x03\x64vv\x18\x01 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12\x17\n\x0f\x64\x65leted_through\x18\x02 \x01(\x04\"3\n\x14ResetProgressRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\")\n\x15ResetProgressResponse\x12\x10\n\x08progress\x18\x01 \x01(\x04\"\x10\n\x0eRecoverRequest\"T\n\x0fRecoverResponse\x12\x11\n\tsurvivors\x18\x01 \x01(\x04\x12\x12\n\nlocal_time\x18\x02 \x01(\x04\x12\x1a\n\x12not_recovered_from\x18\x03 \x03(\t\"\x1e\n\x0bJoinRequest\x12\x0f\n\x07sources\x18\x01 \x03(\t\"f\n\x0cJoinResponse\x12*\n\x03\x63vv\x18\x01 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\x12*\n\x03\x64vv\x18\x02 \x01(\x0b\x32\x1d.gazette_py.replication.Clock\"$\n\x11TrustClockRequest\x12\x0f\n\x07without\x18\x01 \x03(\t\"7\n\x12TrustClockResponse\x12\x10\n\x08\x63lock_ok\x18\x01 \x01(\x08\x12\x0f\n\x07unheard\x18\x02 \x03(\t2\xbd\x06\n\x08Location\x12W\n\x06Status\x12%.gazette_py.replication.StatusRequest\x1a&.gazette_py.replication.StatusResponse\x12Q\n\x04\x45mit\x12#.gazette_py.replication.EmitRequest\x1a$.gazette_py.replication.EmitResponse\x12Q\n\x04Read\x12#.gazette_py.replication.ReadRequest\x1a$.gazette_py.replication.ReadResponse\x12W\n\x06\x43hange\x12%.gazette_py.replication.ChangeRequest\x1a&.gazette_py.replication.ChangeResponse\x12W\n\x06\x44\x65lete\x12%.gazette_py.replication.DeleteRequest\x1a&.gazette_py.replication.DeleteResponse\x12l\n\rResetProgress\x12,.gazette_py.replication.ResetProgressRequest\x1a-.gazette_py.replication.ResetProgressResponse\x12Z\n\x07Recover\x12&.gazette_py.replication.RecoverRequest\x1a\'.gazette_py.replication.RecoverResponse\x12Q\n\x04Join\x12#.gazette_py.replication.JoinRequest\x1a$.gazette_py.replication.JoinResponse\x12\x63\n\nTrustClock\x12).gazette_py.replication.TrustClockRequest\x1a*.gazette_py.replication.TrustClockResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,45 +56,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTIONSTATUS']._serialized_start=808
   _globals['_CONNECTIONSTATUS']._serialized_end=988
   _globals['_STATUSRESPONSE']._serialized_start=991
-  _globals['_STATUSRESPONSE']._serialized_end=1721
-  _globals['_STATUSRESPONSE_PROGRESSENTRY']._serialized_start=1593
-  _globals['_STATUSRESPONSE_PROGRESSENTRY']._serialized_end=1640
-  _globals['_STATUSRESPONSE_CACHEDCVVENTRY']._serialized_start=1642
-  _globals['_STATUSRESPONSE_CACHEDCVVENTRY']._serialized_end=1721
-  _globals['_EMITREQUEST']._serialized_start=1723
-  _globals['_EMITREQUEST']._serialized_end=1754
-  _globals['_EVENTID']._serialized_start=1756
-  _globals['_EVENTID']._serialized_end=1846
-  _globals['_EMITRESPONSE']._serialized_start=1848
-  _globals['_EMITRESPONSE']._serialized_end=1911
-  _globals['_READREQUEST']._serialized_start=1914
-  _globals['_READREQUEST']._serialized_end=2051
-  _globals['_READRESPONSE']._serialized_start=2054
-  _globals['_READRESPONSE']._serialized_end=2233
-  _globals['_CHANGEREQUEST']._serialized_start=2235
-  _globals['_CHANGEREQUEST']._serialized_end=2326
-  _globals['_CHANGERESPONSE']._serialized_start=2328
-  _globals['_CHANGERESPONSE']._serialized_end=2410
-  _globals['_DELETEREQUEST']._serialized_start=2412
-  _globals['_DELETEREQUEST']._serialized_end=2444
-  _globals['_DELETERESPONSE']._serialized_start=2446
-  _globals['_DELETERESPONSE']._serialized_end=2531
-  _globals['_RESETPROGRESSREQUEST']._serialized_start=2533
-  _globals['_RESETPROGRESSREQUEST']._serialized_end=2584
-  _globals['_RESETPROGRESSRESPONSE']._serialized_start=2586
-  _globals['_RESETPROGRESSRESPONSE']._serialized_end=2627
-  _globals['_RECOVERREQUEST']._serialized_start=2629
-  _globals['_RECOVERREQUEST']._serialized_end=2645
-  _globals['_RECOVERRESPONSE']._serialized_start=2647
-  _globals['_RECOVERRESPONSE']._serialized_end=2731
-  _globals['_JOINREQUEST']._serialized_start=2733
-  _globals['_JOINREQUEST']._serialized_end=2763
-  _globals['_JOINRESPONSE']._serialized_start=2765
-  _globals['_JOINRESPONSE']._serialized_end=2867
-  _globals['_TRUSTCLOCKREQUEST']._serialized_start=2869
-  _globals['_TRUSTCLOCKREQUEST']._serialized_end=2905
-  _globals['_TRUSTCLOCKRESPONSE']._serialized_start=2907
-  _globals['_TRUSTCLOCKRESPONSE']._serialized_end=2962
-  _globals['_LOCATION']._serialized_start=2965
-  _globals['_LOCATION']._serialized_end=3794
+  _globals['_STATUSRESPONSE']._serialized_end=1741
+  _globals['_STATUSRESPONSE_PROGRESSENTRY']._serialized_start=1613
+  _globals['_STATUSRESPONSE_PROGRESSENTRY']._serialized_end=1660
+  _globals['_STATUSRESPONSE_CACHEDCVVENTRY']._serialized_start=1662
+  _globals['_STATUSRESPONSE_CACHEDCVVENTRY']._serialized_end=1741
+  _globals['_EMITREQUEST']._serialized_start=1743
+  _globals['_EMITREQUEST']._serialized_end=1774
+  _globals['_EVENTID']._serialized_start=1776
+  _globals['_EVENTID']._serialized_end=1866
+  _globals['_EMITRESPONSE']._serialized_start=1868
+  _globals['_EMITRESPONSE']._serialized_end=1931
+  _globals['_READREQUEST']._serialized_start=1934
+  _globals['_READREQUEST']._serialized_end=2071
+  _globals['_READRESPONSE']._serialized_start=2074
+  _globals['_READRESPONSE']._serialized_end=2253
+  _globals['_CHANGEREQUEST']._serialized_start=2255
+  _globals['_CHANGEREQUEST']._serialized_end=2346
+  _globals['_CHANGERESPONSE']._serialized_start=2348
+  _globals['_CHANGERESPONSE']._serialized_end=2430
+  _globals['_DELETEREQUEST']._serialized_start=2432
+  _globals['_DELETEREQUEST']._serialized_end=2464
+  _globals['_DELETERESPONSE']._serialized_start=2466
+  _globals['_DELETERESPONSE']._serialized_end=2551
+  _globals['_RESETPROGRESSREQUEST']._serialized_start=2553
+  _globals['_RESETPROGRESSREQUEST']._serialized_end=2604
+  _globals['_RESETPROGRESSRESPONSE']._serialized_start=2606
+  _globals['_RESETPROGRESSRESPONSE']._serialized_end=2647
+  _globals['_RECOVERREQUEST']._serialized_start=2649
+  _globals['_RECOVERREQUEST']._serialized_end=2665
+  _globals['_RECOVERRESPONSE']._serialized_start=2667
+  _globals['_RECOVERRESPONSE']._serialized_end=2751
+  _globals['_JOINREQUEST']._serialized_start=2753
+  _globals['_JOINREQUEST']._serialized_end=2783
+  _globals['_JOINRESPONSE']._serialized_start=2785
+  _globals['_JOINRESPONSE']._serialized_end=2887
+  _globals['_TRUSTCLOCKREQUEST']._serialized_start=2889
+  _globals['_TRUSTCLOCKREQUEST']._serialized_end=2925
+  _globals['_TRUSTCLOCKRESPONSE']._serialized_start=2927
+  _globals['_TRUSTCLOCKRESPONSE']._serialized_end=2982
+  _globals['_LOCATION']._serialized_start=2985
+  _globals['_LOCATION']._serialized_end=3814
 # @@protoc_insertion_point(module_scope)

@@ -101,7 +101,7 @@ class ConnectionStatus(_message.Message):
     def __init__(self, source: _Optional[str] = ..., filter: _Optional[str] = ..., state: _Optional[str] = ..., via: _Optional[str] = ..., progress: _Optional[int] = ..., source_last_seq: _Optional[int] = ..., lag: _Optional[int] = ..., read: _Optional[int] = ..., written: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("location", "journal", "endpoint", "cvv", "dvv", "last_seq", "deleted_through", "local_time", "progress", "cached_cvv", "connections", "history", "retired", "lost", "prunable_before", "clock_ok", "unheard", "journal_created")
+    __slots__ = ("location", "journal", "endpoint", "cvv", "dvv", "last_seq", "deleted_through", "local_time", "progress", "cached_cvv", "connections", "history", "retired", "lost", "prunable_before", "clock_ok", "unheard", "journal_created", "recovering")
     class ProgressEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class StatusResponse(_message.Message):
     CLOCK_OK_FIELD_NUMBER: _ClassVar[int]
     UNHEARD_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_CREATED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
     location: str
     journal: str
     endpoint: str
@@ -152,7 +153,8 @@ class StatusResponse(_message.Message):
     clock_ok: bool
     unheard: _containers.RepeatedScalarFieldContainer[str]
     journal_created: int
-    def __init__(self, location: _Optional[str] = ..., journal: _Optional[str] = ..., endpoint: _Optional[str] = ..., cvv: _Optional[_Union[Clock, _Mapping]] = ..., dvv: _Optional[_Union[Clock, _Mapping]] = ..., last_seq: _Optional[int] = ..., deleted_through: _Optional[int] = ..., local_time: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., cached_cvv: _Optional[_Mapping[str, Clock]] = ..., connections: _Optional[_Iterable[_Union[ConnectionStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[KeyedChange, _Mapping]]] = ..., retired: _Optional[_Iterable[str]] = ..., lost: _Optional[str] = ..., prunable_before: _Optional[int] = ..., clock_ok: bool = ..., unheard: _Optional[_Iterable[str]] = ..., journal_created: _Optional[int] = ...) -> None: ...
+    recovering: str
+    def __init__(self, location: _Optional[str] = ..., journal: _Optional[str] = ..., endpoint: _Optional[str] = ..., cvv: _Optional[_Union[Clock, _Mapping]] = ..., dvv: _Optional[_Union[Clock, _Mapping]] = ..., last_seq: _Optional[int] = ..., deleted_through: _Optional[int] = ..., local_time: _Optional[int] = ..., progress: _Optional[_Mapping[str, int]] = ..., cached_cvv: _Optional[_Mapping[str, Clock]] = ..., connections: _Optional[_Iterable[_Union[ConnectionStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[KeyedChange, _Mapping]]] = ..., retired: _Optional[_Iterable[str]] = ..., lost: _Optional[str] = ..., prunable_before: _Optional[int] = ..., clock_ok: bool = ..., unheard: _Optional[_Iterable[str]] = ..., journal_created: _Optional[int] = ..., recovering: _Optional[str] = ...) -> None: ...
 
 class EmitRequest(_message.Message):
     __slots__ = ("payloads",)

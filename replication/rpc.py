@@ -155,7 +155,7 @@ def status_document(status: lpb.StatusResponse) -> Document:
         "retired": list(status.retired), "lost": status.lost,
         "prunable_before": status.prunable_before,
         "clock": "ok" if status.clock_ok else f"not heard from {', '.join(status.unheard)}",
-        "journal_created": status.journal_created,
+        "journal_created": status.journal_created, "recovering": status.recovering,
     }  # fmt: skip
 
 

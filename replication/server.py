@@ -215,6 +215,9 @@ class LocationServer:
         # view was lost with its log), until its own view has them again.
         self._adopted: dict[str, str] = {}
         self._recovered_neighbours: set[str] = set()  # Its neighbours, as Recover found them.
+        # Event recovery under way: each source it recovers its own events from, and the
+        # sequence number (the source's last at Recover) its connection must read through.
+        self._recovering: dict[str, int] = {}
         # Its log as a standby folded it (a location host's): `run` folds only the rest.
         self.folded: JournalEventLog | None = None
 
@@ -464,6 +467,13 @@ class LocationServer:
             await self._clock_round()
         if self.lost:
             raise RuleViolation(self.lost)
+        left = self._recovery_left()
+        if left:
+            raise RuleViolation(
+                f"location {self.name} is {left}: it emits once they are back (an event "
+                "emitted now would put its older ones in its causal past, and the causality "
+                "filter would drop them)"
+            )
         if not self.clock_ok:
             names = ", ".join(self.unheard) or "the registered locations"
             raise RuleViolation(
@@ -472,6 +482,23 @@ class LocationServer:
                 f"retire them, or run `gazctl replication trust-clock {self.name} --without "
                 f"{','.join(self.unheard)}` to emit without them)"
             )
+
+    def _recovery_left(self) -> str:
+        """What event recovery still has to read ("" once done): each source it recovers from
+        that is still connected, until its connection has read through the source's last
+        event as of Recover."""
+        if not self._recovering:
+            return ""
+        assert self.log is not None
+        wanted = self._wanted()
+        left = []
+        for source, through in list(self._recovering.items()):
+            done = self.log.progress.get(source, 0)
+            if done >= through or source not in wanted:
+                del self._recovering[source]
+            else:
+                left.append(f"{source} (through {done} of {through})")
+        return f"recovering its events from {', '.join(left)}" if left else ""
 
     async def _run_connections(self) -> None:
         assert self.log is not None
@@ -685,6 +712,7 @@ class LocationServer:
             history=[lpb.KeyedChange(key=key_message(k), change=change_message(c)) for k, c in view.keyed()],
             retired=sorted(view.retired), lost=self.lost, prunable_before=prunable,
             clock_ok=self.clock_ok, unheard=self.unheard, journal_created=lg.created,
+            recovering=self._recovery_left(),
         )  # fmt: skip
 
     async def emit(self, request: lpb.EmitRequest) -> lpb.EmitResponse:
@@ -909,7 +937,10 @@ class LocationServer:
                 continue
             self._adopted[n.name] = inbound
             if (inbound == "" and outbound == "") or terminal:
-                continue  # Event recovery from n: the connection reads from its progress.
+                # Event recovery from n: the connection reads from its progress; this location
+                # emits nothing until it has read through n's last event of now.
+                self._recovering[n.name] = n.status.last_seq
+                continue
             # Not allowed to recover from n: resume at its head, skipping what it holds now.
             last = n.status.last_seq
             if lg.progress.get(n.name, 0) < last:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
 from broker.testing import EtcdServer
 from replication import location_pb2 as lpb
@@ -186,5 +187,57 @@ def test_a_process_whose_endpoint_lease_expired_does_not_take_back_anothers_endp
                 while (got := await etcd.get(key)) is None:
                     await asyncio.sleep(0.1)
             assert json.loads(got.value)["endpoint"] == a.endpoint
+
+    asyncio.run(go())
+
+
+def test_a_recovered_location_emits_only_once_its_own_events_are_back(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """After `recover`, A's own lost events come back from B. An event A emitted before they
+    were back would raise A's own entry of its CVV past them, and the causality filter would
+    then drop every one of them for good (found by the disaster fault scenario). A refuses to
+    emit until event recovery is done, then emits after them."""
+    from broker.client import JournalsClient
+    from broker.protocol import protocol_pb2 as pb
+    from replication.journal_log import read_events
+    from replication.topology import RuleViolation
+
+    async def go() -> None:
+        await apply_location_journals(location_broker.address, "A", "B")
+        prefix = etcd_prefix + "/replication"
+
+        def config(name: str) -> LocationConfig:
+            return LocationConfig(name, location_broker.address, etcd_server.endpoint,
+                                  prefix=prefix, lease=2, batch=10)  # fmt: skip
+
+        async with serving(config("B")) as b:
+            async with serving(config("A")) as a:
+                for server in (b, a):
+                    await record(server, Connected("A", "B"))
+                    await record(server, Connected("B", "A"))
+                await emit(a, *({"n": i} for i in range(200)))
+                async with asyncio.timeout(30):
+                    while b.log is None or b.log.cvv["A"] < a.log.local_time:  # type: ignore[union-attr]
+                        await asyncio.sleep(0.05)
+            async with JournalsClient(location_broker.address) as client:  # A's log is lost.
+                await client.apply([pb.ApplyRequest.Change(delete="replication/A", expect_mod_revision=-1)])  # fmt: skip
+            await asyncio.sleep(0.5)
+            await apply_location_journals(location_broker.address, "A")
+            async with serving(config("A")) as a:
+                assert a.lost and a.log is not None
+                await a.recover(lpb.RecoverRequest())
+                with pytest.raises(RuleViolation, match="recovering its events"):
+                    await emit(a, {"n": "too early"})
+                status = await a.status(lpb.StatusRequest())
+                assert status.recovering.startswith("recovering its events from B"), status
+                async with asyncio.timeout(60):
+                    while (await a.status(lpb.StatusRequest())).recovering:
+                        await asyncio.sleep(0.1)
+                await emit(a, {"n": "after"})
+                stored, _ = await read_events(a._stub, "replication/A", 0, 1000)
+                ns = [e.event.payload.get("n") for e in stored]
+                assert [n for n in ns if isinstance(n, int)] == list(range(200))
+                assert ns[-1] == "after" and "too early" not in ns
 
     asyncio.run(go())
