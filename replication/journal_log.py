@@ -39,6 +39,7 @@ import array
 import asyncio
 import bisect
 import contextlib
+import itertools
 import json
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -243,6 +244,8 @@ class SourceReader(_LogVectors):
         if late:
             merged = sorted([*zip(starts, seqs, strict=True), *late])
             starts, seqs = [st for st, _ in merged], [sq for _, sq in merged]
+        if any(b <= a for a, b in itertools.pairwise([self.last_seq, *seqs])):
+            starts, seqs = _first_of_each(starts, seqs, self.last_seq)
         self._seqs.extend(seqs)
         self._offsets.extend([at + start for start in starts] if at else starts)
         self._chunks.append((at, data))
@@ -313,12 +316,25 @@ class SourceReader(_LogVectors):
         for start, stop, raw in lines:
             if raw is None:
                 raw, _ = _record(data[start:stop])
-            if raw is not None:
-                out.append(raw)
+            if raw is not None and raw.seq > (out[-1].seq if out else after_seq):
+                out.append(raw)  # (A record at or below the last one read is a repeat.)
         return out[:limit]
 
     async def events_after(self, after_seq: int, limit: int = 1000) -> list[Stored]:
         return [raw.stored() for raw in await self.raw_after(after_seq, limit)]
+
+
+def _first_of_each(starts: list[int], seqs: list[int], last: int) -> tuple[list[int], list[int]]:
+    """The events of an index read in order, less those at or below the last sequence number
+    before them: an append stored twice (retried after its first attempt landed) repeats its
+    records, and a log's sequence numbers otherwise only grow."""
+    kept_starts, kept_seqs = [], []
+    for start, seq in zip(starts, seqs, strict=True):
+        if seq > last:
+            kept_starts.append(start)
+            kept_seqs.append(seq)
+            last = seq
+    return kept_starts, kept_seqs
 
 
 @dataclass
@@ -362,12 +378,16 @@ def _pass_events(
     systems: list[RawEvent] = []
     names = _NAMES
     seq = first_seq
+    last = 0  # The source seq of the last event read: a record at or below it is a repeat.
     for match in EVENT_LINE.finditer(data):
         source_seq, body, emitter, own, stamp = match.groups()
         if source_seq is None:  # Another record, or an event not in the fixed form.
             raw, _ = _record(match.group(0))
             if raw is None:
                 continue
+            if raw.seq <= last:
+                continue  # Stored twice (an append retried after its first attempt landed).
+            last = raw.seq
             if raw.ts.get(raw.emitter, 0) <= cvv.get(raw.emitter, 0):
                 continue
             if keep is not None and not keep(raw.event()):
@@ -381,6 +401,10 @@ def _pass_events(
             if seq is not None:
                 seq += 1
             continue
+        number = int(source_seq)
+        if number <= last:
+            continue  # Stored twice (an append retried after its first attempt landed).
+        last = number
         name = names.get(emitter)
         if name is None:
             name = names[emitter] = emitter.decode()

@@ -247,3 +247,42 @@ async def test_a_write_held_by_back_pressure_is_not_overtaken(
     assert [s.seq for s in stored] == [1, 2, 3]
     for x, y in itertools.combinations(stored, 2):
         assert not y.event.timestamp < x.event.timestamp, (x, y)
+
+
+async def test_an_append_stored_twice_is_read_and_replicated_once(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub
+) -> None:
+    """An append whose first attempt committed although its writer saw it fail (a replica
+    killed as the commit was acknowledged) and which its writer then retried is in the journal
+    twice, the same sequence numbers each time (found by the location-broker-kill fault
+    scenario). Readers and replication take each event once: a log's sequence numbers only
+    grow, so a record at or below the last one read is such a repeat."""
+    from broker.client.appender import append
+    from replication.journal_log import SourceReader, select_lines, split_records
+
+    stub = recovery_stub
+    journals = await logs(recovery_broker, "A", "B")
+    async with AppendService(stub) as service:
+        a = JournalEventLog("A", journals["A"], lambda: stub, service, author=1)
+        b = JournalEventLog("B", journals["B"], lambda: stub, service, author=2)
+        await a.open()
+        await b.open()
+        await a.emit([{"n": 1}, {"n": 2}])
+        reader = SourceReader(lambda: stub, journals["A"])
+        await reader.catch_up()
+        region = await reader.region_after(0)
+        assert region is not None
+        await append(stub, journals["A"], region[0])  # The same records again, as a retry.
+        await a.emit([{"n": 3}])
+        reader = SourceReader(lambda: stub, journals["A"])
+        await reader.catch_up()
+        assert reader.last_seq == 3 and reader.seqs_between(0, 3) == [1, 2, 3]
+        batch = await select_lines("A", reader, 0, {})
+        assert batch is not None
+        assert [raw.seq for _, _, raw in split_records(batch.data)[0]] == [1, 2, 3]
+        assert [s.event.payload for s in await reader.events_after(0)] == [
+            {"n": i} for i in (1, 2, 3)
+        ]
+        await replicate_journals("A", journals["A"], b)
+        stored, _ = await read_events(lambda: stub, journals["B"])
+        assert [s.event.id for s in stored] == [("A", 1), ("A", 2), ("A", 3)]
