@@ -23,7 +23,9 @@ Rules enforced here, each refusal one line naming the rule and the vectors:
   every registered one answering; its neighbours' progress for it reset to its last surviving
   event) and lets event recovery proceed only
   over unfiltered bi-directional connections, or a filtered one into a terminal location with the
-  filter OR-ed with "emitted here"; other sources resume from their current head.
+  filter OR-ed with "emitted here"; it emits nothing until those have given its events back.
+  Another source outside the location's unfiltered group is read from its beginning under the
+  group's write guard (which keeps the order); the others resume from their current head.
 """
 
 from __future__ import annotations
@@ -940,6 +942,14 @@ class LocationServer:
                 # Event recovery from n: the connection reads from its progress; this location
                 # emits nothing until it has read through n's last event of now.
                 self._recovering[n.name] = n.status.last_seq
+                continue
+            if view.guard_for(n.name, self.name):
+                # Not a connection to recover over, but one into this location's unfiltered
+                # group from outside it: the group's write guard holds back every event of n's
+                # whose part of its timestamp from the group is not here yet (this location's
+                # own events among them, until they are back from the group), so n's log is
+                # read from its beginning: n's own events emitted while this location was down
+                # are not skipped.
                 continue
             # Not allowed to recover from n: resume at its head, skipping what it holds now.
             last = n.status.last_seq

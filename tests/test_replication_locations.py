@@ -610,3 +610,40 @@ def test_the_location_service_is_typed_and_refuses_with_status_codes(
     asyncio.run(use())
     # Nothing refused was recorded: B's connection from A is as it was, unfiltered.
     assert [(c["source"], c["filter"]) for c in locations.status("B")["connections"]] == [("A", "")]
+
+
+def test_a_hub_recovers_the_events_its_terminal_neighbour_emitted_while_it_was_down(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """C is in the cycle A - B - C and the hub of the terminal D (C -> D filtered, D -> C not).
+    C loses its log while D emits. C recovers its own events from A and B; D -> C is not a
+    connection it may recover over (its other direction is filtered), but C's group guard keeps
+    the order of what it reads from D, so C reads D's log from its beginning instead of
+    skipping to its head: D's events emitted meanwhile reach C, A and B (found by the
+    disaster-hub fault scenario: they were skipped for good)."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    for a, b in ["AB", "BC", "CA"]:
+        locations.ok("connect", a, b, "--both")
+    locations.ok("connect", "C", "D", "--filter", "kind=red")
+    locations.ok("connect", "D", "C")
+    locations.ok("emit", "A", '{"kind": "red", "n": 0}')
+    locations.ok("emit", "D", '{"kind": "blue", "n": 1}')
+    wait_until(lambda: len(ids(locations.events("A"))) == 2, "A holds D's first event")
+    wait_until(lambda: len(ids(locations.events("D"))) == 2, "D holds A's red event")
+    locations.stop("C")
+    asyncio.run(_lose_log(location_broker.address, "C"))
+    locations.ok("emit", "D", '{"kind": "blue", "n": 2}', '{"kind": "blue", "n": 3}')
+    locations.start("C", location_broker.address)
+    wait_until(lambda: locations.status("C")["lost"] != "", "C learns it lost events")
+    locations.ok("recover", "C")
+    for name in "CAB":
+        wait_until(
+            lambda n=name: (
+                sorted(e["payload"]["n"] for e in locations.events(n) if "n" in e["payload"])
+                == [0, 1, 2, 3]
+            ),  # type: ignore[misc]
+            f"{name} holds every event",
+        )
+        assert_causal_order(locations.events(name))
