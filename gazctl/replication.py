@@ -65,6 +65,11 @@ def replication() -> None:
     """Operate replication networks: locations, connections, deletion, recovery."""
 
 
+# Seconds a command waits for a location that hosts run to be served again: a move between
+# hosts, or a standby's take-over once its primary's host lease expired.
+HOSTED_WAIT = 30.0
+
+
 class Network:
     """The registry and clients of the locations' processes, for one command."""
 
@@ -97,8 +102,28 @@ class Network:
             raise UserError(str(exc)) from None
 
     async def client(self, name: str) -> LocationClient:
-        """The client of the process that serves location `name` now (UserError if none)."""
+        """The client of the process that serves location `name` now (UserError if none). A
+        location that hosts run and that is between hosts (the allocator moves it, or a standby
+        takes it over from a host that died, whose endpoint no one answers at) is waited for,
+        up to HOSTED_WAIT seconds; nothing is sent before a process answers, so no call is
+        made twice."""
         entry = (await self.entries(name))[0]
+        hosted = await self._hosted(name)
+        if hosted:
+            import asyncio
+
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + HOSTED_WAIT
+            dead = ""
+            while loop.time() < deadline:
+                if entry.endpoint and entry.endpoint != dead:
+                    if await self._answers(name, entry.endpoint):
+                        break
+                    dead = entry.endpoint  # Its host died: its lease has yet to expire.
+                await asyncio.sleep(0.1)
+                entry = (await self.entries(name))[0]
+            else:
+                entry = registry.LocationEntry(name, entry.journal, entry.broker)
         if not entry.endpoint:
             raise UserError(
                 f"location {name} is not running: no process serves it (start a location host, "
@@ -111,6 +136,31 @@ class Network:
         if client is None:
             client = self.clients[name] = LocationClient(name, entry.endpoint)
         return client
+
+    async def _answers(self, name: str, endpoint: str) -> bool:
+        """Whether a process answers at `endpoint` (its channel connects within a second)."""
+        import asyncio
+
+        client = self.clients.get(name)
+        if client is None or client.endpoint != endpoint:
+            if client is not None:
+                await client.close()
+            client = self.clients[name] = LocationClient(name, endpoint)
+        try:
+            await asyncio.wait_for(client.channel.channel_ready(), 1.0)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _hosted(self, name: str) -> bool:
+        """Whether hosts are about to serve location `name`: assigned to some, none of them
+        FAILED (a failed one waits for `recover` or an operator)."""
+        from consumer.protocol import cpb
+        from replication.host import location_shard
+
+        spec, replicas = await location_shard(self.etcd, self.prefix, name)
+        failed = any(r.status.code == cpb.ReplicaStatus.FAILED for r in replicas)
+        return spec is not None and bool(replicas) and not failed
 
     async def ask(self, name: str, call: Callable[[LocationClient], Awaitable[T]]) -> T:
         """`call` made with location `name`'s client; its refusal as a UserError."""
