@@ -233,8 +233,7 @@ REPLICATION_SCENARIOS = {
         ReplicationScenario("disaster", disaster, 10, "delete A's, B's or D's journal while it runs; gazctl replication recover"),
         ReplicationScenario(
             "disaster-hub", disaster_hub, 3,
-            "delete C's journal while it runs; gazctl replication recover (known defect)",
-            default=False,
+            "delete C's journal (the hub of terminal D) while it runs; gazctl replication recover",
         ),
     ]
 }  # fmt: skip
