@@ -25,10 +25,10 @@ import logging
 import shutil
 import tempfile
 import urllib.parse
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aetcd
 import grpc
@@ -51,6 +51,7 @@ from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
+from broker.retry import Backoff
 from broker.tasks import TaskOwner
 from broker.tls import ClientTLS, ServerTLS
 from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
@@ -72,6 +73,16 @@ from consumer.transaction import Application, Progress, Shard, Source, run_shard
 __all__ = ["Consumer", "ConsumerApplication", "ConsumerConfig", "LeaseLost", "Resolution"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# etcd's errors that a moment cures (no leader, a connection reset, a deadline): a shard's
+# status and hints are written through them.
+ETCD_TRANSIENT = (
+    aetcd.exceptions.ConnectionFailedError,
+    aetcd.exceptions.ConnectionTimeoutError,
+    aetcd.exceptions.InternalError,
+)
 
 
 class LeaseLost(RuntimeError):
@@ -505,21 +516,42 @@ class Consumer:
         self, replica: _Replica, status: cpb.ReplicaStatus, assignment: KeyValue | None = None
     ) -> None:
         """Write `status` into the replica's assignment (`assignment`, else its current one), if
-        it is still that assignment."""
+        it is still that assignment; through etcd's transient errors (a replica never ends
+        without its status saying so)."""
         assignment = assignment or replica.assignment
-        kv = self.ks.get(assignment.key)
-        if kv is None or kv.create_revision != assignment.create_revision:
+        backoff = Backoff(initial=0.1, maximum=2.0)
+        while True:
+            kv = self.ks.get(assignment.key)
+            if kv is None or kv.create_revision != assignment.create_revision:
+                return
+            if replica_status(kv.decoded) == status:
+                return
+            try:
+                result = await etcdx.txn(
+                    self.etcd,
+                    [transactions.Mod(kv.key.encode()) == kv.mod_revision],
+                    [etcdx.put_keeping_lease(kv.key.encode(), status.SerializeToString())],
+                )
+            except ETCD_TRANSIENT as exc:
+                code = cpb.ReplicaStatus.Code.Name(status.code)
+                log.warning("shard %s: writing its status %s: etcd unavailable (%s): trying again", replica.shard_id, code, exc)  # fmt: skip
+                await backoff.sleep()
+                continue
+            if result.succeeded:
+                await self.ks.wait_for_revision(result.revision)
+                replica.assignment = self.ks.get(kv.key) or kv
             return
-        if replica_status(kv.decoded) == status:
-            return
-        result = await etcdx.txn(
-            self.etcd,
-            [transactions.Mod(kv.key.encode()) == kv.mod_revision],
-            [etcdx.put_keeping_lease(kv.key.encode(), status.SerializeToString())],
-        )
-        if result.succeeded:
-            await self.ks.wait_for_revision(result.revision)
-            replica.assignment = self.ks.get(kv.key) or kv
+
+    async def _through_etcd(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call`, tried again (the project's backoff) while etcd is unavailable: a shard
+        fails only for its own errors."""
+        backoff = Backoff(initial=0.1, maximum=2.0)
+        while True:
+            try:
+                return await call()
+            except ETCD_TRANSIENT as exc:
+                log.warning("%s: etcd unavailable (%s): trying again", what, exc)
+                await backoff.sleep()
 
     async def _sources(self, spec: cpb.ShardSpec) -> list[Source]:
         async with JournalsClient(
@@ -565,6 +597,7 @@ class Consumer:
                 replica.shard = shard
                 store = await self.app.new_store(shard)
                 replica.store = store
+
                 async def advertise() -> None:  # Once the store is fenced and restored.
                     await self._set_status(
                         replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
@@ -619,9 +652,17 @@ class Consumer:
             log.info("shard %s: playing its recovery log from its hints", spec.id)
             playback = await self._start_playback(replica, spec, service)
         recorder = await playback.hand_off(service)
-        if not await rotate_hints(self.etcd, spec, playback.hints, replica.assignment):
+        rotated = await self._through_etcd(
+            f"shard {spec.id}: rotating its hints",
+            lambda: rotate_hints(self.etcd, spec, playback.hints, replica.assignment),
+        )
+        if not rotated:
             raise RuntimeError(f"shard {spec.id}: assignment lost while recovering")
-        await store_hints(self.etcd, spec, await recorder.build_hints(), replica.assignment)
+        hints = await recorder.build_hints()
+        await self._through_etcd(
+            f"shard {spec.id}: storing its hints",
+            lambda: store_hints(self.etcd, spec, hints, replica.assignment),
+        )
         return recorder
 
     async def _start_playback(
@@ -651,7 +692,10 @@ class Consumer:
             await asyncio.sleep(self.config.hints_interval)
             build = getattr(store, "build_hints", None)
             hints = await build() if build is not None else await shard.recorder.build_hints()
-            await store_hints(self.etcd, spec, hints, replica.assignment)
+            try:
+                await store_hints(self.etcd, spec, hints, replica.assignment)
+            except ETCD_TRANSIENT as exc:  # As upstream: said, and tried at the next interval.
+                log.warning("shard %s: storing its hints: etcd unavailable (%s)", spec.id, exc)
 
     def _spec_of(self, shard_id: str) -> cpb.ShardSpec | None:
         found = self.state.spec_of(shard_id)

@@ -307,3 +307,70 @@ async def test_primary_is_advertised_only_once_its_store_is_fenced_and_restored(
 
 async def _equals(got: Any, expected: Any) -> bool:
     return bool(await got == expected)
+
+
+class FailingStore(StoredSummer):
+    """Its store cannot be made: the shard's own error."""
+
+    async def new_store(self, shard: Shard) -> JSONFileStore:
+        raise OSError("the store's disk is gone")
+
+
+@pytest.mark.parametrize("app_kind", ["healthy", "failing"])
+async def test_a_brief_etcd_error_writing_a_status_is_retried(
+    etcd_server: EtcdServer, sums_broker: BrokerHarness, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, app_kind: str,
+) -> None:  # fmt: skip
+    """etcd fails the first status write (as during a leader election). A healthy shard still
+    becomes PRIMARY (it is not failed for etcd's error); a shard that fails for its own error
+    still says so (FAILED, with its error), instead of a replica that ended silently while its
+    assignment shows it starting."""
+    import aetcd.exceptions
+
+    from broker import etcd as etcdx
+    from consumer import runtime
+
+    real_txn = etcdx.txn
+    failures = {"left": 1}
+
+    async def flaky_txn(*args: Any, **kwargs: Any) -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise aetcd.exceptions.ConnectionFailedError("etcd is electing a leader")
+        return await real_txn(*args, **kwargs)
+
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        id="consumer-0", broker_address=sums_broker.endpoint, etcd_address=etcd_server.endpoint,
+        etcd_prefix=root, etcd_lease=5.0,
+    )  # fmt: skip
+    app = StoredSummer(tmp_path) if app_kind == "healthy" else FailingStore(tmp_path)
+    consumer = Consumer(config, app)
+    await consumer.start()
+    try:
+        shards, channel = shard_stub(consumer)
+
+        class FlakyEtcd:  # The runtime's etcd calls only (not the allocator's, nor Apply's).
+            txn = staticmethod(flaky_txn)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(etcdx, name)
+
+        monkeypatch.setattr(runtime, "etcdx", FlakyEtcd())
+        spec = cpb.ShardSpec(
+            id="sum-0", sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )  # fmt: skip
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+        want = cpb.ReplicaStatus.PRIMARY if app_kind == "healthy" else cpb.ReplicaStatus.FAILED
+        await until(lambda: _equals(statuses(shards), [("consumer-0:primary", want)]), 20)
+        assert failures["left"] == 0
+        if app_kind == "failing":
+            listed = await shards.List(cpb.ListRequest())
+            assert "the store's disk is gone" in listed.shards[0].status[0].errors[0]
+        await channel.close()
+    finally:
+        monkeypatch.undo()
+        await consumer.stop()
+        async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
+            await client.delete_prefix(root.encode())
