@@ -337,10 +337,13 @@ def _stored_as(events: dict[EventId, dict[str, Any]], eid: EventId, uid: str) ->
 
 
 def _lost_to_disaster(history: ReplicationHistory, emit: Emit) -> bool:
-    """An event the seed allows to be lost: acknowledged at a location shortly before a
-    disaster deleted its log (nobody else had read it yet)."""
+    """An event the seed allows to be lost: emitted at a location before a disaster deleted
+    its log, and acknowledged shortly before it (or as it happened: the reply of an append that
+    committed just before the deletion can arrive after it), nobody else having read it."""
     return any(
-        d.location == emit.location and d.deleted - DISASTER_WINDOW <= emit.completed <= d.deleted
+        d.location == emit.location
+        and emit.invoked <= d.deleted
+        and d.deleted - DISASTER_WINDOW <= emit.completed
         for d in history.disasters
     )
 
