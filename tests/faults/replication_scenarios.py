@@ -229,7 +229,7 @@ REPLICATION_SCENARIOS = {
             "location-broker-kill", location_broker_kill, 15,
             "SIGKILL a broker of a location's cluster (RF 2), restart it 0.5-2.5 s later", store=True,
         ),
-        ReplicationScenario("topology-churn", topology_churn, 30, "disconnect and connect a connection, or change the terminal's filter, under traffic"),
+        ReplicationScenario("topology-churn", topology_churn, 30, "disconnect and connect a connection, or change the terminal's filter, under traffic", budget=420.0),
         ReplicationScenario("disaster", disaster, 10, "delete A's, B's or D's journal while it runs; gazctl replication recover"),
         ReplicationScenario(
             "disaster-hub", disaster_hub, 3,
