@@ -80,6 +80,7 @@ async def serve_read(
     # blocked read wakes once per change, not again and again on an event already set.
     invalidated = res.invalidated
     stalled = False  # The last local read made no progress: wait for a change first.
+    listed_at = -1  # The offset of a hole the stores were listed for (once per hole).
     while True:
         if replica.stopped:
             return  # No longer a replica here: the client re-resolves and reads elsewhere.
@@ -88,6 +89,15 @@ async def serve_read(
         found = index.query(offset, req.begin_mod_time)
         offset = found.offset
         entry = found.fragment
+        if entry is None and offset < index.write_head and listed_at != offset:
+            # A range below this replica's write head that nothing here covers: committed
+            # content that another replica persisted after this one last listed its stores
+            # (this broker restarted with an empty spool, say). List them now, rather than
+            # answer as if the journal ended here until the next periodic listing.
+            listed_at = offset
+            if replica.spec is not None and replica.spec.fragment.stores:
+                await index.listing(HOLE_LISTING_WAIT)
+                continue
         if entry is None and not req.block:
             response = pb.ReadResponse(
                 status=pb.OFFSET_NOT_YET_AVAILABLE, offset=offset, write_head=index.write_head
@@ -148,6 +158,11 @@ async def serve_read(
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         except (StoreError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reading {describe(fragment)}: {exc}")
+
+
+# Seconds a read waits for a listing of the stores, asked for by a range it met that nothing
+# covers (a listing that takes longer is in trouble; the read answers with what it has).
+HOLE_LISTING_WAIT = 10.0
 
 
 async def _wait_for_change(index: Index, invalidated: asyncio.Event) -> None:

@@ -41,8 +41,10 @@ class Index:
         self._changed = asyncio.Event()
         self.first_refresh = asyncio.Event()
         self.refresh_error = ""  # Of the last failed listing of the stores.
-        # Set to ask the refresh daemon for a listing now (a persist completed).
+        # Set to ask the refresh daemon for a listing now (a persist completed, or a read met
+        # a range below the write head that nothing here covers).
         self.refresh_requested = asyncio.Event()
+        self._listed = asyncio.Event()  # Set at the next listing (replaced by a fresh one).
         self._closed = False
 
     # ---- spool observer -----------------------------------------------------------------------
@@ -78,6 +80,19 @@ class Index:
         fragments it covers are dropped (their files closed once reads in flight finish)."""
         self._install_remote(remote)
         self.first_refresh.set()
+        self._listed.set()
+        self._listed = asyncio.Event()
+
+    async def listing(self, timeout: float) -> bool:
+        """Ask for a listing of the stores now, and wait for it (up to `timeout` seconds);
+        whether one came."""
+        listed = self._listed
+        self.refresh_requested.set()
+        try:
+            await asyncio.wait_for(listed.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def add_remote(self, fragment: pb.Fragment) -> None:
         """A fragment this broker just persisted. Its local copy now names its store (readers
