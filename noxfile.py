@@ -1,4 +1,4 @@
-"""Developer sessions: tests, fuzz, lint, typecheck, demo, bench, faults, proto.
+"""Developer sessions: tests, fuzz, lint, typecheck, demo, bench, faults, modelcheck, proto.
 
 Every session installs what it needs from the project's own files, so a fresh machine needs only
 `python3 -m pip install nox` (and `uv`, which makes the virtualenvs faster).
@@ -134,6 +134,29 @@ def faults(session: nox.Session) -> None:
     `python -m tests.faults` (for example `-- --scenario sigstop --seed 1234` to replay)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "tests.faults", *session.posargs)
+
+
+# The bounds `nox -s modelcheck` explores when given no arguments, each a run of its own (about
+# five minutes in all on this 2-core machine when idle; figures in docs/reliability.md).
+MODELCHECK_BOUNDS = [
+    [],  # The module's default bound: 4 locations, 2 events, 1 filter, 2 topology changes.
+    ["--locations", "4", "--events", "2", "--filters", "2", "--changes", "1", "--deletions", "1"],
+    ["--locations", "3", "--events", "2", "--filters", "1", "--changes", "2", "--fail-over",
+     "--topology", "ring-in"],
+]  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def modelcheck(session: nox.Session) -> None:
+    """The bounded exhaustive check of the replication rules and the causality filter
+    (`replication/modelcheck.py`): every interleaving of emits, replication steps (with crashes
+    between a write and its progress), topology changes, deletions and fail-overs up to a bound;
+    prints the states explored, transitions, depth, seconds and violations of each bound.
+    Arguments replace the bounds (for example `-- --locations 3 --events 3 --changes 3`, or
+    `-- --without guard` to see the anomaly a rule prevents)."""
+    session.install("-e", ".[test]")
+    for bound in [session.posargs] if session.posargs else MODELCHECK_BOUNDS:
+        session.run("python", "-m", "replication.modelcheck", *bound)
 
 
 @nox.session(python=PYTHON)
