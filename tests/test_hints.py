@@ -43,7 +43,7 @@ def test_hints_escape_html_characters_as_go_does() -> None:
     """Go's json.Marshal escapes <, > and & (and U+2028, U+2029) in strings as \\u00XX, lower
     case; other characters stay as UTF-8. Hints written here must be byte for byte upstream's."""
     hints = rpb.FSMHints(
-        log="l/og", properties=[rpb.Property(path="/a&b", content="<x>\u2028\u2029é\n\"")]
+        log="l/og", properties=[rpb.Property(path="/a&b", content='<x>\u2028\u2029é\n"')]
     )
     assert encode_hints(hints) == (
         b'{"log":"l/og","live_nodes":null,"properties":[{"path":"/a\\u0026b",'
