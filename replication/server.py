@@ -117,6 +117,12 @@ def _raise_if_cancelling(exc: BaseException) -> None:
 def _writer_failure(name: str, exc: AppendError) -> str:
     if exc.status == pb.REGISTER_MISMATCH:
         return f"location {name}: another process took its log's writer (this one is fenced out)"
+    if exc.status == pb.INDEX_HAS_GREATER_OFFSET:
+        return (
+            f"location {name}: its journal lost content with every replica that held it "
+            "(INDEX_HAS_GREATER_OFFSET): `gazctl journals reset-head` it, then `gazctl "
+            f"replication recover {name}`"
+        )
     return f"location {name}: an append to its log failed: {exc}"
 
 
