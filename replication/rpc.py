@@ -170,7 +170,10 @@ class LocationError(RuntimeError):
         self.location, self.code, self.detail = location, code, detail
 
     def __str__(self) -> str:
-        if self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        # CANCELLED from the peer: its process stopped while it answered (a host that lost
+        # its lease stops its locations).
+        unreachable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)  # fmt: skip
+        if self.code in unreachable:
             return f"location {self.location} is unreachable ({self.code.name}): {self.detail}"
         return self.detail
 
