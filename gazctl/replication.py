@@ -584,8 +584,7 @@ async def _journal_made(entry: registry.LocationEntry) -> int:
     """The etcd revision that created the location's journal, made anew first if it is gone
     (as `add` declared it)."""
     from broker.client import BrokerUnavailable, JournalsClient
-    from replication.host import journal_created
-    from replication.journals import location_journal_spec
+    from replication.journals import journal_created, location_journal_spec
 
     try:
         async with JournalsClient(entry.broker) as journals:
@@ -651,8 +650,8 @@ def add_cmd(
     hosts' allocator gives a primary and hot standbys. Nothing is declared if the journal
     cannot be made."""
     from broker.client import BrokerUnavailable, JournalsClient
-    from replication.host import add_location, hosts_prefix, journal_created
-    from replication.journals import location_journal_spec
+    from replication.host import add_location, hosts_prefix
+    from replication.journals import journal_created, location_journal_spec
 
     try:
         registry.check_name(name)

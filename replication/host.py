@@ -39,6 +39,7 @@ from broker.tls import ServerTLS
 from consumer.protocol import cpb
 from replication import registry
 from replication.journal_log import JournalEventLog
+from replication.journals import journal_created
 from replication.server import LocationConfig, LocationServer
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ __all__ = [
     "LocationHost",
     "add_location",
     "hosts_prefix",
-    "journal_created",
     "location_of_shard",
     "shard_of_location",
     "shard_spec",
@@ -182,16 +182,6 @@ class LocationHost:
 
     async def finalize_txn(self, *args: Any) -> None:
         raise NotImplementedError("a location host runs no transactions")
-
-
-async def journal_created(client: JournalsClient, journal: str) -> int:
-    """The etcd revision that created `journal` (0: it does not exist)."""
-    selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))  # fmt: skip
-    listed = await client.list(selector)
-    for j in listed.journals:
-        if j.spec.name == journal:
-            return int(j.create_revision)
-    return 0
 
 
 async def add_location(

@@ -7,7 +7,12 @@ from typing import Any
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 
-__all__ = ["apply_location_journals", "location_journal", "location_journal_spec"]
+__all__ = [
+    "apply_location_journals",
+    "journal_created",
+    "location_journal",
+    "location_journal_spec",
+]
 
 
 def location_journal(location: str) -> str:
@@ -50,3 +55,14 @@ async def apply_location_journals(
                     for n in missing
                 ]
             )
+
+
+async def journal_created(client: JournalsClient, journal: str) -> int:
+    """The etcd revision that created `journal` (0: it does not exist): a journal deleted and
+    made anew (a lost log) has another."""
+    selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))  # fmt: skip
+    listed = await client.list(selector)
+    for j in listed.journals:
+        if j.spec.name == journal:
+            return int(j.create_revision)
+    return 0

@@ -58,6 +58,7 @@ from replication import location_pb2_grpc as lpb_grpc
 from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
+from replication.journals import journal_created
 from replication.location import EventFilter, check_fail_over
 from replication.rpc import (
     SERVICE,
@@ -311,14 +312,12 @@ class LocationServer:
         exist)."""
         assert self._client is not None
         cfg = self.config
-        selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=cfg.journal)]))  # fmt: skip
         try:
-            listed = await self._client.list(selector)
+            created = await journal_created(self._client, cfg.journal)
         except BrokerUnavailable as exc:
             raise StartError(str(exc)) from None
-        for journal in listed.journals:
-            if journal.spec.name == cfg.journal:
-                return int(journal.create_revision)
+        if created:
+            return created
         raise StartError(
             f"journal {cfg.journal} does not exist at {cfg.broker_address}: apply it first "
             "(gazctl replication add creates it; so does gazctl dev up --locations)"
@@ -441,16 +440,14 @@ class LocationServer:
         process's state is that of a log that no longer exists."""
         assert self.log is not None and self._client is not None
         journal = self.config.journal
-        selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))  # fmt: skip
         while True:
             await asyncio.sleep(max(1.0, self.config.lease / 3))
             try:
-                listed = await self._client.list(selector)
+                created = await journal_created(self._client, journal)
             except Exception as exc:  # Its broker away: ask again at the next round.
                 log.warning("%s: checking its journal: %s", self.name, str(exc).split("\n")[0])
                 continue
-            created = [int(j.create_revision) for j in listed.journals if j.spec.name == journal]
-            if created != [self.log.created]:
+            if created != self.log.created:
                 self.failure = (
                     f"location {self.name}: its journal {journal} was "
                     f"{'made anew' if created else 'deleted'} (its log was lost): run `gazctl "
