@@ -62,6 +62,12 @@ class SQLStore:
             await ensure_table(self._pool, _SCHEMA)
         return self._pool
 
+    @property
+    def fence(self) -> int | None:
+        """The fence this instance restored with (None before `restore_checkpoint`): each
+        restore of the shard's checkpoint takes a greater one."""
+        return self._fence
+
     async def pool(self) -> Any:
         """The store's asyncpg pool: its connections see only what is committed."""
         return await self._connect()

@@ -103,6 +103,12 @@ class JSONFileStore:
             raise
         self.committed = json.loads(text)
 
+    @property
+    def fence(self) -> int | None:
+        """The fence this instance restored with (None before `restore_checkpoint`): each
+        restore of the shard's state takes a greater one."""
+        return self._fence
+
     async def close(self) -> None:
         self._fence = None
 
