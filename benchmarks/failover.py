@@ -50,8 +50,8 @@ BROKERS = 4  # One more than the replication: the allocator has somewhere to put
 APPENDERS = 4
 PAYLOAD = b"x" * 255 + b"\n"
 SLACK = 2.0  # The target: the lease TTL plus this.
-# Clients ride out a failover: tries are bounded by the benchmark's timeouts, not their number.
-ATTEMPTS = 1000
+# Clients ride out a failover: their wait is bounded by the benchmark's timeouts.
+WAIT = 3600.0
 ASSIGN = f"{PREFIX}/assign/{JOURNAL}#"
 
 
@@ -79,7 +79,7 @@ async def append_riding_out(router: Router, max_delay: float) -> int:
     lost = 0
     while True:
         try:
-            await append_routed(router, JOURNAL, PAYLOAD, attempts=ATTEMPTS, max_delay=max_delay)
+            await append_routed(router, JOURNAL, PAYLOAD, wait=WAIT, max_delay=max_delay)
             return lost
         except grpc.aio.AioRpcError as exc:
             if not lost_status(exc):
@@ -178,7 +178,7 @@ class Load:
         while True:
             try:
                 await append_routed(
-                    self.router, JOURNAL, PAYLOAD, attempts=ATTEMPTS, max_delay=self.max_delay
+                    self.router, JOURNAL, PAYLOAD, wait=WAIT, max_delay=self.max_delay
                 )
             except Exception as exc:
                 if lost_status(exc):

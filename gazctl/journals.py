@@ -52,6 +52,28 @@ def file_root_option(help_: str) -> Callable[[F], F]:
     )  # fmt: skip
 
 
+def _wait_seconds(_ctx: click.Context, _param: click.Parameter, value: str) -> float:
+    from spec.durations import DurationError, parse_go_duration
+
+    try:
+        seconds = parse_go_duration(str(value)) / 1e9
+    except DurationError as exc:
+        raise click.BadParameter(f"{exc} (a duration such as 30s or 2m)") from None
+    if seconds < 0:
+        raise click.BadParameter(f"{value} is negative: give a duration such as 30s, or 0s")
+    return seconds
+
+
+wait_option = click.option(
+    "--wait",
+    default="30s",
+    show_default=True,
+    callback=_wait_seconds,
+    help="How long to wait through a journal that has no primary or too few brokers yet (just "
+    "created or moving) or an unreachable broker, before giving up (0s: do not wait)",
+)
+
+
 max_txn_size_option = click.option(
     "--max-txn-size",
     default=0,

@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import click
+import grpc
 
-from broker.client.appender import AppendError, append, reset_head
+from broker.client.appender import AppendError, reset_head
 from broker.client.dialer import Dialer
-from broker.client.reader import ReadError, read, write_head
+from broker.client.reader import ReadError, read_retrying, write_head
+from broker.client.routes import append_routed, waiting
 from broker.fragment.content import FragmentCorrupt
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from gazctl.journals import broker_options, client_of, file_root_option, journals
-from gazctl.render import err_console
+from gazctl.journals import broker_options, client_of, file_root_option, journals, wait_option
+from gazctl.render import err_console, note
 
 # An append of stdin is cut at this many bytes (at a line end with --framing lines), so an
 # endless input streams as a sequence of bounded transactions.
@@ -78,16 +80,39 @@ async def _append(
     first, last, total = -1, -1, 0
     try:
         async for batch in _input_batches(source, framing):
-            response = await append(stub, name, batch)
+            response = await append_routed(stub, name, batch, wait=opts["wait"], on_wait=note)
             if first < 0:
                 first = response.commit.begin
             last = response.commit.end
             total += len(batch)
     except AppendError as exc:
-        raise click.ClickException(f"{exc}; {total} bytes were appended before it") from None
+        raise click.ClickException(
+            f"{exc}{_waited(exc, opts)}; {total} bytes were appended before it"
+        ) from None
+    except grpc.aio.AioRpcError as exc:
+        detail = (exc.details() or "").split("\n")[0]
+        if getattr(exc, "commit_sent", False):
+            raise click.ClickException(
+                f"append to {name}: the call failed after its commit was sent ({exc.code().name}"
+                f": {detail}): it may have landed, so read the journal to check before appending "
+                f"it again; {total} bytes were appended before it"
+            ) from None
+        raise click.ClickException(
+            f"append to {name}: {exc.code().name}: {detail}{_waited(exc, opts)}; {total} bytes "
+            "were appended before it"
+        ) from None
     finally:
         await dialer.close()
     return name, first, last, total
+
+
+def _waited(exc: BaseException, opts: dict[str, Any]) -> str:
+    """ " (after waiting 30s)" when the failure was a transient one waited through."""
+    from broker.client.routes import transient_reason
+
+    if transient_reason(exc) is None or not opts["wait"]:
+        return ""
+    return f" (still, after waiting {opts['wait']:g}s: raise --wait to wait longer)"
 
 
 async def _append_mapped(
@@ -114,7 +139,7 @@ async def _append_mapped(
     stub = dialer.journal_stub(opts["broker_address"])
     loop = asyncio.get_running_loop()
     try:
-        async with AppendService(stub) as service:
+        async with AppendService(stub, max_wait=opts["wait"]) as service:
             number = 0
             while True:
                 key_line = b""
@@ -154,7 +179,7 @@ async def _append_mapped(
                 counts[journal] = counts.get(journal, 0) + 1
             await service.flush()
     except AppendError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(f"{exc}{_waited(exc, opts)}") from None
     finally:
         await dialer.close()
     return counts
@@ -162,6 +187,7 @@ async def _append_mapped(
 
 @journals.command("append")
 @broker_options
+@wait_option
 @click.option("-l", "--selector", required=True, help="Label selector of the journal to append to")
 @click.option(
     "-i", "--input", "input_path", default="-", show_default=True, help="Input file (- for stdin)"
@@ -257,6 +283,7 @@ class ReadOptions:
     start: dict[str, int] = field(default_factory=dict)  # From --offsets.
     begin_mod_time: int = 0
     file_root: Path | None = None
+    wait: float = 30.0  # --wait: seconds to wait through transient refusals.
 
 
 async def _read(
@@ -275,7 +302,10 @@ async def _read(
         if name in options.start:
             offset = options.start[name]
         elif options.tail:
-            offset = await write_head(stub, name)
+            offset = await waiting(
+                lambda: write_head(stub, name), f"read of {name}", wait=options.wait,
+                on_wait=note,
+            )  # fmt: skip
         else:
             offset = 0
         next_offsets[name] = offset
@@ -284,9 +314,10 @@ async def _read(
         direct = options.file_root is not None or not any(
             store.startswith("file:") for store in spec.fragment.stores
         )
-        chunks = read(
-            stub, name, offset, block=options.block, direct=direct,
-            file_root=options.file_root, begin_mod_time=options.begin_mod_time,
+        chunks = read_retrying(
+            lambda: stub, name, offset, block=options.block, wait=options.wait,
+            on_wait=note, direct=direct, file_root=options.file_root,
+            begin_mod_time=options.begin_mod_time,
         )  # fmt: skip
         async for chunk in chunks:
             async with lock:  # Whole chunks from one journal at a time.
@@ -298,7 +329,9 @@ async def _read(
         await asyncio.gather(
             *(one(j.spec) for j in journals_ if j.spec.suspend.level != FULLY_SUSPENDED)
         )
-    except (ReadError, FragmentCorrupt) as exc:
+    except ReadError as exc:
+        raise click.ClickException(f"{exc}{_waited(exc, {'wait': options.wait})}") from None
+    except FragmentCorrupt as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         await dialer.close()
@@ -306,6 +339,7 @@ async def _read(
 
 @journals.command("read")
 @broker_options
+@wait_option
 @click.option("-l", "--selector", required=True, help="Label selector of journals to read")
 @click.option("-b", "--block", is_flag=True, help="Keep reading as new content commits")
 @click.option("--tail", is_flag=True, help="Start at the write head instead of the beginning")
@@ -348,7 +382,7 @@ def read_cmd(
     if from_unix is not None and from_unix < 0:
         raise click.ClickException(f"--from {from_unix}: give unix seconds since the epoch")
     start = load_offsets(offsets_path) if offsets_path else {}
-    options = ReadOptions(block, tail, start, from_unix or 0, file_root)
+    options = ReadOptions(block, tail, start, from_unix or 0, file_root, opts["wait"])
     try:
         out: BinaryIO = sys.stdout.buffer if output == "-" else open(output, "wb")  # noqa: SIM115
     except OSError as exc:
@@ -375,11 +409,15 @@ async def _reset_head(opts: dict[str, Any], selector: str) -> list[tuple[str, in
         for journal in journals_:
             if journal.spec.suspend.level == pb.JournalSpec.Suspend.FULL:
                 continue  # Fully suspended journals have no head to reset.
+            name = journal.spec.name
             try:
-                response = await reset_head(stub, journal.spec.name)
+                response = await waiting(
+                    lambda name=name: reset_head(stub, name), f"reset of {name}",  # type: ignore[misc]
+                    wait=opts["wait"], on_wait=note,
+                )  # fmt: skip
             except (AppendError, ReadError) as exc:
                 raise click.ClickException(
-                    f"{exc} (journals reset before it: {len(done)})"
+                    f"{exc}{_waited(exc, opts)} (journals reset before it: {len(done)})"
                 ) from None
             done.append((journal.spec.name, response.commit.end))
     finally:
@@ -389,6 +427,7 @@ async def _reset_head(opts: dict[str, Any], selector: str) -> list[tuple[str, in
 
 @journals.command("reset-head")
 @broker_options
+@wait_option
 @click.option("-l", "--selector", required=True, help="Label selector of journals to reset")
 def reset_head_cmd(selector: str, **opts: Any) -> None:
     """Disaster recovery: let appends continue at each journal's largest known offset.

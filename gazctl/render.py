@@ -19,6 +19,11 @@ console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isat
 err_console = Console(stderr=True, highlight=False)
 
 
+def note(message: str) -> None:
+    """One line of progress on stderr, as it is (no markup, no wrapping)."""
+    err_console.print(message, markup=False, soft_wrap=True)
+
+
 def journals_table(
     journals: Sequence[pb.ListResponse.Journal],
     *,

@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from broker.client import JournalsClient
 from broker.client.appender import AppendError, append, reset_head
 from broker.client.journals import dial
 from broker.client.reader import read
+from broker.client.routes import append_routed
 from broker.fragment.content import open_in_store
 from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import open_store
@@ -77,26 +77,6 @@ async def routed(
                 return route
         assert time.monotonic() < deadline, "the journal was never assigned"
         await asyncio.sleep(0.05)
-
-
-async def append_retrying(stub: pb_grpc.JournalStub, content: bytes) -> pb.AppendResponse:
-    """An append retried while the journal's pipeline is still forming."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return await append(stub, JOURNAL, content)
-        except AppendError as exc:
-            transient = (
-                pb.INSUFFICIENT_JOURNAL_BROKERS,
-                pb.NO_JOURNAL_PRIMARY_BROKER,
-                pb.NOT_JOURNAL_PRIMARY_BROKER,
-            )
-            if exc.status not in transient or time.monotonic() > deadline:
-                raise
-        except grpc.aio.AioRpcError:
-            if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.1)
 
 
 async def persisted_through(stub: pb_grpc.JournalStub, end: int, timeout: float = 30) -> list[Any]:
@@ -199,12 +179,12 @@ async def test_acknowledged_bytes_survive_killing_every_broker(
         written = payloads(12)
         acked = []
         for content in written:
-            response = await append_retrying(stub, content)
+            response = await append_routed(stub, JOURNAL, content)
             acked.append((response.commit.begin, response.commit.end))
         end = acked[-1][1]
         assert acked[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(acked))
         # A zero-byte append rolls the last fragment (it is over its length): all is persisted.
-        await append_retrying(stub, b"")
+        await append_routed(stub, JOURNAL, b"")
         persisted = await persisted_through(stub, end)
         assert {f.compression_codec for f in persisted} == {pb.ZSTANDARD}
         assert all(f.backing_store == "file:///fragments/" and f.mod_time for f in persisted)
@@ -233,13 +213,13 @@ async def test_acknowledged_bytes_survive_killing_every_broker(
             # and lost with every replica: a plain append is refused until an operator resets
             # the head (as upstream), and an append at an explicit offset must name the end.
             with pytest.raises(AppendError) as refused:
-                await append_retrying(stub, b"after restart\n")
+                await append_routed(stub, JOURNAL, b"after restart\n")
             assert refused.value.status == pb.INDEX_HAS_GREATER_OFFSET
             with pytest.raises(AppendError) as wrong:
                 await append(stub, JOURNAL, b"x", offset=end - 1)
             assert wrong.value.status == pb.WRONG_APPEND_OFFSET
             await reset_head(stub, JOURNAL)
-            response = await append_retrying(stub, b"after restart\n")
+            response = await append_routed(stub, JOURNAL, b"after restart\n")
             assert (response.commit.begin, response.commit.end) == (end, end + 14)
             assert await read_all(stub) == b"".join(written) + b"after restart\n"
         finally:
@@ -285,9 +265,9 @@ async def test_a_journal_persists_and_reads_back_on_every_store(
         try:
             written = payloads(8, seed=3)
             for content in written:
-                await append_retrying(stub, content)
+                await append_routed(stub, JOURNAL, content)
             end = sum(len(c) for c in written)
-            await append_retrying(stub, b"")
+            await append_routed(stub, JOURNAL, b"")
             persisted = await persisted_through(stub, end)
             assert all(f.backing_store == url for f in persisted)
             # Each fragment was written once: the store lists exactly the persisted set.
@@ -326,8 +306,8 @@ async def test_persisting_retries_through_a_store_outage(
         try:
             first = payloads(4, seed=5)
             for content in first:
-                await append_retrying(stub, content)
-            await append_retrying(stub, b"")
+                await append_routed(stub, JOURNAL, content)
+            await append_routed(stub, JOURNAL, b"")
             head = sum(len(c) for c in first)
             await persisted_through(stub, head)
 
@@ -335,8 +315,8 @@ async def test_persisting_retries_through_a_store_outage(
             (root / "fragments").rename(root / "away")
             second = payloads(4, seed=6)
             for content in second:
-                await append_retrying(stub, content)
-            await append_retrying(stub, b"")
+                await append_routed(stub, JOURNAL, content)
+            await append_routed(stub, JOURNAL, b"")
             end = head + sum(len(c) for c in second)
             await asyncio.sleep(1.5)  # Some attempts fail meanwhile.
             response = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
@@ -366,7 +346,7 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         written = [b"one\n" * 50, b"two\n" * 50, b"three\n" * 20]  # Well under a fragment.
         for content in written:
-            await append_retrying(stub, content)
+            await append_routed(stub, JOURNAL, content)
         end = sum(len(c) for c in written)
 
         deadline = time.monotonic() + 30
@@ -393,7 +373,7 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
         channel = dial(second[0].address)
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         try:
-            response = await append_retrying(stub, b"resumed\n")
+            response = await append_routed(stub, JOURNAL, b"resumed\n")
             assert (response.commit.begin, response.commit.end) == (end, end + 8)
             async with JournalsClient(second[0].address) as client:
                 listing = await client.list(pb.LabelSelector())
@@ -422,7 +402,7 @@ async def test_graceful_stop_of_every_broker_persists_and_resumes_without_reset_
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         written = [b"one\n" * 50, b"two\n" * 50, b"three\n" * 20]  # Well under a fragment.
         for content in written:
-            await append_retrying(stub, content)
+            await append_routed(stub, JOURNAL, content)
         end = sum(len(c) for c in written)
         await channel.close(None)
 
@@ -436,7 +416,7 @@ async def test_graceful_stop_of_every_broker_persists_and_resumes_without_reset_
         channel = dial(second[0].address)
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         try:
-            response = await append_retrying(stub, b"after restart\n")
+            response = await append_routed(stub, JOURNAL, b"after restart\n")
             assert (response.commit.begin, response.commit.end) == (end, end + 14)
             assert await read_all(stub) == b"".join(written) + b"after restart\n"
         finally:

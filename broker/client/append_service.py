@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple
@@ -221,6 +222,7 @@ class _Journal:
 
     async def _send(self, batch: _Batch) -> None:
         backoff = Backoff(maximum=self.service.max_retry_delay)
+        started = time.monotonic()
         while True:
             try:
                 registers = batch.registers or _NO_REGISTERS
@@ -258,6 +260,10 @@ class _Journal:
                 else str(error)
             )
             delay = backoff.next_delay()
+            limit = self.service.max_wait
+            if limit is not None and time.monotonic() - started + delay > limit:
+                self._fail(batch, error)
+                return
             log.warning("append to %s failed (retrying in %.2fs): %s", self.name, delay, reason)
             await asyncio.sleep(delay)
 
@@ -288,6 +294,7 @@ class AppendService:
         max_batch: int = 8 << 20,
         max_pending: int = 64 << 20,
         max_retry_delay: float = 2.0,
+        max_wait: float | None = None,
     ) -> None:
         self.router = stub_for if isinstance(stub_for, Router) else None
         if isinstance(stub_for, Router):
@@ -300,6 +307,9 @@ class AppendService:
         self.max_batch = max_batch
         self.max_pending = max_pending
         self.max_retry_delay = max_retry_delay
+        # Seconds a batch waits through transient failures before it fails with the last one
+        # (None: for as long as it takes, as upstream's AppendService does).
+        self.max_wait = max_wait
         self.closing = False
         self.appends = 0  # Append RPCs committed: records / appends is the batching factor.
         self._journals: dict[str, _Journal] = {}

@@ -41,6 +41,7 @@ async def _send(
     first: pb.AppendRequest,
     content: bytes | Iterable[bytes] | AsyncIterable[bytes],
     chunk_size: int,
+    sent: list[bool],
 ) -> None:
     write = call.write  # type: ignore[attr-defined]
     await write(first)
@@ -55,6 +56,7 @@ async def _send(
         for piece in content:
             for chunk in _chunks(piece, chunk_size):
                 await write(pb.AppendRequest(content=chunk))
+    sent.append(True)  # From here the append may commit: its outcome is the broker's to say.
     await write(pb.AppendRequest())  # Commit.
     await call.done_writing()  # type: ignore[attr-defined]
 
@@ -92,13 +94,19 @@ async def append(
     if subtract_registers is not None:
         first.subtract_registers.CopyFrom(subtract_registers)
     call = stub.Append(timeout=timeout, metadata=metadata)
+    sent: list[bool] = []
     try:
         # A write fails when the broker already answered (a refusal before the content, or an
         # abort): its answer, or its error, is the call's outcome, awaited just below.
         # (grpc.aio raises InvalidStateError for a write after the call finished.)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            await _send(call, first, content, chunk_size)
+            await _send(call, first, content, chunk_size, sent)
         response: pb.AppendResponse = await call
+    except grpc.aio.AioRpcError as exc:
+        call.cancel()
+        # The commit was on its way when the call failed: the append may have landed.
+        exc.commit_sent = bool(sent)  # type: ignore[attr-defined]
+        raise
     except BaseException:
         call.cancel()  # Without its commit chunk, the append rolls back everywhere.
         raise

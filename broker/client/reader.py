@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +180,15 @@ async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:
     raise ReadError(journal, pb.OFFSET_NOT_YET_AVAILABLE)
 
 
+# Statuses and codes after which a read can go on a moment later, possibly at another broker.
+READ_RETRYABLE = frozenset(
+    {pb.NOT_JOURNAL_BROKER, pb.NO_JOURNAL_PRIMARY_BROKER, pb.INSUFFICIENT_JOURNAL_BROKERS}
+)
+READ_RETRYABLE_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+)
+
+
 async def read_retrying(
     stubs: Callable[[], pb_grpc.JournalStub],
     journal: str,
@@ -185,36 +196,50 @@ async def read_retrying(
     *,
     block: bool = True,
     max_delay: float = 2.0,
-    direct: bool = False,
-    file_root: Path | None = None,
+    wait: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
+    **options: Any,
 ) -> AsyncIterator[Chunk]:
     """`read`, resumed at the next offset whenever the broker goes away or a blocking read's
     stream ends (its replica moved): a RetryReader. `stubs()` names a broker to try each time
     (for example, a Router's default, or a rotation over several addresses). Statuses other
-    than transient ones end the read with ReadError. `direct` and `file_root` are `read`'s."""
+    than transient ones end the read with ReadError. With `wait`, transient failures end it too
+    once they have lasted that many seconds with nothing read (else it waits for as long as it
+    takes, as a consumer's reader does); `on_wait` hears once, when such a wait grows long,
+    what it waits through. Other keyword `options` are `read`'s."""
+    from broker.client.routes import PROGRESS_AFTER
+
     backoff = Backoff(maximum=max_delay)
+    failing_since: float | None = None
+    told = False
     while True:
         try:
-            async for chunk in read(
-                stubs(), journal, offset, block=block, direct=direct, file_root=file_root
-            ):
+            async for chunk in read(stubs(), journal, offset, block=block, **options):
                 offset = chunk.offset + len(chunk.content)
                 backoff.reset()
+                failing_since, told = None, False
                 yield chunk
             if not block:
                 return
+            await backoff.sleep()  # A blocking read's stream ended (its replica moved).
+            continue
         except ReadError as exc:
-            if exc.status not in (
-                pb.NOT_JOURNAL_BROKER,
-                pb.NO_JOURNAL_PRIMARY_BROKER,
-                pb.INSUFFICIENT_JOURNAL_BROKERS,
-            ):
+            if exc.status not in READ_RETRYABLE:
                 raise
+            failure: Exception = exc
+            reason = pb.Status.Name(exc.status)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.UNKNOWN,
-            ):
+            if exc.code() not in READ_RETRYABLE_CODES:
                 raise
-        await backoff.sleep()
+            failure, reason = exc, exc.code().name
+        delay = backoff.next_delay()
+        now = time.monotonic()
+        failing_since = now if failing_since is None else failing_since
+        if wait is not None:
+            delay = min(delay, wait - (now - failing_since))  # A last try at the deadline.
+            if delay <= 0:
+                raise failure
+            if on_wait is not None and not told and now - failing_since + delay >= PROGRESS_AFTER:
+                told = True
+                on_wait(f"read of {journal}: {reason}; waiting up to {wait:g}s for it to be served")
+        await asyncio.sleep(delay)

@@ -7,14 +7,17 @@ forgets a route as soon as using it fails.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import grpc
 
 from broker.client.appender import AppendError, append
 from broker.client.dialer import Dialer
+from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.retry import Backoff
@@ -37,6 +40,14 @@ RETRYABLE_CODES = frozenset(
 CORE_SEND_FAILURE = "Internal error from Core"
 
 
+T = TypeVar("T")
+
+# A wait longer than this tells the caller once (`on_wait`) what it is waiting through.
+PROGRESS_AFTER = 2.0
+# How long clients wait through transient refusals by default (gazctl's --wait).
+DEFAULT_WAIT = 30.0
+
+
 def is_transient(exc: grpc.aio.AioRpcError) -> bool:
     """Whether the same call can succeed a moment later: the broker was unreachable, or the
     call failed on its way to it (for an append, before its commit was sent, so nothing was
@@ -45,6 +56,57 @@ def is_transient(exc: grpc.aio.AioRpcError) -> bool:
     return code in RETRYABLE_CODES or (
         code == grpc.StatusCode.INTERNAL and exc.details() == CORE_SEND_FAILURE
     )
+
+
+def transient_reason(exc: BaseException) -> str | None:
+    """Why a call failed, if the same call can succeed a moment later: a refusal while the
+    journal's route forms or moves, or a broker that could not be reached. None for anything
+    else, and for an append whose commit was already sent (it may have landed: sending it again
+    could store it twice)."""
+    if isinstance(exc, AppendError | ReadError):
+        return pb.Status.Name(exc.status) if exc.status in RETRYABLE else None
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if getattr(exc, "commit_sent", False) or not is_transient(exc):
+            return None
+        return exc.code().name
+    return None
+
+
+async def waiting(
+    attempt: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    wait: float = DEFAULT_WAIT,
+    max_delay: float = 2.0,
+    on_wait: Callable[[str], None] | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> T:
+    """`attempt()` until it succeeds, fails other than transiently (`transient_reason`), or
+    `wait` seconds have passed: then its last failure is raised. Upstream's clients wait the
+    same way through a journal's route forming (after an apply, a restart, a failover).
+    `on_wait` hears once, when the wait grows long, what it is waiting through; `on_failure`
+    hears each transient failure (to drop a cached route, say). Cancellable at every wait; a
+    deadline of the caller's (asyncio.timeout) bounds it too."""
+    backoff = Backoff(maximum=max_delay)
+    start = time.monotonic()
+    told = False
+    while True:
+        try:
+            return await attempt()
+        except (AppendError, ReadError, grpc.aio.AioRpcError) as exc:
+            reason = transient_reason(exc)
+            if reason is None:
+                raise
+            if on_failure is not None:
+                on_failure(exc)
+            waited = time.monotonic() - start
+            delay = min(backoff.next_delay(), wait - waited)  # A last try at the deadline.
+            if delay <= 0:
+                raise
+            if on_wait is not None and not told and waited + delay >= PROGRESS_AFTER:
+                told = True
+                on_wait(f"{what}: {reason}; waiting up to {wait:g}s for it to be served")
+        await asyncio.sleep(delay)
 
 
 class RouteCache:
@@ -101,32 +163,37 @@ class Router:
 
 
 async def append_routed(
-    router: Router,
+    router: Router | pb_grpc.JournalStub,
     journal: str,
     content: bytes | Iterable[bytes],
     *,
-    attempts: int = 20,
+    wait: float = DEFAULT_WAIT,
     max_delay: float = 2.0,
+    on_wait: Callable[[str], None] | None = None,
     **kwargs: object,
 ) -> pb.AppendResponse:
-    """`append` to the journal's primary, retrying (with backoff, re-routing) while the route
-    changes or a broker is unreachable. Content must be re-sendable (bytes or a list)."""
-    if isinstance(content, AsyncIterable):
+    """`append`, waiting (`waiting`: with backoff, up to `wait` seconds) through refusals while
+    the journal's route forms or moves and through unreachable brokers: the library's one-shot
+    appender. With a Router, it goes to the journal's primary and re-routes on failure. Content
+    must be re-sendable (bytes or a list). An append whose commit was sent when the call failed
+    is not sent again (its outcome is unknown: it may have landed)."""
+    if isinstance(content, AsyncIterable) or not isinstance(
+        content, bytes | bytearray | memoryview | list | tuple
+    ):
         raise TypeError("append_routed re-sends content on retry: pass bytes or a list")
-    backoff = Backoff(maximum=max_delay)
-    for attempt in range(attempts):
-        try:
-            response = await append(router.stub_for(journal), journal, content, **kwargs)  # type: ignore[arg-type]
-        except AppendError as exc:
+
+    def attempt() -> Awaitable[pb.AppendResponse]:
+        stub = router.stub_for(journal) if isinstance(router, Router) else router
+        return append(stub, journal, content, **kwargs)  # type: ignore[arg-type]
+
+    def forget(_exc: BaseException) -> None:
+        if isinstance(router, Router):
             router.cache.drop(journal)
-            if exc.status not in RETRYABLE or attempt == attempts - 1:
-                raise
-        except grpc.aio.AioRpcError as exc:
-            router.cache.drop(journal)
-            if not is_transient(exc) or attempt == attempts - 1:
-                raise
-        else:
-            router.observe(journal, response.header)
-            return response
-        await backoff.sleep()
-    raise AssertionError("unreachable")
+
+    response = await waiting(
+        attempt, f"append to {journal}", wait=wait, max_delay=max_delay, on_wait=on_wait,
+        on_failure=forget,
+    )  # fmt: skip
+    if isinstance(router, Router):
+        router.observe(journal, response.header)
+    return response
