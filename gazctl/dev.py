@@ -1,4 +1,4 @@
-"""`gazctl dev up|down|status`: a local cluster (etcd and N brokers) on loopback; with
+"""`gazctl dev up|down|status|kill|restart`: a local cluster (etcd and N brokers) on loopback; with
 `--consumers N --app NAME` also N consumer processes of an application, and with `--postgres` a
 PostgreSQL server for SQL stores.
 
@@ -24,14 +24,19 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
 
 import click
+from click.core import ParameterSource
 from rich.table import Table
 
+from broker.allocator import keyspace as aks
 from broker.client import BrokerUnavailable, JournalsClient
+from broker.client.journals import ListSnapshot
 from broker.local_etcd import (
     EtcdNotFound,
     etcd_command,
@@ -42,6 +47,8 @@ from broker.local_etcd import (
 )
 from broker.tls import DevPKI, make_dev_pki
 from gazctl.render import console
+
+T = TypeVar("T")
 
 STATE = "cluster.json"
 PORTS = "ports.json"
@@ -55,6 +62,13 @@ class Proc:
     address: str
     log: str
     marker: str  # a string the process's command line must contain for it to be ours
+    # How `up` started it, so that `up` (for a process that died) and `restart` start it the
+    # same way again: its command, what it adds to the environment (the cluster's TLS and key
+    # come from <dir>), and the etcd key it holds under its lease (its member key, revoked
+    # before it starts again, so the new process need not wait for the old lease to expire).
+    cmd: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    lease_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,32 @@ class ClusterState:
             *([self.postgres] if self.postgres else []),
             self.etcd,
         ]
+
+    def groups(self) -> list[tuple[str, list[Proc]]]:
+        """The processes by kind, in the order to start them (each needs those before it)."""
+        return [
+            ("etcd", [self.etcd]),
+            ("brokers", self.brokers),
+            ("postgres", [self.postgres] if self.postgres else []),
+            ("consumers", self.consumers),
+            ("location brokers", self.location_brokers),
+            ("locations", self.locations),
+        ]
+
+    def start_order(self) -> list[Proc]:
+        return [proc for _, group in self.groups() for proc in group]
+
+    def find(self, name: str) -> Proc:
+        """The process `dev status` shows as `name`; else one line naming the valid ones."""
+        for proc in self.all():
+            if proc.role == name:
+                return proc
+        names = ", ".join(p.role for p in self.start_order())
+        raise click.ClickException(f"no process {name!r} in the dev cluster in {self.dir}: "
+                                   f"give one of {names}")  # fmt: skip
+
+    def location_names(self) -> list[str]:
+        return [p.role.removeprefix("location-") for p in self.locations]
 
     def save(self) -> None:
         Path(self.dir, STATE).write_text(json.dumps(asdict(self), indent=2))
@@ -290,15 +330,23 @@ def print_exports(state: ClusterState) -> None:
         click.echo(f"export CONSUMER_ADDRESS={state.consumers[0].address}")
 
 
-def is_running(proc: Proc) -> bool:
-    """Alive, not a zombie, and still running the command we started (pids get reused)."""
+def process_state(proc: Proc) -> str:
+    """ "running"; "paused" (stopped by SIGSTOP, or SIGTSTP); or "down": exited, a zombie, or
+    its pid now runs another command (pids get reused)."""
     try:
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         stat = Path(f"/proc/{proc.pid}/stat").read_text()
     except OSError:
-        return False
+        return "down"
     state = stat.rsplit(")", 1)[-1].split()[0]
-    return state != "Z" and proc.marker in cmdline
+    if state == "Z" or proc.marker not in cmdline:
+        return "down"
+    return "paused" if state in ("T", "t") else "running"
+
+
+def is_running(proc: Proc) -> bool:
+    """Alive (running or paused), and still running the command we started."""
+    return process_state(proc) != "down"
 
 
 def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
@@ -307,6 +355,8 @@ def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
     if not is_running(proc):
         return False
     os.kill(proc.pid, signal.SIGINT if proc.role == "postgres" else signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)  # One paused by `dev kill --signal STOP` too.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not is_running(proc):
@@ -475,6 +525,7 @@ def start_locations(
     /gazette/location-NAME), its log's journal there, and its process, registered under
     /gazette/replication; until each answers."""
     from replication.journals import apply_location_journals
+    from replication.registry import DEFAULT_PREFIX, endpoint_key
 
     file_root = root / "fragments"
     (file_root / LOCATION_STORE.removeprefix("file:///")).mkdir(parents=True, exist_ok=True)
@@ -491,6 +542,8 @@ def start_locations(
                 f"{security.scheme}://127.0.0.1:{broker_port}",
                 str(log_path),
                 f"--broker.port {broker_port}",
+                cmd,
+                lease_key=aks.member_key(f"/gazette/location-{name}", "local", f"location-{name}"),
             )
         )
         state.save()
@@ -514,6 +567,8 @@ def start_locations(
                 f"{security.scheme}://127.0.0.1:{port}",
                 str(log_path),
                 f"--location {name} ",
+                cmd,
+                lease_key=endpoint_key(DEFAULT_PREFIX, name).decode(),
             )
         )
         state.save()
@@ -621,9 +676,10 @@ def start_postgres(root: Path, port: int, state: ClusterState, timeout: float) -
         raise click.ClickException(f"--postgres: {exc}") from None
     log_path = root / "postgres.log"
     pg_root = pg_root.resolve()
-    popen = spawn(local_postgres.postgres_command(pg_root, port), log_path)
+    cmd = local_postgres.postgres_command(pg_root, port)
+    popen = spawn(cmd, log_path)
     dsn = local_postgres.postgres_dsn(port)
-    state.postgres = Proc("postgres", popen.pid, dsn, str(log_path), str(pg_root / "data"))
+    state.postgres = Proc("postgres", popen.pid, dsn, str(log_path), str(pg_root / "data"), cmd)
     state.save()
     try:
         local_postgres.wait_postgres_ready(popen, pg_root, port, log_path, timeout)
@@ -632,22 +688,29 @@ def start_postgres(root: Path, port: int, state: ClusterState, timeout: float) -
     return dsn
 
 
+STATE_STYLE = {
+    "running": "[green]{}[/green]",
+    "paused": "[yellow]{}[/yellow]",
+    "down": "[red]{}[/red]",
+}
+
+
 def print_status(state: ClusterState) -> None:
     table = Table(box=None, header_style="bold", pad_edge=False)
     for column in ("Process", "PID", "Address", "State", "Log"):
         table.add_column(column)
     for proc in state.all():
-        alive = is_running(proc)
+        alive = process_state(proc)
         table.add_row(
-            proc.role, str(proc.pid), proc.address,
-            "[green]running[/green]" if alive else "[red]stopped[/red]", proc.log,
-        )  # fmt: skip
+            proc.role, str(proc.pid), proc.address, STATE_STYLE[alive].format(alive), proc.log
+        )
     console.print(table)
 
 
 @click.group()
 def dev() -> None:
-    """A local development cluster: etcd, brokers, and consumers, on loopback."""
+    """A local development cluster: etcd, brokers, and consumers, on loopback; `kill` and
+    `restart` one of them to try failover."""
 
 
 dir_option = click.option(
@@ -706,10 +769,16 @@ def up(
     until all are ready, and print BROKER_ADDRESS, BROKER_FILE_ROOT (the file:// fragment
     stores' root), CONSUMER_ADDRESS and POSTGRES_DSN to export.
 
+    On a cluster some of whose processes died (or were stopped by `dev kill`), start only
+    those, on their ports, ids and folders, and leave the others running; a flag that differs
+    from the running cluster's (--brokers 5 for a cluster of 3) is refused: `dev down` first.
+
     Consumers run with CONSUMER_STORE_ROOT (a folder for JSON-file stores) and POSTGRES_DSN in
-    their environment, under the etcd prefix /gazette/consumers/NAME. Started again on the same
-    folder, the cluster keeps its data and its addresses (each port that is still free), so
-    exported variables keep working.
+    their environment, under the etcd prefix /gazette/consumers/NAME. `--app stream-sum` also
+    runs the example's `setup` (its chunk and sum journals, and a shard per chunk journal) and
+    waits until every shard has a primary. Started again on the same folder, the cluster keeps
+    its data and its addresses (each port that is still free), so exported variables keep
+    working.
 
     With --locations, each location runs in a broker cluster of its own with its process
     (`python -m replication serve`), registered under /gazette/replication: connect them with
@@ -722,26 +791,46 @@ def up(
         raise click.UsageError("--consumers needs --app: the application they run")
     if app is not None:
         check_app(app)
-        consumers = consumers or 2
-    consumers = consumers or 0
     names = location_names(locations) if locations else []
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
     existing = ClusterState.load(root)
+    if existing is not None and any(is_running(p) for p in existing.all()):
+        requested = {
+            "brokers": brokers, "consumers": consumers, "app": app, "postgres": postgres,
+            "locations": names, "tls": tls, "auth": auth,
+        }  # fmt: skip
+        ctx = click.get_current_context()
+        given = {
+            k: v
+            for k, v in requested.items()
+            if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT
+        }
+        resume(existing, given, directory, timeout)
+        return
     if existing is not None:
-        running = [p for p in existing.all() if is_running(p)]
-        if running and len(running) == len(existing.all()):
-            DevSecurity.make(root, existing.tls, existing.auth).apply()
-            click.echo(f"a dev cluster is already running in {root}:", err=True)
-            print_status(existing)
-            print_exports(existing)
-            return
-        # Stale state from a crashed or half-stopped run: stop survivors and start afresh.
-        for proc in running:
-            stop_pid(proc)
+        # Stale state from a crash or a reboot: none of its processes runs.
         (root / STATE).unlink(missing_ok=True)
         click.echo(f"cleaned stale dev cluster state in {root}", err=True)
+    consumers = consumers or (2 if app is not None else 0)
+    state = start_cluster(root, brokers, consumers, app, postgres, names, tls, auth, timeout)
+    print_status(state)
+    print_exports(state)
 
+
+def start_cluster(
+    root: Path,
+    brokers: int,
+    consumers: int,
+    app: str | None,
+    postgres: bool,
+    names: list[str],
+    tls: bool,
+    auth: bool,
+    timeout: float,
+) -> ClusterState:
+    """A new cluster in `root`, every process ready; on failure, every process it started is
+    stopped and no state is left."""
     try:
         etcd_binary = find_etcd_binary()
     except EtcdNotFound as exc:
@@ -754,77 +843,37 @@ def up(
     security.apply()
     etcd_log = root / "etcd.log"
     etcd_endpoint = f"{security.scheme}://127.0.0.1:{ports.etcd_client}"
-    etcd_popen = spawn(
-        etcd_command(
-            etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer, security.pki
-        ),
-        etcd_log,
-        environment=etcd_environment(),
+    etcd_cmd = etcd_command(
+        etcd_binary, root / "etcd-data", ports.etcd_client, ports.etcd_peer, security.pki
     )
-    state = ClusterState(
-        dir=str(root),
-        etcd=Proc("etcd", etcd_popen.pid, etcd_endpoint, str(etcd_log), str(root / "etcd-data")),
-        tls=tls,
-        auth=auth,
-    )
-    state.save()
+    etcd = Proc("etcd", 0, etcd_endpoint, str(etcd_log), str(root / "etcd-data"), etcd_cmd)
+    state = ClusterState(dir=str(root), etcd=etcd, tls=tls, auth=auth)
     try:
-        try:
-            wait_etcd_healthy(etcd_endpoint, timeout=timeout, proc=etcd_popen, tls=security.pki)
-        except (RuntimeError, TimeoutError) as exc:
-            raise click.ClickException(
-                f"etcd did not start: {exc}; see {etcd_log}:\n{tail(str(etcd_log))}"
-            ) from None
+        etcd_popen = launch(etcd)
+        state.save()
+        wait_started(state, "etcd", [etcd], [etcd_popen], timeout)
         asyncio.run(revoke_stale_members(etcd_endpoint))
         file_root = root / "fragments"
         file_root.mkdir(exist_ok=True)
         popens = []
         for i, port in enumerate(ports.brokers):
-            log_path = root / f"broker-{i}.log"
             cmd = broker_command(i, port, etcd_endpoint, file_root, security=security)
-            popen = spawn(cmd, log_path)
-            popens.append(popen)
-            state.brokers.append(
-                Proc(
-                    f"broker-{i}",
-                    popen.pid,
-                    f"{security.scheme}://127.0.0.1:{port}",
-                    str(log_path),
-                    f"--broker.file-root {file_root}",
-                )
+            broker = Proc(
+                f"broker-{i}",
+                0,
+                f"{security.scheme}://127.0.0.1:{port}",
+                str(root / f"broker-{i}.log"),
+                f"--broker.file-root {file_root}",
+                cmd,
+                lease_key=aks.member_key(ETCD_PREFIX, "local", f"broker-{i}"),
             )
+            popens.append(launch(broker))
+            state.brokers.append(broker)
             state.save()
-        asyncio.run(wait_ready(state.brokers, popens, timeout, consumers=False))
+        wait_started(state, "brokers", state.brokers, popens, timeout)
         dsn = start_postgres(root, ports.postgres, state, timeout) if postgres else None
         if app is not None:
-            stores = root / "stores"
-            stores.mkdir(exist_ok=True)
-            (root / "tmp").mkdir(exist_ok=True)  # Replicas' local directories (recovery logs).
-            env = {
-                "CONSUMER_STORE_ROOT": str(stores),
-                "TMPDIR": str(root / "tmp"),
-                **({"POSTGRES_DSN": dsn} if dsn else {}),
-            }
-            state.app = app
-            consumer_popens = []
-            for i, port in enumerate(ports.consumers):
-                log_path = root / f"consumer-{i}.log"
-                cmd = consumer_command(
-                    app, i, port, etcd_endpoint, state.brokers[0].address, stores, dsn, security
-                )
-                popen = spawn(cmd, log_path, env)
-                consumer_popens.append(popen)
-                state.consumers.append(
-                    Proc(
-                        f"consumer-{i}",
-                        popen.pid,
-                        f"{security.scheme}://127.0.0.1:{port}",
-                        str(log_path),
-                        f"--consumer.id consumer-{i} --consumer.port {port}",
-                    )
-                )
-                state.save()
-            asyncio.run(wait_ready(state.consumers, consumer_popens, timeout, consumers=True))
+            start_consumers(root, app, ports, dsn, state, timeout, security)
         if names:
             start_locations(root, names, ports, etcd_endpoint, state, timeout, security)
     except BaseException:
@@ -832,6 +881,269 @@ def up(
             stop_pid(proc)
         (root / STATE).unlink(missing_ok=True)
         raise
+    return state
+
+
+def start_consumers(
+    root: Path,
+    app: str,
+    ports: Ports,
+    dsn: str | None,
+    state: ClusterState,
+    timeout: float,
+    security: DevSecurity,
+) -> None:
+    """The application's consumer processes, until each answers; for stream-sum, its setup."""
+    stores = root / "stores"
+    stores.mkdir(exist_ok=True)
+    (root / "tmp").mkdir(exist_ok=True)  # Replicas' local directories (recovery logs).
+    env = {
+        "CONSUMER_STORE_ROOT": str(stores),
+        "TMPDIR": str(root / "tmp"),
+        **({"POSTGRES_DSN": dsn} if dsn else {}),
+    }
+    etcd = state.etcd.address
+    prefix = f"/gazette/consumers/{app_name(app)}"
+    state.app = app
+    popens = []
+    for i, port in enumerate(ports.consumers):
+        cmd = consumer_command(app, i, port, etcd, state.brokers[0].address, stores, dsn, security)
+        consumer = Proc(
+            f"consumer-{i}",
+            0,
+            f"{security.scheme}://127.0.0.1:{port}",
+            str(root / f"consumer-{i}.log"),
+            f"--consumer.id consumer-{i} --consumer.port {port}",
+            cmd,
+            env,
+            aks.member_key(prefix, "local", f"consumer-{i}"),
+        )
+        popens.append(launch(consumer))
+        state.consumers.append(consumer)
+        state.save()
+    wait_started(state, "consumers", state.consumers, popens, timeout)
+    if app == "stream-sum":
+        setup_stream_sum(state, timeout)
+
+
+def setup_stream_sum(state: ClusterState, timeout: float) -> None:
+    """The example's own `setup` with its defaults, as a user runs it; then until every shard
+    has a primary and every journal a primary broker, so the chunker can run at once."""
+    cmd = [
+        sys.executable, "-m", EXAMPLES["stream-sum"], "setup",
+        "--broker.address", state.brokers[0].address,
+        "--consumer.address", state.consumers[0].address,
+        # Two replicas where there are two brokers: a broker killed to try failover loses
+        # no chunks (with one, those not yet persisted are gone, and their sums never come).
+        "--replication", str(min(2, len(state.brokers))),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise click.ClickException(f"stream-sum setup did not finish in {timeout:g}s") from None
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
+        raise click.ClickException(f"stream-sum setup failed: {lines[-1]}")
+    asyncio.run(wait_journals_assigned(state, timeout))
+    asyncio.run(wait_shards_primary(state, timeout))
+    click.echo(
+        "stream-sum: its journals and shards are set up; run "
+        "`python -m consumer.examples.stream_sum chunker --broker.address $BROKER_ADDRESS`",
+        err=True,
+    )
+
+
+async def wait_journals_assigned(state: ClusterState, timeout: float) -> None:
+    """Until every journal of the cluster has a primary and as many replicas as its
+    replication asks (or as there are brokers): then appends do not wait for assignment."""
+
+    def waiting(listed: ListSnapshot) -> list[str]:
+        return [
+            f"journal {j.spec.name}"
+            for j in listed.journals
+            if j.route.primary < 0
+            or len(j.route.members) < min(j.spec.replication, len(state.brokers))
+        ]
+
+    async with JournalsClient(state.brokers[0].address, timeout=5.0) as journals:
+        await wait_until_none(lambda: journals.list(), waiting, timeout, state.brokers[0].log)
+
+
+async def wait_shards_primary(state: ClusterState, timeout: float) -> None:
+    """Until every shard of the application has a primary."""
+    from consumer.client import ShardsClient
+    from consumer.protocol import cpb
+
+    def waiting(listed: cpb.ListResponse) -> list[str]:
+        return [
+            f"shard {s.spec.id}"
+            for s in listed.shards
+            if s.route.primary < 0 or s.status[s.route.primary].code != cpb.ReplicaStatus.PRIMARY
+        ]
+
+    async with ShardsClient(state.consumers[0].address, timeout=5.0) as shards:
+        await wait_until_none(lambda: shards.list(), waiting, timeout, state.consumers[0].log)
+
+
+async def wait_until_none(
+    list_: Callable[[], Awaitable[T]], waiting: Callable[[T], list[str]], timeout: float, log: str
+) -> None:
+    """Until `waiting` finds nothing in what `list_` answers, or one line naming what waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pending = waiting(await list_())
+        except BrokerUnavailable as exc:  # ConsumerUnavailable is one.
+            pending = [str(exc)]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise click.ClickException(
+                f"{pending[0]} not ready after {timeout:g}s ({len(pending)} waiting); see {log}"
+            )
+        await asyncio.sleep(0.1)
+
+
+def launch(proc: Proc) -> subprocess.Popen[bytes]:
+    """Start `proc` from its recorded command (etcd without the clients' ETCD_* variables),
+    appending to its log, and record its new pid."""
+    if proc.role == "etcd":
+        popen = spawn(proc.cmd, Path(proc.log), environment=etcd_environment())
+    else:
+        popen = spawn(proc.cmd, Path(proc.log), proc.env)
+    proc.pid = popen.pid
+    return popen
+
+
+def wait_started(
+    state: ClusterState,
+    kind: str,
+    procs: list[Proc],
+    popens: list[subprocess.Popen[bytes]],
+    timeout: float,
+) -> None:
+    """Until each of `procs`, of one kind of `ClusterState.groups`, is ready, or one line
+    saying which is not."""
+    security = DevSecurity.make(Path(state.dir), state.tls, state.auth)
+    if kind == "etcd":
+        log = state.etcd.log
+        try:
+            wait_etcd_healthy(state.etcd.address, timeout=timeout, proc=popens[0], tls=security.pki)
+        except (RuntimeError, TimeoutError) as exc:
+            raise click.ClickException(
+                f"etcd did not start: {exc}; see {log}:\n{tail(log)}"
+            ) from None
+    elif kind == "postgres":
+        from consumer import local_postgres
+
+        pg, port = procs[0], urlsplit(procs[0].address).port or 0
+        try:
+            local_postgres.wait_postgres_ready(
+                popens[0], Path(pg.marker).parent, port, Path(pg.log), timeout
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            raise click.ClickException(f"PostgreSQL did not start: {exc}; see {pg.log}") from None
+    elif kind == "locations":
+        asyncio.run(wait_locations(procs, popens, timeout))
+    else:
+        asyncio.run(wait_ready(procs, popens, timeout, consumers=kind == "consumers"))
+
+
+async def revoke_leases(etcd_endpoint: str, keys: Sequence[str]) -> None:
+    """Revoke the lease holding each of `keys` (each a member key of a process that is down),
+    so that the process started in its place announces itself at once."""
+    from broker import etcd as etcdx
+
+    client = etcdx.connect(etcd_endpoint)
+    try:
+        for key in keys:
+            for kv in await client.get_prefix(key.encode()):
+                if kv.key == key.encode() and kv.lease:
+                    with contextlib.suppress(Exception):  # Expired meanwhile.
+                        await client.revoke_lease(kv.lease)
+    finally:
+        await client.close()
+
+
+def start_again(state: ClusterState, procs: Sequence[Proc], timeout: float) -> None:
+    """Start each of `procs` (all down) as `up` first did, on the same ports, ids and folders:
+    kind by kind in start order, each kind ready before the next starts."""
+    unrecorded = [p.role for p in state.all() if not p.cmd]
+    if unrecorded:
+        raise click.ClickException(
+            f"the dev cluster in {state.dir} was started by an older gazctl, which did not "
+            f"record how to start {unrecorded[0]}: `gazctl dev down` it and `up` again"
+        )
+    DevSecurity.make(Path(state.dir), state.tls, state.auth).apply()
+    wanted = {id(p) for p in procs}
+    for kind, group in state.groups():
+        starting = [p for p in group if id(p) in wanted]
+        if not starting:
+            continue
+        if kind != "etcd":
+            if not is_running(state.etcd):
+                raise click.ClickException(
+                    "etcd is down: `gazctl dev up` starts it, and every other process that is down"
+                )
+            keys = [p.lease_key for p in starting if p.lease_key]
+            asyncio.run(revoke_leases(state.etcd.address, keys))
+        popens = [launch(p) for p in starting]
+        state.save()
+        wait_started(state, kind, starting, popens, timeout)
+        if kind == "brokers":  # Ready once the journals have their replicas again.
+            asyncio.run(wait_journals_assigned(state, timeout))
+
+
+FLAGS = {"postgres", "tls", "auth"}
+
+
+def as_flag(name: str, value: object) -> str:
+    """How `up` would be given `value`: `--brokers 3`, `--tls`, `no --app`."""
+    if name in FLAGS:
+        return f"--{name}" if value else f"no --{name}"
+    if value is None or value == []:
+        return f"no --{name}"
+    if isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    return f"--{name} {value}"
+
+
+def resume(
+    state: ClusterState, given: Mapping[str, object], directory: str, timeout: float
+) -> None:
+    """`up` on a cluster of which some processes run: the flags `given` must describe it;
+    start those that are down, and leave the others running."""
+    running = {
+        "brokers": len(state.brokers),
+        "consumers": len(state.consumers),
+        "app": state.app or None,
+        "postgres": state.postgres is not None,
+        "locations": state.location_names(),
+        "tls": state.tls,
+        "auth": state.auth,
+    }
+    differ = [name for name, value in given.items() if running[name] != value]
+    if differ:
+        have = ", ".join(as_flag(n, running[n]) for n in differ)
+        want = ", ".join(as_flag(n, given[n]) for n in differ)
+        raise click.ClickException(
+            f"the dev cluster in {state.dir} runs with {have}, not {want}: stop it first "
+            f"(`gazctl dev down --dir {directory}`), or leave the flag out to keep it as it is"
+        )
+    down = [p for p in state.start_order() if not is_running(p)]
+    if not down:
+        DevSecurity.make(Path(state.dir), state.tls, state.auth).apply()
+        click.echo(f"a dev cluster is already running in {state.dir}:", err=True)
+        print_status(state)
+        print_exports(state)
+        return
+    start_again(state, down, timeout)
+    others = len(state.all()) - len(down)
+    click.echo(
+        f"started {', '.join(p.role for p in down)}; {others} other"
+        f"{' was' if others == 1 else 's were'} running",
+        err=True,
+    )
     print_status(state)
     print_exports(state)
 
@@ -858,11 +1170,77 @@ def down(directory: str, purge: bool) -> None:
 @dev.command("status")
 @dir_option
 def status(directory: str) -> None:
-    """Show the dev cluster's processes."""
+    """Show the dev cluster's processes, each running, paused (`dev kill --signal STOP`) or
+    down; exits 1 if one is down (`gazctl dev up` starts those)."""
+    state = load_state(directory)
+    print_status(state)
+    if not all(is_running(p) for p in state.all()):
+        sys.exit(1)
+
+
+def load_state(directory: str) -> ClusterState:
     root = Path(directory).resolve()
     state = ClusterState.load(root)
     if state is None:
         raise click.ClickException(f"no dev cluster in {root}: start one with `gazctl dev up`")
-    print_status(state)
-    if not all(is_running(p) for p in state.all()):
-        sys.exit(1)
+    return state
+
+
+def signal_named(ctx: click.Context, param: click.Parameter, value: str) -> signal.Signals:
+    """`--signal`: by name (KILL, SIGKILL, kill) or number (9)."""
+    text = value.strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+    except (KeyError, ValueError):
+        raise click.BadParameter(
+            f"{value!r} is not a signal (e.g. KILL, TERM, STOP, CONT, INT, HUP)"
+        ) from None
+
+
+@dev.command("kill")
+@dir_option
+@click.option(
+    "--signal", "sig", default="KILL", show_default=True, callback=signal_named,
+    help="The signal to send: KILL, TERM, STOP (pause), CONT (resume), INT, HUP, or a number",
+)  # fmt: skip
+@click.argument("name")
+def kill(directory: str, sig: signal.Signals, name: str) -> None:
+    """Send a signal to one process of the dev cluster: NAME as `dev status` shows it
+    (etcd, broker-0, consumer-1, postgres, location-east, location-east-broker). After KILL,
+    returns once the process is gone. `gazctl dev up` starts again whatever is down."""
+    state = load_state(directory)
+    proc = state.find(name)
+    if not is_running(proc):
+        raise click.ClickException(
+            f"{name} is already down (pid {proc.pid}): `gazctl dev up` starts it again"
+        )
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        raise click.ClickException(f"{name} exited (pid {proc.pid}) before the signal") from None
+    if sig == signal.SIGKILL:
+        deadline = time.monotonic() + 10
+        while is_running(proc) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    click.echo(f"sent {sig.name} to {name} (pid {proc.pid})", err=True)
+
+
+@dev.command("restart")
+@dir_option
+@click.option(
+    "--timeout", default=60.0, show_default=True,
+    help="Seconds to wait for it to stop (then SIGKILL), and then to become ready",
+)  # fmt: skip
+@click.argument("name")
+def restart(directory: str, timeout: float, name: str) -> None:
+    """Stop one process of the dev cluster (SIGTERM, then SIGKILL after --timeout), and start
+    it again as `up` did: its ports, id and folders; returns once it is ready. NAME as `dev
+    status` shows it."""
+    state = load_state(directory)
+    proc = state.find(name)
+    before = proc.pid
+    stop_pid(proc, timeout)
+    start_again(state, [proc], timeout)
+    click.echo(f"restarted {name}: pid {before} -> {proc.pid}", err=True)

@@ -1,4 +1,4 @@
-"""`gazctl dev up|down|status`: a real local cluster of etcd and broker subprocesses."""
+"""`gazctl dev up|down|status|kill|restart`: a real local cluster of etcd and broker subprocesses."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gazctl.dev import ClusterState, is_running
-from tests.conftest import run_cli
+from tests.conftest import Result, run_cli
 
 
 @pytest.fixture
@@ -78,21 +78,22 @@ def test_stale_state_from_a_crash_is_cleaned(cluster_dir: Path) -> None:
     )
     crashed = ClusterState.load(cluster_dir)
     assert crashed is not None
-    # A crash: the broker dies hard, etcd survives.
-    os.kill(crashed.brokers[0].pid, signal.SIGKILL)
+    # A crash (or a reboot): every process dies hard.
+    for proc in crashed.all():
+        os.kill(proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while is_running(crashed.brokers[0]) and time.monotonic() < deadline:
+    while any(is_running(p) for p in crashed.all()) and time.monotonic() < deadline:
         time.sleep(0.05)
 
     status = run_cli("gazctl", "dev", "status", "--dir", str(cluster_dir))
-    assert status.code != 0 and "stopped" in status.out
+    assert status.code != 0 and status.out.count("down") == 2
 
+    # Nothing of it runs: a new cluster, as the flags ask, on the same addresses.
     r = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "1", timeout=120)
     assert r.code == 0, r.err
     assert "stale" in r.err
     fresh = ClusterState.load(cluster_dir)
     assert fresh is not None and fresh.etcd.pid != crashed.etcd.pid
-    assert not is_running(crashed.etcd)  # The survivor of the crashed run was stopped.
     assert all(is_running(p) for p in fresh.all())
     assert [p.address for p in fresh.all()] == [p.address for p in crashed.all()]
     assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir), "--purge").code == 0
@@ -342,3 +343,106 @@ def test_up_with_tls_and_auth_runs_every_process_on_them(cluster_dir: Path) -> N
     assert again.code == 0 and exported(again.out) == env
     assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
     assert not any(is_running(p) for p in state.all())
+
+
+def dev(cluster_dir: Path, *args: str, timeout: float = 120) -> Result:
+    return run_cli("gazctl", "dev", args[0], "--dir", str(cluster_dir), *args[1:], timeout=timeout)
+
+
+def pids(state: ClusterState) -> dict[str, int]:
+    return {p.role: p.pid for p in state.all()}
+
+
+def chunker(broker: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "consumer.examples.stream_sum", "chunker", "--broker.address",
+         broker, "--streams", "5", "--chunks", "3", "--timeout", "60"],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_kill_one_process_then_up_starts_only_it_and_restart(cluster_dir: Path) -> None:
+    """Failover by hand, on one cluster of stream-sum: `up --app stream-sum` runs its setup;
+    `dev kill broker-1` and `dev status` shows it down; `dev up` starts only it, on its
+    address, and refuses flags that differ from the running cluster's; `dev restart
+    consumer-0` gives it a new pid; the chunker's sums are exact before and after. Unknown
+    names and signals are one line each."""
+    r = dev(cluster_dir, "up", "--brokers", "2", "--app", "stream-sum", timeout=180)
+    assert r.code == 0, r.err
+    state = ClusterState.load(cluster_dir)
+    assert state is not None and state.app == "stream-sum" and len(state.consumers) == 2
+    env = exported(r.out)
+    listed = run_cli("gazctl", "journals", "list", env=env)
+    assert listed.code == 0, listed.err
+    for name in ("chunks/part-000", "chunks/part-001", "sums"):
+        assert f"examples/stream-sum/{name}" in listed.out
+    shards = run_cli("gazctl", "shards", "list", "-p", env=env)
+    assert shards.code == 0 and shards.out.count("PRIMARY") == 4, shards.out  # 2 shards.
+    ran = chunker(env["BROKER_ADDRESS"])
+    assert ran.returncode == 0, ran.stderr
+
+    before = pids(state)
+    killed = dev(cluster_dir, "kill", "broker-1")
+    assert killed.code == 0 and f"sent SIGKILL to broker-1 (pid {before['broker-1']})" in killed.err
+    status = dev(cluster_dir, "status")
+    assert status.code == 1
+    assert [line.split()[0] for line in status.out.splitlines() if " down " in line] == ["broker-1"]
+    again = dev(cluster_dir, "kill", "broker-1")
+    assert again.code == 1 and "already down" in again.err
+
+    # A different configuration than the one running: refused, nothing started or stopped.
+    refused = dev(cluster_dir, "up", "--brokers", "3", "--app", "stream-sum")
+    assert refused.code == 1 and "Traceback" not in refused.err
+    assert refused.err.count("\n") == 1 and "--brokers 2, not --brokers 3" in refused.err
+    assert "dev down" in refused.err
+    assert ClusterState.load(cluster_dir) == state
+
+    started = dev(cluster_dir, "up")
+    assert started.code == 0, started.err
+    assert "started broker-1; 4 others were running" in started.err
+    after = ClusterState.load(cluster_dir)
+    assert after is not None
+    assert {k: v for k, v in pids(after).items() if k != "broker-1"} == {
+        k: v for k, v in before.items() if k != "broker-1"
+    }
+    assert after.brokers[1].pid != before["broker-1"] and is_running(after.brokers[1])
+    assert [p.address for p in after.all()] == [p.address for p in state.all()]
+    assert exported(started.out) == env
+    assert dev(cluster_dir, "status").code == 0
+    running = dev(cluster_dir, "up")
+    assert running.code == 0 and "already running" in running.err
+    assert ClusterState.load(cluster_dir) == after
+
+    # Paused and resumed: `status` says so.
+    assert dev(cluster_dir, "kill", "--signal", "STOP", "consumer-1").code == 0
+    paused = dev(cluster_dir, "status")
+    assert paused.code == 0 and "paused" in paused.out
+    assert dev(cluster_dir, "kill", "--signal", "cont", "consumer-1").code == 0
+
+    restarted = dev(cluster_dir, "restart", "consumer-0")
+    assert restarted.code == 0, restarted.err
+    final = ClusterState.load(cluster_dir)
+    assert final is not None and final.consumers[0].pid != before["consumer-0"]
+    assert not is_running(after.consumers[0]) and is_running(final.consumers[0])
+    assert {k: v for k, v in pids(final).items() if k != "consumer-0"} == {
+        k: v for k, v in pids(after).items() if k != "consumer-0"
+    }
+    ran = chunker(env["BROKER_ADDRESS"])
+    assert ran.returncode == 0, ran.stderr
+    shards = run_cli("gazctl", "shards", "list", env=env)  # consumer-0 answers again.
+    assert shards.code == 0, shards.err
+
+    unknown = dev(cluster_dir, "kill", "broker-7")
+    assert unknown.code == 1 and "Traceback" not in unknown.err
+    assert unknown.err.strip().splitlines() == [
+        f"Error: no process 'broker-7' in the dev cluster in {cluster_dir.resolve()}: give one "
+        "of etcd, broker-0, broker-1, consumer-0, consumer-1"
+    ]
+    assert dev(cluster_dir, "restart", "nothing").code == 1
+    bad = dev(cluster_dir, "kill", "--signal", "BOGUS", "broker-0")
+    assert bad.code == 2 and "'BOGUS' is not a signal" in bad.err and "Traceback" not in bad.err
+    assert ClusterState.load(cluster_dir) == final and all(is_running(p) for p in final.all())
+
+    down = dev(cluster_dir, "down")
+    assert down.code == 0 and "stopped 5" in down.err
