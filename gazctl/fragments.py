@@ -22,15 +22,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from broker.client import JournalsClient
-from broker.client.appender import append
+from broker.client.appender import AppendError, append
+from broker.client.routes import waiting
 from broker.fragment.content import fragment_path
 from broker.fragment.stores import FragmentStore, StoreError, check_store_url, open_store
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from gazctl.journals import broker_options, client_of, file_root_option, journals
+from gazctl.journals import broker_options, client_of, file_root_option, journals, wait_option
 from gazctl.journals_io import matching
-from gazctl.render import console, err_console
+from gazctl.render import console, err_console, note
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 
 NONE = pb.JournalSpec.Suspend.NONE
@@ -417,14 +418,6 @@ def store_health_cmd(store_url: str, check_delete_prefix: str | None, **opts: An
 
 # ---- suspend ----------------------------------------------------------------------------------
 
-# Statuses of a journal whose route is still forming (e.g. just created): retried a while.
-TRANSIENT = (
-    pb.NO_JOURNAL_PRIMARY_BROKER,
-    pb.INSUFFICIENT_JOURNAL_BROKERS,
-    pb.NOT_JOURNAL_PRIMARY_BROKER,
-)
-RETRY_FOR = 10.0
-
 
 @dataclass
 class Suspension:
@@ -459,19 +452,21 @@ class Suspension:
 
 
 async def _suspend_one(
-    stub: pb_grpc.JournalStub, name: str, mode: pb.AppendRequest.Suspend
+    stub: pb_grpc.JournalStub, name: str, mode: pb.AppendRequest.Suspend, wait: float
 ) -> tuple[str, int]:
-    """A zero-byte suspending append; returns a failure ("" if none) and the etcd revision
-    its response was served at."""
-    deadline = time.monotonic() + RETRY_FOR
-    while True:
-        response = await append(stub, name, b"", suspend=mode, check=False, timeout=RPC_TIMEOUT)
+    """A zero-byte suspending append, waiting (up to `wait` seconds) while the journal's route
+    forms; returns a failure ("" if none) and the etcd revision its response was served at."""
+    try:
+        response = await waiting(
+            lambda: append(stub, name, b"", suspend=mode, timeout=RPC_TIMEOUT),
+            f"suspend of {name}", wait=wait, on_wait=note,
+        )  # fmt: skip
+    except AppendError as exc:
         # SUSPENDED answers an append to a journal that is (now) suspended: that is success.
-        if response.status in (pb.OK, pb.SUSPENDED):
-            return "", response.header.etcd.revision
-        if response.status not in TRANSIENT or time.monotonic() > deadline:
-            return pb.Status.Name(response.status), 0
-        await asyncio.sleep(0.2)
+        if exc.status == pb.SUSPENDED:
+            return "", exc.response.header.etcd.revision
+        return pb.Status.Name(exc.status), 0
+    return "", response.header.etcd.revision
 
 
 async def _suspend(opts: dict[str, Any], selector: str, force: bool) -> list[Suspension]:
@@ -480,7 +475,9 @@ async def _suspend(opts: dict[str, Any], selector: str, force: bool) -> list[Sus
     outcomes = [Suspension(j.spec.name, j.spec.suspend) for j in journals_]
     async with client_of(opts) as client:
         todo = [o for o in outcomes if o.before.level != FULL]
-        results = await asyncio.gather(*(_suspend_one(client.stub, o.journal, mode) for o in todo))
+        results = await asyncio.gather(
+            *(_suspend_one(client.stub, o.journal, mode, opts["wait"]) for o in todo)
+        )
         for outcome, (failed, _) in zip(todo, results, strict=True):
             outcome.failed = failed
         # The suspension is in the journal spec: list it, once the broker has seen the updates.
@@ -506,6 +503,7 @@ async def _listed_through(
 
 @journals.command("suspend")
 @broker_options
+@wait_option
 @click.option("-l", "--selector", required=True, help="Label selector of journals to suspend")
 @click.option("-f", "--force", is_flag=True,
               help="Suspend even journals whose fragments are not yet persisted")  # fmt: skip

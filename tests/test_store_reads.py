@@ -20,8 +20,9 @@ import grpc
 import pytest
 
 from broker.client import JournalsClient
-from broker.client.appender import AppendError, append
+from broker.client.appender import AppendError
 from broker.client.journals import dial, grpc_target
+from broker.client.routes import append_routed
 from broker.fragment.content import fragment_path, stream_blocks
 from broker.fragment.fragments import sum_from_digest
 from broker.fragment.stores import open_store
@@ -128,24 +129,12 @@ class ThrottledReader:
 async def first_append(
     address: str, stub: pb_grpc.JournalStub, name: str, seen: list[str]
 ) -> pb.AppendResponse:
-    """Apply a new journal and append to it, retrying only while its route forms (it is
-    assigned by the allocator, and its replica lists its store before taking the append).
-    Statuses met on the way are added to `seen`."""
+    """Apply a new journal and append to it, waiting (as the library's appender does) while
+    its route forms: it is assigned by the allocator, and its replica lists its store before
+    taking the append. Statuses met on the way are added to `seen`."""
     async with JournalsClient(address) as client:
         await client.apply([pb.ApplyRequest.Change(upsert=journal(name))])
-    while True:
-        try:
-            return await append(stub, name, b"first record\n")
-        except AppendError as exc:
-            seen.append(pb.Status.Name(exc.status))
-            forming = (
-                pb.INSUFFICIENT_JOURNAL_BROKERS,
-                pb.NO_JOURNAL_PRIMARY_BROKER,
-                pb.NOT_JOURNAL_PRIMARY_BROKER,
-            )
-            if exc.status not in forming:
-                raise
-        await asyncio.sleep(0.1)
+    return await append_routed(stub, name, b"first record\n", on_wait=seen.append, wait=3600.0)
 
 
 async def test_slow_store_readers_do_not_starve_appends(
