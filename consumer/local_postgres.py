@@ -1,7 +1,8 @@
 """A local PostgreSQL for development and tests: Debian's `initdb` and `postgres` (from PATH, or
-/usr/lib/postgresql/*/bin), a cluster in a directory, listening on 127.0.0.1 only, with trusted
-local connections. As root, the server runs as the `postgres` user (it refuses to run as root),
-through `setpriv`, which execs it: the pid its caller holds is the server's, to stop by pid."""
+/usr/lib/postgresql/*/bin), a cluster in a directory, listening on 127.0.0.1 only (or one other
+address the caller owns, such as the fault harness's bridge), with trusted local connections. As
+root, the server runs as the `postgres` user (it refuses to run as root), through `setpriv`,
+which execs it: the pid its caller holds is the server's, to stop by pid."""
 
 from __future__ import annotations
 
@@ -67,22 +68,27 @@ def init_cluster(root: Path) -> None:
             raise RuntimeError(f"initdb of {data} failed: {last}")
 
 
-def postgres_command(root: Path, port: int) -> list[str]:
+def postgres_command(root: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     return [
         *_as_server_user(), postgres_binary("postgres"), "-D", str(root / "data"),
-        "-p", str(port), "-h", "127.0.0.1", "-k", str(root / "sockets"), "-c", "fsync=on",
+        "-p", str(port), "-h", host, "-k", str(root / "sockets"), "-c", "fsync=on",
     ]  # fmt: skip
 
 
-def postgres_dsn(port: int) -> str:
-    return f"postgresql://postgres@127.0.0.1:{port}/postgres"
+def postgres_dsn(port: int, host: str = "127.0.0.1") -> str:
+    return f"postgresql://postgres@{host}:{port}/postgres"
 
 
 def wait_postgres_ready(
-    proc: subprocess.Popen[bytes], root: Path, port: int, log: Path, timeout: float = 30.0
+    proc: subprocess.Popen[bytes],
+    root: Path,
+    port: int,
+    log: Path,
+    timeout: float = 30.0,
+    host: str = "127.0.0.1",
 ) -> None:
     deadline = time.monotonic() + timeout
-    while not (root / "data" / "postmaster.pid").exists() or not _accepts_logins(port):
+    while not (root / "data" / "postmaster.pid").exists() or not _accepts_logins(port, host):
         if proc.poll() is not None:
             lines = log.read_text(errors="replace").strip().splitlines() or ["(no output)"]
             raise RuntimeError(f"postgres exited with status {proc.returncode}: {lines[-1]}")
@@ -93,13 +99,13 @@ def wait_postgres_ready(
         time.sleep(0.05)
 
 
-def _accepts_logins(port: int) -> bool:
+def _accepts_logins(port: int, host: str = "127.0.0.1") -> bool:
     """Whether the server takes logins: it listens on its port before that, while it starts
     up (and refuses them: "the database system is starting up"), so a connected socket is not
     enough; pg_isready tells the two apart."""
     with socket.socket() as s:
         s.settimeout(0.2)
-        if s.connect_ex(("127.0.0.1", port)) != 0:
+        if s.connect_ex((host, port)) != 0:
             return False
-    check = [postgres_binary("pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port), "-t", "2"]
+    check = [postgres_binary("pg_isready"), "-q", "-h", host, "-p", str(port), "-t", "2"]
     return subprocess.run([*check, "-U", "postgres", "-d", "postgres"], check=False).returncode == 0

@@ -11,7 +11,9 @@ A failing scenario's history and logs are kept (the path is printed).
 
 The replication scenarios (`tests/faults/replication_scenarios.py`: a network of locations on
 broker clusters of their own, under location faults) run after the broker ones and print a table
-of their own; `--replication` runs only them, `--brokers` only the broker ones.
+of their own, and so do the consumer scenarios (`tests/faults/consumer_scenarios.py`: stream-sum
+on each store under consumer, broker, etcd and PostgreSQL faults); `--brokers`, `--replication`
+and `--consumers` run only that group (any two together, those two).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ import time
 from pathlib import Path
 
 from tests.faults.checker import Report, check
+from tests.faults.consumer_checker import ConsumerHistory
+from tests.faults.consumer_checker import Report as ConsumerReport
+from tests.faults.consumer_checker import check as check_consumers
+from tests.faults.consumer_scenarios import CONSUMER_SCENARIOS, run_consumer_scenario
 from tests.faults.history import History
 from tests.faults.network import namespaces_unavailable
 from tests.faults.replication_checker import ReplicationHistory
@@ -37,7 +43,7 @@ from tests.faults.replication_checker import check as check_replication
 from tests.faults.replication_scenarios import REPLICATION_SCENARIOS, run_replication_scenario
 from tests.faults.scenarios import SCENARIOS, ScenarioSkipped, run_scenario
 
-ALL_SCENARIOS = [*SCENARIOS, *REPLICATION_SCENARIOS]
+ALL_SCENARIOS = [*SCENARIOS, *REPLICATION_SCENARIOS, *CONSUMER_SCENARIOS]
 
 
 def table(rows: list[tuple[Report, float]]) -> str:
@@ -93,6 +99,34 @@ def replication_table(rows: list[tuple[ReplicationReport, float]]) -> str:
     return "\n".join(lines)
 
 
+def consumer_table(rows: list[tuple[ConsumerReport, float]]) -> str:
+    lines = [
+        "| scenario | store | seed | cycles | chunks acknowledged | in doubt | streams | exact sums "
+        "| wrong | duplicated | missing | zombie commits | FAILED (own fault) | wall time "
+        "| violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, wall in rows:
+        lines.append(
+            f"| {r.scenario} | {r.store} | {r.seed} | {r.cycles} | {r.chunks} | {r.indeterminate} "
+            f"| {r.streams} | {r.exact} | {r.count('wrong-sum')} | {r.count('duplicate-sum')} "
+            f"| {r.count('missing-sum')} | {r.count('zombie-commit')} "
+            f"| {r.count('failed-shard')} ({r.failed_excused}) | {wall:.0f} s "
+            f"| {len(r.violations)} |"
+        )
+    t = [r for r, _ in rows]
+    lines.append(
+        f"| **all** | | | {sum(r.cycles for r in t)} | {sum(r.chunks for r in t)} "
+        f"| {sum(r.indeterminate for r in t)} | {sum(r.streams for r in t)} "
+        f"| {sum(r.exact for r in t)} | {sum(r.count('wrong-sum') for r in t)} "
+        f"| {sum(r.count('duplicate-sum') for r in t)} | {sum(r.count('missing-sum') for r in t)} "
+        f"| {sum(r.count('zombie-commit') for r in t)} "
+        f"| {sum(r.count('failed-shard') for r in t)} ({sum(r.failed_excused for r in t)}) "
+        f"| {sum(w for _, w in rows):.0f} s | {sum(len(r.violations) for r in t)} |"
+    )
+    return "\n".join(lines)
+
+
 def _dump_tasks() -> None:
     """SIGUSR1: print every task's stack (what a stuck run waits for)."""
     for task in asyncio.all_tasks():
@@ -106,9 +140,20 @@ async def campaign(args: argparse.Namespace) -> int:
     if args.scenario:
         names = args.scenario
     else:
+        groups = {"brokers": args.brokers, "replication": args.replication, "consumers": args.consumers}  # fmt: skip
+        every = not any(groups.values())
         names = [
-            *([] if args.replication else SCENARIOS),
-            *([] if args.brokers else [n for n, s in REPLICATION_SCENARIOS.items() if s.default]),
+            *(SCENARIOS if every or args.brokers else []),
+            *(
+                [n for n, s in REPLICATION_SCENARIOS.items() if s.default]
+                if every or args.replication
+                else []
+            ),
+            *(
+                [n for n, s in CONSUMER_SCENARIOS.items() if s.default]
+                if every or args.consumers
+                else []
+            ),
         ]
     unknown = [n for n in names if n not in ALL_SCENARIOS]
     if unknown:
@@ -123,8 +168,12 @@ async def campaign(args: argparse.Namespace) -> int:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="gazette-faults-"))
     rows: list[tuple[Report, float]] = []
     replication_rows: list[tuple[ReplicationReport, float]] = []
+    consumer_rows: list[tuple[ConsumerReport, float]] = []
     failed = False
     for name in names:
+        if name in CONSUMER_SCENARIOS:
+            failed |= not await _consumers(args, name, seed, root, namespaces, consumer_rows)
+            continue
         if name in REPLICATION_SCENARIOS:
             failed |= not await _replication(args, name, seed, root, namespaces, replication_rows)
             continue
@@ -171,6 +220,8 @@ async def campaign(args: argparse.Namespace) -> int:
         tables.append(table(rows))
     if replication_rows:
         tables.append(replication_table(replication_rows))
+    if consumer_rows:
+        tables.append(consumer_table(consumer_rows))
     print("\n\n".join(tables))
     if args.table:
         Path(args.table).write_text("\n\n".join(tables) + "\n")
@@ -226,6 +277,51 @@ async def _replication(
     return True
 
 
+async def _consumers(
+    args: argparse.Namespace,
+    name: str,
+    seed: int,
+    root: Path,
+    namespaces: bool | None,
+    rows: list[tuple[ConsumerReport, float]],
+) -> bool:
+    """Run consumer scenario `name` as `campaign` runs a broker one; whether it passed."""
+    scenario = CONSUMER_SCENARIOS[name]
+    workdir = root / name
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    print(f"{name} (seed {seed}): {scenario.summary}", flush=True)
+    replay = f"python -m tests.faults --scenario {name} --seed {seed}"
+    try:
+        history, report, wall = await run_consumer_scenario(
+            scenario, seed, workdir, cycles=args.cycles, budget=args.budget, namespaces=namespaces
+        )
+    except ScenarioSkipped as exc:
+        print(f"  skipped: {exc}")
+        return True
+    except Exception as exc:
+        print(f"  FAILED to run: {type(exc).__name__}: {exc}")
+        print(f"  logs in {workdir}; replay: {replay}")
+        return False
+    history.save(workdir / "history.json")
+    rows.append((report, wall))
+    print("  " + report.summary().replace("\n", "\n  "))
+    if not report.ok:
+        print(f"  history and logs kept in {workdir}")
+        print(f"  replay: {replay}")
+        return False
+    if not args.keep:
+        for child in workdir.iterdir():
+            if child.name != "history.json":
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink()
+    sys.stdout.flush()
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.faults", description=__doc__.split("\n")[0]
@@ -236,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--replication", action="store_true", help="only the replication scenarios")  # fmt: skip
     parser.add_argument("--brokers", action="store_true", help="only the broker scenarios")
+    parser.add_argument("--consumers", action="store_true", help="only the consumer scenarios")
     parser.add_argument("--cycles", type=int, help="fault cycles per scenario (default: its own)")
     parser.add_argument(
         "--budget", type=float,
@@ -256,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("broker.message").setLevel(logging.CRITICAL)
     if args.check:
         document = json.loads(Path(args.check).read_text())
+        if "sums" in document:  # A consumer scenario's history.
+            consumers = check_consumers(ConsumerHistory.load(Path(args.check)))
+            print(consumers.summary())
+            return 0 if consumers.ok else 1
         if "emits" in document:  # A replication scenario's history.
             replication = check_replication(ReplicationHistory.load(Path(args.check)))
             print(replication.summary())

@@ -129,6 +129,9 @@ class ClusterConfig:
     # with authorization (every call's token verified; brokers sign their own).
     tls: bool = False
     auth: bool = False
+    # Namespaces beyond the brokers' (indices from `brokers` on), for processes of the caller's
+    # own (the consumer campaign's consumers), on the same bridge and cut the same way.
+    extra_nodes: int = 0
 
 
 @dataclass
@@ -170,7 +173,7 @@ class Cluster:
     async def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         if self.config.namespaces:
-            self.network = Namespaces(self.config.brokers, self.rng)
+            self.network = Namespaces(self.config.brokers + self.config.extra_nodes, self.rng)
         self.etcd_port = _free_port(self.network.etcd_host)
         self.start_etcd()
         await self._start_store()
