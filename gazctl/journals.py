@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import grpc
 from google.protobuf import json_format
 
 from broker import config as cfg
@@ -168,12 +169,56 @@ def plan(entries: list[jspec.JournalEntry], current: ListSnapshot) -> list[rende
     return out
 
 
+async def dropped_store_warnings(
+    client: JournalsClient, entries: list[jspec.JournalEntry], current: ListSnapshot
+) -> list[str]:
+    """A warning for each journal whose new spec drops a store that holds fragments of it:
+    once the store is no longer listed, the brokers' index forgets those fragments, and reads
+    cannot reach that content (upstream's index behaves the same)."""
+    by_name = {j.spec.name: j.spec for j in current.journals}
+    warnings = []
+    for entry in entries:
+        before = by_name.get(entry.spec.name)
+        if entry.delete or before is None:
+            continue
+        dropped = [s for s in before.fragment.stores if s not in entry.spec.fragment.stores]
+        if not dropped:
+            continue
+        held: list[pb.Fragment] = []
+        token = 0
+        while True:
+            try:
+                listed = await client.stub.ListFragments(
+                    pb.FragmentsRequest(journal=entry.spec.name, next_page_token=token)
+                )
+            except grpc.aio.AioRpcError:
+                break  # Not served right now: nothing to say about its fragments.
+            held += [f.spec for f in listed.fragments if f.spec.backing_store in dropped]
+            token = listed.next_page_token
+            if not token:
+                break
+        if not held:
+            continue
+        ranges = ", ".join(f"[{f.begin}, {f.end})" for f in held[:3])
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        stores = " ".join(dropped)
+        warnings.append(
+            f"warning: {entry.spec.name}: the change drops {stores}, which holds "
+            f"{len(held)} of its fragments ({ranges}{more}): reads will not reach them. To keep "
+            f"them readable, list {stores} after the new store(s)"
+        )
+    return warnings
+
+
 async def _apply(
     opts: dict[str, Any], entries: list[jspec.JournalEntry], dry_run: bool, max_txn_size: int
 ) -> list[render.PlannedChange]:
     async with client_of(opts) as client:
         # The plan names what changes (and which journals conflict) for dry runs and summaries.
-        planned = plan(entries, await client.list())
+        current = await client.list()
+        planned = plan(entries, current)
+        for warning in await dropped_store_warnings(client, entries, current):
+            render.note(warning)
         if dry_run:
             return planned
         try:

@@ -314,10 +314,18 @@ async def _read(
         direct = options.file_root is not None or not any(
             store.startswith("file:") for store in spec.fragment.stores
         )
+
+        def skipped(begin: int, end: int) -> None:
+            note(
+                f"{name}: skipped [{begin}, {end}): no broker holds it and no store of its spec "
+                "lists it (if a store was dropped from the spec, list it again after the new one)"
+            )
+            next_offsets[name] = end
+
         chunks = read_retrying(
             lambda: stub, name, offset, block=options.block, wait=options.wait,
             on_wait=note, direct=direct, file_root=options.file_root,
-            begin_mod_time=options.begin_mod_time,
+            begin_mod_time=options.begin_mod_time, on_hole=skipped,
         )  # fmt: skip
         async for chunk in chunks:
             async with lock:  # Whole chunks from one journal at a time.

@@ -17,6 +17,7 @@ from broker.client import JournalsClient
 from broker.client.appender import append
 from broker.client.journals import dial
 from broker.client.reader import read
+from broker.client.routes import append_routed
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import sum_from_digest
 from broker.fragment.stores import open_store
@@ -24,6 +25,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
 from tests.conftest import start_broker_process
+from tests.test_gazctl_journals import gazctl
 from tests.test_persistence import routed
 
 STORE = "file:///fragments/"
@@ -35,14 +37,14 @@ def content(begin: int, end: int) -> bytes:
     return b"".join(b"\n" if i % 20 == 19 else bytes([97 + i % 26]) for i in range(begin, end))
 
 
-def persist(root: Path, begin: int, end: int) -> None:
+def persist(root: Path, begin: int, end: int, store: str = STORE) -> None:
     """A fragment of [begin, end) put straight into the store, as another broker would."""
     body = content(begin, end)
     fragment = pb.Fragment(
         journal=JOURNAL, begin=begin, end=end,
         sum=sum_from_digest(hashlib.sha1(body).digest()), compression_codec=pb.NONE,
     )  # fmt: skip
-    assert open_store(STORE, file_root=root).put(
+    assert open_store(store, file_root=root).put(
         fragment_path(fragment), io.BytesIO(body), len(body)
     )
 
@@ -76,6 +78,63 @@ async def test_a_read_across_a_range_persisted_after_the_last_listing_reads_it(
 
         got = b"".join([c.content async for c in read(stub, JOURNAL, 0, block=False)])
         assert got == content(0, 340)
+    finally:
+        await channel.close(None)
+        stop_process(broker.proc)
+
+
+async def test_a_read_goes_past_a_range_no_store_holds_and_apply_warns_of_it(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """As an operator met it: [0, 20) persisted to store a/, [20, 40) in a local fragment, then
+    the spec's stores changed to b/ alone, which hides a/'s fragments. `journals apply` warns
+    that the change makes a/'s fragment unreadable, and `journals read` of the whole journal
+    prints [20, 40) with a note of what it skipped (it printed nothing, silently)."""
+    root = tmp_path / "root"
+    for store in ("a", "b"):
+        (root / store).mkdir(parents=True)
+    persist(root, 0, 20, "file:///a/")
+    broker = start_broker_process(
+        etcd_server, etcd_prefix, tmp_path / "broker.log",
+        extra=("--broker.file-root", str(root)),
+    )  # fmt: skip
+    channel = dial(broker.address)
+    spec_yaml = tmp_path / "spec.yaml"
+    template = (
+        f"name: {JOURNAL}\nrevision: -1\nreplication: 1\nfragment:\n  length: 1048576\n"
+        "  compression_codec: NONE\n  refresh_interval: 1m0s\n  stores: [{stores}]\n"
+    )
+    try:
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        spec_yaml.write_text(template.replace("{stores}", "file:///a/"))
+        assert gazctl(broker, "journals", "apply", "--specs", str(spec_yaml)).code == 0
+        async with JournalsClient(broker.address) as client:
+            await routed(client, JOURNAL, 1)
+        response = await append_routed(stub, JOURNAL, content(20, 40), offset=20)
+        assert (response.commit.begin, response.commit.end) == (20, 40)
+
+        spec_yaml.write_text(template.replace("{stores}", "file:///b/"))
+        r = gazctl(broker, "journals", "apply", "--specs", str(spec_yaml))
+        assert r.code == 0, r.err
+        assert (
+            f"warning: {JOURNAL}: the change drops file:///a/, which holds 1 of its fragments "
+            "([0, 20))" in r.err
+        ), r.err
+        assert "list file:///a/ after the new store(s)" in r.err
+
+        r = gazctl(broker, "journals", "read", "-l", f"name={JOURNAL}")
+        assert r.code == 0, r.err
+        assert r.out.encode() == content(20, 40)
+        assert f"{JOURNAL}: skipped [0, 20): no broker holds it" in r.err, r.err
+
+        # A blocking read with a hole handler goes past it too, then waits for new content.
+        skipped: list[tuple[int, int]] = []
+        reader = read(stub, JOURNAL, 0, block=True, on_hole=lambda b, e: skipped.append((b, e)))
+        first = await anext(reader)
+        assert (first.offset, skipped) == (20, [(0, 20)])
+        await reader.aclose()
+        # Without one, a read stops at the hole, as upstream's does.
+        assert [c async for c in read(stub, JOURNAL, 0, block=False)] == []
     finally:
         await channel.close(None)
         stop_process(broker.proc)

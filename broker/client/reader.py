@@ -49,6 +49,7 @@ async def read(
     begin_mod_time: int = 0,
     verify: bool = True,
     do_not_proxy: bool = False,
+    on_hole: Callable[[int, int], None] | None = None,
 ) -> AsyncIterator[Chunk]:
     """Content of `journal` from `offset` (-1: the write head). Non-blocking reads end at the
     write head; blocking reads wait for new commits until cancelled. Offsets may jump forward
@@ -61,13 +62,23 @@ async def read(
     `verify=False` skips the check of fragments the broker streams (it costs a CPU-second per
     GiB; the read_broker benchmark reports both). `begin_mod_time` skips
     fragments persisted before it (unix seconds). `do_not_proxy` reads what the broker dialed
-    holds itself, as upstream's flag (it must be a replica of the journal)."""
+    holds itself, as upstream's flag (it must be a replica of the journal).
+
+    `on_hole(begin, end)`: a read that meets a range below the write head that no broker or
+    listed store holds (a store dropped from the spec, fragments deleted) goes on past it, at
+    the next content the broker's index has, and tells `on_hole` what it skipped. Without it,
+    a read stops there (a blocking one waits), as upstream's reader does: the range may be a
+    fragment a replica is still persisting. A blocking read with `on_hole` reads without
+    blocking until it is caught up, so that it meets such ranges rather than waiting at them."""
     use_urls = direct
+    catching_up = block and on_hole is not None
+    rechecked = -1
     while True:
+        hole: tuple[int, int] | None = None
         request = pb.ReadRequest(
             journal=journal,
             offset=offset,
-            block=block,
+            block=block and not catching_up,
             end_offset=end_offset,
             do_not_proxy=use_urls or do_not_proxy,
             begin_mod_time=begin_mod_time,
@@ -81,7 +92,10 @@ async def read(
         try:
             async for response in call:
                 if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
-                    return
+                    if on_hole is None:
+                        return
+                    hole = (response.offset or offset, response.write_head)
+                    break
                 if response.status == pb.NOT_JOURNAL_BROKER and use_urls:
                     break  # Not a replica, and told not to proxy: ask again, proxied.
                 if response.status != pb.OK:
@@ -129,6 +143,26 @@ async def read(
         if held is not None:
             yield held
             held = None
+        if hole is not None:
+            at, head = hole
+            if at < head:
+                following = await _next_fragment(stub, journal, at)
+                if following is not None and following <= at:
+                    # Listed as held after all (the index changed meanwhile): read it again,
+                    # once; a broker that still has nothing there ends the read.
+                    if rechecked == at:
+                        return
+                    rechecked, offset = at, at
+                    continue
+                skip_to = head if following is None else following
+                assert on_hole is not None
+                on_hole(at, skip_to)
+                offset = skip_to
+                continue
+            if not catching_up:
+                return
+            catching_up, offset = False, at  # Caught up: block for what comes next.
+            continue
         if follow is None:
             use_urls = False  # Proxied from here on (the broker was not a replica).
             continue
@@ -143,6 +177,21 @@ async def read(
             continue
         if end_offset and offset >= end_offset:
             return
+
+
+async def _next_fragment(stub: pb_grpc.JournalStub, journal: str, offset: int) -> int | None:
+    """The begin of the first fragment the journal's index holds past `offset`, or None."""
+    token = 0
+    while True:
+        listed = await stub.ListFragments(
+            pb.FragmentsRequest(journal=journal, next_page_token=token, page_limit=1000)
+        )
+        for fragment in listed.fragments:
+            if fragment.spec.end > offset:
+                return max(int(fragment.spec.begin), offset)
+        token = listed.next_page_token
+        if not token:
+            return None
 
 
 async def _read_url(
