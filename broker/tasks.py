@@ -1,4 +1,5 @@
-"""Ownership of background tasks, and the one wait with a timeout that the broker uses.
+"""Ownership of background tasks, the one wait with a timeout that the broker uses, and blocking
+work (disk I/O) run on worker threads that are waited out, never abandoned.
 
 Every background task of the broker (keyspace watch, lease, allocator, pulses, fragment refresh,
 persists, pipeline teardowns and readers in turn) is started through the `TaskOwner` of the
@@ -11,8 +12,10 @@ small owner type.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -112,3 +115,33 @@ async def take_unless(queue: asyncio.Queue[T], event: asyncio.Event) -> tuple[bo
     if get.done() and not get.cancelled() and get.exception() is None:
         return True, get.result()
     return False, None
+
+
+def start_in_thread(fn: Callable[..., T], /, *args: Any) -> asyncio.Future[T]:
+    """Start `fn(*args)` on a worker thread of the loop's default executor; await what this
+    returns with `wait_out` (a thread cannot be cancelled: it must be waited for)."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    return asyncio.get_running_loop().run_in_executor(None, call)
+
+
+async def wait_out(future: asyncio.Future[T]) -> T:
+    """The result of `future`, a thread's work: a cancellation that arrives meanwhile is
+    raised only once the thread is done, so nothing it does (writing into a directory, removing
+    one) happens after its caller moved on."""
+    cancelled: asyncio.CancelledError | None = None
+    while not future.done():
+        try:
+            await asyncio.wait({future})  # Unlike an await of it, this never cancels it.
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        if not future.cancelled():
+            future.exception()  # Retrieved: the cancellation is what the caller gets.
+        raise cancelled
+    return future.result()
+
+
+async def in_thread(fn: Callable[..., T], /, *args: Any) -> T:
+    """`fn(*args)` on a worker thread, off the event loop (disk I/O: writes, fsyncs, `rmtree`),
+    waited out as `wait_out` does."""
+    return await wait_out(start_in_thread(fn, *args))

@@ -1,14 +1,15 @@
-"""The task owner, the one wait with a timeout, the taking of an owned item from a queue, and
-the one retry backoff."""
+"""The task owner, the one wait with a timeout, the taking of an owned item from a queue, work
+on a worker thread waited out through cancellation, and the one retry backoff."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from broker.retry import Backoff
-from broker.tasks import TaskOwner, take_unless, wait_any
+from broker.tasks import TaskOwner, in_thread, take_unless, wait_any
 
 
 async def test_close_cancels_and_awaits_every_task_and_refuses_new_ones() -> None:
@@ -85,6 +86,29 @@ async def test_take_unless_never_loses_an_item_to_cancellation() -> None:
     event = asyncio.Event()
     asyncio.get_running_loop().call_later(0.01, event.set)
     assert await take_unless(queue, event) == (False, None)
+
+
+async def test_in_thread_is_waited_out_when_cancelled() -> None:
+    """A cancellation (twice, even) is raised only once the thread's work is done: nothing it
+    does happens after its caller moved on."""
+    release, done = threading.Event(), threading.Event()
+
+    def work() -> None:
+        release.wait(10)
+        done.set()
+
+    task = asyncio.ensure_future(in_thread(work))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done.is_set()
+    assert await in_thread(sum, [1, 2]) == 3
 
 
 def test_backoff_grows_to_its_cap_and_resets() -> None:

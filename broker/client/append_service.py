@@ -1,7 +1,8 @@
 """AppendService: many small, asynchronous appends become few large ones.
 
-Records written to a journal are buffered in a local temporary file (not memory) and sent as one
-Append RPC per batch, in order: while one batch is in flight, the next accumulates. Each write
+Records written to a journal are buffered, up to `SPILL_AT` bytes in memory and past that in a
+local temporary file that a worker thread writes and reads (disk I/O never blocks the loop), and
+sent as one Append RPC per batch, in order: while one batch is in flight, the next accumulates. Each write
 returns a `PendingSpan`, awaited for the record's own span once its batch commits. Writers wait when a
 journal has too much pending (back-pressure); transient failures are retried, so a record is
 appended at least once and, once acknowledged, exactly where its PendingSpan says.
@@ -17,11 +18,11 @@ order: it resolves once everything written to the journal before it has committe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple
 
@@ -32,12 +33,17 @@ from broker.client.routes import RETRYABLE, Router, is_transient
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.retry import Backoff
+from broker.tasks import wait_out
 
 log = logging.getLogger(__name__)
 
 # Batches stream in larger chunks than interactive appends: per-message costs dominate in
 # Python, and a batch is all there is to send (no client waits on each chunk).
 BATCH_CHUNK = 1 << 20
+
+# A batch keeps this much in memory; past it, its records go to its temporary file on the disk
+# thread, in pieces of about this size (a record this large goes alone, never copied).
+SPILL_AT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -59,16 +65,63 @@ class Registers:
     subtract: pb.LabelSet | None = None
 
 
+def _batch_file() -> IO[bytes]:
+    return tempfile.TemporaryFile(prefix="gazette-append-")
+
+
+class _DiskThread:
+    """The one worker thread of an AppendService's batch files: jobs run one at a time, in the
+    order given, so a batch's writes, reads and close never overtake each other. Started at
+    the first job, ended by `close` once every job given before is done."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gazette-append-disk")
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def close(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            try:
+                await wait_out(asyncio.get_running_loop().run_in_executor(executor, _nothing))
+            finally:
+                executor.shutdown(wait=True)  # Idle by now: every job before the last is done.
+
+
+def _nothing() -> None:
+    pass
+
+
+class _BatchFileError(Exception):
+    """A batch's file could not be written or read back (its cause says why): the batch fails
+    with that cause, as a write to a full disk did when it was written on the loop."""
+
+
 class _Batch:
     """Records buffered for one Append RPC; `done` resolves with the offset where the batch
-    began once it commits (one future per batch, not per record: the publish path's cost)."""
+    began once it commits (one future per batch, not per record: the publish path's cost).
+    The first `spilled` bytes are in `file`, which only the disk thread touches; the rest are in
+    `buffer`."""
 
-    __slots__ = ("count", "dependency", "done", "file", "registers", "size")
+    __slots__ = (
+        "buffer", "count", "dependency", "disk", "done", "error", "file", "registers", "size",
+        "spilled",
+    )  # fmt: skip
 
     def __init__(
-        self, dependency: Awaitable[object] | None = None, registers: Registers | None = None
+        self,
+        disk: _DiskThread,
+        dependency: Awaitable[object] | None = None,
+        registers: Registers | None = None,
     ) -> None:
-        self.file: IO[bytes] = tempfile.TemporaryFile(prefix="gazette-append-")  # noqa: SIM115 (closed by the sender)
+        self.disk = disk
+        self.buffer = bytearray()
+        self.spilled = 0
+        self.file: IO[bytes] | None = None  # Made by the disk thread at the first spill.
+        self.error: Exception | None = None  # The disk thread's: the file cannot be sent.
         self.size = 0
         self.count = 0
         self.done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -77,17 +130,75 @@ class _Batch:
         self.registers = registers
 
     def add(self, journal: str, data: bytes) -> PendingSpan:
-        self.file.write(data)
         size = self.size
-        self.size = size + len(data)
+        length = len(data)
+        self.size = size + length
         self.count += 1
-        return _new_tuple(PendingSpan, (journal, self.done, size, len(data)))
+        if len(self.buffer) + length < SPILL_AT:
+            self.buffer += data
+        else:
+            self._spill(data)
+        return _new_tuple(PendingSpan, (journal, self.done, size, length))
+
+    def _spill(self, data: bytes) -> None:
+        """What is buffered, and `data`, to the file on the disk thread (a large record by
+        reference: it is not copied on the loop)."""
+        pieces: list[bytes | bytearray]
+        if len(data) >= SPILL_AT:
+            if type(data) is not bytes:
+                data = bytes(data)  # The writer's to change once `write` returns.
+            pieces = [self.buffer, data] if self.buffer else [data]
+        else:
+            self.buffer += data
+            pieces = [self.buffer]
+        self.buffer = bytearray()
+        self.spilled += sum(map(len, pieces))
+        self.disk.run(self._write, pieces).add_done_callback(_retrieve)
+
+    def _write(self, pieces: list[bytes | bytearray]) -> None:
+        """On the disk thread."""
+        if self.error is not None:
+            return  # The file lacks an earlier piece: reads raise the error.
+        try:
+            if self.file is None:
+                self.file = _batch_file()
+            for piece in pieces:
+                self.file.write(piece)
+        except Exception as exc:
+            self.error = exc
+
+    def _read(self, offset: int, end: int) -> bytes:
+        """On the disk thread: up to BATCH_CHUNK bytes of the file, from `offset`."""
+        if self.error is not None:
+            raise self.error
+        assert self.file is not None
+        self.file.seek(offset)  # Flushes what was written before.
+        return self.file.read(min(BATCH_CHUNK, end - offset))
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        self.file.flush()
-        self.file.seek(0)
-        while chunk := self.file.read(BATCH_CHUNK):
+        offset = 0
+        while offset < self.spilled:
+            try:
+                chunk = await self.disk.run(self._read, offset, self.spilled)
+                if not chunk:
+                    raise OSError(f"the batch file ends at {offset} of {self.spilled} bytes")
+            except Exception as exc:
+                raise _BatchFileError from exc
+            offset += len(chunk)
             yield chunk
+        for at in range(0, len(self.buffer), BATCH_CHUNK):
+            yield bytes(self.buffer[at : at + BATCH_CHUNK])
+
+    def discard(self) -> None:
+        """Its file is closed (removed) on the disk thread, after every job given before."""
+        self.buffer = bytearray()
+        if self.spilled:
+            self.disk.run(self._close).add_done_callback(_retrieve)
+
+    def _close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class DependencyFailed(RuntimeError):
@@ -133,7 +244,8 @@ class _Journal:
     def __init__(self, service: AppendService, name: str) -> None:
         self.service = service
         self.name = name
-        self.open = _Batch()
+        self.disk = service.disk
+        self.open = _Batch(self.disk)
         self.closed: list[_Batch] = []
         self.sending: _Batch | None = None
         self.pending = 0  # Bytes written and not yet committed (or failed).
@@ -149,14 +261,12 @@ class _Journal:
             # Another batch: these registers apply to the whole of it.
             if self.open.count:
                 self.closed.append(self.open)
-            else:
-                self.open.file.close()
-            self.open = _Batch(registers=registers)
+            self.open = _Batch(self.disk, registers=registers)
         pending = self.open.add(self.name, data)
         self.pending += len(data)
         if self.open.size >= self.service.max_batch:
             self.closed.append(self.open)
-            self.open = _Batch(registers=registers)
+            self.open = _Batch(self.disk, registers=registers)
         if self.pending >= self.service.max_pending:
             self.room.clear()
         self.wake.set()
@@ -172,8 +282,8 @@ class _Journal:
         # waits behind it.
         if self.open.count:
             self.closed.append(self.open)
-            self.open = _Batch()
-        batch = _Batch(dependency, registers)
+            self.open = _Batch(self.disk)
+        batch = _Batch(self.disk, dependency, registers)
         pending = batch.add(self.name, data)
         self.closed.append(batch)
         self.pending += len(data)
@@ -186,7 +296,7 @@ class _Journal:
         if self.closed:
             return self.closed.pop(0)
         if self.open.count:
-            batch, self.open = self.open, _Batch()
+            batch, self.open = self.open, _Batch(self.disk)
             return batch
         return None
 
@@ -215,7 +325,7 @@ class _Journal:
                 await self._send(batch)
             finally:
                 self.sending = None
-                batch.file.close()
+                batch.discard()
                 self.pending -= batch.size
                 if self.pending < self.service.max_pending:
                     self.room.set()
@@ -247,6 +357,9 @@ class _Journal:
                     self._fail(batch, exc)
                     return
                 error = exc
+            except _BatchFileError as exc:
+                self._fail(batch, exc.__cause__ or exc)
+                return
             else:
                 self.service.appends += 1
                 if self.service.router is not None:
@@ -311,6 +424,7 @@ class AppendService:
         # (None: for as long as it takes, as upstream's AppendService does).
         self.max_wait = max_wait
         self.closing = False
+        self.disk = _DiskThread()
         self.appends = 0  # Append RPCs committed: records / appends is the batching factor.
         self._journals: dict[str, _Journal] = {}
 
@@ -416,8 +530,8 @@ class AppendService:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         for j in self._journals.values():
-            with contextlib.suppress(Exception):
-                j.open.file.close()
+            j.open.discard()
+        await self.disk.close()
 
     async def __aenter__(self) -> AppendService:
         return self
