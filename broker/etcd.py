@@ -134,3 +134,24 @@ async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[An
         member_id=int(header.member_id),
         raft_term=int(header.raft_term),
     )
+
+
+async def get_many(client: aetcd.Client, keys: Sequence[bytes]) -> list[bytes | None]:
+    """The values of `keys` (None where absent), read in one etcd transaction: one revision."""
+    await client.connect()
+    request = rpc.TxnRequest(
+        compare=[],
+        success=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key)) for key in keys],
+        failure=[],
+    )
+    try:
+        response = await client.kvstub.Txn(
+            request, timeout=client._timeout, metadata=client.metadata
+        )
+    except rpc.AioRpcError as exc:
+        aetcd.exceptions._handle_exception(exc)
+        raise
+    return [
+        bytes(op.response_range.kvs[0].value) if op.response_range.kvs else None
+        for op in response.responses
+    ]

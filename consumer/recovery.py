@@ -6,11 +6,12 @@ etcd, playback into the replica's local directory, and the hand-off to a recorde
   store.
 * A **primary** completes playback with a hand-off: its player injects a no-op under the new
   author, which fences out the previous recorder, and makes the files live. A standby promoted to
-  primary does this on the log it already tails, so it takes over without replaying it. It then
-  rotates the hints it recovered from into the backups (`hint_backups` of them), and records
-  into the log from there (a `Recorder`), writing its hints to the primary key at once and then
-  periodically, each write guarded by its assignment (a primary that lost the shard cannot
-  overwrite its successor's hints).
+  primary does this on the log it already tails, so it takes over without replaying it. It
+  records into the log from there (a `Recorder`). Once its store opened and restored its
+  checkpoint, it rotates the hints of the state reached at hand-off into the backups
+  (`hint_backups` of them) and writes its hints to the primary key, then periodically, each
+  write guarded by its assignment (a primary that lost the shard cannot overwrite its
+  successor's hints). A store that fails to open leaves every hint as it was.
 """
 
 from __future__ import annotations
@@ -113,15 +114,14 @@ def _guard(assignment: KeyValue) -> list[transactions.Compare]:
 async def rotate_hints(
     etcd: aetcd.Client, spec: cpb.ShardSpec, recovered: rpb.FSMHints, assignment: KeyValue
 ) -> bool:
-    """Shift the backups down one and put the hints recovered from in the first (upstream's
-    storeRecoveredHints): a later disaster can still go back to them."""
+    """Shift the backups down one and put `recovered` in the first (upstream's
+    storeRecoveredHints): the hints of the state playback reached at hand-off, stored once the
+    store opened and restored its checkpoint from it, so that a later disaster can go back to a
+    state known to open. The backups are read in one transaction."""
     keys = hint_backup_keys(spec)
     if not keys:
         return True
-    values = []
-    for key in keys[:-1]:
-        got = await etcd.get(key.encode())
-        values.append(got.value if got is not None else None)
+    values = await etcdx.get_many(etcd, [key.encode() for key in keys[:-1]])
     puts = [transactions.Put(keys[0].encode(), encode_hints(recovered))]
     for key, value in zip(keys[1:], values, strict=True):
         if value is not None:

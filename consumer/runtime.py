@@ -586,6 +586,8 @@ class Consumer:
             log_name = recovery_log(spec)
             async with AppendService(self.router) as service:
                 recorder = await self._recover(replica, spec, service) if log_name else None
+                # The hints of the state reached at hand-off: into the backups once restored.
+                recovered = await recorder.build_hints() if recorder is not None else None
                 shard = Shard(
                     spec,
                     service,
@@ -599,6 +601,8 @@ class Consumer:
                 replica.store = store
 
                 async def advertise() -> None:  # Once the store is fenced and restored.
+                    if recorder is not None and recovered is not None:
+                        await self._store_recovered_hints(replica, spec, recorder, recovered)
                     await self._set_status(
                         replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
                     )
@@ -638,8 +642,8 @@ class Consumer:
 
     async def _recover(self, replica: _Replica, spec: cpb.ShardSpec, service: AppendService) -> Any:
         """The shard's local files, played from its recovery log (or taken over from this
-        replica's standby playback) and handed off to a new recorder; the hints recovered from
-        rotated into the backups, and the recorder's stored as the primary's."""
+        replica's standby playback) and handed off to a new recorder. Hints are stored only
+        once the store restored from them (`_store_recovered_hints`)."""
         playback = replica.playback
         if playback is not None and playback.task is not None and not playback.task.done():
             log.info(
@@ -651,10 +655,17 @@ class Consumer:
                 await playback.stop()
             log.info("shard %s: playing its recovery log from its hints", spec.id)
             playback = await self._start_playback(replica, spec, service)
-        recorder = await playback.hand_off(service)
+        return await playback.hand_off(service)
+
+    async def _store_recovered_hints(
+        self, replica: _Replica, spec: cpb.ShardSpec, recorder: Any, recovered: Any
+    ) -> None:
+        """As upstream, once the store opened and restored its checkpoint: the hints of the
+        state reached at hand-off rotated into the backups, and the recorder's stored as the
+        primary's."""
         rotated = await self._through_etcd(
             f"shard {spec.id}: rotating its hints",
-            lambda: rotate_hints(self.etcd, spec, playback.hints, replica.assignment),
+            lambda: rotate_hints(self.etcd, spec, recovered, replica.assignment),
         )
         if not rotated:
             raise RuntimeError(f"shard {spec.id}: assignment lost while recovering")
@@ -663,7 +674,6 @@ class Consumer:
             f"shard {spec.id}: storing its hints",
             lambda: store_hints(self.etcd, spec, hints, replica.assignment),
         )
-        return recorder
 
     async def _start_playback(
         self,

@@ -260,9 +260,9 @@ async def get_hints(
     spec, _ = found
     log = recovery_log(spec)
     keys = [hint_primary_key(spec), *hint_backup_keys(spec)]
-    for index, key in enumerate(keys):
-        got = await state.etcd.get(key.encode())
-        hints = _checked_hints(key, got.value if got is not None else None, log)
+    values = await etcdx.get_many(state.etcd, [key.encode() for key in keys])  # One revision.
+    for index, (key, value) in enumerate(zip(keys, values, strict=True)):
+        hints = _checked_hints(key, value, log)
         slot = response.primary_hints if index == 0 else response.backup_hints.add()
         if hints is not None:
             slot.hints.CopyFrom(hints)

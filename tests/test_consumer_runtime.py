@@ -374,3 +374,120 @@ async def test_a_brief_etcd_error_writing_a_status_is_retried(
         await consumer.stop()
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
+
+
+class RecordedSummer(Summer):
+    """Sums in a SQLite store recorded into the shard's recovery log. `broken`: its store fails
+    to open, as a corrupt database does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+
+    async def new_store(self, shard: Shard) -> Any:
+        from consumer.store_sqlite import SQLiteStore
+
+        if self.broken:
+            raise RuntimeError("database disk image is malformed")
+        return SQLiteStore(shard.recorder)
+
+    async def consume_message(
+        self, shard: Shard, store: Any, envelope: Any, publisher: Any
+    ) -> None:
+        key, n = envelope.message["key"], envelope.message["n"]
+
+        def add(db: Any) -> None:
+            db.execute("CREATE TABLE IF NOT EXISTS sums (key TEXT PRIMARY KEY, total INTEGER)")
+            db.execute(
+                "INSERT INTO sums VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET total = total + ?",
+                (key, n, n),
+            )
+
+        await store.run(add)
+        self.consumed += 1
+
+
+def _last_seq(hints: Any) -> int:
+    return max((s.last_seq_no for node in hints.live_nodes for s in node.segments), default=0)
+
+
+async def test_backup_hints_are_those_reached_at_hand_off_and_rotate_only_once_restored(
+    etcd_server: EtcdServer, sums_broker: BrokerHarness, sums_stub: pb_grpc.JournalStub
+) -> None:
+    """As upstream: a new primary stores into the first backup the hints of the state it
+    reached at hand-off (not the older hints its playback started from), and only once its
+    store opened and restored its checkpoint, so that a store that cannot open (a corrupt
+    database) leaves every good hint where it was."""
+    from broker.protocol import protocol_pb2 as pb
+    from consumer.protocol import hint_backup_keys, hint_primary_key
+    from consumer.recoverylog.hints import decode_hints
+    from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
+    from tests.consumer_testing import spec as journal_spec
+    from tests.test_persistence import routed
+
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    log_name = f"recovery/{root.rsplit('/', 1)[1]}/sum-r"
+    async with sums_broker.client() as client:
+        log_spec = journal_spec(log_name)
+        log_spec.labels.Clear()
+        log_spec.labels.labels.add(name="content-type", value=RECOVERY_LOG_CONTENT_TYPE)
+        await client.apply([pb.ApplyRequest.Change(upsert=log_spec)])
+        await routed(client, log_name, 1)
+    shard = cpb.ShardSpec(
+        id="sum-r", sources=[cpb.ShardSpec.Source(journal=INPUT)],
+        recovery_log_prefix=log_name.rsplit("/", 1)[0],
+        hint_prefix=f"/gazette-test-hints/{root.rsplit('/', 1)[1]}",
+        hint_backups=2, max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+    )  # fmt: skip
+    keys = [hint_primary_key(shard), *hint_backup_keys(shard)]
+    app = RecordedSummer()
+    etcd = aetcd.Client(host=etcd_server.host, port=etcd_server.client_port)
+
+    async def hints() -> list[bytes | None]:
+        got = [await etcd.get(key.encode()) for key in keys]
+        return [g.value if g is not None else None for g in got]
+
+    async def serve(n: int, want: int) -> list[bytes | None]:
+        """Consumer-n serves the shard until its status is `want`; the hints then."""
+        config = ConsumerConfig(
+            id=f"consumer-{n}", broker_address=sums_broker.endpoint,
+            etcd_address=etcd_server.endpoint, etcd_prefix=root, etcd_lease=5.0,
+        )  # fmt: skip
+        consumer = Consumer(config, app)
+        await consumer.start()
+        try:
+            shards, channel = shard_stub(consumer)
+            if n == 0:
+                await shards.Apply(
+                    cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=shard)])
+                )
+            await until(lambda: _equals(statuses(shards), [(f"consumer-{n}:primary", want)]))
+            if n == 0:  # Transactions recorded after the primary's first hints.
+                await publish_inputs(sums_stub, 40, seed=7)
+                await until(lambda: _consumed(app, 40))
+            await channel.close()
+            return await hints()
+        finally:
+            await consumer.stop()
+
+    try:
+        first = await serve(0, cpb.ReplicaStatus.PRIMARY)
+        assert first[0] is not None and first[1] is not None and first[2] is None
+        started_from = decode_hints(first[0])
+        second = await serve(1, cpb.ReplicaStatus.PRIMARY)
+        assert second[1] is not None and second[2] == first[1]  # The backups shifted down.
+        reached = decode_hints(second[1])
+        assert reached != started_from
+        assert _last_seq(reached) > _last_seq(started_from)  # Covers what consumer-0 recorded.
+
+        app.broken = True
+        third = await serve(2, cpb.ReplicaStatus.FAILED)
+        assert third == second  # Nothing rotated for a store that never opened.
+    finally:
+        await etcd.delete_prefix(root.encode())
+        await etcd.delete_prefix(shard.hint_prefix.encode())
+        await etcd.close()
+
+
+async def _consumed(app: Summer, count: int) -> bool:
+    return app.consumed >= count
