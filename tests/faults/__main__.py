@@ -34,6 +34,7 @@ from tests.faults.checker import Report, check
 from tests.faults.consumer_checker import ConsumerHistory
 from tests.faults.consumer_checker import Report as ConsumerReport
 from tests.faults.consumer_checker import check as check_consumers
+from tests.faults.consumer_harness import EVIDENCE
 from tests.faults.consumer_scenarios import CONSUMER_SCENARIOS, run_consumer_scenario
 from tests.faults.history import History
 from tests.faults.network import namespaces_unavailable
@@ -102,17 +103,17 @@ def replication_table(rows: list[tuple[ReplicationReport, float]]) -> str:
 def consumer_table(rows: list[tuple[ConsumerReport, float]]) -> str:
     lines = [
         "| scenario | store | seed | cycles | chunks acknowledged | in doubt | streams | exact sums "
-        "| wrong | duplicated | missing | zombie commits | FAILED (own fault) | wall time "
-        "| violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| wrong | duplicated | missing | zombie commits | FAILED (own fault) "
+        "| fenced / stray / take-overs | wall time | violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, wall in rows:
         lines.append(
             f"| {r.scenario} | {r.store} | {r.seed} | {r.cycles} | {r.chunks} | {r.indeterminate} "
             f"| {r.streams} | {r.exact} | {r.count('wrong-sum')} | {r.count('duplicate-sum')} "
             f"| {r.count('missing-sum')} | {r.count('zombie-commit')} "
-            f"| {r.count('failed-shard')} ({r.failed_excused}) | {wall:.0f} s "
-            f"| {len(r.violations)} |"
+            f"| {r.count('failed-shard')} ({r.failed_excused}) | {_evidence(r.evidence)} "
+            f"| {wall:.0f} s | {len(r.violations)} |"
         )
     t = [r for r, _ in rows]
     lines.append(
@@ -122,9 +123,16 @@ def consumer_table(rows: list[tuple[ConsumerReport, float]]) -> str:
         f"| {sum(r.count('duplicate-sum') for r in t)} | {sum(r.count('missing-sum') for r in t)} "
         f"| {sum(r.count('zombie-commit') for r in t)} "
         f"| {sum(r.count('failed-shard') for r in t)} ({sum(r.failed_excused for r in t)}) "
+        f"| {_evidence({k: sum(r.evidence.get(k, 0) for r in t) for k in EVIDENCE})} "
         f"| {sum(w for _, w in rows):.0f} s | {sum(len(r.violations) for r in t)} |"
     )
     return "\n".join(lines)
+
+
+def _evidence(counts: dict[str, int]) -> str:
+    """Zombie commits refused by a fence, stray bytes read past, standby take-overs (from the
+    summers' logs)."""
+    return " / ".join(str(counts.get(k, 0)) for k in EVIDENCE)
 
 
 def _dump_tasks() -> None:

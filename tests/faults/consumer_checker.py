@@ -105,6 +105,7 @@ class ConsumerHistory:
     failures: list[ShardStatus] = field(default_factory=list)  # FAILED, seen while healing.
     faults: list[FaultRecord] = field(default_factory=list)
     log_problems: list[str] = field(default_factory=list)  # Summers' log lines to judge.
+    evidence: dict[str, int] = field(default_factory=dict)  # Faults at work, from the logs.
     notes: list[str] = field(default_factory=list)
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
@@ -161,6 +162,7 @@ class Report:
     sums: int = 0  # Committed sums read back.
     exact: int = 0
     failed_excused: int = 0  # FAILED replicas whose own fault explains them.
+    evidence: dict[str, int] = field(default_factory=dict)
     violations: list[Violation] = field(default_factory=list)
 
     @property
@@ -177,6 +179,10 @@ class Report:
             f"streams, {self.sums} sums read back, {self.exact} exact, "
             f"{len(self.violations)} violations"
         )
+        if self.evidence:
+            head += (
+                " (logs: " + ", ".join(f"{k} {v}" for k, v in sorted(self.evidence.items())) + ")"
+            )
         lines = [head]
         kinds: dict[str, int] = {}
         for v in self.violations:
@@ -197,6 +203,7 @@ def _order_key(s: SumRead) -> tuple[int, float]:
 
 def check(history: ConsumerHistory) -> Report:
     report = Report(history.scenario, history.seed, history.store, history.cycles)
+    report.evidence = dict(history.evidence)
     out = report.violations
     by_stream: dict[str, list[ChunkOp]] = {}
     for chunk in history.chunks:

@@ -32,12 +32,14 @@ from typing import Any
 
 import grpc
 
+from broker.client import JournalsClient
 from broker.client.append_service import AppendService
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
 from broker.message.sequencer import Sequencer
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
+from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import stream_sum
 from consumer.protocol import cpb
@@ -48,6 +50,13 @@ from tests.faults.history import History
 ETCD_PREFIX = "/gazette-faults-consumers"
 PREFIX = "faults/stream-sum"
 ROOT = Path(__file__).parents[2]
+# Log lines that show a fault at work: a zombie's commit refused by its store's fence, stray
+# bytes in a recovery log read past, a standby taking over the log it tails.
+EVIDENCE = {
+    "fenced": "FencedOut",
+    "stray bytes read past": "are not a frame",
+    "standby take-overs": "takes over the log it tails",
+}
 
 
 @dataclass
@@ -148,6 +157,7 @@ class ConsumerHarness:
         for slot in self.consumers:
             self._spawn(slot)
         await asyncio.gather(*(self._ready(slot) for slot in self.consumers))
+        await self._create_journals()
         await stream_sum._setup(
             self.cluster.brokers[0].address, self.consumers[0].address,
             self.config.partitions, 3, self.config.store, PREFIX,
@@ -156,6 +166,47 @@ class ConsumerHarness:
         self._supervisor = asyncio.create_task(self._supervise(), name="consumer supervisor")
         if not await self.wait_primaries(timeout=60):
             raise HarnessError(f"shards without a primary 60 s after setup: {await self.shards()}")
+
+    def journals(self) -> list[str]:
+        names = [stream_sum.chunk_journal(i, PREFIX) for i in range(self.config.partitions)]
+        names.append(stream_sum.sums_journal(PREFIX))
+        if self.config.store == "sqlite":
+            names += [self.recovery_log(shard) for shard in self.shard_ids()]
+        return names
+
+    async def _create_journals(self) -> None:
+        """The example's journals, created ahead of its setup (which keeps them) with the
+        campaign's fragment store: a journal without one holds its content only in the
+        replicas' spools, and brokers restarted one after another lose it with the last."""
+        specs = []
+        for name in self.journals():
+            spec = self.cluster.spec(name)
+            if "/recovery/" in name:
+                spec.labels.labels[0].value = stream_sum.RECOVERYLOG
+            specs.append(spec)
+        async with JournalsClient(self.cluster.brokers[0].address) as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec) for spec in specs])
+
+    async def persisted(self, timeout: float) -> bool:
+        """Whether every journal's fragments but its open one are persisted, polled until
+        `timeout`: until then a broker restarted since holds only what was appended after."""
+        deadline = time.monotonic() + timeout
+        waiting = self.journals()
+        while waiting and time.monotonic() < deadline:
+            still = []
+            for journal in waiting:
+                try:
+                    stub = self.cluster.dialer.journal_stub(self.cluster.any_address())
+                    listed = await stub.ListFragments(pb.FragmentsRequest(journal=journal), timeout=5)  # fmt: skip
+                    fragments = sorted((f.spec for f in listed.fragments), key=lambda f: f.end)
+                    if not all(f.backing_store for f in fragments[:-1]):
+                        still.append(journal)
+                except Exception:
+                    still.append(journal)
+            waiting = still
+            if waiting:
+                await asyncio.sleep(0.5)
+        return not waiting
 
     async def close(self) -> None:
         errors: list[str] = []
@@ -446,10 +497,15 @@ class ConsumerHarness:
                 )
 
     def scan_logs(self) -> None:
+        """The summers' logs: chunks out of sequence (a violation), and what shows that a
+        scenario's faults did their work (counted, not judged)."""
         for log in sorted((self.workdir / "logs").glob("summer-*.log")):
             for line in log.read_text(errors="replace").splitlines():
                 if "OutOfSequence" in line or "out of sequence" in line:
                     self.history.log_problems.append(f"{log.name}: {line.strip()[:300]}")
+                for name, words in EVIDENCE.items():
+                    if words in line:
+                        self.history.evidence[name] = self.history.evidence.get(name, 0) + 1
 
     # ---- the sums, read back --------------------------------------------------------------------
 

@@ -89,7 +89,10 @@ async def consumer_sigstop(ctx: Context) -> None:
 
 
 async def broker_kill(ctx: Context) -> None:
-    """SIGKILL a broker (replication 3), start it again after 0.5-2.5 s."""
+    """SIGKILL a broker (every journal has replication 3 on the three), start it again after
+    0.5-2.5 s. One fault at a time: the restarted broker holds only what is appended after it
+    joined, so the next cycle waits until the fragments from before are persisted (killing the
+    others before would lose them with every replica: a broker's durability, not a consumer's)."""
     index = ctx.rng.randrange(len(ctx.harness.cluster.brokers))
     fault = ctx.harness.fault("broker-SIGKILL", f"broker-{index}")
     ctx.harness.cluster.signal(index, signal.SIGKILL)
@@ -97,6 +100,8 @@ async def broker_kill(ctx: Context) -> None:
     await ctx.harness.cluster.start_broker(index)
     ctx.harness.heal(fault)
     await ctx.hold(1.0, 2.0)
+    if not await ctx.harness.persisted(timeout=30):
+        ctx.history.note("fragments not all persisted within 30 s")
 
 
 async def etcd_restart(ctx: Context) -> None:
@@ -155,7 +160,8 @@ async def partition_brokers(ctx: Context) -> None:
 
 async def postgres_restart(ctx: Context) -> None:
     """PostgreSQL SIGKILLed (or stopped fast) and started again on its data after 0.2-2 s:
-    transactions in flight fail, and the shards' store is back."""
+    transactions in flight fail (their shards FAILED, saying why), and once the operator
+    unassigns those, the shards recover from the store."""
     crash = ctx.rng.random() < 0.5
     fault = ctx.harness.fault("postgres-restart", "postgres", "SIGKILL" if crash else "fast stop")
     await asyncio.to_thread(ctx.harness.stop_postgres, signal.SIGKILL if crash else signal.SIGINT)
@@ -164,6 +170,9 @@ async def postgres_restart(ctx: Context) -> None:
     ctx.harness.heal(fault)
     await ctx.hold(1.0, 2.0)
     await ctx.settle()
+    # A shard whose transaction met the outage FAILED (its own store's error, as upstream):
+    # the operator unassigns it (`gazctl shards unassign --failed`), and it starts again.
+    await ctx.harness.settle_shards(timeout=15)
 
 
 async def stray_append(ctx: Context) -> None:
@@ -209,6 +218,7 @@ class ConsumerScenario:
     cycles: int = 10
     own_faults: tuple[str, ...] = ()
     symlink_tmp: bool = False
+    lease: float = 2.0  # The consumers' and brokers' etcd lease.
     default: bool = True
 
     @property
@@ -230,7 +240,7 @@ CONSUMER_SCENARIOS: dict[str, ConsumerScenario] = {
         ConsumerScenario("consumer-sigstop-postgres", "SIGSTOP a primary's summer for 1.5-3 leases, SIGCONT (PostgreSQL)", "postgres", consumer_sigstop, cycles=6),
         ConsumerScenario("consumer-sigstop-sqlite", "SIGSTOP a primary's summer for 1.5-3 leases, SIGCONT (sqlite, standbys)", "sqlite", consumer_sigstop, cycles=6),
         ConsumerScenario("consumer-broker-kill", "SIGKILL a broker, restart after 0.5-2.5 s (sqlite, standbys)", "sqlite", broker_kill, cycles=10),
-        ConsumerScenario("consumer-etcd-restart", "etcd SIGKILLed, started 0.1-1.5 s later (JSON files)", "json", etcd_restart, cycles=8),
+        ConsumerScenario("consumer-etcd-restart", "etcd SIGKILLed, started 0.1-1.5 s later (lease 5 s; JSON files)", "json", etcd_restart, cycles=8, lease=5.0),
         ConsumerScenario("consumer-etcd-outage", "etcd down 1.2-2 leases (sqlite, standbys)", "sqlite", etcd_outage, cycles=4),
         ConsumerScenario("consumer-partition-etcd", "a primary's summer cut from etcd for 1-3 leases (PostgreSQL)", "postgres", partition_etcd, cycles=6),
         ConsumerScenario("consumer-partition-brokers", "a primary's summer cut from the brokers for 0.5-3 leases (sqlite, standbys)", "sqlite", partition_brokers, cycles=6),
@@ -277,8 +287,9 @@ async def run_consumer_scenario(
         except PostgresNotFound as exc:
             raise ScenarioSkipped(str(exc)) from None
     config = ConsumerConfig(
-        workdir, store=scenario.store, namespaces=namespaces, symlink_tmp=scenario.symlink_tmp
-    )
+        workdir, store=scenario.store, namespaces=namespaces, symlink_tmp=scenario.symlink_tmp,
+        lease=scenario.lease,
+    )  # fmt: skip
     harness = ConsumerHarness(config, history, random.Random(f"{seed}/{scenario.name}/harness"))
     async with harness:
         say(f"  {scenario.name}: cluster and summers up in {time.monotonic() - began:.1f}s ({harness.cluster.network.name})")  # fmt: skip
