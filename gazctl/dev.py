@@ -14,7 +14,6 @@ import asyncio
 import base64
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import secrets
@@ -32,6 +31,7 @@ from urllib.parse import urlsplit
 
 import click
 from click.core import ParameterSource
+from rich.console import Console
 from rich.table import Table
 
 from broker.allocator import keyspace as aks
@@ -46,7 +46,7 @@ from broker.local_etcd import (
     wait_etcd_healthy,
 )
 from broker.tls import DevPKI, make_dev_pki
-from gazctl.render import console
+from gazctl.render import console, err_console
 
 T = TypeVar("T")
 
@@ -605,23 +605,68 @@ def app_name(app: str) -> str:
     return app.partition(":")[2].lower() or app
 
 
-def check_app(app: str) -> None:
-    """An --app that names an example, or module:Name with an importable module; else one
-    line."""
-    if app in EXAMPLES:
-        return
-    module, _, name = app.partition(":")
-    if not module or not name:
-        raise click.BadParameter(
-            f"{app!r} is neither an example ({', '.join(EXAMPLES)}) nor module:Name",
-            param_hint="--app",
-        )
+# The extra of gazette-py that brings each optional module an application or store imports.
+EXTRAS = {
+    "apsw": "sqlite",
+    "asyncpg": "sql",
+    "pyspark": "spark",
+    "pyarrow": "spark",
+    "pandas": "spark",
+    "boto3": "s3",
+    "google": "gcs",
+}
+
+# Run as the consumers will be (this interpreter, this folder on sys.path): import each module
+# named, then check that the application's factory exists. Prints one line on failure.
+_IMPORT_PROBE = """
+import importlib, sys
+module, attr, *others = sys.argv[1:]
+for name in (module, *others):
     try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
-        raise click.BadParameter(f"{app!r}: no module {module} to import", param_hint="--app")
+        loaded = importlib.import_module(name)
+    except ImportError as exc:
+        print(f"{name}\t{exc.name or ''}\t{exc}")
+        sys.exit(3)
+    except Exception as exc:
+        print(f"{name}\t\t{type(exc).__name__}: {exc}")
+        sys.exit(3)
+    if name == module and attr and not callable(getattr(loaded, attr, None)):
+        print(f"{name}\t\thas no class or factory {attr}")
+        sys.exit(3)
+"""
+
+
+def check_app(app: str, postgres: bool = False) -> None:
+    """An --app that names an example, or module:Name, whose module (and, with --postgres, the
+    SQL store's driver) imports as the consumers will import it; else one line naming the extra
+    to install, before anything starts (a consumer that cannot import fails only after etcd and
+    the brokers started)."""
+    if app in EXAMPLES:
+        module, name = EXAMPLES[app], ""
+    else:
+        module, _, name = app.partition(":")
+        if not module or not name:
+            raise click.BadParameter(
+                f"{app!r} is neither an example ({', '.join(EXAMPLES)}) nor module:Name",
+                param_hint="--app",
+            )
+    probe = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, module, name, *(["asyncpg"] if postgres else [])],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if probe.returncode == 0:
+        return
+    failed, missing, reason = [*probe.stdout.strip().split("\t", 2), "", "", ""][:3]
+    if not failed:  # The probe itself failed: say what it printed, on one line.
+        reason = " ".join(probe.stderr.split()[-12:]) or f"exit status {probe.returncode}"
+        failed = module
+    if missing and (module == missing or module.startswith(f"{missing}.")):  # The app's own.
+        raise click.BadParameter(f"{app!r}: no module {missing} to import", param_hint="--app")
+    extra = EXTRAS.get(missing.partition(".")[0])
+    advice = f": pip install 'gazette-py[{extra}]'" if extra else ""
+    raise click.ClickException(
+        f"--app {app}: the consumers cannot import {failed} ({reason}){advice}"
+    )
 
 
 def consumer_command(
@@ -695,7 +740,8 @@ STATE_STYLE = {
 }
 
 
-def print_status(state: ClusterState) -> None:
+def print_status(state: ClusterState, to: Console = console) -> None:
+    """The processes' table (`up` puts it on stderr: its stdout is the exports alone)."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     for column in ("Process", "PID", "Address", "State", "Log"):
         table.add_column(column)
@@ -704,7 +750,7 @@ def print_status(state: ClusterState) -> None:
         table.add_row(
             proc.role, str(proc.pid), proc.address, STATE_STYLE[alive].format(alive), proc.log
         )
-    console.print(table)
+    to.print(table)
 
 
 @click.group()
@@ -767,7 +813,8 @@ def up(
 ) -> None:
     """Start etcd and brokers (and PostgreSQL, and consumer processes of an application), wait
     until all are ready, and print BROKER_ADDRESS, BROKER_FILE_ROOT (the file:// fragment
-    stores' root), CONSUMER_ADDRESS and POSTGRES_DSN to export.
+    stores' root), CONSUMER_ADDRESS and POSTGRES_DSN to export: stdout holds those exports
+    alone (the processes' table goes to stderr), so `eval "$(gazctl dev up)"` sets them.
 
     On a cluster some of whose processes died (or were stopped by `dev kill`), start only
     those, on their ports, ids and folders, and leave the others running; a flag that differs
@@ -790,7 +837,7 @@ def up(
     if consumers is not None and app is None:
         raise click.UsageError("--consumers needs --app: the application they run")
     if app is not None:
-        check_app(app)
+        check_app(app, postgres)
     names = location_names(locations) if locations else []
     root = Path(directory).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -814,7 +861,7 @@ def up(
         click.echo(f"cleaned stale dev cluster state in {root}", err=True)
     consumers = consumers or (2 if app is not None else 0)
     state = start_cluster(root, brokers, consumers, app, postgres, names, tls, auth, timeout)
-    print_status(state)
+    print_status(state, err_console)
     print_exports(state)
 
 
@@ -1134,7 +1181,7 @@ def resume(
     if not down:
         DevSecurity.make(Path(state.dir), state.tls, state.auth).apply()
         click.echo(f"a dev cluster is already running in {state.dir}:", err=True)
-        print_status(state)
+        print_status(state, err_console)
         print_exports(state)
         return
     start_again(state, down, timeout)
@@ -1144,7 +1191,7 @@ def resume(
         f"{' was' if others == 1 else 's were'} running",
         err=True,
     )
-    print_status(state)
+    print_status(state, err_console)
     print_exports(state)
 
 

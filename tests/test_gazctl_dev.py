@@ -35,6 +35,10 @@ def test_up_status_down(cluster_dir: Path) -> None:
     state = ClusterState.load(cluster_dir)
     assert state is not None and len(state.brokers) == 2
     assert all(is_running(p) for p in state.all())
+    # stdout holds the exports alone, so that `eval "$(gazctl dev up)"` sets them; the status
+    # table is on stderr.
+    assert all(line.startswith("export ") for line in r.out.splitlines()), r.out
+    assert "broker-1" in r.err
     exports = r.out.strip().splitlines()[-2:]
     assert exports == [
         f"export BROKER_ADDRESS={state.brokers[0].address}",
@@ -56,6 +60,7 @@ def test_up_status_down(cluster_dir: Path) -> None:
     again = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir))
     assert again.code == 0
     assert "already running" in again.err
+    assert all(line.startswith("export ") for line in again.out.splitlines()), again.out
     assert again.out.strip().splitlines()[-2:] == exports
     assert ClusterState.load(cluster_dir) == state  # Nothing new was started.
 
@@ -245,6 +250,41 @@ def test_up_refuses_a_bad_application(cluster_dir: Path, args: list[str], messag
     assert r.code == 2 and message in r.err, r.err
     assert "Traceback" not in r.err
     assert ClusterState.load(cluster_dir) is None  # Nothing started.
+
+
+def blocked_imports(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """An environment in which importing each of `modules` fails as it does where the module is
+    not installed (a package of that name first on PYTHONPATH raises ModuleNotFoundError)."""
+    for module in modules:
+        package = tmp_path / "blocked" / module
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{module}'\", name={module!r})\n"
+        )
+    path = [str(tmp_path / "blocked"), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+@pytest.mark.parametrize(
+    "blocked, args, extra",
+    [
+        ("apsw", ["--app", "word-count"], "sqlite"),  # word-count's module imports the store.
+        ("asyncpg", ["--app", "word-count", "--postgres"], "sql"),  # Imported by the consumers.
+        ("apsw", ["--app", "consumer.examples.stream_sum:from_environment"], "sqlite"),
+    ],
+)
+def test_up_checks_that_the_application_imports_before_starting_anything(
+    cluster_dir: Path, tmp_path: Path, blocked: str, args: list[str], extra: str
+) -> None:
+    """A consumer that cannot import its application (or its store's driver) would fail only
+    after etcd and the brokers started: `up` refuses first, in one line naming the extra."""
+    r = run_cli(
+        "gazctl", "dev", "up", "--dir", str(cluster_dir), *args, env=blocked_imports(tmp_path, blocked)
+    )  # fmt: skip
+    assert r.code == 1, (r.out, r.err)
+    assert "Traceback" not in r.err and r.err.count("\n") == 1, r.err
+    assert f"No module named '{blocked}'" in r.err and f"gazette-py[{extra}]" in r.err, r.err
+    assert ClusterState.load(cluster_dir) is None and not (cluster_dir / "etcd-data").exists()
 
 
 @pytest.mark.slow
