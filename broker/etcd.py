@@ -108,6 +108,30 @@ def put_keeping_lease(key: bytes, value: bytes) -> Any:
     return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, ignore_lease=True))
 
 
+# etcd's refusal of a transaction with more operations than its --max-txn-ops (128 by default).
+TOO_MANY_OPS = "too many operations in txn request"
+
+
+class TxnTooLarge(Exception):
+    """etcd refused a transaction for holding more operations than its `--max-txn-ops` allows:
+    nothing of it was applied."""
+
+    def __init__(self, operations: int) -> None:
+        super().__init__(
+            f"{operations} operations are more than etcd takes in one transaction "
+            "(its --max-txn-ops, 128 by default)"
+        )
+        self.operations = operations
+
+
+def too_many_changes(changes: int) -> str:
+    """What an Apply answers when etcd refused its transaction as too large (TxnTooLarge)."""
+    return (
+        f"{changes} changes are more than etcd takes in one transaction (its --max-txn-ops, "
+        "128 by default); nothing was applied"
+    )
+
+
 async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[Any]) -> TxnResult:
     """Run one etcd transaction and return whether it succeeded, with its header."""
     await client.connect()
@@ -124,6 +148,8 @@ async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[An
             request, timeout=client._timeout, metadata=client.metadata
         )
     except rpc.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and TOO_MANY_OPS in (exc.details() or ""):
+            raise TxnTooLarge(max(len(compare), len(ops))) from None
         aetcd.exceptions._handle_exception(exc)
         raise
     header = response.header

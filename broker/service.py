@@ -363,7 +363,12 @@ class JournalService(pb_grpc.JournalServicer):
                 compare.append(transactions.Mod(key.encode()) == change.expect_mod_revision)
 
         response = pb.ApplyResponse(status=pb.OK, header=self.unrouted_header())
-        result = await etcdx.txn(self.etcd, compare, ops)
+        try:
+            result = await etcdx.txn(self.etcd, compare, ops)
+        except etcdx.TxnTooLarge:
+            changes = len(request.changes)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, etcdx.too_many_changes(changes))
+            raise AssertionError("unreachable") from None
         if not result.succeeded:
             response.status = pb.ETCD_TRANSACTION_FAILED
         elif ops:

@@ -10,7 +10,7 @@ import grpc
 
 from broker.client.credentials import Credentials
 from broker.client.credentials import default as default_credentials
-from broker.client.journals import ApplyConflict, BrokerUnavailable
+from broker.client.journals import ApplyConflict, ApplyTooLarge, BrokerUnavailable
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb
@@ -73,6 +73,9 @@ class ShardsClient:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in _TRANSIENT:
                     raise self._unavailable(exc) from None
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    detail = (exc.details() or "").split("\n")[0]
+                    raise ApplyTooLarge(detail, number, len(request.changes)) from None
                 raise
             if response.status == cpb.ETCD_TRANSACTION_FAILED:
                 raise ApplyConflict("a shard's revision changed since it was read", number)

@@ -829,7 +829,12 @@ class _ShardServicer(cpb_grpc.ShardServicer):
 
     async def Apply(self, request: cpb.ApplyRequest, context: Any) -> cpb.ApplyResponse:
         claims = await self._claims(context, auth.APPLY)
-        return await self._guard(context, apply_shards(self.consumer.state, request, claims))  # type: ignore[no-any-return]
+        try:
+            return await self._guard(context, apply_shards(self.consumer.state, request, claims))  # type: ignore[no-any-return]
+        except etcdx.TxnTooLarge:
+            changes = len(request.changes)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, etcdx.too_many_changes(changes))
+            raise AssertionError("unreachable") from None
 
     async def GetHints(self, request: cpb.GetHintsRequest, context: Any) -> cpb.GetHintsResponse:
         claims = await self._claims(context, auth.READ)

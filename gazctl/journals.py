@@ -18,7 +18,7 @@ import grpc
 from google.protobuf import json_format
 
 from broker import config as cfg
-from broker.client import ApplyConflict, JournalsClient, ListSnapshot
+from broker.client import ApplyConflict, ApplyTooLarge, JournalsClient, ListSnapshot
 from broker.protocol import labels, validate
 from broker.protocol import protocol_pb2 as pb
 from gazctl import render
@@ -80,8 +80,44 @@ max_txn_size_option = click.option(
     default=0,
     type=int,
     show_default=True,
-    help="Maximum changes per etcd transaction (0: one transaction)",
+    help=(
+        "Maximum changes per etcd transaction (0: all in one, all-or-nothing; etcd takes 128 "
+        "by default)"
+    ),
 )
+
+
+def some_names(names: list[str], shown: int = 3) -> str:
+    """The first few of `names` and how many more: a refusal naming thousands stays short."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more"
+
+
+def conflict_error(kind: str, names: list[str], exc: ApplyConflict) -> click.ClickException:
+    """The one line of an apply whose transaction failed on a revision (`kind`: journals or
+    shards): how many conflict, the first few by name, and what to do."""
+    detail = f" ({len(names)} {kind}: {some_names(names)})" if len(names) > 1 else ""
+    detail = f": {names[0]}" if len(names) == 1 else detail
+    return click.ClickException(
+        f"revision conflict{detail} changed since the specs were read; nothing in the "
+        f"failed transaction was applied (batch {exc.batch + 1}). List the {kind} "
+        f"again (`gazctl {kind} list -o yaml`) and re-apply, or use revision: -1"
+    )
+
+
+def too_large_error(exc: ApplyTooLarge, fits: int) -> click.ClickException:
+    """The one line of an apply that etcd refused as too large (ApplyTooLarge): what was
+    applied, and the flag that applies it in batches (`fits`: a batch size that fits)."""
+    if exc.batch == 0:
+        where = f"{exc}."
+    else:
+        where = f"batch {exc.batch + 1}: {exc}; the {exc.batch} batch(es) before it were applied."
+    return click.ClickException(
+        f"{where} Apply in batches with --max-txn-size {fits} (or fewer; each batch is then "
+        "all-or-nothing, not the whole apply: a failed batch stops the run and the batches "
+        "before it stay applied), or raise etcd's --max-txn-ops"
+    )
 
 
 @click.group()
@@ -224,13 +260,9 @@ async def _apply(
         try:
             await client.apply(changes_of(entries), max_txn_size=max_txn_size)
         except ApplyConflict as exc:
-            names = [p.name for p in planned if p.conflict]
-            detail = f": {', '.join(names)}" if names else ""
-            raise click.ClickException(
-                f"revision conflict{detail} changed since the specs were read; nothing in the "
-                f"failed transaction was applied (batch {exc.batch + 1}). List the journals "
-                "again (`gazctl journals list -o yaml`) and re-apply, or use revision: -1"
-            ) from None
+            raise conflict_error("journals", [p.name for p in planned if p.conflict], exc) from None
+        except ApplyTooLarge as exc:
+            raise too_large_error(exc, fits=128) from None  # One etcd operation per journal.
         return planned
 
 

@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from rich.table import Table
 
 from broker import config as cfg
-from broker.client import ApplyConflict, JournalsClient
+from broker.client import ApplyConflict, ApplyTooLarge, JournalsClient
 from broker.client.reader import write_head
 from broker.message.framing import framing_for
 from broker.protocol import labels
@@ -23,7 +23,14 @@ from broker.protocol.validate import ValidationError
 from consumer.client import ShardsClient
 from consumer.protocol import cpb, recovery_log, reduce_status, validate_shard_spec
 from gazctl import render
-from gazctl.journals import file_root_option, max_txn_size_option, parse_selector, read_specs
+from gazctl.journals import (
+    conflict_error,
+    file_root_option,
+    max_txn_size_option,
+    parse_selector,
+    read_specs,
+    too_large_error,
+)
 from spec import SpecError
 from spec import shards as sspec
 
@@ -295,13 +302,10 @@ async def _apply(
         try:
             await client.apply(changes_of(entries), max_txn_size=max_txn_size)
         except ApplyConflict as exc:
-            ids = [p.name for p in planned if p.conflict]
-            detail = f": {', '.join(ids)}" if ids else ""
-            raise click.ClickException(
-                f"revision conflict{detail} changed since the specs were read; nothing in the "
-                f"failed transaction was applied (batch {exc.batch + 1}). List the shards "
-                "again (`gazctl shards list -o yaml`) and re-apply, or use revision: -1"
-            ) from None
+            raise conflict_error("shards", [p.name for p in planned if p.conflict], exc) from None
+        except ApplyTooLarge as exc:
+            # A shard with primary hints takes two etcd operations.
+            raise too_large_error(exc, fits=64) from None
         return planned
 
 

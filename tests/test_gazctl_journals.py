@@ -161,6 +161,45 @@ def test_max_txn_size_applies_in_batches(broker_process: BrokerProcess, tmp_path
     assert len(list_names(broker_process, "prefix=batch/")) == 7
 
 
+def test_more_changes_than_etcd_takes_in_one_transaction(
+    broker_process: BrokerProcess, tmp_path: Path
+) -> None:
+    """etcd takes 128 operations in a transaction (its --max-txn-ops): a larger apply is
+    refused in one line saying what to do, with nothing applied; batched, it applies; a
+    refusal that names many journals gives their count and the first few."""
+    children = "".join(f"  - name: PFX/j{i:03d}\n" for i in range(130))
+    header = """\
+        name: PFX/
+        replication: 1
+        fragment: {length: 4096, compression_codec: NONE, refresh_interval: 1m0s}
+        children:
+        """
+    specs = tmp_path / "s.yaml"
+    specs.write_text(tree("many/", header) + children.replace("PFX/", "many/"))
+    r = gazctl(broker_process, "journals", "apply", "--specs", str(specs))
+    assert_one_line_error(
+        r, "130 changes", "--max-txn-ops", "nothing was applied", "--max-txn-size 128"
+    )
+    assert "aetcd" not in r.err and "UNKNOWN" not in r.err
+    assert list_names(broker_process, "prefix=many/") == []
+
+    r = gazctl(broker_process, "journals", "apply", "--specs", str(specs), "--max-txn-size", "100")
+    assert r.code == 0, r.err
+    assert len(list_names(broker_process, "prefix=many/")) == 130
+
+    # Created again (revision 0): every journal conflicts; the line counts them.
+    r = gazctl(broker_process, "journals", "apply", "--specs", str(specs), "--max-txn-size", "100")
+    assert_one_line_error(r, "revision conflict", "130 journals", "many/j000", "many/j001")
+    assert "many/j129" not in r.err and len(r.err) < 400, r.err
+
+    deletes = "".join(
+        f"  - {{name: PFX/j{i:03d}, delete: true, revision: -1}}\n" for i in range(130)
+    )
+    specs.write_text(tree("many/", header) + deletes.replace("PFX/", "many/"))
+    r = gazctl(broker_process, "journals", "apply", "--specs", str(specs), "--max-txn-size", "100")
+    assert r.code == 0, r.err
+
+
 def test_apply_from_stdin(broker_process: BrokerProcess) -> None:
     text = "name: stdin/j\nreplication: 1\nfragment: {length: 4096, compression_codec: NONE, refresh_interval: 1m0s}\n"
     r = gazctl(broker_process, "journals", "apply", input=text)

@@ -152,6 +152,23 @@ async def test_apply_checks_journals_then_lists_back_the_same_shardspace(
     assert [json.loads(line)["spec"]["id"] for line in lines] == ["sum-a", "sum-b"]
 
 
+async def test_more_shards_than_etcd_takes_in_one_transaction_are_refused_whole(
+    consumer: Consumer, sums_broker: BrokerHarness
+) -> None:
+    """etcd takes 128 operations in a transaction: 130 shards in one are refused in one line
+    that says what to do, with nothing applied."""
+    many = "shards:\n" + "".join(
+        f"- id: many-{i:03d}\n  sources:\n  - journal: sums/input\n  max_txn_duration: 1s\n"
+        for i in range(130)
+    )
+    error = one_line_error(await gazctl(consumer, sums_broker, "apply", input=many))
+    assert "130 changes" in error and "--max-txn-ops" in error, error
+    assert "nothing was applied" in error and "--max-txn-size 64" in error, error
+    assert "UNKNOWN" not in error and "aetcd" not in error, error
+    listed = await gazctl(consumer, sums_broker, "list", "-o", "json")
+    assert listed.code == 0 and listed.out == ""
+
+
 async def test_list_shows_statuses_replicas_labels_and_lag(
     consumer: Consumer,
     sums_broker: BrokerHarness,

@@ -2,10 +2,18 @@
 
 from broker.client.journals import (
     ApplyConflict,
+    ApplyTooLarge,
     BrokerUnavailable,
     JournalsClient,
     ListSnapshot,
     dial,
 )
 
-__all__ = ["ApplyConflict", "BrokerUnavailable", "JournalsClient", "ListSnapshot", "dial"]
+__all__ = [
+    "ApplyConflict",
+    "ApplyTooLarge",
+    "BrokerUnavailable",
+    "JournalsClient",
+    "ListSnapshot",
+    "dial",
+]

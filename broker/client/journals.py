@@ -30,6 +30,16 @@ class ApplyConflict(RuntimeError):
         self.batch = batch
 
 
+class ApplyTooLarge(RuntimeError):
+    """An Apply's batch held more changes than one etcd transaction (or one message) takes:
+    nothing of that batch was applied; batches before it (`batch` of them) were."""
+
+    def __init__(self, message: str, batch: int, size: int) -> None:
+        super().__init__(message)
+        self.batch = batch
+        self.size = size
+
+
 BrokerAddressError = AddressError  # A broker address the client will not dial.
 
 
@@ -132,6 +142,9 @@ class JournalsClient:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise _unavailable(self.address, exc) from None
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    detail = (exc.details() or "").split("\n")[0]
+                    raise ApplyTooLarge(detail, number, len(request.changes)) from None
                 raise
             if response.status == pb.ETCD_TRANSACTION_FAILED:
                 raise ApplyConflict("a journal's revision changed since it was read", number)
