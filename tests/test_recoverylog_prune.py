@@ -151,6 +151,10 @@ async def cluster(
                 await client.delete_prefix(root.encode())
 
 
+def spans(fragments: list[pb.Fragment]) -> set[tuple[int, int]]:
+    return {(f.begin, f.end) for f in fragments}
+
+
 async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     cluster: tuple[BrokerHarness, Consumer, Path], tmp_path: Path
 ) -> None:
@@ -220,7 +224,10 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     assert "dry run: would remove" in dry.err
     planned = [line.split("\t") for line in dry.out.splitlines()]
     assert planned and all(p[0] == LOG for p in planned)
-    assert open_store("file:///rl/", file_root=store_root).list_fragments(LOG) == before
+    # The dry run removed nothing (the recorder's broker may persist more meanwhile).
+    assert spans(before) <= spans(
+        open_store("file:///rl/", file_root=store_root).list_fragments(LOG)
+    )
 
     done = await asyncio.to_thread(
         run_cli,
@@ -235,7 +242,8 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     )
     assert done.code == 0, done.err
     after = open_store("file:///rl/", file_root=store_root).list_fragments(LOG)
-    assert len(after) == len(before) - len(planned) and len(planned) >= 3
+    removed = spans(before) - spans(after)
+    assert removed == {(int(p[1]), int(p[2])) for p in planned} and len(planned) >= 3
     kept_segment = hints.live_nodes[-2].segments[0]
     assert all(f.end > kept_segment.first_offset for f in after)  # Only dead files' went.
 
