@@ -1,29 +1,31 @@
-"""Shared fixtures: one real etcd per test session; each test isolated under its own key prefix."""
+"""Shared fixtures: one real etcd per test session (the test kit's, `consumer.testing`); each
+test isolated under its own key prefix."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aetcd
-import grpc
 import pytest
 
-from broker.protocol import protocol_pb2 as pb
-from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer, free_port, stop_process
+# BrokerProcess, start_broker_process and stop_process live in the test kit; tests import them
+# from here too.
+from broker.testing import BrokerProcess as BrokerProcess
+from broker.testing import EtcdServer
+from broker.testing import start_broker_process as start_broker_process
+from broker.testing import stop_process as stop_process
 
 
 @pytest.fixture(scope="session")
-def etcd_server() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
+def etcd_server(gazette_etcd: EtcdServer) -> EtcdServer:
+    """The test kit's session etcd (consumer.testing's plugin), under the suite's old name."""
+    return gazette_etcd
 
 
 @pytest.fixture
@@ -43,71 +45,10 @@ async def etcd(etcd_server: EtcdServer, etcd_prefix: str) -> AsyncIterator[aetcd
         await client.close()
 
 
-@dataclass
-class BrokerProcess:
-    """A `gazette serve` subprocess; `address` is what `--broker.address` takes."""
-
-    proc: subprocess.Popen[bytes]
-    address: str
-    prefix: str
-    log: Path
-
-
-def start_broker_process(
-    etcd_server: EtcdServer,
-    prefix: str,
-    log: Path,
-    broker_id: str = "broker-0",
-    lease: str = "5s",
-    extra: tuple[str, ...] = (),
-    tls: grpc.ChannelCredentials | None = None,
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> BrokerProcess:
-    """A broker process, ready once it answers List (with `tls` and `metadata` if it serves
-    TLS or needs authorization: its address is then https://)."""
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "broker.main", "serve",
-                "--broker.id", broker_id, "--broker.host", "127.0.0.1", "--broker.port", str(port),
-                "--etcd.address", etcd_server.endpoint, "--etcd.prefix", prefix, "--etcd.lease", lease,
-                "--broker.drain-timeout", "2s", *extra,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    address = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
-    # Ready once it answers List: the gRPC server starts only after the member key is written.
-    deadline = time.monotonic() + 30
-    target = f"127.0.0.1:{port}"
-    with grpc.secure_channel(target, tls) if tls else grpc.insecure_channel(target) as channel:
-        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"gazette serve exited {proc.returncode}: {log.read_text()}")
-            try:
-                list(stub.List(pb.ListRequest(), timeout=1, metadata=metadata))
-                break
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    stop_process(proc)
-                    raise TimeoutError("gazette serve did not become ready") from None
-                time.sleep(0.05)
-    return BrokerProcess(proc, address, prefix, log)
-
-
 @pytest.fixture(scope="module")
-def broker_process(
-    etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[BrokerProcess]:
-    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
-    log = tmp_path_factory.mktemp("broker") / "broker.log"
-    broker = start_broker_process(etcd_server, prefix, log)
-    try:
-        yield broker
-    finally:
-        stop_process(broker.proc)
+def broker_process(gazette_broker_process: BrokerProcess) -> BrokerProcess:
+    """The test kit's module-scoped `gazette serve` process, under the suite's old name."""
+    return gazette_broker_process
 
 
 @dataclass

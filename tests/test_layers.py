@@ -38,13 +38,18 @@ def python_files(*folders: str) -> list[Path]:
     return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))]
 
 
+# The test kit: a harness of brokers (broker.testing) and of consumers (consumer.testing, which
+# builds on the brokers' and is the pytest plugin).
+TEST_KITS = ("broker/testing", "consumer/testing")
+
+
 def test_production_code_never_imports_the_test_harness() -> None:
     files = [
         p
         for p in python_files("broker", "consumer", "spec", "gazctl")
-        if "broker/testing" not in p.as_posix()
+        if not any(kit in p.as_posix() for kit in TEST_KITS)
     ]
-    assert offenders(files, ("broker.testing", "tests")) == []
+    assert files and offenders(files, ("broker.testing", "consumer.testing", "tests")) == []
 
 
 def test_the_fragment_layer_knows_nothing_of_replicas() -> None:
@@ -117,7 +122,10 @@ def test_consumers_build_on_the_public_parts_of_the_broker(package: str) -> None
         for module in sorted(imports_of(path)):
             # (`from broker import etcd` records both `broker` and `broker.etcd`: the latter
             # is the one to judge.)
-            if module.startswith("broker.") and not module.startswith(CONSUMER_MAY_USE):
+            allowed = CONSUMER_MAY_USE
+            if "consumer/testing" in path.as_posix():
+                allowed += ("broker.testing",)  # The consumers' test kit builds on the brokers'.
+            if module.startswith("broker.") and not module.startswith(allowed):
                 found.append(f"{path.relative_to(ROOT)} imports {module}")
     assert python_files(package), f"no {package} package"
     assert found == []
