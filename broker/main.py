@@ -30,6 +30,9 @@ def _duration(flag: str, value: Any) -> float:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(
+    package_name="gazette-py", prog_name="gazette", message="%(prog)s %(version)s"
+)
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """Serve a Gazette broker."""

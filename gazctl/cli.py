@@ -114,6 +114,7 @@ class _Defaults(dict[str, Any]):
 
 
 @click.group(cls=LazyGazctlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gazette-py", prog_name="gazctl", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """gazctl is a tool for interacting with Gazette brokers and consumer applications.
