@@ -170,6 +170,45 @@ def split_address(address: str, *, what: str = "broker address") -> tuple[str, b
     return f"{host}:{port}", parsed.scheme == "https"
 
 
+@dataclass(frozen=True)
+class DialTarget:
+    """Where a client dials: a gRPC `target`, whether with TLS, and the `authority` its TLS
+    checks the server's certificate against (None: the target's own host)."""
+
+    target: str
+    secure: bool
+    authority: str | None = None
+
+
+def dial_target(address: str, *, what: str = "broker address") -> DialTarget:
+    """One address (`http(s)://host:port`), or several separated by commas: any of them
+    answers, each tried in turn while the others are down (gRPC's pick_first over the list),
+    as a client of consumers, or of brokers, reaches whichever process is alive. Several
+    must share a scheme and be IP addresses (a name is resolved to its own list by DNS)."""
+    parts = [part.strip() for part in address.split(",")]
+    if len(parts) == 1:
+        target, secure = split_address(address, what=what)
+        return DialTarget(target, secure)
+    split = [split_address(part, what=what) for part in parts if part]
+    if len({secure for _, secure in split}) > 1:
+        raise AddressError(f"{what} {address!r}: mixes http:// and https:// addresses")
+    families = set()
+    for target, _ in split:
+        host = target.rsplit(":", 1)[0].strip("[]")
+        try:
+            families.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            raise AddressError(
+                f"{what} {address!r}: a list of addresses takes IP addresses, and {host} is a "
+                "name: give one address per name"
+            ) from None
+    if len(families) > 1:
+        raise AddressError(f"{what} {address!r}: mixes IPv4 and IPv6 addresses")
+    scheme = "ipv4" if families == {4} else "ipv6"
+    targets = [target for target, _ in split]
+    return DialTarget(f"{scheme}:{','.join(targets)}", split[0][1], authority=targets[0])
+
+
 # ---- throwaway certificates (gazctl dev up --tls, tests) ---------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -15,11 +16,25 @@ from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb
 
-__all__ = ["ConsumerUnavailable", "ShardsClient"]
+__all__ = ["ConsumerUnavailable", "PrimaryUnreachable", "ShardsClient"]
 
 
 class ConsumerUnavailable(BrokerUnavailable):
     """The consumer process could not be reached (or went away mid-call)."""
+
+
+class PrimaryUnreachable(ConsumerUnavailable):
+    """The consumer answering could not reach the process holding the shard's primary, to
+    proxy a call there: that process died (its shards stay its own until its lease expires)
+    or is partitioned away."""
+
+    # The trailing metadata naming the unreachable process, from the server to its clients.
+    METADATA = "gazette-unreachable-primary"
+
+    def __init__(self, shard: str, member: str, endpoint: str = "") -> None:
+        at = f" at {endpoint}" if endpoint else ""
+        super().__init__(f"shard {shard}: its primary {member}{at} is unreachable")
+        self.shard, self.member = shard, member
 
 
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -91,6 +106,10 @@ class ShardsClient:
         try:
             response: cpb.StatResponse = await self.stub.Stat(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
+            trailing: Any = exc.trailing_metadata()  # grpc.aio.Metadata (typed as a tuple).
+            member = trailing.get(PrimaryUnreachable.METADATA) if trailing else None
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and member is not None:
+                raise PrimaryUnreachable(shard, str(member)) from None
             if exc.code() in _TRANSIENT:
                 raise self._unavailable(exc) from None
             raise

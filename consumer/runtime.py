@@ -54,6 +54,7 @@ from broker.protocol.validate import ValidationError, validate_process_id
 from broker.retry import Backoff
 from broker.tasks import TaskOwner
 from broker.tls import ClientTLS, ServerTLS
+from consumer.client import PrimaryUnreachable
 from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, truncate_error
 from consumer.recovery import HINTS_INTERVAL, Playback, fetch_hints, rotate_hints, store_hints
@@ -765,7 +766,15 @@ class Consumer:
             proxied.CopyFrom(request)
             proxied.header.CopyFrom(response.header)
             stub = cpb_grpc.ShardStub(self.channel_to(resolution.endpoint))  # type: ignore[no-untyped-call]
-            answer: cpb.StatResponse = await stub.Stat(proxied)
+            try:
+                answer: cpb.StatResponse = await stub.Stat(proxied)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    raise
+                route = resolution.header.route
+                raise PrimaryUnreachable(
+                    request.shard, route.members[route.primary].suffix, resolution.endpoint
+                ) from None
             return answer
         assert replica.task is not None
         waiting = asyncio.ensure_future(replica.progress.wait_for(dict(request.read_through)))
@@ -811,6 +820,12 @@ class _ShardServicer(cpb_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except HintsError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except PrimaryUnreachable as exc:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                str(exc),
+                trailing_metadata=((PrimaryUnreachable.METADATA, exc.member),),
+            )
 
     async def _claims(self, context: Any, require: int) -> auth.Claims:
         return await auth.verify_or_abort(self.consumer.verifier, context, require)

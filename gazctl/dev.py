@@ -299,7 +299,7 @@ def choose_ports(
             pick(
                 f"consumer-{i}",
                 old.consumers[i] if i < len(old.consumers) else 0,
-                "; export CONSUMER_ADDRESS again (as printed below)" if i == 0 else "",
+                "; export CONSUMER_ADDRESS again (as printed below)",
             )
             for i in range(consumers)
         ],
@@ -327,7 +327,9 @@ def print_exports(state: ClusterState) -> None:
     if state.postgres is not None:
         click.echo(f"export POSTGRES_DSN={state.postgres.address}")
     if state.consumers:
-        click.echo(f"export CONSUMER_ADDRESS={state.consumers[0].address}")
+        # Every consumer: a client reaches whichever is alive (broker.tls.dial_target).
+        addresses = ",".join(c.address for c in state.consumers)
+        click.echo(f"export CONSUMER_ADDRESS={addresses}")
 
 
 def process_state(proc: Proc) -> str:

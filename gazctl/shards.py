@@ -20,7 +20,7 @@ from broker.message.framing import framing_for
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
-from consumer.client import ShardsClient
+from consumer.client import PrimaryUnreachable, ShardsClient
 from consumer.protocol import cpb, recovery_log, reduce_status, validate_shard_spec
 from gazctl import render
 from gazctl.journals import (
@@ -129,14 +129,19 @@ def shards_table(
 
 async def _lags(opts: dict[str, Any], listed: cpb.ListResponse) -> dict[str, str]:
     """Per shard, `journal:N, ...`: each source's write head less what the shard read through
-    (by Stat, answered by its primary); shards without a primary have none."""
+    (by Stat, answered by its primary); shards without a primary have none, and a primary
+    that cannot be reached (its process died, and its lease has not expired) is marked."""
     out: dict[str, str] = {}
     async with JournalsClient(opts["broker_address"]) as brokers, shards_client(opts) as client:
         heads: dict[str, int] = {}
         for shard in listed.shards:
             if shard.route.primary == -1:
                 continue
-            stat = await client.stat(shard.spec.id)
+            try:
+                stat = await client.stat(shard.spec.id)
+            except PrimaryUnreachable as exc:
+                out[shard.spec.id] = f"<{exc.member} unreachable>"
+                continue
             parts = []
             for source in shard.spec.sources:
                 journal = source.journal

@@ -371,3 +371,16 @@ async def test_a_shard_whose_hints_name_another_log_fails_with_the_reason(
             await asyncio.sleep(0.1)
     (error,) = status["errors"]
     assert "\n" not in error and "someone-else" in error and "recovery/logs/sum-h" in error
+
+
+@pytest.mark.parametrize(
+    "address, needle",
+    [
+        ("http://localhost:1,http://127.0.0.1:2", "takes IP addresses, and localhost is a name"),
+        ("http://127.0.0.1:1,https://127.0.0.1:2", "mixes http:// and https://"),
+        ("http://127.0.0.1:1,ftp://127.0.0.1:2", "expected http://HOST:PORT"),
+    ],
+)
+def test_a_bad_list_of_consumer_addresses_is_one_line(address: str, needle: str) -> None:
+    r = run_cli("gazctl", "shards", "list", env={"CONSUMER_ADDRESS": address})
+    assert needle in one_line_error(r) and "consumer address" in r.err, r.err

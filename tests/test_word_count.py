@@ -21,7 +21,7 @@ from broker.testing import EtcdServer
 from consumer.examples import word_count_pb2 as wpb
 from consumer.examples import word_count_pb2_grpc as wpb_grpc
 from consumer.examples.word_count import matches, ngrams_of, partition_of, words_of
-from tests.conftest import BrokerProcess
+from tests.conftest import BrokerProcess, run_cli
 from tests.consumer_testing import ConsumerProcesses
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.word_count"]
@@ -267,3 +267,49 @@ def test_counts_on_recorded_sqlite_survive_a_kill_through_a_hot_standby(
     for prefix in ("the", "fox", "dog"):
         wait_counts(a, prefix, expected)
     assert group.log("sqlite-counter-a").count("its standby takes over the log it tails") == 2
+
+
+@pytest.mark.slow
+def test_gazctl_reaches_any_live_consumer_and_marks_a_dead_primary(
+    json_counters: ConsumerProcesses, broker_process: BrokerProcess
+) -> None:
+    """CONSUMER_ADDRESS lists every consumer (as `gazctl dev up` exports it): with the first
+    SIGKILLed, gazctl reaches the next; `shards list --lag` marks the shards whose primary is
+    the dead process, within its lease, rather than failing; a graceful stop logs no traceback."""
+    group = json_counters
+    ids = ["lag-counter-a", "lag-counter-b"]
+    for consumer_id in ids:
+        group.start(consumer_id, lease="20s")  # counter-a's shards stay its own once it dies.
+    a, b = (group.address(i) for i in ids)
+    setup = run(
+        "setup", "--partitions", "4", "--broker.address", broker_process.address,
+        "--consumer.address", f"{a},{b}", "--deltas", f"test/word-count-lag/{uuid.uuid4().hex[:8]}/",
+    )  # fmt: skip
+    assert setup.returncode == 0, setup.stderr
+    publish(b, TEXTS[0])
+    wait_counts(b, "the", expected_counts(TEXTS[:1]))
+    env = {"CONSUMER_ADDRESS": f"{a},{b}", "BROKER_ADDRESS": broker_process.address}
+    listed = run_cli("gazctl", "shards", "list", "-p", "--lag", env=env)
+    assert listed.code == 0 and listed.out.count(":PRIMARY") == 4, listed.err
+    from tests.test_stream_sum import primaries
+
+    assert ids[0] in primaries(group, ids), "counter-a hosts no primary"
+
+    group.kill(ids[0])
+    listed = run_cli("gazctl", "shards", "list", "-p", "--lag", env=env)
+    assert listed.code == 0, listed.err
+    rows = [line.split() for line in listed.out.splitlines()[1:]]
+    assert rows and all(len(row) >= 4 for row in rows), listed.out
+    dead = [row for row in rows if row[2] == f"{ids[0]}:PRIMARY"]
+    assert dead, listed.out
+    for row in dead:
+        assert " ".join(row[3:]) == f"<{ids[0]} unreachable>", listed.out
+    for row in rows:
+        if row not in dead:
+            assert row[3].startswith("test/word-count-lag/"), listed.out
+
+    assert group.stop(ids[1]) == 0
+    log = group.log(ids[1])
+    assert "Traceback" not in log and "AioRpcError" not in log, log[-3000:]
+    continued = [line for line in log.splitlines() if line and not line[:4].isdigit()]
+    assert not continued, continued[:5]  # Each record one line, timestamped.

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from broker import auth
-from broker.tls import ClientTLS, split_address
+from broker.tls import ClientTLS, dial_target
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,17 @@ class Credentials:
         self, address: str, options: Sequence[tuple[str, Any]] = (), *, what: str = "broker address"
     ) -> grpc.aio.Channel:
         """A channel to `address`: TLS for `https://`, plaintext for `http://`, with this
-        authorizer's tokens on every call. AddressError for an address that is neither."""
-        target, secure = split_address(address, what=what)
-        if secure:
-            channel = grpc.aio.secure_channel(target, self.tls.channel_credentials, options=options)
+        authorizer's tokens on every call; several addresses, separated by commas, for any of
+        them that answers (see broker.tls.dial_target). AddressError for an address that is
+        neither."""
+        dial = dial_target(address, what=what)
+        if dial.authority is not None:
+            options = [*options, ("grpc.default_authority", dial.authority)]
+        if dial.secure:
+            creds = self.tls.channel_credentials
+            channel = grpc.aio.secure_channel(dial.target, creds, options=options)
         else:
-            channel = grpc.aio.insecure_channel(target, options=options)
+            channel = grpc.aio.insecure_channel(dial.target, options=options)
         return auth.authorized_channel(channel, self.auth)
 
 
