@@ -37,6 +37,15 @@ class PipelineError(RuntimeError):
     pass
 
 
+def describe(err: BaseException) -> str:
+    """An error of a peer's stream in one line: a gRPC error as its code and the first line of
+    its details (its repr spans several lines, and logs read as tracebacks)."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        detail = (err.details() or "").split("\n")[0]
+        return f"{err.code().name}: {detail}" if detail else err.code().name
+    return str(err) or repr(err)
+
+
 class Pipeline:
     def __init__(
         self,
@@ -138,7 +147,7 @@ class Pipeline:
     def send_err(self) -> BaseException | None:
         for i, err in enumerate(self.send_errs):
             if err is not None:
-                return PipelineError(f"send to {self.members[i].suffix}: {err}")
+                return PipelineError(f"send to {self.members[i].suffix}: {describe(err)}")
         return None
 
     def barrier(self) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
@@ -242,7 +251,7 @@ class Pipeline:
     def recv_err(self) -> BaseException | None:
         for i, err in enumerate(self.recv_errs):
             if err is not None:
-                return PipelineError(f"recv from {self.members[i].suffix}: {err}")
+                return PipelineError(f"recv from {self.members[i].suffix}: {describe(err)}")
         return None
 
     async def shutdown(self, expect_err: bool) -> None:

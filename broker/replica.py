@@ -17,6 +17,7 @@ from broker.flow_control import RateLimiter
 from broker.fragment.index import Index
 from broker.fragment.spool import CompletedFragment, Spool
 from broker.keyspace import KeyValue
+from broker.pipeline import describe
 from broker.protocol import protocol_pb2 as pb
 from broker.retry import Backoff
 from broker.tasks import TaskOwner, take_unless, wait_any
@@ -122,7 +123,10 @@ class Replica:
                 except Exception as exc:
                     delay = backoff.next_delay()
                     log.warning(
-                        "pulse of %s failed (retrying in %.2fs): %r", self.journal, delay, exc
+                        "pulse of %s failed (retrying in %.2fs): %s",
+                        self.journal,
+                        delay,
+                        describe(exc),
                     )
                     await asyncio.sleep(delay)
                     self._pulse_now.set()
@@ -260,7 +264,7 @@ async def _tear_down(pipeline: Pipeline) -> None:
     try:
         await pipeline.shutdown(expect_err=False)
     except Exception as exc:
-        log.warning("tearing down a fenced pipeline failed: %r", exc)
+        log.warning("tearing down a fenced pipeline failed: %s", describe(exc))
 
 
 class _IndexObserver:

@@ -129,3 +129,34 @@ async def test_primary_killed_during_appends(etcd_server: EtcdServer, tmp_path: 
     finally:
         await dialer.close()
         stop_processes(b.proc for b in brokers)
+
+
+async def test_brokers_stopped_together_log_one_line_records(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """Brokers stopped by SIGTERM at once (as `gazctl dev down` stops them) lose their peers
+    mid-pulse: each log record stays one line, without a traceback or a gRPC error's repr."""
+    brokers: list[BrokerProcess] = []
+    try:
+        start_brokers(etcd_server, tmp_path, brokers, count=3)
+        async with JournalsClient(brokers[0].address) as client:
+            await client.apply(
+                [
+                    pb.ApplyRequest.Change(upsert=journal_spec(f"stop/j{i:02d}", replication=2))
+                    for i in range(20)
+                ]
+            )
+        async with asyncio.timeout(20):
+            for i in range(20):
+                while len((await current_route(brokers[0].address, f"stop/j{i:02d}")).members) < 2:
+                    await asyncio.sleep(0.05)
+        async with JournalsClient(brokers[0].address) as client:
+            for i in range(20):
+                await append(client.stub, f"stop/j{i:02d}", b"one\n")
+    finally:
+        stop_processes([b.proc for b in brokers])
+    for broker in brokers:
+        text = broker.log.read_text()
+        assert "Traceback" not in text and "AioRpcError" not in text, text[-3000:]
+        continued = [line for line in text.splitlines() if line and not line[:4].isdigit()]
+        assert not continued, continued[:5]
