@@ -1,4 +1,4 @@
-"""Developer sessions: tests, fuzz, lint, typecheck, demo, bench, faults, modelcheck, proto.
+"""Developer sessions: tests, fuzz, docs, lint, typecheck, demo, bench, faults, modelcheck, proto.
 
 Every session installs what it needs from the project's own files, so a fresh machine needs only
 `python3 -m pip install nox` (and `uv`, which makes the virtualenvs faster).
@@ -97,6 +97,15 @@ def fuzz(session: nox.Session) -> None:
         "pytest", "tests/test_fuzz.py", "-s", "-q", "-rxX", *session.posargs,
         env={"GAZETTE_FUZZ_INPUTS": inputs},
     )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (mkdocs.yml: the guides and the API reference generated
+    from docstrings) strict, warnings as errors, into site/ (or the folder given after --)."""
+    session.install("-e", ".[docs]")
+    out = session.posargs[0] if session.posargs else "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", out)
 
 
 @nox.session(python=PYTHON)
