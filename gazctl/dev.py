@@ -351,11 +351,28 @@ def is_running(proc: Proc) -> bool:
     return process_state(proc) != "down"
 
 
-def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
+# What a process does between SIGTERM and its exit, by its kind (`broker-0`: broker).
+STOPPING = {
+    "broker": "its journals drain to the other brokers, or --broker.drain-timeout passes",
+    "consumer": "its shards finish their transactions and hand off, or its drain timeout passes",
+    "location": "it hands its location off",
+}
+
+
+def stop_pid(proc: Proc, timeout: float = 10.0, *, say: bool = False) -> bool:
     """SIGTERM (PostgreSQL: SIGINT, its fast shutdown, which does not wait for clients), then
-    SIGKILL after `timeout`. Returns whether the process was running."""
+    SIGKILL after `timeout`. Returns whether the process was running. With `say`, tells on
+    stderr what it waits for, and when it gives up waiting."""
     if not is_running(proc):
         return False
+    if say:
+        kind = "broker" if proc.role.endswith("-broker") else proc.role.split("-")[0]
+        doing = STOPPING.get(kind, "")
+        click.echo(
+            f"stopping {proc.role} (pid {proc.pid}): waiting up to {timeout:g}s for it to exit"
+            + (f" ({doing})" if doing else ""),
+            err=True,
+        )
     os.kill(proc.pid, signal.SIGINT if proc.role == "postgres" else signal.SIGTERM)
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGCONT)  # One paused by `dev kill --signal STOP` too.
@@ -364,6 +381,8 @@ def stop_pid(proc: Proc, timeout: float = 10.0) -> bool:
         if not is_running(proc):
             return True
         time.sleep(0.05)
+    if say:
+        click.echo(f"{proc.role} did not exit within {timeout:g}s: sending SIGKILL", err=True)
     os.kill(proc.pid, signal.SIGKILL)
     while is_running(proc):
         time.sleep(0.05)
@@ -1207,7 +1226,7 @@ def down(directory: str, purge: bool) -> None:
     if state is None:
         click.echo(f"no dev cluster in {root}", err=True)
     else:
-        stopped = sum(stop_pid(proc) for proc in state.all())
+        stopped = sum(stop_pid(proc, say=True) for proc in state.all())
         (root / STATE).unlink(missing_ok=True)
         click.echo(f"stopped {stopped} process(es) of the dev cluster in {root}", err=True)
     if purge and root.exists():
@@ -1290,6 +1309,6 @@ def restart(directory: str, timeout: float, name: str) -> None:
     state = load_state(directory)
     proc = state.find(name)
     before = proc.pid
-    stop_pid(proc, timeout)
+    stop_pid(proc, timeout, say=True)
     start_again(state, [proc], timeout)
     click.echo(f"restarted {name}: pid {before} -> {proc.pid}", err=True)

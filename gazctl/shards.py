@@ -477,8 +477,9 @@ def prune_cmd(selector: str, dry_run: bool, file_root: Path | None, **opts: Any)
     For every selected shard with a recovery log, its hints (the primary's and every backup)
     name the segments of the log that hold live files; fragments that hold none of them are
     deleted from their stores, with gazctl's own credentials. The open end of each log (from
-    the last hinted segment on) is never removed. A log is skipped if any shard using it has
-    not written all its hints, or has hints without files.
+    the last hinted segment on) is never removed. A log is skipped, saying when to prune
+    again, if any shard using it has not written all its hints yet, or has hints that name no
+    live files.
 
     CAUTION: select every shard that uses a log (a forked log is shared): hints of shards
     left out are not consulted. An unpersisted fragment that no hints need stops the prune

@@ -67,6 +67,9 @@ def test_up_status_down(cluster_dir: Path) -> None:
     down = run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir))
     assert down.code == 0, down.err
     assert "stopped 3" in down.err
+    # It says what it waits for, process by process, as it goes.
+    for proc in state.all():
+        assert f"stopping {proc.role} (pid {proc.pid}): waiting up to" in down.err, down.err
     assert not any(is_running(p) for p in state.all())
     assert ClusterState.load(cluster_dir) is None
 

@@ -34,11 +34,21 @@ class LogSegments:
     def add_hints(self, log: str, hints: Iterable[rpb.FSMHints | None], shard: str) -> None:
         """Fold in one shard's hints (None where a set is missing)."""
         for h in hints:
-            if h is None or not h.live_nodes:
+            if h is None:
                 self.skipped.setdefault(
                     log,
-                    f"shard {shard} has "
-                    + ("not written all its hints" if h is None else "hints without live files"),
+                    f"shard {shard} has not written all its hints yet (a primary writes them "
+                    "once recovered, then every hints_interval, 5 min), so nothing of the log is "
+                    "removed: prune again once its primary has run that long",
+                )
+                return
+            if not h.live_nodes:
+                self.skipped.setdefault(
+                    log,
+                    f"shard {shard}'s hints name no live files (its store held none when they "
+                    "were written), so they cannot say which fragments it needs and nothing of "
+                    "the log is removed: prune again once the shard has committed and written "
+                    "its hints again (every hints_interval, 5 min)",
                 )
                 return
             _, found = live_log_segments(h)
