@@ -46,8 +46,8 @@ class ShardsClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
-        creds = credentials or default_credentials("consumer")
-        self.channel = creds.open_channel(address, what="consumer address")
+        self.credentials = credentials or default_credentials("consumer")
+        self.channel = self.credentials.open_channel(address, what="consumer address")
         self.stub = cpb_grpc.ShardStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
@@ -60,7 +60,7 @@ class ShardsClient:
         await self.close()
 
     def _unavailable(self, exc: grpc.aio.AioRpcError) -> ConsumerUnavailable:
-        detail = (exc.details() or "").split("\n")[0]
+        detail = self.credentials.explain(self.address, (exc.details() or "").split("\n")[0])
         return ConsumerUnavailable(f"cannot reach the consumer at {self.address}: {detail}")
 
     async def list(self, selector: pb.LabelSelector | None = None) -> cpb.ListResponse:

@@ -179,7 +179,10 @@ def test_brokers_replicate_and_serve_over_tls(cluster: Cluster) -> None:
 
 def test_a_plaintext_client_is_refused(cluster: Cluster) -> None:
     plain = cluster.brokers[0].address.replace("https://", "http://")
-    one_line(gazctl(cluster, "journals", "list", BROKER_ADDRESS=plain), plain)
+    one_line(
+        gazctl(cluster, "journals", "list", BROKER_ADDRESS=plain),
+        plain, "the server speaks TLS: use https://",
+    )  # fmt: skip
     target = plain.removeprefix("http://")
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
@@ -199,14 +202,14 @@ def test_a_server_signed_by_another_ca_is_refused(cluster: Cluster) -> None:
 
 def test_a_client_certificate_is_required_when_the_server_has_a_ca(cluster: Cluster) -> None:
     r = gazctl(cluster, "journals", "list", BROKER_CERT_FILE="", BROKER_CERT_KEY_FILE="")
-    one_line(r, cluster.brokers[0].address)
+    one_line(r, cluster.brokers[0].address, "the server requires a client certificate")
     # A certificate from another CA is no better than none.
     other = cluster.other
     r = gazctl(
         cluster, "journals", "list",
         BROKER_CERT_FILE=str(other.client_cert), BROKER_CERT_KEY_FILE=str(other.client_key),
     )  # fmt: skip
-    one_line(r, cluster.brokers[0].address)
+    one_line(r, cluster.brokers[0].address, "the server refused the client certificate")
     channel, stub = cluster.stub(cert=False)
     with channel, pytest.raises(grpc.RpcError) as info:
         list(stub.List(pb.ListRequest(), timeout=5, metadata=bearer(token())))

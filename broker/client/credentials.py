@@ -42,6 +42,29 @@ class Credentials:
             channel = grpc.aio.insecure_channel(dial.target, options=options)
         return auth.authorized_channel(channel, self.auth)
 
+    def explain(self, address: str, detail: str) -> str:
+        """`detail` of a failure to reach `address`, with what it most likely means where gRPC
+        says only that the socket closed: a plaintext client's connection closed by a server
+        that speaks TLS, or a TLS handshake refused for want of an acceptable client
+        certificate."""
+        if "Socket closed" not in detail:
+            return detail
+        try:
+            secure = dial_target(address).secure
+        except ValueError:
+            return detail
+        cert_flag, key_flag, _ = self.tls.flags
+        if not secure:
+            why = "the server speaks TLS: use https://"
+        elif not self.tls.cert_file:
+            why = f"the server requires a client certificate: give {cert_flag} and {key_flag}"
+        else:
+            why = (
+                f"the server refused the client certificate ({cert_flag}): it requires one "
+                "signed by its CA"
+            )
+        return f"{why} (the server closed the connection: {detail})"
+
 
 def from_settings(
     service: str,

@@ -56,8 +56,11 @@ def dial(address: str, credentials: Credentials | None = None) -> grpc.aio.Chann
     return creds.open_channel(address, [("grpc.max_receive_message_length", 64 * 1024 * 1024)])
 
 
-def _unavailable(address: str, exc: grpc.aio.AioRpcError) -> BrokerUnavailable:
+def _unavailable(
+    address: str, exc: grpc.aio.AioRpcError, credentials: Credentials | None = None
+) -> BrokerUnavailable:
     detail = (exc.details() or "").split("\n")[0]
+    detail = (credentials or default_credentials("broker")).explain(address, detail)
     return BrokerUnavailable(f"cannot reach broker at {address}: {detail}")
 
 
@@ -78,7 +81,8 @@ class JournalsClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = dial(address, credentials)
+        self.credentials = credentials or default_credentials("broker")
+        self.channel = dial(address, self.credentials)
         self.stub = pb_grpc.JournalStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
@@ -111,7 +115,7 @@ class JournalsClient:
                     current = None
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise _unavailable(self.address, exc) from None
+                raise _unavailable(self.address, exc, self.credentials) from None
             raise
         if current is not None and not watch:
             yield current
@@ -141,7 +145,7 @@ class JournalsClient:
                 response = await self.stub.Apply(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise _unavailable(self.address, exc) from None
+                    raise _unavailable(self.address, exc, self.credentials) from None
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     detail = (exc.details() or "").split("\n")[0]
                     raise ApplyTooLarge(detail, number, len(request.changes)) from None
