@@ -9,33 +9,27 @@ import random
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from broker.testing import EtcdServer, stop_process
+from broker.testing import stop_process
+from consumer.testing import ConsumerProcesses, ConsumerProcessesFactory
 from tests.conftest import BrokerProcess
-from tests.consumer_testing import ConsumerProcesses
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
 
 
 @pytest.fixture
 def summers(
-    etcd_server: EtcdServer, broker_process: BrokerProcess, tmp_path: Path
-) -> Iterator[ConsumerProcesses]:
-    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    gazette_consumer_processes: ConsumerProcessesFactory, tmp_path: Path
+) -> ConsumerProcesses:
+    """Summer processes (the test kit's, stopped by pid as the test ends), dialling the
+    module's broker process, their sums in JSON files under the test's folder."""
     (tmp_path / "stores").mkdir()
-    group = ConsumerProcesses(
-        EXAMPLE, ["--summer.store-root", str(tmp_path / "stores")],
-        etcd_server, broker_process, root, tmp_path,
-    )  # fmt: skip
-    try:
-        yield group
-    finally:
-        group.stop_all()
+    return gazette_consumer_processes(
+        command=EXAMPLE, args=["--summer.store-root", str(tmp_path / "stores")]
+    )
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -122,21 +116,7 @@ def test_a_consumer_given_bad_flags_says_so_in_one_line(
 
 def primaries(summers: ConsumerProcesses, alive: list[str]) -> set[str]:
     """The processes hosting a shard's primary, as a live summer lists them."""
-    import grpc
-
-    from broker.protocol import consumer_pb2_grpc as cpb_grpc
-    from consumer.protocol import cpb
-
-    for summer_id in alive:
-        try:
-            with grpc.insecure_channel(summers.address(summer_id).removeprefix("http://")) as ch:
-                listed = cpb_grpc.ShardStub(ch).List(cpb.ListRequest(), timeout=2)  # type: ignore[no-untyped-call]
-        except grpc.RpcError:
-            continue
-        return {
-            s.route.members[s.route.primary].suffix for s in listed.shards if s.route.primary >= 0
-        }
-    return set()
+    return summers.primaries()
 
 
 @pytest.mark.slow

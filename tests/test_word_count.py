@@ -11,18 +11,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from broker.testing import EtcdServer
 from consumer.examples import word_count_pb2 as wpb
 from consumer.examples import word_count_pb2_grpc as wpb_grpc
 from consumer.examples.word_count import matches, ngrams_of, partition_of, words_of
+from consumer.testing import ConsumerProcesses, ConsumerProcessesFactory
 from tests.conftest import BrokerProcess, run_cli
-from tests.consumer_testing import ConsumerProcesses
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.word_count"]
 TEXTS = [
@@ -95,34 +93,24 @@ def wait_counts(
         time.sleep(0.1)
 
 
-def counters(
-    etcd_server: EtcdServer, broker: BrokerProcess, tmp_path: Path, app_args: list[str]
-) -> Iterator[ConsumerProcesses]:
-    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
-    group = ConsumerProcesses(EXAMPLE, app_args, etcd_server, broker, root, tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
-
-
 @pytest.fixture
 def json_counters(
-    etcd_server: EtcdServer, broker_process: BrokerProcess, tmp_path: Path
-) -> Iterator[ConsumerProcesses]:
+    gazette_consumer_processes: ConsumerProcessesFactory, tmp_path: Path
+) -> ConsumerProcesses:
+    """word-count processes (the test kit's, stopped by pid as the test ends) dialling the
+    module's broker process, their counts in JSON files under the test's folder."""
     (tmp_path / "stores").mkdir()
-    yield from counters(
-        etcd_server, broker_process, tmp_path, ["--wordcount.store-root", str(tmp_path / "stores")]
+    return gazette_consumer_processes(
+        command=EXAMPLE, args=["--wordcount.store-root", str(tmp_path / "stores")]
     )
 
 
 @pytest.fixture
 def sql_counters(
-    etcd_server: EtcdServer, broker_process: BrokerProcess, tmp_path: Path, postgres_dsn: str
-) -> Iterator[ConsumerProcesses]:
-    yield from counters(
-        etcd_server, broker_process, tmp_path, ["--wordcount.postgres", postgres_dsn]
-    )
+    gazette_consumer_processes: ConsumerProcessesFactory, postgres_dsn: str
+) -> ConsumerProcesses:
+    """word-count processes with their counts in the session's PostgreSQL."""
+    return gazette_consumer_processes(command=EXAMPLE, args=["--wordcount.postgres", postgres_dsn])
 
 
 def set_up(group: ConsumerProcesses, broker: BrokerProcess, ids: list[str]) -> None:

@@ -9,7 +9,7 @@ docs/applications.md, "Testing an application"."""
 from broker.testing import BrokerHarness, BrokerProcess, EtcdServer, start_broker_process
 from consumer.testing.harness import ConsumerGroup
 from consumer.testing.messages import publish, read_committed_messages
-from consumer.testing.processes import ConsumerProcesses
+from consumer.testing.processes import ConsumerProcesses, ConsumerProcessesFactory
 from consumer.testing.specs import apply_shards, create_journals, journal_spec, shard_spec
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "BrokerProcess",
     "ConsumerGroup",
     "ConsumerProcesses",
+    "ConsumerProcessesFactory",
     "EtcdServer",
     "apply_shards",
     "create_journals",

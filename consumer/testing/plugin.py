@@ -33,7 +33,7 @@ from broker.testing import (
     stop_process,
 )
 from consumer.testing.harness import ConsumerGroup
-from consumer.testing.processes import ConsumerProcesses
+from consumer.testing.processes import ConsumerProcesses, ConsumerProcessesFactory
 
 try:
     import pytest_asyncio
@@ -120,7 +120,7 @@ async def gazette_consumers(
 @pytest.fixture
 def gazette_consumer_processes(
     gazette_etcd: EtcdServer, gazette_broker_process: BrokerProcess, tmp_path: Path
-) -> Iterator[Callable[..., ConsumerProcesses]]:
+) -> Iterator[ConsumerProcessesFactory]:
     """A factory of consumer process groups dialling `gazette_broker_process`:
     `gazette_consumer_processes(app="module:Name", args=[...])` runs `python -m consumer serve
     --app module:Name`, `(command=[...])` an application's own command line (its `serve`

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -107,6 +107,32 @@ class ConsumerProcesses:
                         raise TimeoutError(f"{consumer_id} did not become ready") from None
                     time.sleep(0.05)
 
+    def running(self) -> list[str]:
+        """The ids of the processes running now."""
+        return [i for i, proc in self.procs.items() if proc.poll() is None]
+
+    def primaries(self) -> set[str]:
+        """The ids of the processes hosting a shard's primary, as the first running process
+        that answers lists them (an empty set if none answers)."""
+        for consumer_id in self.running():
+            target = f"127.0.0.1:{self.ports[consumer_id]}"
+            try:
+                with (
+                    grpc.secure_channel(target, self.tls)
+                    if self.tls
+                    else grpc.insecure_channel(target)
+                ) as channel:
+                    stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
+                    listed = stub.List(cpb.ListRequest(), timeout=2, metadata=self.metadata)
+            except grpc.RpcError:
+                continue
+            return {
+                s.route.members[s.route.primary].suffix
+                for s in listed.shards
+                if s.route.primary >= 0
+            }
+        return set()
+
     def kill(self, consumer_id: str) -> None:
         """SIGKILL, wherever the process is (mid-transaction, mid-commit)."""
         os.kill(self.procs[consumer_id].pid, signal.SIGKILL)
@@ -123,3 +149,8 @@ class ConsumerProcesses:
         """Stop every process at once (each sees the others leaving, so none waits to hand its
         shards to them); those already stopped return their code."""
         return stop_processes(self.procs.values(), timeout=STOP_TIMEOUT)
+
+
+# What the `gazette_consumer_processes` fixture gives a test: called with `app="module:Name"`
+# or `command=[...]` (and `args`, `env`), it returns a group of processes of that application.
+ConsumerProcessesFactory = Callable[..., ConsumerProcesses]
