@@ -196,8 +196,8 @@ def run_documentation(run: list[Block], tmp_path: Path) -> list[Ran]:
             )
     finally:
         stop_dev_cluster(tmp_path)
-    for ran in done:
-        print(f"{ran.block.where}: {ran.seconds:.1f} s")
+    for ran in done:  # Shown with -s: what each block printed, and how long it took.
+        print(f"--- {ran.block.where}: {ran.seconds:.1f} s\n{ran.out[-2000:]}")
     return done
 
 
