@@ -98,12 +98,22 @@ class SQLStore:
                 # The previous consumer transaction commits first: this one reads its writes.
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._committing)
-            pool = await self._connect()
-            conn = await pool.acquire()
+            self._current = await self._begin()
+        return self._current[0]
+
+    async def _begin(self) -> tuple[Any, Any]:
+        """A pooled connection inside a new SQL transaction. If beginning fails or is
+        cancelled (the server going down, the shard stopping), the connection is dropped, so
+        that it goes back to the pool and `close` does not wait for it."""
+        pool = await self._connect()
+        conn = await pool.acquire()
+        try:
             txn = conn.transaction()
             await txn.start()
-            self._current = (conn, txn)
-        return self._current[0]
+        except BaseException:
+            conn.terminate()
+            raise
+        return conn, txn
 
     def start_commit(
         self, checkpoint: cpb.Checkpoint, wait_for: Sequence[Awaitable[object]] = ()
@@ -125,12 +135,7 @@ class SQLStore:
         wait_for: Sequence[Awaitable[object]],
     ) -> None:
         pool = await self._connect()
-        if current is None:
-            conn = await pool.acquire()
-            txn = conn.transaction()
-            await txn.start()
-        else:
-            conn, txn = current
+        conn, txn = current if current is not None else await self._begin()
         try:
             for awaitable in wait_for:
                 await awaitable
@@ -147,24 +152,46 @@ class SQLStore:
                 )
             await txn.commit()
         except BaseException:
-            with contextlib.suppress(Exception):
-                await txn.rollback()
+            await _roll_back(txn, conn)
             raise
         finally:
-            await pool.release(conn)
+            if not conn.is_closed():
+                await pool.release(conn)
 
     async def close(self) -> None:
         if self._current is not None:
             conn, txn = self._current
             self._current = None
-            with contextlib.suppress(Exception):
-                await txn.rollback()
-            with contextlib.suppress(Exception):
-                await self._pool.release(conn)
+            await _roll_back(txn, conn)
+            if not conn.is_closed():
+                with contextlib.suppress(Exception):
+                    await self._pool.release(conn)
         if self._committing is not None:
             with contextlib.suppress(BaseException):
                 await self._committing
         if self._pool is not None:
-            await self._pool.close()
-            self._pool = None
+            pool, self._pool = self._pool, None
+            try:
+                await asyncio.wait_for(pool.close(), _CLOSE_TIMEOUT)
+            except TimeoutError:  # A connection still busy: drop them all.
+                pool.terminate()
         self._fence = None
+
+
+# Seconds a rollback or the pool's graceful close may take before connections are dropped
+# (the server then rolls back what they had begun).
+_CLOSE_TIMEOUT = 5.0
+
+
+async def _roll_back(txn: Any, conn: Any) -> None:
+    """Roll back `txn`, or, if that fails, is cancelled or hangs (the server gone, or the
+    connection busy with an operation a cancelled task left), drop the connection."""
+    if conn.is_closed():
+        return
+    try:
+        await asyncio.wait_for(txn.rollback(), _CLOSE_TIMEOUT)
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
+    except Exception:
+        conn.terminate()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
+import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -177,3 +180,47 @@ async def test_stores_of_many_shards_start_together_on_a_new_database(postgres_d
     finally:
         await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         await admin.close()
+
+
+def _store_backend(dsn: str) -> int:
+    """The pid of the server process of the store's one pooled session."""
+    from consumer.local_postgres import postgres_binary
+
+    sql = "SELECT pid FROM pg_stat_activity WHERE application_name = 'gazette-sqlstore-test'"
+    done = subprocess.run(
+        [postgres_binary("psql"), "-At", "-c", sql, dsn], capture_output=True, text=True, timeout=20
+    )
+    pids = done.stdout.split()
+    assert done.returncode == 0 and len(pids) == 1, done
+    return int(pids[0])
+
+
+@pytest.mark.parametrize("where", ["transaction", "commit"])
+async def test_a_store_closes_after_a_transaction_cancelled_as_it_began(
+    postgres_dsn: str, where: str
+) -> None:
+    """A shard that fails (PostgreSQL going down fails its commit) cancels its other tasks; one
+    may be beginning the next SQL transaction, or a commit's, waiting on the server. The
+    connection it took must go back to the pool, or `close` waits for it for ever: the shard
+    never stops, never says FAILED, and stays PRIMARY doing nothing (found by the consumer
+    campaign's `consumer-postgres-restart`, seed 20261130: asyncpg's "Pool.close() is taking
+    over 60 seconds")."""
+    dsn = f"{postgres_dsn}?application_name=gazette-sqlstore-test"
+    store = SQLStore(dsn, f"shard-{uuid.uuid4().hex[:8]}")
+    await store.restore_checkpoint()
+    await store.start_commit(cpb.Checkpoint())  # Its pool's one connection, idle now.
+    backend = _store_backend(postgres_dsn)
+    os.kill(backend, signal.SIGSTOP)  # The server stops answering that session.
+    try:
+        if where == "transaction":
+            begin: asyncio.Future[Any] = asyncio.ensure_future(store.transaction())
+        else:
+            begin = asyncio.ensure_future(store.start_commit(cpb.Checkpoint()))
+        await asyncio.sleep(0.5)
+        assert not begin.done()
+        begin.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await begin
+    finally:
+        os.kill(backend, signal.SIGCONT)
+    await asyncio.wait_for(store.close(), 10)
