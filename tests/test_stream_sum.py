@@ -167,3 +167,38 @@ def test_sums_on_recorded_sqlite_are_exact_while_primaries_are_killed(
     assert "OutOfSequence" not in logs
     # Take-overs by standbys that tailed the log, not replays from scratch.
     assert logs.count("its standby takes over the log it tails") >= 2, logs[-3000:]
+
+
+def test_the_chunkers_schedule_completes_streams_all_through_the_run() -> None:
+    """A few streams in progress at once: the first completes early, and every quarter of the
+    run completes some, so that a fault early in a run meets streams that end."""
+    from consumer.examples.stream_sum import chunk_schedule
+
+    schedule = chunk_schedule(random.Random(5), "run", streams=20, chunks=10, concurrent=4)
+    assert len(schedule) == 200
+    ends = [i for i, (_stream, _seq, _value, last) in enumerate(schedule) if last]
+    assert len(ends) == 20 and ends[0] < 50
+    assert all(any(q * 50 <= i < (q + 1) * 50 for i in ends) for q in range(4)), ends
+    seqs: dict[str, int] = {}
+    for stream, seq, _value, _last in schedule:  # Each stream's chunks in order, once each.
+        assert seq == seqs.get(stream, 0) + 1
+        seqs[stream] = seq
+
+
+def test_setup_names_journals_and_shards_under_its_prefix() -> None:
+    """Two runs share a cluster under two prefixes: nothing of one is named as the other's,
+    and a shard's label names the sums journal its summer publishes to."""
+    from broker.protocol import labels
+    from consumer.examples.stream_sum import SUMS_LABEL, shard_id, shard_spec
+
+    assert shard_id(0) == "stream-sum-000"  # The default prefix keeps its names.
+    a = shard_spec(1, "runs/a", standbys=2, store="postgres")
+    b = shard_spec(1, "runs/b", standbys=0, store="sqlite")
+    assert (a.id, b.id) == ("runs-a-001", "runs-b-001")
+    assert [s.journal for s in a.sources] == ["runs/a/chunks/part-001"]
+    assert labels.value_of(a.labels, SUMS_LABEL) == "runs/a/sums"
+    assert labels.value_of(b.labels, SUMS_LABEL) == "runs/b/sums"
+    assert (a.hot_standbys, b.hot_standbys) == (2, 0)
+    assert labels.value_of(a.labels, "store") == "postgres" and not a.recovery_log_prefix
+    assert labels.value_of(b.labels, "store") == "sqlite"
+    assert b.recovery_log_prefix == "runs/b/recovery"

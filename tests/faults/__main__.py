@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, help="fault cycles per scenario (default: its own)")
     parser.add_argument(
         "--budget", type=float,
-        help="seconds per scenario (default: 60 for broker scenarios, each replication one its own)",
+        help="seconds per scenario (default: 60 for broker scenarios, 85 for consumer ones, each replication one its own)",
     )  # fmt: skip
     parser.add_argument("--workdir", help="keep each scenario's logs and history under here")
     parser.add_argument("--keep", action="store_true", help="keep passing scenarios' files too")

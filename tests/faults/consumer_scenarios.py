@@ -266,7 +266,7 @@ async def run_consumer_scenario(
 ) -> tuple[ConsumerHistory, Report, float]:
     """Run `scenario` under `seed` in `workdir`; its history, report and wall time."""
     began = time.monotonic()
-    budget = budget or 75.0
+    budget = budget or 85.0
     rng = random.Random(f"{seed}/{scenario.name}")
     history = ConsumerHistory(scenario=scenario.name, seed=seed, store=scenario.store)
     history.own_faults = list(scenario.own_faults)
