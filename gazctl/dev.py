@@ -162,6 +162,22 @@ class ClusterState:
             self.etcd,
         ]
 
+    def tiers(self) -> list[list[Proc]]:
+        """`all` in the tiers `down` stops together: consumers and locations, then their
+        brokers, then PostgreSQL, then etcd. Members of a tier stopped together each see the
+        others exiting, so none waits out its drain timeout for a hand-off to a member that is
+        leaving too; each broker still persists what its spools hold before it exits."""
+        return [
+            tier
+            for tier in (
+                [*self.consumers, *self.locations],
+                [*self.location_brokers, *self.brokers],
+                [self.postgres] if self.postgres else [],
+                [self.etcd],
+            )
+            if tier
+        ]
+
     def groups(self) -> list[tuple[str, list[Proc]]]:
         """The processes by kind, in the order to start them (each needs those before it)."""
         return [
@@ -359,12 +375,22 @@ STOPPING = {
 }
 
 
-def stop_pid(proc: Proc, timeout: float = 10.0, *, say: bool = False) -> bool:
-    """SIGTERM (PostgreSQL: SIGINT, its fast shutdown, which does not wait for clients), then
-    SIGKILL after `timeout`. Returns whether the process was running. With `say`, tells on
-    stderr what it waits for, and when it gives up waiting."""
-    if not is_running(proc):
-        return False
+def stop_pids(procs: list[Proc], timeout: float = 10.0, *, say: bool = False) -> int:
+    """`stop_pid` of several processes at once: each signalled, then all waited for together
+    (up to `timeout`), then SIGKILL for any still running. Returns how many were running."""
+    running = [proc for proc in procs if is_running(proc)]
+    for proc in running:
+        _signal_to_stop(proc, timeout, say)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(is_running(proc) for proc in running):
+        time.sleep(0.05)
+    for proc in running:
+        if is_running(proc):
+            _kill(proc, timeout, say)
+    return len(running)
+
+
+def _signal_to_stop(proc: Proc, timeout: float, say: bool) -> None:
     if say:
         kind = "broker" if proc.role.endswith("-broker") else proc.role.split("-")[0]
         doing = STOPPING.get(kind, "")
@@ -373,20 +399,26 @@ def stop_pid(proc: Proc, timeout: float = 10.0, *, say: bool = False) -> bool:
             + (f" ({doing})" if doing else ""),
             err=True,
         )
-    os.kill(proc.pid, signal.SIGINT if proc.role == "postgres" else signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGINT if proc.role == "postgres" else signal.SIGTERM)
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGCONT)  # One paused by `dev kill --signal STOP` too.
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not is_running(proc):
-            return True
-        time.sleep(0.05)
+
+
+def _kill(proc: Proc, timeout: float, say: bool) -> None:
     if say:
         click.echo(f"{proc.role} did not exit within {timeout:g}s: sending SIGKILL", err=True)
-    os.kill(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
     while is_running(proc):
         time.sleep(0.05)
-    return True
+
+
+def stop_pid(proc: Proc, timeout: float = 10.0, *, say: bool = False) -> bool:
+    """SIGTERM (PostgreSQL: SIGINT, its fast shutdown, which does not wait for clients), then
+    SIGKILL after `timeout`. Returns whether the process was running. With `say`, tells on
+    stderr what it waits for, and when it gives up waiting."""
+    return stop_pids([proc], timeout, say=say) == 1
 
 
 def spawn(
@@ -1226,7 +1258,7 @@ def down(directory: str, purge: bool) -> None:
     if state is None:
         click.echo(f"no dev cluster in {root}", err=True)
     else:
-        stopped = sum(stop_pid(proc, say=True) for proc in state.all())
+        stopped = sum(stop_pids(tier, say=True) for tier in state.tiers())
         (root / STATE).unlink(missing_ok=True)
         click.echo(f"stopped {stopped} process(es) of the dev cluster in {root}", err=True)
     if purge and root.exists():
