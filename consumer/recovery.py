@@ -31,6 +31,7 @@ from broker.client.append_service import AppendService
 from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
+from broker.tasks import in_thread
 from consumer.protocol import cpb, hint_backup_keys, hint_primary_key, recovery_log
 from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.hints import encode_hints, pick_first_hints
@@ -103,7 +104,7 @@ class Playback:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
-        shutil.rmtree(self.directory, ignore_errors=True)
+        await in_thread(shutil.rmtree, self.directory, True)  # A whole store: off the loop.
 
 
 def _guard(assignment: KeyValue) -> list[transactions.Compare]:

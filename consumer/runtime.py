@@ -52,7 +52,7 @@ from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
 from broker.retry import Backoff
-from broker.tasks import TaskOwner
+from broker.tasks import TaskOwner, in_thread
 from broker.tls import ClientTLS, ServerTLS
 from consumer.client import PrimaryUnreachable
 from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
@@ -384,7 +384,7 @@ class Consumer:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.etcd.close(), 5.0)
         if not self.config.local_dir and self.local_dir is not None:
-            shutil.rmtree(self.local_dir, ignore_errors=True)
+            await in_thread(shutil.rmtree, self.local_dir, True)  # Its replicas': off the loop.
         self.done.set()
 
     async def _await_drain(self) -> bool:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,10 +21,14 @@ from broker.client.appender import append
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
 from broker.testing import BrokerHarness
+from consumer.protocol import cpb
+from consumer.recovery import Playback
+from consumer.recoverylog import player as player_module
 from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.hints import decode_hints, encode_hints
 from consumer.recoverylog.player import PlaybackError, Player
 from consumer.recoverylog.recorder import Fenced, Recorder
+from tests.loop_testing import StallProbe
 from tests.recoverylog_testing import new_log
 from tests.test_recoverylog_fsm import LogWriter, create, unlink, write
 
@@ -113,6 +121,119 @@ async def test_recorded_files_play_back_byte_for_byte(
     assert os.stat(target / "db.hardlink").st_nlink == 1  # Its twin at "db" was truncated.
     assert fsm.next_seq_no == recorder.fsm.next_seq_no
     assert fsm.next_checksum == recorder.fsm.next_checksum
+
+
+async def test_a_large_playback_does_not_stall_the_event_loop(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """Staged files are created and written, and the previous replica's files removed, on a
+    worker thread: playing 10,000 files and 32 MiB of writes into a directory that still
+    holds an old replica keeps the loop (every other shard's, lease keep-alives) responsive,
+    and plays back byte for byte. (On the loop, it stalled for seconds; the bound leaves room
+    for a loaded machine.)"""
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker, fragment_length=8 << 20)
+    w = LogWriter()
+    content: list[bytes] = []
+
+    def add(op: rpb.RecordedOp, data: bytes = b"") -> None:
+        body = w.ops[-1][1]
+        content.append(b"\x66\x33\x93\x36" + len(body).to_bytes(4, "little") + body + data)
+
+    expected: dict[str, bytes] = {}
+    for i in range(10_000):
+        add(w.op(0x1234, **create(f"/sst/{i:05d}")))
+        expected[f"sst/{i:05d}"] = b""
+    db = w.op(0x1234, **create("/db"))
+    add(db)
+    page = os.urandom(1 << 20)
+    for i in range(32):
+        add(w.op(0x1234, **write(db.seq_no, i << 20, len(page))), page)
+    expected["db"] = page * 32
+    await append(stub, log, b"".join(content))
+
+    target = tmp_path / "played"
+
+    def previous_replica() -> None:
+        (target / "old").mkdir(parents=True)
+        for i in range(2000):
+            (target / "old" / str(i)).write_bytes(b"x" * 4096)
+
+    await asyncio.to_thread(previous_replica)
+    async with AppendService(stub) as service:
+        player = Player()
+        player.finish_at_write_head()
+        async with StallProbe() as probe:
+            await player.play(rpb.FSMHints(log=log), target, lambda: stub, service)
+    assert await asyncio.to_thread(snapshot, target) == expected
+    assert probe.worst < 0.5, f"the loop stalled {probe.worst * 1000:.0f} ms"
+
+
+async def test_a_cancelled_playback_leaves_no_thread_writing_into_its_directory(
+    recovery_broker: BrokerHarness,
+    recovery_stub: pb_grpc.JournalStub,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled while a batch of staged files is being written (on a slow disk), playback
+    ends only once that batch is done and the directory removed: nothing writes into it after
+    the cancelled call returned."""
+    broker, stub = recovery_broker, recovery_stub
+    log = await new_log(broker)
+    source = tmp_path / "source"
+    source.mkdir()
+    async with AppendService(stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(source), service)
+        await recorder.start()
+        files = Mirror(recorder, source)
+        for i in range(50):
+            files.create(f"f{i}", os.urandom(64 << 10))
+        hints = await recorder.build_hints()
+
+    applying = threading.Event()
+    apply = player_module._StagedFiles._apply
+
+    def slowly(staged: player_module._StagedFiles, batch: list[Any]) -> None:
+        applying.set()
+        time.sleep(0.3)
+        apply(staged, batch)
+
+    monkeypatch.setattr(player_module._StagedFiles, "_apply", slowly)
+    target = tmp_path / "played"
+    async with AppendService(stub) as service:
+        playing = asyncio.ensure_future(Player().play(hints, target, lambda: stub, service))
+        while not applying.is_set():
+            await asyncio.sleep(0.005)
+        playing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await playing
+        assert not target.exists()
+        await asyncio.sleep(0.5)
+        assert not target.exists()
+
+
+async def test_a_replicas_directory_is_removed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica's playback stopped (its shard moved, or failed): its directory, a whole
+    store, is removed on a worker thread. On a disk where that takes half a second, the loop
+    (every other shard's, lease keep-alives) is not stalled meanwhile."""
+    rmtree = shutil.rmtree
+
+    def slowly(path: Any, ignore_errors: bool = False) -> None:
+        time.sleep(0.5)
+        rmtree(path, ignore_errors)
+
+    monkeypatch.setattr(shutil, "rmtree", slowly)
+    directory = tmp_path / "replica"
+    directory.mkdir()
+    for i in range(100):
+        (directory / f"{i:05d}.sst").write_bytes(b"x" * 4096)
+    playback = Playback(cpb.ShardSpec(id="shard-a", recovery_log_prefix="logs"), directory)
+    async with StallProbe() as probe:
+        await playback.stop()
+    assert not directory.exists()
+    assert probe.worst < 0.1, f"the loop stalled {probe.worst * 1000:.0f} ms"
 
 
 async def test_a_stray_append_between_frames_is_skipped_with_a_warning(

@@ -16,6 +16,11 @@ log (`tailing` is set): a hot standby. Playback ends on request:
   ours: the files are made live. Not applied (the old recorder appended first), it reads on and
   injects again.
 
+The loop only decodes: what operations do to files (creates, writes, removes, making them live,
+emptying the directory) is done by a worker thread, in order, in batches, one batch written while
+the next is decoded, so a large playback never stalls the other shards of the process. A
+cancelled playback waits for the thread to finish before the directory is removed.
+
 Bytes between frames that are not a frame (a stray append to the log) are read past to the next
 frame's marker, with a warning naming where and how many, as upstream's player does. Any
 inconsistency it cannot skip (a frame whose body is not an operation, a hinted segment that is
@@ -41,6 +46,7 @@ from broker.client.append_service import AppendService, Registers
 from broker.client.reader import Chunk, read_retrying
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
+from broker.tasks import in_thread, start_in_thread, wait_out
 from consumer.recoverylog.fsm import (
     FRAME_MAGIC,
     FSM,
@@ -181,6 +187,128 @@ def _retrieve(future: asyncio.Future[object]) -> None:
         future.exception()
 
 
+# Staged-file work goes to the thread once this many operations, or bytes of writes, are queued
+# (or sooner, when the player is about to wait for the log).
+_BATCH_OPS = 128
+_BATCH_BYTES = 1 << 20
+
+_CREATE, _WRITE, _REMOVE = range(3)
+
+
+class _StagedFiles:
+    """The files of one playback, changed only by a worker thread. The loop queues what applied
+    operations do (`create`, `write`, `remove`); `submit` hands the queue to the thread as one
+    batch once the batch before it is done, so one batch is written while the next is decoded,
+    in order. `settle` waits until all of it is done; `discard` removes the directory once the
+    thread is done with it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.queued: list[tuple[int, int, int, bytes]] = []  # (what, fnode, offset, data)
+        self._queued_bytes = 0
+        self._running: asyncio.Future[None] | None = None
+        self._files: dict[int, IO[bytes]] = {}  # The thread's.
+
+    def create(self, fnode: int) -> None:
+        self.queued.append((_CREATE, fnode, 0, b""))
+
+    def write(self, fnode: int, offset: int, data: bytes) -> None:
+        self.queued.append((_WRITE, fnode, offset, data))
+        self._queued_bytes += len(data)
+
+    def remove(self, fnode: int) -> None:
+        self.queued.append((_REMOVE, fnode, 0, b""))
+
+    @property
+    def full(self) -> bool:
+        return len(self.queued) >= _BATCH_OPS or self._queued_bytes >= _BATCH_BYTES
+
+    async def reset(self) -> None:
+        """Empty the directory, and make the staging in it."""
+        await in_thread(self._reset)
+
+    async def submit(self) -> None:
+        """Once the batch in flight is done (its error raised here), hand it what is queued."""
+        running, self._running = self._running, None
+        if running is not None:
+            await wait_out(running)
+        if self.queued:
+            batch, self.queued, self._queued_bytes = self.queued, [], 0
+            self._running = start_in_thread(self._apply, batch)
+        await asyncio.sleep(0)  # Decoding a long run of buffered frames lets others run too.
+
+    async def settle(self) -> None:
+        """Until everything queued is done."""
+        await self.submit()
+        running, self._running = self._running, None
+        if running is not None:
+            await wait_out(running)
+
+    async def make_live(self, fsm: FSM) -> None:
+        """Link each staged file at its paths, write the properties, remove the staging."""
+        await self.settle()
+        live = [(fnode, sorted(node.links)) for fnode, node in fsm.live_nodes.items()]
+        await in_thread(self._make_live, live, dict(fsm.properties))
+
+    async def discard(self) -> None:
+        """Close the files and remove the directory, once the batch in flight is done (however
+        it ends, cancelled meanwhile included)."""
+        running, self._running = self._running, None
+        self.queued.clear()
+        try:
+            if running is not None:
+                with contextlib.suppress(Exception):
+                    await wait_out(running)
+        finally:
+            await in_thread(self._remove)
+
+    # ---- on the thread -------------------------------------------------------------------------
+
+    def _staged(self, fnode: int) -> Path:
+        return self.directory / FNODE_STAGING / str(fnode)
+
+    def _reset(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+        (self.directory / FNODE_STAGING).mkdir(parents=True)
+
+    def _apply(self, batch: list[tuple[int, int, int, bytes]]) -> None:
+        files = self._files
+        for what, fnode, offset, data in batch:
+            if what == _WRITE:
+                f = files[fnode]
+                f.seek(offset)
+                f.write(data)
+            elif what == _CREATE:
+                files[fnode] = open(self._staged(fnode), "xb")  # noqa: SIM115 (closed at make-live or remove)
+            else:
+                files.pop(fnode).close()
+                os.unlink(self._staged(fnode))
+
+    def _make_live(self, live: list[tuple[int, list[str]]], properties: dict[str, str]) -> None:
+        files = self._files
+        for fnode, links in live:
+            files.pop(fnode).close()
+            for path in links:
+                target = self.directory / path.lstrip("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(self._staged(fnode), target)
+            os.unlink(self._staged(fnode))
+        if files:
+            raise PlaybackError(f"staged files the FSM does not know: {sorted(files)}")
+        (self.directory / FNODE_STAGING).rmdir()
+        for path, content in properties.items():
+            target = self.directory / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "x") as out:
+                out.write(content)
+
+    def _remove(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class Player:
     """Plays a recovery log into a directory (see the module's doc); `tailing` is set once it
     reached the write head; `fsm` is the recovered state once `play` returned."""
@@ -212,14 +340,11 @@ class Player:
         stubs: Callable[[], pb_grpc.JournalStub],
         service: AppendService,
     ) -> FSM:
-        directory = Path(directory)
-        files: dict[int, IO[bytes]] = {}
+        staged = _StagedFiles(Path(directory))
         try:
-            fsm = await self._play(hints, directory, stubs, service, files)
+            fsm = await self._play(hints, stubs, service, staged)
         except BaseException:
-            for f in files.values():
-                f.close()
-            shutil.rmtree(directory, ignore_errors=True)
+            await staged.discard()
             raise
         self.fsm = fsm
         return fsm
@@ -227,17 +352,16 @@ class Player:
     async def _play(
         self,
         hints: rpb.FSMHints,
-        directory: Path,
         stubs: Callable[[], pb_grpc.JournalStub],
         service: AppendService,
-        files: dict[int, IO[bytes]],
+        staged: _StagedFiles,
     ) -> FSM:
         try:
-            fsm = FSM(hints)
+            # Off the loop too: hints of many thousands of files take a while to take in.
+            fsm = await in_thread(FSM, hints)
         except ValueError as exc:
             raise PlaybackError(f"hints of {hints.log}: {exc}") from None
-        shutil.rmtree(directory, ignore_errors=True)
-        (directory / FNODE_STAGING).mkdir(parents=True)
+        await staged.reset()
 
         # The write heads of every log the hints name: reading past them is tailing.
         heads: dict[str, int] = {}
@@ -278,6 +402,9 @@ class Player:
                     handoff = self._handoff or 0
                     state = _State.INJECT_AT_HEAD if handoff else _State.EXIT_AT_HEAD
 
+                if staged.queued and (staged.full or len(reader.buffer) < HEADER):
+                    await staged.submit()  # A batch's worth, or the log is to be waited for.
+
                 # Blocking while the head is not buffered yet (a frame is whole by the head).
                 buffered_to = reader.offset + len(reader.buffer)
                 block = state in (_State.TAIL, _State.READ_HANDOFF) or buffered_to < read_through
@@ -294,11 +421,12 @@ class Player:
                 if not ready and not block:
                     reader.skip_rest()  # What is buffered at the head is no frame, if anything.
                 if not ready:  # A non-blocking read reached the write head.
+                    await staged.settle()  # The files are as the log says, up to its head.
                     self.tailing.set()
                     if state == _State.BACKFILL:
                         state = _State.TAIL
                     elif state == _State.EXIT_AT_HEAD:
-                        _make_live(directory, fsm, files)
+                        await _make_live(staged, fsm)
                         return fsm
                     elif state == _State.INJECT_AT_HEAD:
                         noop = rpb.RecordedOp(
@@ -311,10 +439,10 @@ class Player:
                         state = _State.READ_HANDOFF
                     continue
 
-                op, applied = await _play_operation(reader, fsm, directory, files)
+                op, applied = await _play_operation(reader, fsm, staged)
                 if handoff and op.author == handoff:
                     if applied:
-                        _make_live(directory, fsm, files)
+                        await _make_live(staged, fsm)
                         return fsm
                     state = _State.INJECT_AT_HEAD  # Lost a race: inject again.
         finally:
@@ -352,9 +480,10 @@ class Player:
 
 
 async def _play_operation(
-    reader: _LogReader, fsm: FSM, directory: Path, files: dict[int, IO[bytes]]
+    reader: _LogReader, fsm: FSM, staged: _StagedFiles
 ) -> tuple[rpb.RecordedOp, bool]:
-    """Decode the next operation, apply it to the FSM and, if applied, to the files."""
+    """Decode the next operation, apply it to the FSM and, if applied, queue what it does to
+    the files."""
     first = reader.offset
     try:
         length = decode_header(bytes(reader.buffer[:HEADER]))
@@ -382,50 +511,26 @@ async def _play_operation(
         raise PlaybackError(f"{reader.log}@{first}: a write's data ends past the write head")
     data = reader.take(payload) if payload else b""
     if outcome is Applied.APPLIED:
-        _reenact(op, data, fsm, directory, files)
+        _reenact(op, data, fsm, staged)
     return op, outcome is not None
 
 
-def _staged(directory: Path, fnode: int) -> Path:
-    return directory / FNODE_STAGING / str(fnode)
-
-
-def _reenact(
-    op: rpb.RecordedOp, data: bytes, fsm: FSM, directory: Path, files: dict[int, IO[bytes]]
-) -> None:
+def _reenact(op: rpb.RecordedOp, data: bytes, fsm: FSM, staged: _StagedFiles) -> None:
     if op.HasField("create"):
-        files[op.seq_no] = open(_staged(directory, op.seq_no), "xb")  # noqa: SIM115 (closed at make-live or unlink)
+        staged.create(op.seq_no)
     elif op.HasField("unlink"):
         if op.unlink.fnode not in fsm.live_nodes:
-            files.pop(op.unlink.fnode).close()
-            os.unlink(_staged(directory, op.unlink.fnode))
+            staged.remove(op.unlink.fnode)
     elif op.HasField("write"):
-        f = files[op.write.fnode]
-        f.seek(op.write.offset)
-        f.write(data)
+        staged.write(op.write.fnode, op.write.offset, data)
 
 
-def _make_live(directory: Path, fsm: FSM, files: dict[int, IO[bytes]]) -> None:
-    """Link each staged file at its paths, write the properties, remove the staging."""
+async def _make_live(staged: _StagedFiles, fsm: FSM) -> None:
+    """The files at their paths, the properties written, the staging removed."""
     if fsm.has_remaining_hints():
         raise PlaybackError("playback ended with hints unused")
-    for fnode, node in fsm.live_nodes.items():
-        f = files.pop(fnode)
-        f.close()
-        for path in node.links:
-            target = directory / path.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(_staged(directory, fnode), target)
-        os.unlink(_staged(directory, fnode))
-    if files:
-        raise PlaybackError(f"staged files the FSM does not know: {sorted(files)}")
-    (directory / FNODE_STAGING).rmdir()
-    for path, content in fsm.properties.items():
-        target = directory / path.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "x") as out:
-            out.write(content)
+    await staged.make_live(fsm)
     log.info(
         "played %s into %s: %d files, next seq_no %d",
-        fsm.last_log, directory, len(fsm.live_nodes), fsm.next_seq_no,
+        fsm.last_log, staged.directory, len(fsm.live_nodes), fsm.next_seq_no,
     )  # fmt: skip

@@ -109,12 +109,18 @@ def _reduce(a: Segment, b: Segment) -> Segment:
     return out
 
 
+def _first_seq_no(segment: Segment) -> int:
+    return segment.first_seq_no
+
+
 class SegmentSet(list[Segment]):
     """Disjoint segments ordered by first sequence number (upstream's SegmentSet)."""
 
     def add(self, segment: Segment) -> None:
         segment.validate()
-        begin = bisect.bisect_left([s.first_seq_no for s in self], segment.first_seq_no)
+        # By key, not a list of keys made at each add: hints of thousands of files are added
+        # one segment at a time (FSM(hints), on the loop).
+        begin = bisect.bisect_left(self, segment.first_seq_no, key=_first_seq_no)
         if begin > 0:
             with contextlib.suppress(_NotReducible):
                 segment, begin = _reduce(self[begin - 1], segment), begin - 1
