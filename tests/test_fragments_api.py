@@ -16,6 +16,7 @@ from google.protobuf import duration_pb2
 
 from broker.client.journals import dial
 from broker.client.reader import read
+from broker.client.routes import append_routed
 from broker.fragment.content import FragmentCorrupt, fragment_path
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -23,7 +24,6 @@ from broker.testing import BrokerHarness, EtcdServer
 from tests.journals_testing import started_brokers
 from tests.test_persistence import (
     JOURNAL,
-    append_retrying,
     payloads,
     persisted_through,
     routed,
@@ -53,8 +53,8 @@ async def written_journal(broker: BrokerHarness, count: int = 8) -> tuple[pb_grp
     stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
     written = payloads(count, seed=9)
     for content in written:
-        await append_retrying(stub, content)
-    await append_retrying(stub, b"")
+        await append_routed(stub, JOURNAL, content)
+    await append_routed(stub, JOURNAL, b"")
     end = sum(len(c) for c in written)
     await persisted_through(stub, end)
     return stub, end
@@ -62,7 +62,7 @@ async def written_journal(broker: BrokerHarness, count: int = 8) -> tuple[pb_grp
 
 async def test_list_fragments_pages_and_bounds(broker: tuple[BrokerHarness, Path]) -> None:
     stub, end = await written_journal(broker[0])
-    await append_retrying(stub, b"local only\n")  # Committed to the spool, not persisted.
+    await append_routed(stub, JOURNAL, b"local only\n")  # Committed to the spool, not persisted.
 
     everything = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
     specs = [f.spec for f in everything.fragments]

@@ -21,12 +21,13 @@ from broker.allocator import keyspace as aks
 from broker.client import JournalsClient
 from broker.client.appender import append
 from broker.client.journals import dial
+from broker.client.routes import append_routed
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_persistence import JOURNAL, append_retrying, read_all, read_from_store, routed
+from tests.test_persistence import JOURNAL, read_all, read_from_store, routed
 
 NAMES = ["lease-0", "lease-1", "lease-2"]
 
@@ -102,7 +103,7 @@ async def test_a_short_etcd_outage_is_a_pause_not_a_loss(
         try:
             written = [f"before the outage {i}\n".encode() for i in range(20)]
             for content in written:
-                await append_retrying(stub, content)
+                await append_routed(stub, JOURNAL, content)
 
             # The campaign's schedule: 3.1 s from the kill until etcd served again, 1.75 s of
             # service, then down again for 1 s (and its start).
@@ -122,9 +123,9 @@ async def test_a_short_etcd_outage_is_a_pause_not_a_loss(
             assert not exited, f"brokers exited: {exited}\n{logs(brokers)}"
 
             # Appends go on where the journal was: INDEX_HAS_GREATER_OFFSET (every replica
-            # lost, reset-head needed) is not retried by append_retrying.
+            # lost, reset-head needed) is not retried by append_routed.
             end = sum(len(c) for c in written)
-            response = await append_retrying(stub, b"after the outage\n")
+            response = await append_routed(stub, JOURNAL, b"after the outage\n")
             assert (response.commit.begin, response.commit.end) == (end, end + 17)
             assert await read_all(stub) == b"".join(written) + b"after the outage\n"
         finally:
@@ -149,7 +150,7 @@ async def test_a_broker_whose_lease_is_gone_persists_its_spools_before_exiting(
         try:
             written = [f"acknowledged {i}\n".encode() * 3 for i in range(25)]
             for content in written:
-                await append_retrying(stub, content)
+                await append_routed(stub, JOURNAL, content)
         finally:
             await channel.close(None)
         # Well under a fragment: what the store holds (fragments rolled while the route formed)

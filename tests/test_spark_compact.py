@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from broker.client.journals import dial
+from broker.client.routes import append_routed
 from broker.fragment.content import fragment_path, open_in_store
 from broker.fragment.stores import FragmentStore, open_store
 from broker.protocol import protocol_pb2 as pb
@@ -30,7 +31,7 @@ from tests.journals_testing import started_brokers
 from tests.store_servers import GCSServer, S3Server
 from tests.test_gazctl_fragments import STORE, Cluster, History, cluster, history  # noqa: F401
 from tests.test_persistence import JOURNAL as APPENDED  # The journal its helpers append to.
-from tests.test_persistence import append_retrying, read_all, routed
+from tests.test_persistence import read_all, routed
 
 JOURNAL = "compact/events"
 
@@ -239,7 +240,7 @@ async def test_compaction_while_a_broker_keeps_appending(
         async def appender() -> None:
             while not stop.is_set() or len(lines) < 400:
                 line = f'{{"n": {len(lines)}, "pad": "{"p" * 150}"}}\n'.encode()
-                await append_retrying(stub, line)
+                await append_routed(stub, APPENDED, line)
                 lines.append(line)
                 await asyncio.sleep(0.005)
 
@@ -256,7 +257,7 @@ async def test_compaction_while_a_broker_keeps_appending(
             assert second.exit_code == 0, second.output
             stop.set()
             await task
-            await append_retrying(stub, b"")
+            await append_routed(stub, APPENDED, b"")
             expected = b"".join(lines)
             # Through the brokers: every appended line once, in order, nothing else.
             assert await read_all(stub) == expected
