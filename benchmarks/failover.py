@@ -40,7 +40,7 @@ from benchmarks._cluster import (
 )
 from broker import etcd as etcdx
 from broker.client.dialer import Dialer
-from broker.client.routes import Router, append_routed
+from broker.client.routes import Router, append_routed, is_transient
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
@@ -64,14 +64,16 @@ def _spec() -> pb.JournalSpec:
 
 
 def lost_status(exc: BaseException) -> bool:
-    """grpc.aio's INTERNAL "Internal error from Core": the broker answered (or aborted) the
-    client-streaming Append while the client was still writing, and the client lost the
-    broker's status (during a failover, a transient one). `append_routed` does not retry it."""
-    return (
-        isinstance(exc, grpc.aio.AioRpcError)
-        and exc.code() == grpc.StatusCode.INTERNAL
-        and exc.details() == "Internal error from Core"
-    )
+    """An append whose outcome the client lost: grpc.aio's INTERNAL "Internal error from Core"
+    (the broker answered or aborted the client-streaming Append while the client was still
+    writing), or a transient failure after its commit was sent (the primary killed mid-append:
+    it may have landed). `append_routed` does not send those again; the benchmark's appenders,
+    whose records need not be unique, begin them again."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == "Internal error from Core":
+        return True
+    return bool(getattr(exc, "commit_sent", False)) and is_transient(exc)
 
 
 async def append_riding_out(router: Router, max_delay: float) -> int:

@@ -27,7 +27,7 @@ from broker.append_fsm import (
     State,
 )
 from broker.auth import Claims
-from broker.client.routes import CORE_SEND_FAILURE
+from broker.client.routes import CORE_SEND_FAILURE, NOT_APPENDED
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
@@ -225,12 +225,14 @@ async def proxy_append(
     out.CopyFrom(first)
     out.header.CopyFrom(res.header)
     call = ctx.dialer.journal_stub(endpoint).Append()
+    forwarded_commit = False
     try:
         try:
             await call.write(out)
             async for request in iterator:
                 if call.done():
                     break  # The primary answered before the stream's end; it reads no more.
+                forwarded_commit = forwarded_commit or not request.content
                 await call.write(request)
             else:
                 await call.done_writing()
@@ -242,7 +244,12 @@ async def proxy_append(
         call.cancel()  # The primary rolls back a stream that ends without its commit.
         # The client sees the primary's own status (UNAVAILABLE when it is down), which it
         # knows to retry, rather than UNKNOWN.
-        await context.abort(relayed_code(exc), peer_error(route.members[route.primary], exc))
+        # Before the commit went on, the append cannot have landed: the client may send it
+        # again (its own commit may have been sent to us already, so it cannot tell alone).
+        trailer = () if forwarded_commit else ((NOT_APPENDED, "true"),)
+        await context.abort(
+            relayed_code(exc), peer_error(route.members[route.primary], exc), trailer
+        )
         raise  # (abort raises)
     except BaseException:
         call.cancel()

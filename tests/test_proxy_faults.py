@@ -20,7 +20,7 @@ import pytest
 from broker.append_api import relayed_code
 from broker.client.append_service import AppendService
 from broker.client.appender import append
-from broker.client.routes import CORE_SEND_FAILURE, is_transient
+from broker.client.routes import CORE_SEND_FAILURE, append_routed, is_transient, transient_reason
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from tests.journals_testing import journal_spec, set_journal, started_brokers
@@ -137,6 +137,43 @@ async def test_append_service_retries_a_proxied_append_through_a_primary_change(
     # Every batch once (a batch the stopped primary acknowledged may repeat only if it was
     # retried without an answer; here each got one).
     assert sorted(set(pieces)) == [b"%03d" % i for i in range(40)]
+
+
+async def test_a_proxied_append_that_never_reached_the_primary_is_sent_again(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """The proxy could not reach the primary: the append cannot have landed, though the client
+    had sent its commit, and the proxy says so (its trailer): the library's appender sends it
+    again once the journal moves. An append that failed after its commit was sent, with no such
+    word, may have landed: it is not sent again."""
+    journal = "faults/unreached"
+    members = [("local", IDS[0]), ("local", IDS[1])]
+    await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[:1])
+    await append(stub(brokers[0]), journal, b"")
+    server = brokers[0].broker.server
+    assert server is not None
+    await server.stop(grace=0)  # The primary is unreachable; broker-q proxies to it.
+
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await append(stub(brokers[1]), journal, b"one;")
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.commit_sent  # type: ignore[attr-defined]
+    assert transient_reason(failed.value) == "UNAVAILABLE"  # The proxy's word: not appended.
+
+    async def move_soon() -> None:
+        await asyncio.sleep(0.5)
+        await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[1:])
+
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(move_soon())
+        response = await append_routed(stub(brokers[1]), journal, b"two;", wait=30)
+    assert response.commit.end - response.commit.begin == 4
+
+    unknown = rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+    unknown.commit_sent = True  # type: ignore[attr-defined]
+    assert transient_reason(unknown) is None  # The primary died with the commit: unknown.
+    unknown.commit_sent = False  # type: ignore[attr-defined]
+    assert transient_reason(unknown) == "UNAVAILABLE"
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

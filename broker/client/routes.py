@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,6 +38,9 @@ RETRYABLE_CODES = frozenset(
 # What gRPC's own client reports (as INTERNAL) when a message could not be sent on a stream the
 # peer already ended or reset; the peer's answer, if it gave one, is lost.
 CORE_SEND_FAILURE = "Internal error from Core"
+# Trailing metadata of a proxied append that failed before the primary was sent its commit:
+# it cannot have landed, whatever the client had sent.
+NOT_APPENDED = "gazette-not-appended"
 
 
 T = TypeVar("T")
@@ -66,10 +69,16 @@ def transient_reason(exc: BaseException) -> str | None:
     if isinstance(exc, AppendError | ReadError):
         return pb.Status.Name(exc.status) if exc.status in RETRYABLE else None
     if isinstance(exc, grpc.aio.AioRpcError):
-        if getattr(exc, "commit_sent", False) or not is_transient(exc):
+        if not is_transient(exc) or (getattr(exc, "commit_sent", False) and not _not_appended(exc)):
             return None
         return exc.code().name
     return None
+
+
+def _not_appended(exc: grpc.aio.AioRpcError) -> bool:
+    """A proxying broker said the append never reached the primary with its commit."""
+    trailer: Any = exc.trailing_metadata() or ()
+    return any(item[0] == NOT_APPENDED for item in trailer)
 
 
 async def waiting(
