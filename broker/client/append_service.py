@@ -252,7 +252,7 @@ class _Journal:
         self.room = asyncio.Event()
         self.room.set()
         self.wake = asyncio.Event()
-        self.task = asyncio.ensure_future(self._serve())
+        self.task: asyncio.Future[None] | None = None  # Its sender, owned by the service.
 
     def write(self, data: bytes, registers: Registers | None = None) -> PendingSpan:
         if registers is not self.open.registers and (
@@ -434,6 +434,8 @@ class AppendService:
         journal = self._journals.get(name)
         if journal is None:
             journal = self._journals[name] = _Journal(self, name)
+            # The service owns each journal's sender: `close` awaits it.
+            journal.task = asyncio.ensure_future(journal._serve())
         return journal
 
     async def write(
@@ -526,7 +528,7 @@ class AppendService:
         self.closing = True
         for j in self._journals.values():
             j.wake.set()
-        tasks = [j.task for j in self._journals.values()]
+        tasks = [j.task for j in self._journals.values() if j.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         for j in self._journals.values():
