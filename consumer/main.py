@@ -23,7 +23,7 @@ from broker.client.journals import ApplyConflict, BrokerUnavailable
 from broker.etcd import etcd_tls, parse_etcd_address
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
-from broker.tls import ClientTLS, ServerTLS, TLSConfigError, split_address
+from broker.tls import ClientTLS, ServerTLS, TLSConfigError, dial_target
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_spec
 from consumer.runtime import CONSUMER_PEER_TLS_FLAGS, Consumer, ConsumerApplication, ConsumerConfig
 from spec.durations import DurationError, parse_go_duration
@@ -123,7 +123,7 @@ def config_of(opts: dict[str, Any], name: str = "consumer") -> ConsumerConfig:
         raise click.ClickException(f"{flags.get(exc.field, exc.field)}: {exc.problem}") from None
     try:
         parse_etcd_address(config.etcd_address)
-        split_address(config.broker_address, what="--broker.address")
+        dial_target(config.broker_address, what="--broker.address")
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if not config.etcd_prefix.startswith("/"):

@@ -5,7 +5,8 @@ PostgreSQL server for SQL stores.
 Processes run detached so `up` can return; their pids and addresses live in `<dir>/cluster.json`
 and `down` stops exactly those pids (after checking each still runs what we started). The ports
 stay in `<dir>/ports.json` after `down`: the next `up` listens on them again where still free,
-so an exported BROKER_ADDRESS keeps working.
+so an exported BROKER_ADDRESS (every broker, comma-separated: a client reaches whichever is
+alive) keeps working.
 """
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def choose_ports(
             pick(
                 f"broker-{i}",
                 old.brokers[i] if i < len(old.brokers) else 0,
-                again if i == 0 else "",
+                again,
             )
             for i in range(brokers)
         ],
@@ -331,6 +332,12 @@ def choose_ports(
     return ports, moved
 
 
+def brokers_address(state: ClusterState) -> str:
+    """Every broker's address, comma-separated: what clients and consumers dial, so that
+    killing any one broker leaves them reaching the others."""
+    return ",".join(b.address for b in state.brokers)
+
+
 def print_exports(state: ClusterState) -> None:
     """The environment the other gazctl commands take (stdout's last lines: `eval` them);
     ETCD_ADDRESS is for consumer processes (`--etcd.address`)."""
@@ -338,7 +345,8 @@ def print_exports(state: ClusterState) -> None:
     security = DevSecurity.make(Path(state.dir), state.tls, state.auth)
     for name, value in security.environment().items():
         click.echo(f"export {name}={value}")
-    click.echo(f"export BROKER_ADDRESS={state.brokers[0].address}")
+    # Every broker: a client reaches whichever is alive (broker.tls.dial_target).
+    click.echo(f"export BROKER_ADDRESS={brokers_address(state)}")
     click.echo(f"export BROKER_FILE_ROOT={Path(state.dir) / 'fragments'}")
     if state.postgres is not None:
         click.echo(f"export POSTGRES_DSN={state.postgres.address}")
@@ -1007,7 +1015,7 @@ def start_consumers(
     state.app = app
     popens = []
     for i, port in enumerate(ports.consumers):
-        cmd = consumer_command(app, i, port, etcd, state.brokers[0].address, stores, dsn, security)
+        cmd = consumer_command(app, i, port, etcd, brokers_address(state), stores, dsn, security)
         consumer = Proc(
             f"consumer-{i}",
             0,
@@ -1031,7 +1039,7 @@ def setup_stream_sum(state: ClusterState, timeout: float) -> None:
     has a primary and every journal a primary broker, so the chunker can run at once."""
     cmd = [
         sys.executable, "-m", EXAMPLES["stream-sum"], "setup",
-        "--broker.address", state.brokers[0].address,
+        "--broker.address", brokers_address(state),
         "--consumer.address", state.consumers[0].address,
         # Two replicas where there are two brokers: a broker killed to try failover loses
         # no chunks (with one, those not yet persisted are gone, and their sums never come).

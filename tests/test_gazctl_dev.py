@@ -41,7 +41,7 @@ def test_up_status_down(cluster_dir: Path) -> None:
     assert "broker-1" in r.err
     exports = r.out.strip().splitlines()[-2:]
     assert exports == [
-        f"export BROKER_ADDRESS={state.brokers[0].address}",
+        f"export BROKER_ADDRESS={state.brokers[0].address},{state.brokers[1].address}",
         f"export BROKER_FILE_ROOT={cluster_dir.resolve() / 'fragments'}",
     ]
 
@@ -75,6 +75,37 @@ def test_up_status_down(cluster_dir: Path) -> None:
 
     status = run_cli("gazctl", "dev", "status", "--dir", str(cluster_dir))
     assert status.code != 0 and "no dev cluster" in status.err
+
+
+def test_broker_address_reaches_any_live_broker(cluster_dir: Path, tmp_path: Path) -> None:
+    """`dev up` exports every broker in BROKER_ADDRESS, so that after `dev kill broker-0`
+    journals list and append reach broker-1 through the same exported value."""
+    r = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "2", timeout=120)
+    assert r.code == 0, r.err
+    state = ClusterState.load(cluster_dir)
+    assert state is not None
+    env = exported(r.out)
+    assert env["BROKER_ADDRESS"] == ",".join(b.address for b in state.brokers)
+    specs = tmp_path / "specs.yaml"
+    specs.write_text(
+        "name: failover/one\nreplication: 1\n"
+        "fragment: {length: 4096, compression_codec: NONE, refresh_interval: 1m0s}\n"
+    )
+    applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
+    assert applied.code == 0, applied.err
+
+    killed = run_cli("gazctl", "dev", "kill", "--dir", str(cluster_dir), "broker-0")
+    assert killed.code == 0, killed.err
+    listed = run_cli("gazctl", "journals", "list", env=env)
+    assert listed.code == 0 and "failover/one" in listed.out, listed.err
+    # Served by broker-1 once broker-0's lease (10 s) lapses: within append's own --wait.
+    appended = run_cli(
+        "gazctl", "journals", "append", "-l", "name=failover/one", input="hello\n", env=env
+    )
+    assert appended.code == 0, appended.err
+    read = run_cli("gazctl", "journals", "read", "-l", "name=failover/one", env=env)
+    assert read.code == 0 and read.out == "hello\n", read.err
+    assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
 
 
 def test_stale_state_from_a_crash_is_cleaned(cluster_dir: Path) -> None:
@@ -149,7 +180,8 @@ def test_dev_up_again_keeps_addresses(cluster_dir: Path) -> None:
         assert third.brokers[0].address != first.brokers[0].address
         assert [p.address for p in third.all()][1:] == [p.address for p in first.all()][1:]
         assert f"port {port}" in r.err and "BROKER_ADDRESS" in r.err, r.err
-        assert r.out.strip().splitlines()[-2] == f"export BROKER_ADDRESS={third.brokers[0].address}"
+        brokers = ",".join(b.address for b in third.brokers)
+        assert r.out.strip().splitlines()[-2] == f"export BROKER_ADDRESS={brokers}"
     assert run_cli("gazctl", "dev", "down", "--dir", str(cluster_dir)).code == 0
 
 
