@@ -202,6 +202,46 @@ def test_plan_respects_gaps_postfixes_age_and_target() -> None:
     assert {r.codec for r in plan.runs} == {pb.GZIP}
 
 
+def test_dry_run_prints_the_plan_as_a_table(tmp_path: Path) -> None:
+    """--dry-run prints (stdout) a row per merge: the fragments it merges with their offsets,
+    their bytes and the fragment they become; a row per redundant fragment to remove, and per
+    journal what stays as it is and why. Without Spark: nothing runs."""
+    (tmp_path / "root" / "store").mkdir(parents=True)
+    store = open_store("file:///store/", file_root=tmp_path / "root")
+    data = content(600)
+    put_pieces(store, JOURNAL, data, [100, 200, 300, 400, 500], codec=pb.NONE)
+    put_pieces(store, JOURNAL, data[:200], [], codec=pb.NONE)  # Covers [0, 100) and [100, 200).
+    specs = specs_file(tmp_path, "file:///store/")
+    args = ("gazctl", "spark", "compact", "-l", f"name={JOURNAL}", "--specs", str(specs),
+            "--file-root", str(tmp_path / "root"), "--target-size", "300", "--dry-run")  # fmt: skip
+    r = run_cli(*args, "--min-age", "0s")
+    assert r.code == 0, r.err
+    header, *rows = r.out.splitlines()
+    assert header.split() == ["Journal", "Action", "Fragments", "Offsets", "Bytes", "Into"]
+    assert len(rows) == 4, r.out
+    merges = [row for row in rows if " merge " in row]
+    assert len(merges) == 2, r.out
+    assert "[0, 200) [200, 300)" in merges[0] and "[0, 300) ZSTANDARD" in merges[0], merges[0]
+    assert merges[0].split()[-4] == "300", merges[0]  # Bytes of content.
+    assert "[300, 400) [400, 500) [500, 600)" in merges[1], merges[1]
+    assert "[300, 600) ZSTANDARD" in merges[1], merges[1]
+    removes = [row for row in rows if " remove " in row]
+    assert [("[0, 100)" in row, "[100, 200)" in row) for row in removes] == [
+        (True, False), (False, True)
+    ], r.out  # fmt: skip
+    assert all("covered by [0, 200)" in row for row in removes), r.out
+    assert "would merge 1 journal: 5 fragments (600 bytes) into 2 fragments" in r.err, r.err
+
+    # Too young to merge (the default --min-age: 1h): a row says what stays, and why.
+    young = run_cli(*args)
+    assert young.code == 0, young.err
+    header, *rows = young.out.splitlines()
+    assert len(rows) == 3, young.out  # The two redundant fragments, and what stays.
+    kept = [row for row in rows if " keep " in row]
+    assert len(kept) == 1 and "5 fragments" in kept[0], young.out
+    assert "5 persisted less than --min-age ago (by default the journal's flush" in kept[0], kept[0]
+
+
 def test_sizes_and_bad_flags_are_one_line() -> None:
     result = compact("-l", "name=x", "--specs", "/nonexistent.yaml", "--target-size", "lots")
     assert result.exit_code == 2 and "'lots' is not a size" in result.output

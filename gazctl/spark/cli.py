@@ -22,7 +22,7 @@ from broker.protocol.labels import SelectorError
 from broker.protocol.validate import ValidationError
 from gazctl.journals import broker_options, file_root_option
 from gazctl.render import console, err_console
-from gazctl.spark.compaction import Plan, Run, plan_journal
+from gazctl.spark.compaction import Plan, plan_journal
 from gazctl.spark.journals import (
     JobError,
     listed_fragments,
@@ -151,16 +151,55 @@ def _note_unpersisted(
         err_console.print(found.note(), soft_wrap=True)
 
 
-def _plan_table(runs: Sequence[Run]) -> Table:
+def _ranges(fragments: Sequence[pb.Fragment], most: int = 6) -> str:
+    """Each fragment's offsets, `[begin, end)`; past `most`, the first and last few."""
+    spans = [f"[{f.begin}, {f.end})" for f in fragments]
+    if len(spans) > most:
+        spans = [*spans[: most // 2], f"… {len(spans) - most} more …", *spans[-(most // 2) :]]
+    return " ".join(spans)
+
+
+def _plan_table(plans: Sequence[Plan], min_age: str | None) -> Table:
+    """The dry run's plan: a row per merge (the fragments merged, their offsets and bytes, the
+    fragment they become), per redundant fragment to remove, and per journal what stays."""
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for name in ("Journal", "Begin", "End", "Bytes", "Fragments", "Codec", "Postfix"):
-        right = name in ("Begin", "End", "Bytes", "Fragments")
-        table.add_column(name, justify="right" if right else "left")
-    for run in runs:
-        table.add_row(
-            run.journal, str(run.begin), str(run.end), str(run.size), str(len(run.fragments)),
-            pb.CompressionCodec.Name(run.codec), run.postfix or "-",
-        )  # fmt: skip
+    for name in ("Journal", "Action", "Fragments", "Offsets", "Bytes", "Into"):
+        table.add_column(name, justify="right" if name == "Bytes" else "left")
+    age = (
+        f"{min_age} ago (--min-age)"
+        if min_age is not None
+        else ("--min-age ago (by default the journal's flush interval, or 1h)")
+    )
+    for plan in plans:
+        for run in plan.runs:
+            postfix = f" under {run.postfix}/" if run.postfix else ""
+            table.add_row(
+                run.journal, "merge", _ranges(run.fragments), f"[{run.begin}, {run.end})",
+                str(run.size),
+                f"[{run.begin}, {run.end}) {pb.CompressionCodec.Name(run.codec)}{postfix}",
+            )  # fmt: skip
+        for fragment in plan.redundant:
+            cover = next(
+                (f for f in plan.kept if f.begin <= fragment.begin and fragment.end <= f.end),
+                None,
+            )
+            into = f"covered by [{cover.begin}, {cover.end})" if cover else "covered"
+            table.add_row(
+                plan.journal, "remove", f"[{fragment.begin}, {fragment.end})",
+                f"[{fragment.begin}, {fragment.end})", str(fragment.end - fragment.begin),
+                f"nothing: {into}",
+            )  # fmt: skip
+        stays = plan.untouched + plan.too_young
+        if stays:
+            why = []
+            if plan.untouched:
+                why.append(f"{plan.untouched} with no adjacent fragment to merge with")
+            if plan.too_young:
+                why.append(f"{plan.too_young} persisted less than {age}")
+            table.add_row(
+                plan.journal, "keep", _count(stays, "fragment"), "", "",
+                f"as they are: {'; '.join(why)}",
+            )  # fmt: skip
     return table
 
 
@@ -234,8 +273,8 @@ def compact_cmd(
         f"to remove; {untouched} left as they are, {young} too young"
     )
     if dry_run:
-        if runs:
-            console.print(_plan_table(runs))
+        if any(plan.runs or plan.redundant or plan.untouched or plan.too_young for plan in plans):
+            console.print(_plan_table(plans, min_age))
         err_console.print(f"dry run, nothing changed: would merge {summary}", soft_wrap=True)
         return
     if not runs and not redundant:

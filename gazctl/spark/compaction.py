@@ -61,11 +61,12 @@ class Run:
 class Plan:
     """What compacting one journal does: `runs` to merge, `redundant` fragments already covered
     by a larger one (left by an interrupted run) to remove, and how many fragments stay as
-    they are."""
+    they are; `kept` are the fragments that cover the journal (the redundant ones' covers)."""
 
     journal: str
     runs: list[Run] = field(default_factory=list)
     redundant: list[pb.Fragment] = field(default_factory=list)
+    kept: list[pb.Fragment] = field(default_factory=list)
     untouched: int = 0
     too_young: int = 0
 
@@ -86,6 +87,7 @@ def plan_journal(
         raise JobError(f"target size {target_size} must be positive")
     plan = Plan(spec.name)
     kept, plan.redundant = covering(fragments)
+    plan.kept = kept
     chosen = spec.fragment.compression_codec if codec is None else codec
     if chosen == pb.INVALID:
         chosen = pb.NONE
