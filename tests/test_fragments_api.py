@@ -168,7 +168,7 @@ async def test_store_health(broker: tuple[BrokerHarness, Path]) -> None:
     ("change", "expected"),
     [
         (lambda s: s.fragment.stores.__setitem__(0, "s3://bucket/p/?bogus=1"), "bogus"),
-        (lambda s: s.fragment.stores.__setitem__(0, "azure://container/p/"), "not supported"),
+        (lambda s: s.fragment.stores.__setitem__(0, "azure-ad://t/a/c/p/"), "not supported"),
         (
             lambda s: setattr(s.fragment, "path_postfix_template", "{{ .Spool.Sum }}"),
             "path_postfix_template",

@@ -1,5 +1,5 @@
 """Fragments persisted to stores, end to end on real brokers: durability across killing every
-broker, reading history with no broker, the same journal on file, gs and s3 stores, and a store
+broker, reading history with no broker, the same journal on file, gs, s3 and azure stores, and a store
 outage that persistence rides out."""
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ async def test_acknowledged_bytes_survive_killing_every_broker(
 # ---- the same journal on each kind of store ---------------------------------------------------
 
 
-@pytest.fixture(params=["file", "gs", "s3"])
+@pytest.fixture(params=["file", "gs", "s3", "azure"])
 async def store_url(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[tuple[str, Path]]:
@@ -239,6 +239,10 @@ async def store_url(
     if request.param == "file":
         (root / "fragments").mkdir(parents=True)
         yield "file:///fragments/", root
+        return
+    if request.param == "azure":
+        azure = request.getfixturevalue("azure_server")
+        yield f"azure://{azure.create_container()}/fragments/", root
         return
     server = request.getfixturevalue({"gs": "gcs_server", "s3": "s3_server"}[request.param])
     bucket = server.create_bucket()

@@ -1,9 +1,9 @@
-"""Fragment stores: where journal fragments persist (file://, gs://, s3://), and reading the
+"""Fragment stores: where journal fragments persist (file://, gs://, s3://, azure://), and reading the
 fragment URLs brokers return.
 
 `open_store(url, file_root=...)` gives the cached store of a URL; `check_store_url(url)` is what
 spec validation calls. Importing this package is cheap: the cloud SDKs (google-cloud-storage,
-boto3) are imported only when a gs:// or s3:// store is first opened.
+boto3, azure-storage-blob) are imported only when a store of theirs is first opened.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ def _construct(parsed: StoreURL, file_root: Path | None) -> FragmentStore:
         from broker.fragment.stores.s3 import S3Store
 
         return S3Store(parsed)
+    if parsed.scheme == "azure":
+        from broker.fragment.stores.azure import AzureStore
+
+        return AzureStore(parsed)
     raise StoreURLError(f"{parsed.url}: no store implements scheme {parsed.scheme!r}")
 
 

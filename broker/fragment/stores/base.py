@@ -1,4 +1,4 @@
-"""The fragment store interface shared by file://, gs:// and s3:// stores, store URL parsing, and
+"""The fragment store interface shared by file://, gs://, s3:// and azure:// stores, store URL parsing, and
 the errors stores raise.
 
 Stores are synchronous: each method blocks on its SDK or file system. The broker calls them through
@@ -94,6 +94,7 @@ _REWRITER_ARGS = ("find", "replace")
 _SCHEME_ARGS: dict[str, tuple[str, ...]] = {
     "file": _REWRITER_ARGS,
     "gs": _REWRITER_ARGS,
+    "azure": _REWRITER_ARGS,
     "s3": (
         *_REWRITER_ARGS,
         "profile",
@@ -182,10 +183,10 @@ def parse_store_url(url: str) -> StoreURL:
     """Parse and check a fragment store URL, raising StoreURLError (one line) if unusable."""
     match = _SCHEME.match(url)
     scheme = match.group(1).lower() if match else ""
-    if scheme and scheme not in _SCHEME_ARGS and scheme not in ("azure", "azure-ad"):
+    if scheme and scheme not in _SCHEME_ARGS and scheme != "azure-ad":
         raise StoreURLError(
             f"{_quoted(url)} is not a valid fragment store: scheme {scheme!r} is not one of "
-            "file, gs, s3"
+            "file, gs, s3, azure"
         )
     try:
         validate_fragment_store(url, field="")
@@ -195,10 +196,10 @@ def parse_store_url(url: str) -> StoreURL:
         parts = urlsplit(url)
     except ValueError as err:
         raise StoreURLError(f"{_quoted(url)} is not a valid fragment store: {err}") from None
-    if scheme in ("azure", "azure-ad"):
+    if scheme == "azure-ad":
         raise StoreURLError(
-            f"{_quoted(url)} is not a usable fragment store: {scheme}:// stores are not supported "
-            "by gazette-py yet (use gs://, s3:// or file://)"
+            f"{_quoted(url)} is not a usable fragment store: azure-ad:// stores are not supported "
+            "by gazette-py yet (use azure:// with AZURE_ACCOUNT_NAME and AZURE_ACCOUNT_KEY)"
         )
     args = _parse_query(parts.query, scheme, url)
     path = unquote(parts.path)
@@ -630,7 +631,7 @@ def _is_sdk_error(exc: Exception) -> bool:
     # Some SDK failures subclass ValueError (botocore's ParamValidationError, google-auth's
     # configuration errors); plain ValueError/TypeError from our own code are bugs, not failures.
     module = type(exc).__module__
-    return module.startswith(("botocore", "boto3", "google", "urllib3", "requests"))
+    return module.startswith(("botocore", "boto3", "google", "urllib3", "requests", "azure"))
 
 
 def os_error_summary(exc: OSError) -> str:
