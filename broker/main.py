@@ -114,6 +114,18 @@ def cli(ctx: click.Context) -> None:
     default="1m",
     help="How long a replica waits before checking that a completed fragment was persisted",
 )
+@cfg.option(
+    "--broker.auto-suspend",
+    is_flag=True,
+    default=False,
+    help="Automatically suspend journals which have persisted all fragments and are idle",
+)
+@cfg.option(
+    "--broker.pulse-interval",
+    default="1m",
+    help="How often a journal's primary pulses its replicas (with --broker.auto-suspend, a "
+    "journal may be suspended after 15 pulses on an unchanged route)",
+)
 @cfg.tls_server_options("broker")
 @cfg.option("--broker.auth-keys", default="", help="Whitespace or comma separated, base64-encoded keys. The first key is used to sign Authorization tokens.", show_default=False)  # fmt: skip
 @cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address")
@@ -145,6 +157,8 @@ def serve(**opts: Any) -> None:
         watch_delay=_duration("--broker.watch-delay", opts["broker_watch_delay"]),
         drain_timeout=_duration("--broker.drain-timeout", opts["broker_drain_timeout"]),
         persist_interval=_duration("--broker.persist-interval", opts["broker_persist_interval"]),
+        auto_suspend=opts["broker_auto_suspend"],
+        pulse_interval=_duration("--broker.pulse-interval", opts["broker_pulse_interval"]),
         max_grpc_recv_size=opts["broker_max_grpc_recv_size"],
         etcd_address=opts["etcd_address"],
         etcd_prefix=opts["etcd_prefix"].rstrip("/"),

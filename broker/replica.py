@@ -39,6 +39,7 @@ class Replica:
         journal: str,
         spool_dir: Path,
         pulse: Callable[[Replica], Awaitable[None]] | None = None,
+        pulse_interval: float = PULSE_INTERVAL,
         persister: Persister | None = None,
     ) -> None:
         self.journal = journal
@@ -64,6 +65,10 @@ class Replica:
         self.assignments: tuple[KeyValue, ...] = ()
         self.invalidated = asyncio.Event()
         self._pulse = pulse
+        self._pulse_interval = pulse_interval
+        # Pulses in a row, up to the one about to run, that found the route (the assignments
+        # and their revisions) as the previous pulse left it: auto-suspension waits for these.
+        self.stable_pulses = 0
         self._pulse_task: asyncio.Task[None] | None = None
         self._pulse_now = asyncio.Event()
         self.stopped = False
@@ -110,17 +115,23 @@ class Replica:
         assert self._pulse is not None
         # A failed pulse is retried soon: the route may still be settling.
         backoff = Backoff(initial=0.25, maximum=5.0)
+        last_route: list[tuple[str, int]] | None = None
         try:
             while self.primary and not self.stopped:
-                await wait_any(self._pulse_now, timeout=PULSE_INTERVAL)
+                await wait_any(self._pulse_now, timeout=self._pulse_interval)
                 self._pulse_now.clear()
                 if not self.primary or self.stopped:
                     return
+                route = [(kv.key, kv.mod_revision) for kv in self.assignments]
+                self.stable_pulses = self.stable_pulses + 1 if route == last_route else 0
                 try:
                     await self._pulse(self)
+                    # The route as this pulse left it (its assignments' values may be updated).
+                    last_route = [(kv.key, kv.mod_revision) for kv in self.assignments]
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    last_route = None
                     delay = backoff.next_delay()
                     log.warning(
                         "pulse of %s failed (retrying in %.2fs): %s",

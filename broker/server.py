@@ -87,6 +87,11 @@ class BrokerConfig:
     drain_timeout: float = 30.0
     # How long a replica waits before checking that a completed fragment was persisted.
     persist_interval: float = 60.0
+    # Upstream's --broker.auto-suspend: pulses of a journal idle on a stable route ask to
+    # suspend it if its fragments are all persisted (AppendRequest.SUSPEND_IF_FLUSHED).
+    auto_suspend: bool = False
+    # How often each journal's primary pulses (a zero-byte append through its pipeline).
+    pulse_interval: float = 60.0
     # Tests of the broker core turn the allocator off and write assignments themselves.
     run_allocator: bool = True
     # TLS: served with `server_tls` (advertising https://), peers dialled with `peer_tls`,
@@ -179,6 +184,8 @@ class Broker:
             min_append_rate=self.config.min_append_rate,
             max_append_rate=self.config.max_append_rate,
             max_replication=self.config.max_replication,
+            auto_suspend=self.config.auto_suspend,
+            pulse_interval=self.config.pulse_interval,
             dialer=Dialer(Credentials(self.config.peer_tls, self._peer_auth())),
             verifier=auth.verifier_of(self.config.auth_keys, "--broker.auth-keys"),
             persister=Persister(

@@ -32,7 +32,7 @@ from broker.protocol import labels, validate, wire
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.read_api import serve_read
-from broker.replica import Replica
+from broker.replica import PULSE_INTERVAL, Replica
 from broker.replicate_api import serve_replicate
 from broker.resolver import Resolver
 from broker.retry import Backoff
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 # How long a hole in a journal's offsets lasts before its primary warns of it (see
 # JournalService._report_holes): longer than a persist usually takes.
 HOLE_GRACE = 120.0
+# Upstream's: auto-suspension waits for this many pulses on an unchanged route.
+AUTO_SUSPEND_STABLE_PULSES = 15
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -63,6 +65,8 @@ class JournalService(pb_grpc.JournalServicer):
         min_append_rate: int = 0,
         max_append_rate: int = 0,
         max_replication: int = 9,
+        auto_suspend: bool = False,
+        pulse_interval: float = PULSE_INTERVAL,
         persister: Persister | None = None,
         verifier: auth.Verifier | None = None,
     ) -> None:
@@ -76,6 +80,8 @@ class JournalService(pb_grpc.JournalServicer):
         self.dialer = dialer or Dialer()
         self.spool_dir = spool_dir or Path(tempfile.gettempdir())
         self.min_append_rate = min_append_rate
+        self.auto_suspend = auto_suspend
+        self.pulse_interval = pulse_interval
         self.persister = persister
         # Holes in journals this broker leads: when each was first seen (None once reported).
         self._holes: dict[str, dict[tuple[int, int], float | None]] = {}
@@ -95,7 +101,13 @@ class JournalService(pb_grpc.JournalServicer):
         )
 
     def new_replica(self, journal: str) -> Replica:
-        return Replica(journal, self.spool_dir, pulse=self.pulse, persister=self.persister)
+        return Replica(
+            journal,
+            self.spool_dir,
+            pulse=self.pulse,
+            pulse_interval=self.pulse_interval,
+            persister=self.persister,
+        )
 
     async def stop(self) -> None:
         """Stop serving local replicas, let the handlers' background work (pipeline teardowns,
@@ -109,14 +121,15 @@ class JournalService(pb_grpc.JournalServicer):
 
     async def pulse(self, replica: Replica) -> None:
         """A zero-byte append by the primary: synchronizes the pipeline and, through
-        state_update_assignments, advertises the route the replicas agreed on."""
+        state_update_assignments, advertises the route the replicas agreed on. With
+        auto-suspend, once the route has held for AUTO_SUSPEND_STABLE_PULSES pulses, the pulse
+        asks to suspend the journal if it is flushed (as upstream's pulseDaemon)."""
+        suspend = pb.AppendRequest.SUSPEND_NO_RESUME
+        if self.auto_suspend and replica.stable_pulses >= AUTO_SUSPEND_STABLE_PULSES:
+            suspend = pb.AppendRequest.SUSPEND_IF_FLUSHED
         fsm = AppendFSM(
             self.ctx,
-            pb.AppendRequest(
-                journal=replica.journal,
-                do_not_proxy=True,
-                suspend=pb.AppendRequest.SUSPEND_NO_RESUME,
-            ),
+            pb.AppendRequest(journal=replica.journal, do_not_proxy=True, suspend=suspend),
         )
         commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
 
