@@ -242,6 +242,24 @@ def test_dry_run_prints_the_plan_as_a_table(tmp_path: Path) -> None:
     assert "5 persisted less than --min-age ago (by default the journal's flush" in kept[0], kept[0]
 
 
+@pytest.mark.slow
+def test_a_spark_job_starts_without_jvm_warnings(tmp_path: Path) -> None:
+    """`gazctl spark compact`, run as a user runs it (its own JVM), says on stderr only what
+    it did: no WARN lines from the JVM, Spark or Hadoop (log levels, incubator modules, native
+    libraries, loopback addresses)."""
+    (tmp_path / "root" / "store").mkdir(parents=True)
+    store = open_store("file:///store/", file_root=tmp_path / "root")
+    put_pieces(store, JOURNAL, content(3000), [1000, 2000], codec=pb.NONE)
+    r = run_cli("gazctl", "spark", "compact", "-l", f"name={JOURNAL}", "--master", "local[1]",
+                "--specs", str(specs_file(tmp_path, "file:///store/")), "--min-age", "0s",
+                "--file-root", str(tmp_path / "root"), timeout=180)  # fmt: skip
+    assert r.code == 0, r.err
+    assert r.err.splitlines() == [
+        "compacted 1 journal: 3 fragments (3000 bytes) into 1 fragment; 0 redundant fragments "
+        "removed; 0 left as they are, 0 too young"
+    ], r.err
+
+
 def test_sizes_and_bad_flags_are_one_line() -> None:
     result = compact("-l", "name=x", "--specs", "/nonexistent.yaml", "--target-size", "lots")
     assert result.exit_code == 2 and "'lots' is not a size" in result.output

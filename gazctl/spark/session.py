@@ -6,13 +6,27 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from gazctl.spark.journals import JobError
 
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
+
+# What the JVM itself prints on stderr as it starts, which no option turns off and which says
+# nothing to a user of gazctl: Spark's launcher always adds jdk.incubator.vector (--add-modules),
+# and a JDK past 23 warns once of sun.misc.Unsafe, which Spark's libraries still call. Everything
+# else the JVM prints (its log, at error level: see log4j2.properties) reaches stderr.
+JVM_NOISE = (
+    "WARNING: Using incubator modules:",
+    "WARNING: A terminally deprecated method in sun.misc.Unsafe",
+    "WARNING: sun.misc.Unsafe::",
+    "WARNING: Please consider reporting this to the maintainers of",
+    "WARNING: sun.misc.Unsafe",
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,22 +63,24 @@ def spark_session(master: str | None = None, app: str = "gazctl") -> SparkSessio
 
     from gazctl.spark.source import GazetteDataSource
 
-    builder = (
-        SparkSession.builder.appName(app)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")  # gazctl shows its own progress.
-        .config(
-            "spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={LOG4J_CONFIG.as_uri()}"
-        )
-    )
+    options = {
+        "spark.app.name": app,
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",  # gazctl shows its own progress.
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={LOG4J_CONFIG.as_uri()}",
+    }
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # Under spark-submit: its master rules.
     if master or not submitted:
-        builder = builder.master(master or "local[*]")
+        options["spark.master"] = master or "local[*]"
     if not submitted and (not master or master.startswith("local")):
-        builder = builder.config("spark.driver.bindAddress", "127.0.0.1").config(
-            "spark.driver.host", "127.0.0.1"
-        )
+        options["spark.driver.bindAddress"] = "127.0.0.1"
+        options["spark.driver.host"] = "127.0.0.1"
+    builder = SparkSession.builder
+    for key, value in options.items():
+        builder = builder.config(key, value)
     try:
+        if not submitted:
+            _launch_gateway(options)
         spark = builder.getOrCreate()
     except Exception as exc:  # Py4J and JVM start-up failures: one line.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -74,6 +90,42 @@ def spark_session(master: str | None = None, app: str = "gazctl") -> SparkSessio
     return spark
 
 
+def _launch_gateway(options: dict[str, str]) -> None:
+    """Start the driver's JVM as PySpark would (spark-submit with `options`), unless one runs,
+    with its stderr passed on through a thread that leaves out JVM_NOISE (stop_spark joins it)."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    with SparkContext._lock:
+        if SparkContext._gateway is not None:
+            return
+        conf = SparkConf(loadDefaults=False)
+        for key, value in options.items():
+            conf.set(key, value)
+        gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})  # type: ignore[no-untyped-call]
+        proc = gateway.proc
+        forwarder = threading.Thread(
+            target=_pass_stderr_on, args=(proc.stderr,), name="spark-jvm-stderr", daemon=True
+        )
+        forwarder.start()
+        gateway.stderr_forwarder = forwarder
+        SparkContext._gateway = gateway
+        SparkContext._jvm = gateway.jvm
+
+
+def _pass_stderr_on(source: IO[bytes]) -> None:
+    """The JVM's stderr, line by line, to ours, but for JVM_NOISE; until the JVM exits."""
+    out: Any = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    for line in iter(source.readline, b""):
+        if line.decode(errors="replace").startswith(JVM_NOISE):
+            continue
+        if out is not None:
+            out.write(line)
+            out.flush()
+        else:
+            sys.stderr.write(line.decode(errors="replace"))
+
+
 def stop_spark(spark: SparkSession) -> None:
     """Stop the session and the JVM it runs in, by its pid (a later session starts a new one)."""
     from pyspark import SparkContext
@@ -81,6 +133,7 @@ def stop_spark(spark: SparkSession) -> None:
     spark.stop()
     gateway = SparkContext._gateway
     proc = getattr(gateway, "proc", None)
+    forwarder = getattr(gateway, "stderr_forwarder", None)
     if gateway is not None:
         gateway.shutdown()
     SparkContext._gateway = None
@@ -89,6 +142,8 @@ def stop_spark(spark: SparkSession) -> None:
         from broker.processes import stop_process
 
         stop_process(proc)
+        if forwarder is not None:
+            forwarder.join(timeout=10)  # The JVM has exited: its stderr ends.
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
