@@ -202,3 +202,39 @@ def test_setup_names_journals_and_shards_under_its_prefix() -> None:
     assert labels.value_of(a.labels, "store") == "postgres" and not a.recovery_log_prefix
     assert labels.value_of(b.labels, "store") == "sqlite"
     assert b.recovery_log_prefix == "runs/b/recovery"
+
+
+@pytest.mark.slow
+def test_two_runs_under_two_prefixes_share_a_cluster(
+    summers: ConsumerProcesses, broker_process: BrokerProcess
+) -> None:
+    """Two setups, under two prefixes, on one broker and one set of summers: each run's
+    chunker reads back exactly its own streams' sums from its own sums journal (the summers
+    publish where each shard's label says)."""
+    ids = ["summer-a", "summer-b"]
+    for summer_id in ids:
+        summers.start(summer_id)
+    for prefix in ("runs/a", "runs/b"):
+        setup = run(
+            "setup", "--partitions", "2", "--prefix", prefix, "--standbys", "0",
+            "--broker.address", broker_process.address, "--consumer.address", summers.address(ids[0]),
+        )  # fmt: skip
+        assert setup.returncode == 0, setup.stderr
+    chunkers = []
+    for seed, prefix in ((31, "runs/a"), (32, "runs/b")):
+        argv = [
+            *EXAMPLE, "chunker", "--streams", "30", "--chunks", "6", "--seed", str(seed),
+            "--prefix", prefix, "--timeout", "60", "--broker.address", broker_process.address,
+        ]  # fmt: skip
+        chunkers.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        results = [chunker.communicate(timeout=90) for chunker in chunkers]
+    finally:
+        for chunker in chunkers:
+            if chunker.poll() is None:
+                stop_process(chunker)  # type: ignore[arg-type]
+    for chunker, (out, err) in zip(chunkers, results, strict=True):
+        assert chunker.returncode == 0, err
+        assert "30 sums of 6 chunks, all exact" in out
