@@ -32,7 +32,7 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.replay import resolve, summary_of
-from gazctl.spark.source import GazetteReader
+from gazctl.spark.source import FragmentPartition, GazetteReader
 from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces
 from tests.journals_testing import started_brokers
@@ -376,3 +376,72 @@ def test_replay_of_a_corrupt_fragment_fails_in_one_line_leaving_nothing(
     assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
     assert fragment_path(fragments[2]) in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["specs.yaml", "store"]
+    # Split, the fragment's last split reads it whole and checks it: the job fails the same.
+    result = replay("-l", "name=local/events", "--specs", str(specs), "--file-root",
+                    str(tmp_path), "--split-size", "700", "--to", f"parquet:{out}")  # fmt: skip
+    assert result.exit_code == 1
+    assert "does not match its SHA-1" in result.output and result.output.count("\n") == 1
+    assert fragment_path(fragments[2]) in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["specs.yaml", "store"]
+
+
+def planned(options: dict[str, str]) -> list[FragmentPartition]:
+    return [p for p in GazetteReader(options).partitions() if isinstance(p, FragmentPartition)]
+
+
+def split_rows(partitions: list[FragmentPartition]) -> list[list[tuple[int, int, int]]]:
+    """Each partition's messages: (offset, end, id), read on the driver."""
+    import pyarrow as pa
+
+    out = []
+    reader = GazetteReader({})
+    for partition in partitions:
+        batches = list(reader.read(partition))
+        rows = pa.Table.from_batches(batches).to_pylist() if batches else []
+        out.append([(r["offset"], r["end"], json.loads(r["content"])["id"]) for r in rows])
+    return out
+
+
+@pytest.mark.parametrize("codec", [pb.NONE, pb.ZSTANDARD])
+def test_a_fragment_splits_at_message_boundaries_each_message_in_one_split(
+    tmp_path: Path, codec: int
+) -> None:
+    data, fragments, specs = local_events(tmp_path, codec)
+    options = {"selector": "name=local/events", "specs": str(specs),
+               "file_root": str(tmp_path), "framing": "lines"}  # fmt: skip
+    whole = planned(options)
+    split = planned({**options, "split_bytes": "1000"})
+    assert len(whole) == len(fragments) and len(split) > 3 * len(fragments)
+    boundaries = {0} | {i + 1 for i in range(len(data)) if data[i : i + 1] == b"\n"}
+    assert any(p.begin not in boundaries for p in split)  # Cut points fall inside messages.
+    by_split = split_rows(split)
+    messages = [row for rows in by_split for row in rows]
+    assert messages == [row for rows in split_rows(whole) for row in rows]  # Each once, in order.
+    assert len(messages) == len(data.splitlines())
+    for partition, rows in zip(split, by_split, strict=True):
+        assert all(partition.begin <= offset < partition.end for offset, _, _ in rows)
+
+
+def test_a_split_replay_writes_the_rows_of_an_unsplit_one(spark: object, tmp_path: Path) -> None:
+    data, _, specs = local_events(tmp_path, pb.GZIP)
+    base = ["-l", "name=local/events", "--specs", str(specs), "--file-root", str(tmp_path)]
+    # 700 bytes: several splits per fragment, cut inside the retried append and all through
+    # the transaction, which spans fragments and is acknowledged in the last one.
+    options = {"selector": "name=local/events", "specs": str(specs),
+               "file_root": str(tmp_path), "framing": "lines", "split_bytes": "700"}  # fmt: skip
+    partitions = planned(options)
+    txn = [json.loads(line)["id"] for line in data.splitlines()].index(1_000)
+    txn_at = sum(len(line) + 1 for line in data.splitlines()[:txn])
+    assert sum(1 for p in partitions if p.begin > txn_at) > 10
+    tables = {}
+    for name, extra in (("whole", []), ("split", ["--split-size", "700"])):
+        out = tmp_path / f"{name}.parquet"
+        result = replay(*base, *extra, "--to", f"parquet:{out}")
+        assert result.exit_code == 0, result.output
+        tables[name] = sorted(
+            pq.read_table(out).to_pylist(), key=lambda r: (r["commit_offset"], r["offset"])
+        )
+    assert tables["split"] == tables["whole"]
+    got = [(r["journal"], r["offset"], json.loads(r["content"])["id"]) for r in tables["split"]]
+    assert got == sequenced_offline(data, "local/events")
+    assert len(got) == 300 + 6 + 120

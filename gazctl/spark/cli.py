@@ -415,6 +415,13 @@ def _from_time(text: str | None) -> float:
     show_default=True,
     help="Where JSON messages carry their UUID",
 )
+@click.option(
+    "--split-size",
+    default="128MiB",
+    show_default=True,
+    help="Read a larger fragment as several tasks of about this much content, split at message "
+    "boundaries (what a task holds in memory)",
+)
 @job
 def replay_cmd(
     selector: str,
@@ -426,6 +433,7 @@ def replay_cmd(
     framing: str,
     flatten: bool,
     uuid_path: str,
+    split_size: str,
     **opts: Any,
 ) -> None:
     """Replay journal history read-committed into Parquet or another journal.
@@ -444,6 +452,7 @@ def replay_cmd(
     """
     kind, where = _parse_target(target)
     since = _from_time(from_time)
+    split_bytes = parse_size(split_size)
     from gazctl.spark.session import check_requirements
 
     check_requirements()
@@ -461,7 +470,7 @@ def replay_cmd(
 
     session = spark_session(master, "gazctl spark replay")
     options = {"selector": selector, "framing": framing, "uuid_path": uuid_path,
-               "from_time": str(since)}  # fmt: skip
+               "from_time": str(since), "split_bytes": str(split_bytes)}  # fmt: skip
     if specs is not None:
         options["specs"] = str(specs)
     elif broker is not None:

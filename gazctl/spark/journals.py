@@ -86,8 +86,16 @@ def open_store_of(url: str, file_root: Path | None, whose: str = "") -> Fragment
 def read_verified(store: FragmentStore, fragment: pb.Fragment) -> Iterator[bytes]:
     """The fragment's whole content, its length and SHA-1 checked; failures as JobError
     naming the fragment (the job fails rather than use wrong bytes)."""
+    return read_from(store, fragment, fragment.begin, verify=True)
+
+
+def read_from(
+    store: FragmentStore, fragment: pb.Fragment, offset: int, verify: bool
+) -> Iterator[bytes]:
+    """The fragment's content from `offset`; without `verify` its SHA-1 is not checked (a
+    split of a fragment that another split reads whole and checks); failures as JobError."""
     try:
-        yield from open_in_store(store, fragment, fragment.begin, verify=True)
+        yield from open_in_store(store, fragment, offset, verify=verify)
     except FragmentCorrupt as exc:
         raise JobError(str(exc)) from None
     except StoreError as exc:

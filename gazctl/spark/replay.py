@@ -281,7 +281,9 @@ def _summary(index: int, partition: Any, sequenced: Sequenced | None) -> Fragmen
 
     fragment = pb.Fragment.FromString(partition.fragment)
     producers = sequenced.producers if sequenced is not None else {}
-    return FragmentSummary(index, fragment.journal, fragment.begin, producers)
+    # A split of a fragment is sequenced as a fragment of its own, in journal order by where
+    # it begins: what `resolve` decides does not depend on where fragments were cut.
+    return FragmentSummary(index, fragment.journal, partition.begin, producers)
 
 
 def summary_of(index: int, partition: Any) -> FragmentSummary:

@@ -10,9 +10,12 @@
 
 Planning (on the driver) lists each journal's persisted fragments in its first store, keeps the
 covering ones (a larger fragment wins over those it covers), skips those persisted before
-`from_time` (unix seconds), and makes one input partition per fragment. A task reads its fragment
-from the store, decompresses it and checks its SHA-1 against its name; a fragment that does not
-match fails the job, naming the fragment, rather than yield wrong rows.
+`from_time` (unix seconds), and makes one input partition per fragment, or, with a framing, several
+of about `split_bytes` (default 128 MiB) each for a larger fragment. A split holds the messages
+whose frames begin in its byte range, so every message belongs to exactly one split. A task reads
+its fragment from the store, decompresses it and checks its SHA-1 against its name (of a split
+fragment, the last split checks it); a fragment that does not match fails the job, naming the
+fragment, rather than yield wrong rows.
 
 Without a framing, rows are blocks of content: ``journal, begin, end`` (the fragment's offsets),
 ``offset`` (the block's), ``content`` (binary). With one, rows are messages: ``journal,
@@ -32,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,6 +62,7 @@ from gazctl.spark.journals import (
     covering,
     listed_fragments,
     open_store_of,
+    read_from,
     read_verified,
     select_journals,
 )
@@ -70,6 +75,7 @@ MESSAGE_COLUMNS = (
 )
 FRAMINGS = ("none", "lines", "csv", "fixed", "auto")
 BATCH_ROWS = 8192
+SPLIT_BYTES = 128 << 20  # As Spark's spark.sql.files.maxPartitionBytes.
 
 
 def message_schema(binary: bool) -> str:
@@ -78,23 +84,42 @@ def message_schema(binary: bool) -> str:
 
 @dataclass
 class FragmentPartition(InputPartition):
-    """One fragment to read, with what reading it needs (pickled to the executor)."""
+    """A fragment, or a split of one, to read, with what reading it needs (pickled to the
+    executor). A split holds the messages whose frames begin in [begin, end): it starts at the
+    first frame boundary at or after `begin` and ends at the first at or after `end`."""
 
     fragment: bytes  # A serialized pb.Fragment.
     framing: str  # none | lines | csv | fixed
     file_root: str | None
     uuid_path: str
     bad_frames: str
+    begin: int  # The split's offsets: the fragment's own when it is read whole.
+    end: int
 
     def __init__(
-        self, fragment: bytes, framing: str, file_root: str | None, uuid_path: str, bad_frames: str
+        self,
+        fragment: bytes,
+        framing: str,
+        file_root: str | None,
+        uuid_path: str,
+        bad_frames: str,
+        begin: int,
+        end: int,
     ) -> None:
-        super().__init__(fragment)
+        super().__init__((fragment, begin))
         self.fragment = fragment
         self.framing = framing
         self.file_root = file_root
         self.uuid_path = uuid_path
         self.bad_frames = bad_frames
+        self.begin = begin
+        self.end = end
+
+
+def split_offsets(begin: int, end: int, split_bytes: int) -> list[int]:
+    """Where the splits of content [begin, end) start, each about `split_bytes` (at most)."""
+    count = max(1, -(-(end - begin) // split_bytes))
+    return [begin + (end - begin) * i // count for i in range(count)]
 
 
 def _option(options: Any, name: str, default: str | None = None) -> str | None:
@@ -151,6 +176,9 @@ class GazetteReader(DataSourceReader):
         root = _option(options, "file_root")
         framing = _framing_name(options)
         from_time = float(_option(options, "from_time", "0") or 0)
+        split_bytes = int(_option(options, "split_bytes", str(SPLIT_BYTES)) or SPLIT_BYTES)
+        if split_bytes <= 0:
+            raise JobError(f"split_bytes must be positive, not {split_bytes}")
         journals = select_journals(
             selector,
             broker=_option(options, "broker"),
@@ -168,15 +196,21 @@ class GazetteReader(DataSourceReader):
             for fragment in fragments:
                 if from_time and fragment.mod_time < from_time:
                     continue
-                out.append(
-                    FragmentPartition(
-                        fragment.SerializeToString(),
-                        kind,
-                        root,
-                        _option(options, "uuid_path", "_meta.uuid") or "_meta.uuid",
-                        (_option(options, "bad_frames", "skip") or "skip").lower(),
+                # Raw blocks have no message boundaries to split at.
+                size = split_bytes if kind != "none" else fragment.end - fragment.begin + 1
+                starts = split_offsets(fragment.begin, fragment.end, size)
+                for begin, end in zip(starts, [*starts[1:], fragment.end], strict=True):
+                    out.append(
+                        FragmentPartition(
+                            fragment.SerializeToString(),
+                            kind,
+                            root,
+                            _option(options, "uuid_path", "_meta.uuid") or "_meta.uuid",
+                            (_option(options, "bad_frames", "skip") or "skip").lower(),
+                            begin,
+                            end,
+                        )
                     )
-                )
         return out
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
@@ -187,6 +221,9 @@ class GazetteReader(DataSourceReader):
         fragment = pb.Fragment.FromString(partition.fragment)
         root = Path(partition.file_root) if partition.file_root else None
         store = open_store_of(fragment.backing_store, root)
+        if partition.begin > fragment.begin or partition.end < fragment.end:
+            yield from _split_batches(store, fragment, partition)
+            return
         blocks = read_verified(store, fragment)
         if partition.framing == "none":
             at = fragment.begin
@@ -204,10 +241,67 @@ class GazetteReader(DataSourceReader):
                 at += len(block)
             return
         if partition.framing == "lines":
-            yield from _json_line_batches(fragment, blocks, partition)
+            yield from _json_line_batches(fragment, blocks, partition, fragment.begin)
         else:
             frames = _frames_of(blocks, partition.framing, fragment.begin)
             yield from _message_batches(fragment, frames, partition)
+
+
+def _split_batches(
+    store: Any, fragment: pb.Fragment, partition: FragmentPartition
+) -> Iterator[Any]:
+    """The messages of a split: those whose frames begin in [partition.begin, partition.end).
+    The last split reads the fragment whole, to check its SHA-1 (the others stop at their end
+    and are not checked on their own: the job fails with the last). JSON lines start reading
+    just before the split (a boundary follows a newline); other framings are framed from the
+    fragment's begin, their frames before the split read and dropped."""
+    last = partition.end >= fragment.end
+    if partition.framing == "lines":
+        start = fragment.begin if last else max(fragment.begin, partition.begin - 1)
+        blocks = read_from(store, fragment, start, verify=last)
+        span = _line_span(blocks, start, partition.begin, partition.end, fragment)
+        at = next(span, None)
+        if at is not None:
+            yield from _json_line_batches(fragment, span, partition, at)
+        return
+    blocks = read_from(store, fragment, fragment.begin, verify=last)
+    frames = _frames_of(blocks, partition.framing, fragment.begin)
+    inside: Iterator[Frame] = (f for f in frames if f.offset >= partition.begin)
+    if not last:  # Frames are read no further than the split.
+        inside = takewhile(lambda f: f.offset < partition.end, inside)
+    yield from _message_batches(fragment, inside, partition)
+
+
+def _line_span(
+    blocks: Iterator[bytes], at: int, begin: int, end: int, fragment: pb.Fragment
+) -> Iterator[Any]:
+    """Content of JSON lines (read from offset `at`) from the first line boundary at or after
+    `begin` to the first at or after `end`: first that boundary's offset (nothing for an empty
+    span), then the content's blocks. A boundary is the fragment's begin or end, or follows a
+    newline."""
+    start: int | None = begin if begin <= fragment.begin else None
+    started = False
+    for block in blocks:
+        block_at, at = at, at + len(block)
+        if start is None:
+            found = block.find(b"\n", max(0, begin - 1 - block_at))
+            if found < 0:
+                continue
+            start = block_at + found + 1
+            if start >= end:
+                return  # No frame begins in the split.
+        if not started:
+            started = True
+            yield start
+        first = max(0, start - block_at)
+        # The end boundary follows the first newline at or after end - 1 (start <= end - 1).
+        found = block.find(b"\n", max(0, end - 1 - block_at)) if end < fragment.end else -1
+        if found >= 0:
+            if found + 1 > first:
+                yield block[first : found + 1]
+            return
+        if first < len(block):
+            yield block[first:] if first else block
 
 
 def _arrow_schema(ddl: str) -> Any:
@@ -247,7 +341,7 @@ def _uuid_text_of(doc: Any, depth: int) -> Any:
 
 
 def _json_line_batches(
-    fragment: pb.Fragment, blocks: Iterator[bytes], partition: FragmentPartition
+    fragment: pb.Fragment, blocks: Iterator[bytes], partition: FragmentPartition, at: int
 ) -> Iterator[Any]:
     """JSON lines a batch of lines at a time: lines cut in C, their UUIDs decoded by msgspec in
     one call per batch (nothing else of the documents), columns built by Arrow. A batch holding
@@ -261,7 +355,6 @@ def _json_line_batches(
     depth = len(partition.uuid_path.split(".")) - 1
     parse = TextParser().fields
     reader = FrameReader(JSONLines())
-    at = fragment.begin
     for block in blocks:
         errors, base, lines = reader.feed_lines(at, block)
         at += len(block)
