@@ -1,0 +1,107 @@
+"""A standalone Spark cluster for tests and benchmarks: a master and workers started from PySpark's
+own `spark-class`, bound to 127.0.0.1 only, and stopped by pid. What `--master spark://...` runs
+on, without a Spark install beside PySpark's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from broker.processes import stop_process
+from broker.testing import free_port
+
+
+@dataclass(frozen=True)
+class StandaloneCluster:
+    """A running master (`url` is what --master takes) and its workers' processes."""
+
+    url: str
+    web_url: str
+    workdir: Path  # Logs (master.log, worker-N.log) and each worker's work-dir (worker-N/).
+    master: subprocess.Popen[bytes]
+    workers: tuple[subprocess.Popen[bytes], ...]
+
+    def state(self) -> dict[str, Any]:
+        """The master's view of the cluster (its web UI's JSON: workers, applications)."""
+        with urllib.request.urlopen(f"{self.web_url}/json/", timeout=5) as response:
+            found: dict[str, Any] = json.load(response)
+        return found
+
+
+def spark_class() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).parent / "bin" / "spark-class"
+
+
+def cluster_environment(workdir: Path) -> dict[str, str]:
+    """The daemons' environment: loopback only, logs and scratch under `workdir`, and this
+    Python (with this PYTHONPATH) for the executors' Python workers."""
+    env = dict(os.environ)
+    env.update(
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_LOCAL_DIRS=str(workdir / "local"),
+        SPARK_LOG_DIR=str(workdir / "logs"),
+        SPARK_PID_DIR=str(workdir),
+        PYSPARK_PYTHON=sys.executable,
+    )
+    env.pop("SPARK_HOME", None)  # spark-class finds PySpark's own.
+    return env
+
+
+@contextmanager
+def standalone_cluster(
+    workdir: Path, workers: int = 2, cores: int = 1, memory: str = "1g", timeout: float = 60
+) -> Iterator[StandaloneCluster]:
+    """Start a master and `workers` workers (each offering `cores` and `memory`), wait until
+    every worker has registered, and stop them all by pid on exit."""
+    env = cluster_environment(workdir)
+    (workdir / "local").mkdir(parents=True, exist_ok=True)
+    port, web_port = free_port(), free_port()
+    url, web_url = f"spark://127.0.0.1:{port}", f"http://127.0.0.1:{web_port}"
+    with ExitStack() as stack:
+
+        def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+            log = stack.enter_context((workdir / f"{name}.log").open("wb"))
+            proc = subprocess.Popen(
+                [str(spark_class()), *args], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+            stack.callback(stop_process, proc)
+            return proc
+
+        master = start(
+            "master", "org.apache.spark.deploy.master.Master",
+            "--host", "127.0.0.1", "--port", str(port), "--webui-port", str(web_port),
+        )  # fmt: skip
+        started = []
+        for i in range(workers):
+            args = ["--host", "127.0.0.1", "--webui-port", str(free_port()), "--cores", str(cores),
+                    "--memory", memory, "--work-dir", str(workdir / f"worker-{i}")]  # fmt: skip
+            started.append(
+                start(f"worker-{i}", "org.apache.spark.deploy.worker.Worker", url, *args)
+            )
+        cluster = StandaloneCluster(url, web_url, workdir, master, tuple(started))
+        deadline = time.monotonic() + timeout
+        while True:
+            for proc in (master, *started):
+                if proc.poll() is not None:
+                    logs = "".join(p.read_text()[-1500:] for p in workdir.glob("*.log"))
+                    raise RuntimeError(f"a Spark daemon exited {proc.returncode}: {logs}")
+            try:
+                if cluster.state().get("aliveworkers", 0) >= workers:
+                    break
+            except OSError:
+                pass  # The master's web UI is not up yet.
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{workers} Spark workers did not register with {url}")
+            time.sleep(0.25)
+        yield cluster
