@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "read_committed": "benchmarks.read_committed",
     "spark_compact": "benchmarks.spark_compact",
     "spark_replay": "benchmarks.spark_replay",
+    "spark_split": "benchmarks.spark_split",
     "failover": "benchmarks.failover",
     "idle_tails": "benchmarks.idle_tails",
     "consumer_throughput": "benchmarks.consumer_throughput",
