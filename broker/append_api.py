@@ -27,6 +27,7 @@ from broker.append_fsm import (
     State,
 )
 from broker.auth import Claims
+from broker.client.journals import PLACEMENT
 from broker.client.routes import CORE_SEND_FAILURE, NOT_APPENDED
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
@@ -142,12 +143,24 @@ async def serve_append(
     if fsm.state == State.PROXY:
         return await proxy_append(ctx, fsm, first, iterator, context)
     response = response_of(fsm)
+    await explain_unplaced(ctx, response.status, context)
     status = metrics.status_name(response.status, pb.Status.Name)
     metrics.append_bytes.labels(status).inc(stream.bytes_received)
     metrics.append_seconds.labels(status).observe(timer.elapsed())
     if response.status == pb.OK and response.HasField("commit"):
         metrics.write_head.labels(response.commit.journal).set(response.commit.end)
     return response
+
+
+async def explain_unplaced(ctx: BrokerContext, status: int, context: Any) -> None:
+    """A refusal for want of brokers says why, where the allocator cannot place replicas
+    (metadata PLACEMENT: the status stays upstream's). In the initial metadata, which goes
+    ahead of the response: a trailer can be lost when the client is still sending content."""
+    if status not in (pb.NO_JOURNAL_PRIMARY_BROKER, pb.INSUFFICIENT_JOURNAL_BROKERS):
+        return
+    note = ctx.resolver.placement_shortfall()
+    if note is not None:
+        await context.send_initial_metadata(((PLACEMENT, note),))
 
 
 def response_of(fsm: AppendFSM) -> pb.AppendResponse:
@@ -220,6 +233,7 @@ async def proxy_append(
     route = res.route
     endpoint = route.endpoints[route.primary] if route.primary < len(route.endpoints) else ""
     if not endpoint:
+        await explain_unplaced(ctx, pb.NO_JOURNAL_PRIMARY_BROKER, context)
         return pb.AppendResponse(status=pb.NO_JOURNAL_PRIMARY_BROKER, header=res.header)
     out = pb.AppendRequest()
     out.CopyFrom(first)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from broker import logs
 from broker.allocator import keyspace as aks
@@ -18,6 +19,9 @@ from broker.keyspace import KeySpace, KeyValue, Update
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.tasks import TaskOwner
+
+if TYPE_CHECKING:
+    from broker.allocator.state import State
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,16 @@ class Resolver:
         self.replicas: dict[str, Replica] | None = {}
         self.tasks = TaskOwner("resolver")  # Replicas stopping or being demoted.
         ks.add_observer(self._on_update)
+
+    def placement_shortfall(self) -> str | None:
+        """Why some journals' replicas cannot be placed, from the allocator's own view (etcd):
+        the members' --broker.limit slots are fewer than the replicas wanted, or a journal's
+        replication asks for more brokers than there are. None when neither is so."""
+        from broker.allocator.rules import broker_rules
+        from broker.allocator.state import State
+
+        state = State.from_keyspace(self.ks, self.root, "", broker_rules(self.max_replication))
+        return shortfall_of(state)
 
     def _member(self, zone: str, suffix: str) -> aks.Member | None:
         kv = self.ks.get(aks.member_key(self.root, zone, suffix))
@@ -247,3 +261,27 @@ class Resolver:
 
 def _revisions(kvs: tuple[KeyValue, ...]) -> list[tuple[str, int]]:
     return [(kv.key, kv.mod_revision) for kv in kvs]
+
+
+def shortfall_of(state: State) -> str | None:
+    """See Resolver.placement_shortfall: one clause, for a client's one-line error."""
+    wanted, members = state.item_slots, len(state.members)
+    if not wanted:
+        return None
+    if not members:
+        return "no broker is running"
+    slots = state.member_slots
+    if wanted > slots:
+        limits = set(state.limits)
+        brokers = f"{members} broker{'' if members == 1 else 's'}"
+        if len(limits) == 1:
+            (limit,) = limits
+            brokers += f" of {limit} journal{'' if limit == 1 else 's'} each"
+        return (
+            f"the brokers' --broker.limit slots are all taken ({brokers}: {slots} slots for "
+            f"{wanted} replicas)"
+        )
+    most = max(state.replication)
+    if most > members:
+        return f"a replication of {most} asks for more brokers than the {members} running"
+    return None

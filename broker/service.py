@@ -23,6 +23,7 @@ from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import AppendFSM, BrokerExiting, Chunk
 from broker.client.dialer import Dialer
+from broker.client.journals import PLACEMENT
 from broker.context import BrokerContext
 from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister, check_spec_supported
@@ -337,6 +338,12 @@ class JournalService(pb_grpc.JournalServicer):
                 yield chunk
                 chunk = pb.ListResponse()
             if not request.watch:
+                # Journals without replicas: the trailer says why, where the allocator cannot
+                # place them (their route alone cannot tell).
+                if any(not j.route.members for j in journals) and (
+                    note := self.resolver.placement_shortfall()
+                ):
+                    context.set_trailing_metadata(((PLACEMENT, note),))
                 return
             yield pb.ListResponse()  # Marks the end of this snapshot for watching clients.
 

@@ -314,6 +314,8 @@ def output(snapshot: ListSnapshot, fmt: str, opts: dict[str, Any]) -> None:
             rf=opts["rf"],
             stores=opts["stores"],
         )
+        if (note := render.unplaced_note(snapshot.journals, snapshot.placement)) is not None:
+            render.note(note)
 
 
 async def _list(opts: dict[str, Any], selector: pb.LabelSelector, fmt: str, watch: bool) -> None:

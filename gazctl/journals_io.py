@@ -112,6 +112,8 @@ def _waited(exc: BaseException, opts: dict[str, Any]) -> str:
 
     if transient_reason(exc) is None or not opts["wait"]:
         return ""
+    if getattr(exc, "why", ""):  # The broker said why: waiting longer will not help.
+        return f" (after waiting {opts['wait']:g}s)"
     return f" (still, after waiting {opts['wait']:g}s: raise --wait to wait longer)"
 
 

@@ -24,6 +24,22 @@ def note(message: str) -> None:
     err_console.print(message, markup=False, soft_wrap=True)
 
 
+def lacks_replicas(journal: pb.ListResponse.Journal) -> bool:
+    """Served by no broker though not suspended: its replicas are not placed."""
+    return not journal.route.members and (journal.spec.suspend.level != pb.JournalSpec.Suspend.FULL)
+
+
+def unplaced_note(journals: Sequence[pb.ListResponse.Journal], why: str) -> str | None:
+    """One line for journals that have no replicas, saying why where the broker said."""
+    count = sum(lacks_replicas(j) for j in journals)
+    if not count:
+        return None
+    said = f"{count} journal has" if count == 1 else f"{count} journals have"
+    return f"{said} no replicas: " + (
+        why or "no broker has taken them yet (the brokers' logs say why, if it lasts)"
+    )
+
+
 def journals_table(
     journals: Sequence[pb.ListResponse.Journal],
     *,
@@ -35,6 +51,9 @@ def journals_table(
 ) -> None:
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("Name")
+    unplaced = {j.spec.name for j in journals if lacks_replicas(j)}
+    if unplaced:  # Only then: the usual listing keeps upstream's columns.
+        table.add_column("Status")
     if rf:
         table.add_column("RF", justify="right")
     if primary:
@@ -57,6 +76,8 @@ def journals_table(
         if journal.spec.suspend.level != pb.JournalSpec.Suspend.NONE:
             primary_name += " <S>"
         row = [journal.spec.name]
+        if unplaced:
+            row.append("no replicas" if journal.spec.name in unplaced else "")
         if rf:
             row.append(str(journal.spec.replication))
         if primary:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "journals.yaml"
@@ -405,3 +406,65 @@ def test_print_config_never_prints_a_secret(tmp_path: Path) -> None:
     # reported, not the configuration.
     r = run_cli("gazctl", "journals", "list", "--broker.address", "http://127.0.0.1:1", cwd=tmp_path, env={"HOME": str(tmp_path)})  # fmt: skip
     assert r.code != 0 and "token-from-the-ini" not in r.err
+
+
+def test_journals_beyond_the_brokers_slots_say_why_they_have_no_replicas(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """Two brokers of --broker.limit 1 and three journals: one has no replicas. `journals
+    list` says which and why, and an append to it is refused in one line saying why."""
+    import asyncio
+    import uuid
+
+    from broker.client import JournalsClient
+    from broker.testing import start_broker_process, stop_processes
+
+    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
+    brokers = [
+        start_broker_process(
+            etcd_server,
+            prefix,
+            tmp_path / f"b{i}.log",
+            broker_id=f"broker-{i}",
+            extra=("--broker.limit", "1"),
+        )
+        for i in range(2)
+    ]
+    try:
+        address = ",".join(b.address for b in brokers)
+        specs = tmp_path / "specs.yaml"
+        specs.write_text(
+            "name: slots/\nreplication: 1\n"
+            "fragment: {length: 4096, compression_codec: NONE, refresh_interval: 1m0s}\n"
+            "children:\n  - name: slots/j0\n  - name: slots/j1\n  - name: slots/j2\n"
+        )
+        env = {"BROKER_ADDRESS": address}
+        applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
+        assert applied.code == 0, applied.err
+
+        async def placed() -> list[str]:  # Until the allocator has filled both slots.
+            async with JournalsClient(address) as client:
+                for _ in range(300):
+                    snapshot = await client.list()
+                    unplaced = [j.spec.name for j in snapshot.journals if not j.route.members]
+                    if len(unplaced) == 1:
+                        return unplaced
+                    await asyncio.sleep(0.05)
+            raise AssertionError(f"the allocator never placed two of three journals: {unplaced}")
+
+        (unplaced,) = asyncio.run(placed())
+        why = (
+            "the brokers' --broker.limit slots are all taken (2 brokers of 1 journal each: "
+            "2 slots for 3 replicas)"
+        )
+        listed = run_cli("gazctl", "journals", "list", env=env)
+        assert listed.code == 0, listed.err
+        row = next(line for line in listed.out.splitlines() if unplaced in line)
+        assert "no replicas" in row, listed.out
+        assert f"1 journal has no replicas: {why}" in listed.err, listed.err
+
+        appended = run_cli("gazctl", "journals", "append", "-l", f"name={unplaced}", "--wait",
+                           "1s", input="x\n", env=env)  # fmt: skip
+        assert_one_line_error(appended, unplaced, why)
+    finally:
+        stop_processes([b.proc for b in brokers])

@@ -19,10 +19,15 @@ CHUNK = 1 << 17
 class AppendError(RuntimeError):
     """An append the broker refused (a status other than OK); nothing was appended."""
 
-    def __init__(self, journal: str, response: pb.AppendResponse) -> None:
+    def __init__(self, journal: str, response: pb.AppendResponse, why: str = "") -> None:
         self.response = response
         self.status = response.status
-        super().__init__(f"append to {journal}: {pb.Status.Name(response.status)}")
+        # Why, where the broker said (a refusal for want of brokers: see PLACEMENT).
+        self.why = why
+        said = (
+            f"{pb.Status.Name(response.status)}: {why}" if why else pb.Status.Name(response.status)
+        )
+        super().__init__(f"append to {journal}: {said}")
 
 
 def _chunks(data: bytes, size: int) -> Iterable[bytes]:
@@ -111,7 +116,13 @@ async def append(
         call.cancel()  # Without its commit chunk, the append rolls back everywhere.
         raise
     if check and response.status != pb.OK:
-        raise AppendError(journal, response)
+        from broker.client.journals import PLACEMENT
+
+        why = ""
+        for item in await call.initial_metadata() or ():
+            if item[0] == PLACEMENT:
+                why = str(item[1])
+        raise AppendError(journal, response, why)
     return response
 
 

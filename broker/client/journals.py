@@ -8,6 +8,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -40,6 +41,10 @@ class ApplyTooLarge(RuntimeError):
         self.size = size
 
 
+# Metadata of a List (its trailer), or of an append refused for want of brokers (its initial
+# metadata): why journals have no replicas (broker.resolver.Resolver.placement_shortfall). Upstream's clients ignore it.
+PLACEMENT = "gazette-placement"
+
 BrokerAddressError = AddressError  # A broker address the client will not dial.
 
 
@@ -47,6 +52,14 @@ def grpc_target(address: str) -> str:
     """`http(s)://host:port` (upstream's --broker.address form) or a bare `host:port` to a gRPC
     target `host:port`; BrokerAddressError for anything else."""
     return split_address(address)[0]
+
+
+async def _trailer(call: Any, key: str) -> str:
+    """The value of `key` in a finished call's trailing metadata ("" if absent)."""
+    for item in await call.trailing_metadata() or ():
+        if item[0] == key:
+            return str(item[1])
+    return ""
 
 
 def dial(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
@@ -68,6 +81,9 @@ def _unavailable(
 class ListSnapshot:
     header: pb.Header
     journals: list[pb.ListResponse.Journal] = field(default_factory=list)
+    # Why journals of it have no replicas, as the broker's allocator sees it (a List's
+    # trailing metadata: see broker.resolver.Resolver.placement_shortfall); "" if it did not say.
+    placement: str = ""
 
     def as_response(self) -> pb.ListResponse:
         return pb.ListResponse(status=pb.OK, header=self.header, journals=self.journals)
@@ -118,6 +134,7 @@ class JournalsClient:
                 raise _unavailable(self.address, exc, self.credentials) from None
             raise
         if current is not None and not watch:
+            current.placement = await _trailer(call, PLACEMENT)
             yield current
 
     async def list(self, selector: pb.LabelSelector | None = None) -> ListSnapshot:
