@@ -38,9 +38,10 @@ def python_files(*folders: str) -> list[Path]:
     return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))]
 
 
-# The test kit: a harness of brokers (broker.testing) and of consumers (consumer.testing, which
-# builds on the brokers' and is the pytest plugin).
-TEST_KITS = ("broker/testing", "consumer/testing")
+# The test kit: a harness of brokers (broker.testing), of consumers (consumer.testing, which
+# builds on the brokers' and is the pytest plugin) and a standalone Spark cluster
+# (gazctl/spark/testing.py).
+TEST_KITS = ("broker/testing", "consumer/testing", "gazctl/spark/testing.py")
 
 
 def test_production_code_never_imports_the_test_harness() -> None:
