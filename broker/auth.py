@@ -146,13 +146,21 @@ def _label_set_of(doc: Any) -> pb.LabelSet:
     if not isinstance(doc, dict):
         raise Unauthenticated("verifying Authorization: claim 'sel' is not a label selector")
     out = pb.LabelSet()
-    for item in doc.get("labels") or ():
-        if not isinstance(item, dict) or not isinstance(item.get("name", ""), str):
+    items = doc.get("labels") or []
+    if not isinstance(items, list):
+        raise Unauthenticated("verifying Authorization: claim 'sel' has labels that are not a list")
+    for item in items:
+        # Each field of its type, as upstream's decoding requires: never coerced (a string
+        # "false" read as a prefix match would widen what the token sees).
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("name", ""), str)
+            or not isinstance(item.get("value", ""), str)
+            or not isinstance(item.get("prefix", False), bool)
+        ):
             raise Unauthenticated("verifying Authorization: claim 'sel' has a malformed label")
         out.labels.add(
-            name=item.get("name", ""),
-            value=str(item.get("value", "")),
-            prefix=bool(item.get("prefix", False)),
+            name=item.get("name", ""), value=item.get("value", ""), prefix=item.get("prefix", False)
         )
     return out
 
@@ -236,7 +244,7 @@ class KeyedVerifier:
             if key == "authorization":
                 header = value.decode() if isinstance(value, bytes) else value
                 break
-        if not header:
+        if header is None:
             if self.allow_missing:
                 return Claims(require, exp=time.time() + 3600)
             raise Unauthenticated("missing or empty Authorization token")
@@ -265,7 +273,9 @@ class KeyedVerifier:
                         key,
                         algorithms=ALGORITHMS,
                         leeway=LEEWAY,
-                        options={"require": ["exp"], "verify_iat": True},
+                        # An `aud` claim (external issuers set one) is not checked, as
+                        # upstream does not check it.
+                        options={"require": ["exp"], "verify_iat": True, "verify_aud": False},
                     )
                 break
             except jwt.InvalidSignatureError as exc:

@@ -612,3 +612,34 @@ def test_a_spark_replay_reaches_tls_brokers_with_tokens_from_its_executors(
         one_line(r, "UNAUTHENTICATED")
     finally:
         stop_process(broker.proc)
+
+
+def test_token_claims_are_read_as_upstream_reads_them() -> None:
+    """Differences from upstream's JWT parsing, each a failing test first: an `aud` claim (set
+    by external issuers) is accepted; a selector whose values have the wrong type is refused
+    rather than coerced ("prefix": "false" read as a prefix match); an empty authorization
+    header is refused as not Bearer, not taken for a missing token."""
+    verifier = auth.KeyedVerifier([KEY1], allow_missing=True)
+    now = int(time.time())
+    with_aud = jwt.encode(
+        {"cap": auth.ALL, "exp": now + 60, "aud": "gazette", "iss": "https://issuer.example"},
+        KEY1, algorithm="HS256",
+    )  # fmt: skip
+    assert verifier.verify(bearer(with_aud), auth.LIST).capability == auth.ALL
+    label = {"name": "name", "value": "a/", "prefix": True}
+    good = token(sel={"include": {"labels": [label]}})
+    assert verifier.verify(bearer(good), auth.LIST).selector.include.labels[0].prefix
+    for bad in (
+        {**label, "prefix": "false"},
+        {**label, "prefix": 1},
+        {**label, "value": 7},
+        {**label, "name": None},
+    ):
+        with pytest.raises(auth.Unauthenticated, match="claim 'sel'"):
+            verifier.verify(bearer(token(sel={"include": {"labels": [bad]}})), auth.LIST)
+    with pytest.raises(auth.Unauthenticated, match="claim 'sel'"):
+        verifier.verify(bearer(token(sel={"include": {"labels": "name=a/"}})), auth.LIST)
+    with pytest.raises(auth.Unauthenticated, match="expected 'Bearer'"):
+        verifier.verify((("authorization", ""),), auth.LIST)
+    # No header at all, with missing tokens allowed (a broker without keys' strictness).
+    assert verifier.verify((), auth.LIST).capability == auth.LIST
