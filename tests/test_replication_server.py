@@ -241,3 +241,47 @@ def test_a_recovered_location_emits_only_once_its_own_events_are_back(
                 assert ns[-1] == "after" and "too early" not in ns
 
     asyncio.run(go())
+
+
+def test_the_location_service_checks_the_token_before_the_request_and_bounds_reads(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A request is parsed only once its caller's token checked out: garbage without a token
+    is UNAUTHENTICATED (it was parsed first, and refused as garbage). Read's `limit` has an
+    upper bound (MAX_READ_EVENTS): a caller cannot make one reply hold the whole log."""
+    import base64
+
+    from broker import auth
+    from replication.rpc import SERVICE
+    from replication.server import MAX_READ_EVENTS
+
+    key = b"a key for the location service's tokens, 32+"
+
+    async def go() -> None:
+        await apply_location_journals(location_broker.address, "A")
+        config = LocationConfig("A", location_broker.address, etcd_server.endpoint,
+                                prefix=etcd_prefix + "/replication", lease=5,
+                                auth_keys=base64.b64encode(key).decode())  # fmt: skip
+        async with serving(config) as a:
+            channel = grpc.aio.insecure_channel(a.endpoint.removeprefix("http://"))
+            read = channel.unary_unary(f"/{SERVICE}/Read")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await read(b"\xff\xff\xff\xff not a ReadRequest", timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+            token = auth.KeyedAuth([key]).sign(auth.ALL, None, 60)
+            metadata = (("authorization", f"Bearer {token}"),)
+            with pytest.raises(grpc.aio.AioRpcError) as garbage:
+                await read(b"\xff\xff\xff\xff not a ReadRequest", timeout=10, metadata=metadata)
+            assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT, garbage.value
+
+            count = MAX_READ_EVENTS + 10
+            for begin in range(0, count, 2000):
+                await emit(a, *({"n": n} for n in range(begin, min(count, begin + 2000))))
+            request = lpb.ReadRequest(after=0, limit=10**9)
+            raw = await read(request.SerializeToString(), timeout=30, metadata=metadata)
+            reply = lpb.ReadResponse.FromString(raw)
+            assert reply.last_seq >= count
+            assert reply.through <= MAX_READ_EVENTS < reply.last_seq  # The rest comes next.
+            await channel.close()
+
+    asyncio.run(go())
