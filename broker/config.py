@@ -20,13 +20,89 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def option(flag: str, *, env: str | None = None, **kwargs: Any) -> Callable[[F], F]:
-    """A click option named after an upstream dotted flag, bound to its environment variable."""
+    """A click option named after an upstream dotted flag, bound to its environment variable.
+    A flag that takes a secret (`--broker.auth-keys`) comes with its `-file` form too
+    (`secret_file_option`), so that the secret need never be on a command line."""
     dest = flag.lstrip("-").replace(".", "_").replace("-", "_")
     if env is None:
         env = dest.upper()
     kwargs.setdefault("show_envvar", True)
     kwargs.setdefault("show_default", "default" in kwargs)
-    return click.option(flag, dest, envvar=env, **kwargs)
+    plain = click.option(flag, dest, envvar=env, **kwargs)
+    if flag.rpartition(".")[2] not in SECRET_KEYS:
+        return plain
+    with_file = secret_file_option(flag, dest, env)
+
+    def apply(f: F) -> F:
+        return plain(with_file(f))
+
+    return apply
+
+
+class SecretFileError(click.ClickException):
+    pass
+
+
+def read_secret_file(flag: str, path: str) -> str:
+    """The secret in the file `path` given to `flag` (a `-file` flag), stripped; else one line
+    naming the flag and the path."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise SecretFileError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SecretFileError(f"{flag} {path}: not a text file") from None
+    if not value:
+        raise SecretFileError(f"{flag} {path}: the file is empty")
+    return value
+
+
+def secret_file_option(flag: str, dest: str, env: str) -> Callable[[F], F]:
+    """`FLAG-file PATH` (and `$ENV_FILE`): the secret of `flag` read from a file. Before the
+    command runs, the file's content becomes `flag`'s value. The more specific source wins
+    (a flag over a variable over an INI file); both from the same source is one line naming
+    them, as is a file that cannot be read."""
+    import functools
+
+    file_flag, file_dest, file_env = f"{flag}-file", f"{dest}_file", f"{env}_FILE"
+
+    def apply(f: F) -> F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **opts: Any) -> Any:
+            path = opts.pop(file_dest, "") or ""
+            if path:
+                ctx = click.get_current_context(silent=True)
+                plain_source = file_source = None
+                if ctx is not None:
+                    plain_source = ctx.get_parameter_source(dest)
+                    file_source = ctx.get_parameter_source(file_dest)
+                given = bool(opts.get(dest))
+                if given and (plain_source is None or plain_source == file_source):
+                    raise SecretFileError(f"{flag} and {file_flag} are both given: one, not both")
+                if not given or _precedence(file_source) < _precedence(plain_source):
+                    opts[dest] = read_secret_file(file_flag, path)
+            return f(*args, **opts)
+
+        out: Any = click.option(
+            file_flag,
+            file_dest,
+            envvar=file_env,
+            default="",
+            show_default=False,
+            show_envvar=True,
+            help=f"Path to a file holding the value of {flag} (instead of {flag} itself, "
+            "which a command line would show)",
+        )(wrapper)
+        return out  # type: ignore[no-any-return]
+
+    return apply
+
+
+def _precedence(source: click.core.ParameterSource | None) -> int:
+    from click.core import ParameterSource
+
+    order = [ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT, ParameterSource.DEFAULT_MAP]
+    return order.index(source) if source in order else len(order)
 
 
 def ini_search_paths(name: str) -> list[Path]:

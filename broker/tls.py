@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import functools
 import ipaddress
+import os
 import ssl
 import urllib.parse
 from dataclasses import dataclass
@@ -242,6 +243,21 @@ class DevPKI:
         return ClientTLS(str(self.client_cert), str(self.client_key), str(self.ca_cert))
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """Write a secret (a private key, an auth key) readable by its owner alone from the start:
+    created 0600 under a temporary name (never wider, whatever the umask), then renamed over
+    `path`, so that no reader sees it half-written or with wider permissions."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def make_dev_pki(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), *, ca_name: str = "gazette-py dev CA") -> DevPKI:  # fmt: skip
     """Write a CA and certificates for `hosts` into `directory` (kept if already there)."""
     from cryptography import x509
@@ -257,14 +273,14 @@ def make_dev_pki(directory: Path, hosts: tuple[str, ...] = ("localhost", "127.0.
     validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=365))
 
     def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-        path.write_bytes(
+        write_private(
+            path,
             key.private_bytes(
                 serialization.Encoding.PEM,
                 serialization.PrivateFormat.PKCS8,
                 serialization.NoEncryption(),
-            )
+            ),
         )
-        path.chmod(0o600)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])

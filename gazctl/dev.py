@@ -46,7 +46,7 @@ from broker.local_etcd import (
     free_port,
     wait_etcd_healthy,
 )
-from broker.tls import DevPKI, make_dev_pki
+from broker.tls import DevPKI, make_dev_pki, write_private
 from gazctl.render import console, err_console
 
 T = TypeVar("T")
@@ -82,6 +82,7 @@ class DevSecurity:
 
     pki: DevPKI | None = None
     auth_key: str = ""
+    auth_key_file: Path | None = None  # <dir>/auth-key, which holds auth_key
 
     @staticmethod
     def make(root: Path, tls: bool, auth: bool) -> DevSecurity:
@@ -90,9 +91,9 @@ class DevSecurity:
         if auth:
             path = root / "auth-key"
             if not path.exists():
-                path.write_text(base64.b64encode(secrets.token_bytes(32)).decode())
-                path.chmod(0o600)
+                write_private(path, base64.b64encode(secrets.token_bytes(32)))
             key = path.read_text().strip()
+            return DevSecurity(pki, key, path)
         return DevSecurity(pki, key)
 
     @property
@@ -112,8 +113,8 @@ class DevSecurity:
                 "--replication.server-cert-key-file", str(p.server_key),
                 "--replication.server-ca-file", str(p.ca_cert),
             ]  # fmt: skip
-        if self.auth_key:
-            flags += ["--replication.auth-keys", self.auth_key]
+        if self.auth_key:  # A file, not the key: a command line is anyone's to read (`ps`).
+            flags += ["--replication.auth-keys-file", str(self.auth_key_file)]
         return flags
 
     def environment(self) -> dict[str, str]:

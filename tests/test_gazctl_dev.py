@@ -380,6 +380,14 @@ def test_up_with_tls_and_auth_runs_every_process_on_them(cluster_dir: Path) -> N
     env = exported(r.out)
     state = ClusterState.load(cluster_dir)
     assert state is not None and state.tls and state.auth
+    # No process carries a secret on its command line, where `ps` shows it: the key goes
+    # through the environment or a file. The key and the private keys are the owner's alone.
+    key = (cluster_dir / "auth-key").read_text().strip()
+    for proc in state.all():
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert key not in cmdline, (proc.role, cmdline)
+    for path in [cluster_dir / "auth-key", *(cluster_dir / "tls").glob("*.key")]:
+        assert path.stat().st_mode & 0o777 == 0o600, path
     # Every process serves TLS only: etcd, brokers, consumers, locations and their brokers.
     for proc in state.all():
         assert proc.address.startswith("https://127.0.0.1:"), proc
@@ -521,3 +529,26 @@ def test_kill_one_process_then_up_starts_only_it_and_restart(cluster_dir: Path) 
 
     down = dev(cluster_dir, "down")
     assert down.code == 0 and "stopped 5" in down.err
+
+
+def test_dev_keys_are_created_0600_not_chmod_ed_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The auth key and the private keys are never readable by others, not even for a moment:
+    they are created 0600 (with no umask to narrow them, and no chmod after)."""
+    from gazctl.dev import DevSecurity
+
+    def no_chmod(*args: object, **kwargs: object) -> None:
+        raise AssertionError("chmod after writing")
+
+    monkeypatch.setattr(Path, "chmod", no_chmod)
+    monkeypatch.setattr(os, "chmod", no_chmod)
+    old = os.umask(0)
+    try:
+        DevSecurity.make(tmp_path, tls=True, auth=True)
+    finally:
+        os.umask(old)
+    secrets = [tmp_path / "auth-key", *(tmp_path / "tls").glob("*.key")]
+    assert len(secrets) == 4
+    for path in secrets:
+        assert path.stat().st_mode & 0o777 == 0o600, path
