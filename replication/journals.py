@@ -10,6 +10,7 @@ from broker.protocol import protocol_pb2 as pb
 __all__ = [
     "apply_location_journals",
     "journal_created",
+    "journal_listed",
     "location_journal",
     "location_journal_spec",
 ]
@@ -57,12 +58,18 @@ async def apply_location_journals(
             )
 
 
-async def journal_created(client: JournalsClient, journal: str) -> int:
-    """The etcd revision that created `journal` (0: it does not exist): a journal deleted and
-    made anew (a lost log) has another."""
+async def journal_listed(client: JournalsClient, journal: str) -> pb.ListResponse.Journal | None:
+    """`journal` as the brokers list it (its spec, create revision...), or None."""
     selector = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))  # fmt: skip
     listed = await client.list(selector)
     for j in listed.journals:
         if j.spec.name == journal:
-            return int(j.create_revision)
-    return 0
+            return j
+    return None
+
+
+async def journal_created(client: JournalsClient, journal: str) -> int:
+    """The etcd revision that created `journal` (0: it does not exist): a journal deleted and
+    made anew (a lost log) has another."""
+    found = await journal_listed(client, journal)
+    return int(found.create_revision) if found is not None else 0

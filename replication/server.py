@@ -51,14 +51,13 @@ from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError
-from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.tls import ServerTLS
 from replication import location_pb2 as lpb
 from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
-from replication.journals import journal_created
+from replication.journals import journal_listed
 from replication.location import EventFilter, check_fail_over
 from replication.rpc import (
     SERVICE,
@@ -202,6 +201,8 @@ class LocationServer:
         self.log: JournalEventLog | None = None
         self.port = 0
         self.endpoint = ""
+        # The log journal's spec, as last listed: its labels authorize the service's callers.
+        self.log_spec = pb.JournalSpec(name=config.journal)
         self.connections: dict[str, ConnectionState] = {}
         # Why this location must be recovered before it emits or replicates ("" if not): a
         # neighbour has seen more of its events than its log holds (a disaster).
@@ -317,11 +318,12 @@ class LocationServer:
         assert self._client is not None
         cfg = self.config
         try:
-            created = await journal_created(self._client, cfg.journal)
+            found = await journal_listed(self._client, cfg.journal)
         except BrokerUnavailable as exc:
             raise StartError(str(exc)) from None
-        if created:
-            return created
+        if found is not None and found.create_revision:
+            self.log_spec = found.spec
+            return int(found.create_revision)
         raise StartError(
             f"journal {cfg.journal} does not exist at {cfg.broker_address}: apply it first "
             "(gazctl replication add creates it; so does gazctl dev up --locations)"
@@ -447,10 +449,13 @@ class LocationServer:
         while True:
             await asyncio.sleep(max(1.0, self.config.lease / 3))
             try:
-                created = await journal_created(self._client, journal)
+                found = await journal_listed(self._client, journal)
             except Exception as exc:  # Its broker away: ask again at the next round.
                 log.warning("%s: checking its journal: %s", self.name, str(exc).split("\n")[0])
                 continue
+            created = int(found.create_revision) if found is not None else 0
+            if found is not None:
+                self.log_spec = found.spec  # Its labels authorize the service's callers.
             if created != self.log.created:
                 self.failure = (
                     f"location {self.name}: its journal {journal} was "
@@ -688,11 +693,11 @@ class LocationServer:
         method needs; a selector must select the location's log), then its request parsed
         (`request_type` from bytes), its errors as statuses."""
         capability = auth.METHOD_CAPABILITY[f"/{SERVICE}/{name}"]
-        journal = labels.label_set((labels.META_NAME, self.config.journal))
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             claims = await auth.verify_or_abort(self.verifier, context, capability)
-            if not claims.sees_labels(journal):
+            # The log journal's labels and meta-labels, matched as the brokers match them.
+            if not claims.sees_journal(self.log_spec):
                 # A location whose log the caller may not see does not exist for it.
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no location {self.name}")
             try:

@@ -285,3 +285,54 @@ def test_the_location_service_checks_the_token_before_the_request_and_bounds_rea
             await channel.close()
 
     asyncio.run(go())
+
+
+def test_the_location_service_authorizes_by_its_log_journals_labels(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A token whose selector excludes the log journal's content-type is refused by the
+    brokers; the Location service refuses it too (NOT_FOUND, as for a log the caller cannot
+    see), matching the journal's labels and meta-labels as the brokers do, not its name only."""
+    import base64
+
+    from broker import auth
+    from broker.protocol import protocol_pb2 as pb
+    from replication.rpc import SERVICE
+
+    key = b"a key for the location service's tokens, 32+"
+
+    def selector(*, exclude: tuple[str, str] | None = None) -> pb.LabelSelector:
+        sel = pb.LabelSelector()
+        if exclude is not None:
+            sel.exclude.labels.add(name=exclude[0], value=exclude[1])
+        return sel
+
+    async def go() -> None:
+        await apply_location_journals(location_broker.address, "A")
+        config = LocationConfig("A", location_broker.address, etcd_server.endpoint,
+                                prefix=etcd_prefix + "/replication", lease=5,
+                                auth_keys=base64.b64encode(key).decode())  # fmt: skip
+        async with serving(config) as a:
+            channel = grpc.aio.insecure_channel(a.endpoint.removeprefix("http://"))
+            status = channel.unary_unary(f"/{SERVICE}/Status")
+            signer = auth.KeyedAuth([key])
+
+            async def ask(sel: pb.LabelSelector) -> grpc.StatusCode:
+                token = signer.sign(auth.ALL, sel, 60)
+                try:
+                    await status(lpb.StatusRequest().SerializeToString(), timeout=10,
+                                 metadata=(("authorization", f"Bearer {token}"),))  # fmt: skip
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            assert await ask(selector()) == grpc.StatusCode.OK
+            hidden = selector(exclude=("content-type", "application/x-ndjson"))
+            assert await ask(hidden) == grpc.StatusCode.NOT_FOUND
+            assert (
+                await ask(selector(exclude=("name", config.journal))) == grpc.StatusCode.NOT_FOUND
+            )
+            assert await ask(selector(exclude=("content-type", "text/csv"))) == grpc.StatusCode.OK
+            await channel.close()
+
+    asyncio.run(go())
