@@ -86,11 +86,25 @@ def journal_source_options(f: Callable[..., Any]) -> Callable[..., Any]:
                              "(as brokers' --broker.file-root)"),
             click.option("--master", default=None,
                          help="Spark master URL (default: local[*], the embedded engine)"),
+            click.option("--remote", default=None,
+                         help="Spark Connect server (sc://host:port) to run the job on, "
+                              "instead of --master"),
             broker_options,
         ]
     ):  # fmt: skip
         f = decorator(f)
     return f
+
+
+def _one_engine(master: str | None, remote: str | None) -> None:
+    """--master and --remote each say where the job runs: one of them at most."""
+    if master is not None and remote is not None:
+        raise JobError(
+            f"give --master or --remote, not both (--master {master} starts Spark here, "
+            f"--remote {remote} uses a Spark Connect server's)"
+        )
+    if remote is not None and not remote.startswith("sc://"):
+        raise click.BadParameter(f"{remote!r}: give a Spark Connect URL, sc://host:port")
 
 
 @click.group()
@@ -234,6 +248,7 @@ def compact_cmd(
     specs: Path | None,
     file_root: Path | None,
     master: str | None,
+    remote: str | None,
     target_size: str,
     codec: str | None,
     min_age: str | None,
@@ -252,12 +267,13 @@ def compact_cmd(
     Only stores are read: asked through a broker (not with --specs), each journal whose
     content past its store's end is not persisted yet is named, with how to persist it.
     """
+    _one_engine(master, remote)
     target = parse_size(target_size)
     age = _seconds(min_age, "--min-age") if min_age is not None else None
     if not dry_run:
         from gazctl.spark.session import check_requirements
 
-        check_requirements()  # Before any work: what is missing to run Spark.
+        check_requirements(java=remote is None)  # Before any work: what is missing.
     chosen = cast(pb.CompressionCodec, pb.CompressionCodec.Value(codec.upper())) if codec else None
     journals, plans, ends = _plans(selector, opts, specs, file_root, target, chosen, age)
     _note_unpersisted(None if specs else opts["broker_address"], journals, ends)
@@ -284,7 +300,7 @@ def compact_cmd(
     from gazctl.spark.jobs import merge_runs, remove_fragments
     from gazctl.spark.session import spark_session
 
-    session = spark_session(master, "gazctl spark compact")
+    session = spark_session(master, "gazctl spark compact", remote)
     root = str(file_root) if file_root is not None else None
     with _progress() as progress:
         merged = merge_runs(session, runs, root, progress)
@@ -428,6 +444,7 @@ def replay_cmd(
     specs: Path | None,
     file_root: Path | None,
     master: str | None,
+    remote: str | None,
     target: str,
     from_time: str | None,
     framing: str,
@@ -450,12 +467,24 @@ def replay_cmd(
     Only stores are read: asked through a broker (not with --specs), each journal whose
     content past its store's end is not persisted yet is named, with how to persist it.
     """
+    _one_engine(master, remote)
     kind, where = _parse_target(target)
+    if remote is not None and kind == "journal":
+        raise JobError(
+            "replaying into a journal needs RDDs and accumulators, which Spark Connect has "
+            "not: give --master (or neither, for local[*]) instead of --remote"
+        )
+    if remote is not None and flatten:
+        raise JobError(
+            "--flatten infers the messages' schema through an RDD, which Spark Connect has "
+            "not: give --master (or neither, for local[*]) instead of --remote, or leave out "
+            "--flatten"
+        )
     since = _from_time(from_time)
     split_bytes = parse_size(split_size)
     from gazctl.spark.session import check_requirements
 
-    check_requirements()
+    check_requirements(java=remote is None)
     if kind == "parquet" and Path(where).exists():
         raise JobError(f"{where} already exists: remove it or give another path")
     broker = None if specs else opts["broker_address"]
@@ -468,7 +497,7 @@ def replay_cmd(
     from gazctl.spark.jobs import replay_to_journal, replay_to_parquet
     from gazctl.spark.session import spark_session
 
-    session = spark_session(master, "gazctl spark replay")
+    session = spark_session(master, "gazctl spark replay", remote)
     options = {"selector": selector, "framing": framing, "uuid_path": uuid_path,
                "from_time": str(since), "split_bytes": str(split_bytes)}  # fmt: skip
     if specs is not None:

@@ -1,5 +1,9 @@
 """The Spark side of gazctl's jobs: tasks over runs and fragments, their progress (accumulators
-polled while the job runs), and executor failures brought back as one line."""
+polled while the job runs), and executor failures brought back as one line.
+
+Over Spark Connect (`--remote`) there is no SparkContext: tasks run as `mapInArrow` over one row
+per task (their results pickled into a binary column), and without accumulators a job's progress
+shows when its tasks have finished."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from rich.progress import Progress
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.compaction import Merged, Run, remove_covered, write_merged
 from gazctl.spark.journals import JobError
+from gazctl.spark.session import is_connect
 
 T = TypeVar("T")
 
@@ -27,6 +32,55 @@ def executor_error(exc: BaseException) -> JobError:
         return JobError(found[-1].strip())
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     return JobError(f"the Spark job failed: {first}")
+
+
+class Unmetered:
+    """What stands for an accumulator over Spark Connect, which has none: it counts nothing,
+    and run_with_progress completes its task when the action returns."""
+
+    value = 0
+
+    def add(self, n: int) -> None:
+        pass
+
+
+def counter(session: Any) -> Any:
+    """An accumulator of the session's SparkContext, or Unmetered over Spark Connect."""
+    return Unmetered() if is_connect(session) else session.sparkContext.accumulator(0)
+
+
+def parallelism(session: Any) -> int:
+    """The SparkContext's default parallelism; over Spark Connect, spark.default.parallelism
+    if the server sets it, else 4."""
+    if not is_connect(session):
+        return int(session.sparkContext.defaultParallelism)
+    return int(session.conf.get("spark.default.parallelism", None) or 4)
+
+
+def map_tasks(session: Any, items: Sequence[Any], fn: Callable[[Any], T]) -> list[T]:
+    """`fn` over `items`, one Spark task per item, the results in the items' order."""
+    items = list(items)
+    if not is_connect(session):
+        sc = session.sparkContext
+        return list(sc.parallelize(items, max(1, len(items))).map(fn).collect())
+    import pickle
+
+    def tasks(batches: Any) -> Any:
+        import pyarrow as pa
+
+        for batch in batches:
+            ids = batch.column(0).to_pylist()
+            results = [pickle.dumps(fn(items[i])) for i in ids]
+            yield pa.RecordBatch.from_pydict(
+                {"i": pa.array(ids, pa.int64()), "result": pa.array(results, pa.binary())}
+            )
+
+    rows = (
+        session.range(0, len(items), 1, max(1, len(items)))
+        .mapInArrow(tasks, "i long, result binary")
+        .collect()
+    )
+    return [pickle.loads(row.result) for row in sorted(rows, key=lambda row: row.i)]
 
 
 def run_with_progress(
@@ -53,7 +107,11 @@ def run_with_progress(
             progress.update(task, completed=accumulator.value)
     thread.join()
     for task, accumulator in meters:
-        progress.update(task, completed=accumulator.value)
+        if isinstance(accumulator, Unmetered) and not failure:
+            completed = next(t.total for t in progress.tasks if t.id == task)
+        else:
+            completed = accumulator.value
+        progress.update(task, completed=completed)
     if failure:
         if isinstance(failure[0], JobError):
             raise failure[0]
@@ -67,8 +125,7 @@ def merge_runs(
     """Write and verify every run's merged fragment, one Spark task per run."""
     from pathlib import Path
 
-    sc = session.sparkContext
-    fragments, content = sc.accumulator(0), sc.accumulator(0)
+    fragments, content = counter(session), counter(session)
     root = Path(file_root) if file_root is not None else None
 
     def merge(run: Run) -> Merged:
@@ -84,8 +141,7 @@ def merge_runs(
         ),
         (progress.add_task("bytes merged", total=sum(r.size for r in runs)), content),
     ]
-    rdd = sc.parallelize(list(runs), max(1, len(runs)))
-    return run_with_progress(lambda: rdd.map(merge).collect(), progress, meters)
+    return run_with_progress(lambda: map_tasks(session, runs, merge), progress, meters)
 
 
 def remove_fragments(
@@ -96,8 +152,7 @@ def remove_fragments(
 
     if not fragments:
         return 0
-    sc = session.sparkContext
-    removed = sc.accumulator(0)
+    removed = counter(session)
     root = Path(file_root) if file_root is not None else None
 
     def remove(batch: list[pb.Fragment]) -> int:
@@ -105,11 +160,10 @@ def remove_fragments(
         removed.add(n)
         return n
 
-    slices = max(1, min(len(fragments), sc.defaultParallelism * 4))
+    slices = max(1, min(len(fragments), parallelism(session) * 4))
     batches = [list(fragments[i::slices]) for i in range(slices)]
     meters = [(progress.add_task("fragments removed", total=len(fragments)), removed)]
-    rdd = sc.parallelize(batches, slices)
-    return sum(run_with_progress(lambda: rdd.map(remove).collect(), progress, meters))
+    return sum(run_with_progress(lambda: map_tasks(session, batches, remove), progress, meters))
 
 
 def _fragments(options: dict[str, str]) -> list[Any]:
@@ -126,8 +180,7 @@ def _resolved(
     summarizing), then `resolve` on the driver. Returns the resolutions and rows written."""
     from gazctl.spark.replay import FragmentSummary, first_pass, resolve, summary_of
 
-    sc = session.sparkContext
-    done = sc.accumulator(0)
+    done = counter(session)
 
     def summarize(item: tuple[int, Any]) -> tuple[FragmentSummary, int]:
         index, partition = item
@@ -139,8 +192,8 @@ def _resolved(
         return result
 
     meters = [(progress.add_task("fragments read", total=len(partitions)), done)]
-    rdd = sc.parallelize(list(enumerate(partitions)), max(1, len(partitions)))
-    results = run_with_progress(lambda: rdd.map(summarize).collect(), progress, meters)
+    items = list(enumerate(partitions))
+    results = run_with_progress(lambda: map_tasks(session, items, summarize), progress, meters)
     return resolve(summary for summary, _ in results), sum(n for _, n in results)
 
 
@@ -167,16 +220,16 @@ def replay_to_parquet(
         resolutions, rows = _resolved(session, partitions, staging, False, progress)
         if resolutions:
             # Pass two is light (side tables are small): a few tasks, each several fragments.
-            sc = session.sparkContext
             items = list(resolutions.items())
-            slices = min(len(items), sc.defaultParallelism * 2)
+            slices = min(len(items), parallelism(session) * 2)
             batches = [items[i::slices] for i in range(slices)]
 
             def finish(batch: list[tuple[int, Any]]) -> int:
                 return sum(second_pass(index, found, staging, False) for index, found in batch)
 
-            rdd = sc.parallelize(batches, slices)
-            rows += sum(run_with_progress(lambda: rdd.map(finish).collect(), progress, []))
+            rows += sum(
+                run_with_progress(lambda: map_tasks(session, batches, finish), progress, [])
+            )
         shutil.rmtree(os.path.join(staging, "_side"))
         if not any(name.endswith(".parquet") for name in os.listdir(staging)):
             binary = any(getattr(p, "framing", "") == "fixed" for p in partitions)

@@ -32,14 +32,17 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def check_requirements() -> None:
-    """JobError naming what to install when Spark cannot run here."""
+def check_requirements(java: bool = True) -> None:
+    """JobError naming what to install when Spark cannot run here (without `java`: when a Spark
+    Connect client cannot, which needs no JVM of its own)."""
     for module, package in (("pyspark", "pyspark"), ("pyarrow", "pyarrow"), ("pandas", "pandas<3")):
         if importlib.util.find_spec(module) is None:
             raise JobError(
                 f"{package} is not installed: pip install 'gazette-py[spark]' (PySpark, pyarrow "
                 "and pandas<3) to run Spark jobs"
             )
+    if not java:
+        return
     java_home = os.environ.get("JAVA_HOME")
     has_java = shutil.which("java") is not None or (
         java_home is not None and os.path.exists(os.path.join(java_home, "bin", "java"))
@@ -51,9 +54,46 @@ def check_requirements() -> None:
         )
 
 
-def spark_session(master: str | None = None, app: str = "gazctl") -> SparkSession:
-    """The active SparkSession, or a new one on `master` (default ``local[*]``), with the
-    gazette data source registered."""
+def is_connect(session: Any) -> bool:
+    """Whether `session` is a Spark Connect client's (no SparkContext, RDDs or accumulators)."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def connect_session(remote: str, app: str = "gazctl") -> SparkSession:
+    """A Spark Connect session on `remote` (sc://host:port), the gazette data source registered
+    on the server's side."""
+    check_requirements(java=False)
+    for module, package in (("grpc", "grpcio"), ("grpc_status", "grpcio-status"),
+                            ("google.rpc", "googleapis-common-protos")):  # fmt: skip
+        try:
+            found = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            found = None
+        if found is None:
+            raise JobError(
+                f"{package} is not installed: pip install 'gazette-py[spark]' (it brings Spark "
+                "Connect's client) to use --remote"
+            )
+    from pyspark.sql import SparkSession
+
+    from gazctl.spark.source import GazetteDataSource
+
+    try:
+        spark = SparkSession.builder.remote(remote).appName(app).getOrCreate()
+        spark.dataSource.register(GazetteDataSource)
+    except Exception as exc:  # gRPC and server-side failures: one line.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise JobError(f"cannot use Spark Connect at {remote}: {first}") from None
+    return spark
+
+
+def spark_session(
+    master: str | None = None, app: str = "gazctl", remote: str | None = None
+) -> SparkSession:
+    """The active SparkSession, or a new one on `master` (default ``local[*]``), or a Spark
+    Connect session on `remote`, with the gazette data source registered."""
+    if remote is not None:
+        return connect_session(remote, app)
     check_requirements()
     # Executors run this same Python, and the embedded engine binds to loopback.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -131,6 +171,8 @@ def stop_spark(spark: SparkSession) -> None:
     from pyspark import SparkContext
 
     spark.stop()
+    if is_connect(spark):
+        return  # The server's JVM is not ours.
     gateway = SparkContext._gateway
     proc = getattr(gateway, "proc", None)
     forwarder = getattr(gateway, "stderr_forwarder", None)

@@ -105,3 +105,61 @@ def standalone_cluster(
                 raise TimeoutError(f"{workers} Spark workers did not register with {url}")
             time.sleep(0.25)
         yield cluster
+
+
+@dataclass(frozen=True)
+class ConnectServer:
+    """A running Spark Connect server (`url` is what --remote takes), its JVM's process."""
+
+    url: str
+    workdir: Path  # Its log (connect.log) and scratch.
+    proc: subprocess.Popen[bytes]
+
+
+@contextmanager
+def connect_server(
+    workdir: Path, master: str = "local[2]", timeout: float = 90
+) -> Iterator[ConnectServer]:
+    """Start a Spark Connect server from PySpark's own distribution (its spark-connect jar, run
+    by `spark-class` through SparkSubmit; the JVM is the process started, `spark-class` execs
+    it) on 127.0.0.1 and a free port, its Spark on `master`; wait until it accepts gRPC, and
+    stop it by pid on exit."""
+    import socket
+
+    env = cluster_environment(workdir)
+    (workdir / "local").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log_path = workdir / "connect.log"
+    with ExitStack() as stack:
+        log = stack.enter_context(log_path.open("wb"))
+        proc = subprocess.Popen(
+            [str(spark_class()), "org.apache.spark.deploy.SparkSubmit",
+             "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+             "--name", "Spark Connect server", "--master", master,
+             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+             "--conf", f"spark.connect.grpc.binding.port={port}",
+             "--conf", "spark.driver.bindAddress=127.0.0.1",
+             "--conf", "spark.driver.host=127.0.0.1",
+             "--conf", "spark.ui.enabled=false",
+             "--conf", f"spark.local.dir={workdir / 'local'}",
+             "--conf", f"spark.pyspark.python={sys.executable}",
+             "spark-internal"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        stack.callback(stop_process, proc)
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the Spark Connect server exited {proc.returncode}: "
+                    f"{log_path.read_text()[-3000:]}"
+                )
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                pass  # Not listening yet.
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Spark Connect server did not listen on port {port}")
+            time.sleep(0.25)
+        yield ConnectServer(f"sc://127.0.0.1:{port}", workdir, proc)
