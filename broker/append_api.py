@@ -246,8 +246,9 @@ async def proxy_append(
             async for request in iterator:
                 if call.done():
                     break  # The primary answered before the stream's end; it reads no more.
-                forwarded_commit = forwarded_commit or not request.content
                 await call.write(request)
+                # Sent (a write that failed, the peer having answered already, sent nothing).
+                forwarded_commit = forwarded_commit or not request.content
             else:
                 await call.done_writing()
         except asyncio.InvalidStateError:
