@@ -44,7 +44,15 @@ from consumer.client import ShardsClient
 from consumer.examples import stream_sum
 from consumer.protocol import cpb
 from tests.faults.consumer_checker import OK, ChunkOp, ConsumerHistory, ShardStatus, SumRead
-from tests.faults.harness import Cluster, ClusterConfig, HarnessError, _free_port, _stop, describe
+from tests.faults.harness import (
+    Cluster,
+    ClusterConfig,
+    HarnessError,
+    _free_port,
+    _stop,
+    describe,
+    signal_slot,
+)
 from tests.faults.history import History
 
 ETCD_PREFIX = "/gazette-faults-consumers"
@@ -369,18 +377,7 @@ class ConsumerHarness:
             await asyncio.gather(*restarts.values(), return_exceptions=True)
 
     def signal(self, slot: ConsumerSlot, sig: signal.Signals) -> None:
-        if not slot.running():
-            return
-        assert slot.proc is not None
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            slot.held = True
-        os.kill(slot.proc.pid, sig)
-        if sig == signal.SIGSTOP:
-            slot.paused = True
-        elif sig == signal.SIGCONT:
-            slot.paused = False
-        elif sig == signal.SIGKILL:
-            slot.proc.wait()
+        signal_slot(slot, sig)
 
     async def ensure_running(self) -> list[str]:
         """Resume paused consumers and start any that are down (held ones too)."""

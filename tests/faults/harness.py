@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -449,18 +450,7 @@ class Cluster:
 
     def signal(self, index: int, sig: signal.Signals) -> None:
         slot = self.brokers[index]
-        if not slot.running():
-            return
-        assert slot.proc is not None
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            slot.held = True
-        os.kill(slot.proc.pid, sig)
-        if sig == signal.SIGSTOP:
-            slot.paused = True
-        elif sig == signal.SIGCONT:
-            slot.paused = False
-        elif sig == signal.SIGKILL:
-            slot.proc.wait()
+        if signal_slot(slot, sig) and sig == signal.SIGKILL:
             self._seen_exit(slot)
 
     async def wait_exit(self, index: int, timeout: float = 30) -> int | None:
@@ -818,6 +808,26 @@ def _append_observation(
         out[-1].content += content
     else:
         out.append(Observation(source, journal, offset, bytes(content), at))
+
+
+def signal_slot(slot: Any, sig: signal.Signals, *, hold: bool = True) -> bool:
+    """Send `sig` to a harness slot's running process (a broker's, a consumer's, a location's)
+    and track it: with `hold`, SIGKILL and SIGTERM keep it down (its supervisor leaves it);
+    SIGSTOP and SIGCONT mark it paused and resumed; SIGKILL waits for the exit. Whether it was
+    running."""
+    if not slot.running():
+        return False
+    assert slot.proc is not None
+    if hold and sig in (signal.SIGKILL, signal.SIGTERM):
+        slot.held = True
+    os.kill(slot.proc.pid, sig)
+    if sig == signal.SIGSTOP:
+        slot.paused = True
+    elif sig == signal.SIGCONT:
+        slot.paused = False
+    elif sig == signal.SIGKILL:
+        slot.proc.wait()
+    return True
 
 
 def describe(exc: BaseException) -> str:

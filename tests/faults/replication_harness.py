@@ -41,7 +41,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.testing import find_etcd_binary
 from replication import registry
 from replication.rpc import LocationClient, LocationError, status_document
-from tests.faults.harness import HarnessError, _free_port, _stop, _wait_http
+from tests.faults.harness import HarnessError, _free_port, _stop, _wait_http, signal_slot
 from tests.faults.network import PartitionsUnsupported, _ip, namespaces_unavailable
 from tests.faults.replication_checker import FAIL, INFO, OK, Emit, ReplicationHistory
 
@@ -390,16 +390,7 @@ class ReplicationNetwork:
             await self._host_ready(slot)
 
     def signal(self, slot: Slot, sig: signal.Signals) -> None:
-        if not slot.running():
-            return
-        assert slot.proc is not None
-        os.kill(slot.proc.pid, sig)
-        if sig == signal.SIGSTOP:
-            slot.paused = True
-        elif sig == signal.SIGCONT:
-            slot.paused = False
-        elif sig == signal.SIGKILL:
-            slot.proc.wait()
+        signal_slot(slot, sig, hold=False)
 
     async def ensure_running(self) -> list[str]:
         """Resume paused processes, start any that exited; the ones started."""
