@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.client import BrokerUnavailable, JournalsClient, credentials
+from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.appender import AppendError, append
 from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
 from broker.testing.security import Security
+from plumbing import credentials
 
 PREFIX = "/bench"
 

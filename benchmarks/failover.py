@@ -38,12 +38,12 @@ from benchmarks._cluster import (
     stop_brokers,
     wait_ready,
 )
-from broker import etcd as etcdx
 from broker.client.dialer import Dialer
 from broker.client.routes import Router, append_routed, is_transient
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
+from plumbing import etcd as etcdx
 
 JOURNAL = "bench/failover"
 BROKERS = 4  # One more than the replication: the allocator has somewhere to put a new replica.

@@ -27,13 +27,13 @@ from benchmarks._cluster import (
     stop_brokers,
     wait_ready,
 )
-from broker import etcd as etcdx
 from broker.client.appender import AppendError, append
 from broker.client.dialer import Dialer
 from broker.client.reader import read
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
+from plumbing import etcd as etcdx
 
 JOURNAL = "bench/tails"
 BROKERS = 3

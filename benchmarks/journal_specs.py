@@ -19,10 +19,10 @@ from typing import Any
 
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
+from plumbing import etcd as etcdx
 
 JOURNALS = 2000
 BATCH = 100

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker import logs, metrics
 from broker.append_fsm import (
     AppendFSM,
     BrokerExiting,
@@ -26,12 +25,13 @@ from broker.append_fsm import (
     OffsetOverflow,
     State,
 )
-from broker.auth import Claims
 from broker.client.journals import PLACEMENT
 from broker.client.routes import CORE_SEND_FAILURE, NOT_APPENDED
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
+from plumbing import logs, metrics
+from plumbing.auth import Claims
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext

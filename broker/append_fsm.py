@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 from aetcd import transactions
 
-from broker import etcd as etcdx
-from broker import metrics
 from broker.allocator import keyspace as aks
 from broker.allocator.keyspace import route_equivalent
-from broker.auth import Claims
 from broker.fragment import fragments as frag
 from broker.pipeline import Pipeline
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import Resolution, ResolveError, desired_replication
-from broker.tasks import take_unless, wait_any
+from plumbing import etcd as etcdx
+from plumbing import metrics
+from plumbing.auth import Claims
+from plumbing.tasks import take_unless, wait_any
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext

@@ -14,7 +14,7 @@ from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import Resolver
-from broker.tasks import TaskOwner
+from plumbing.tasks import TaskOwner
 
 
 @dataclass

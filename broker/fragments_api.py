@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import duration_pb2
 
-from broker.auth import Claims
 from broker.fragment.content import describe
 from broker.fragment.stores import StoreError, check_store_url
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import ResolveError
+from plumbing.auth import Claims
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext

@@ -15,8 +15,8 @@ from typing import Any, NoReturn
 import grpc
 from aetcd import rpc
 
-from broker import metrics
-from broker.retry import Backoff
+from plumbing import metrics
+from plumbing.backoff import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import click
 
-from broker import auth
-from broker import config as cfg
-from broker.etcd import etcd_tls
 from broker.server import PEER_TLS_FLAGS, AnnounceError, Broker, BrokerConfig
-from broker.tls import ClientTLS, ServerTLS, TLSConfigError
+from plumbing import auth
+from plumbing import config as cfg
+from plumbing.etcd import etcd_tls
+from plumbing.tasks import first_of
+from plumbing.tls import ClientTLS, ServerTLS, TLSConfigError
 
 INI_NAME = "gazette.ini"
 
@@ -189,9 +190,9 @@ def serve(**opts: Any) -> None:
 
 def _check(config: BrokerConfig) -> None:
     """Reject a configuration the broker could not run with, naming the flag."""
-    from broker.etcd import parse_etcd_address
     from broker.protocol import protocol_pb2 as pb
     from broker.protocol import validate
+    from plumbing.etcd import parse_etcd_address
 
     spec = pb.BrokerSpec(
         process_spec=pb.ProcessSpec(
@@ -247,11 +248,7 @@ async def _serve(config: BrokerConfig) -> int:
     except Exception as exc:
         click.echo(f"gazette: cannot start: {exc.__class__.__name__}: {exc}", err=True)
         return 1
-    stop_wait = asyncio.ensure_future(stop.wait())
-    done_wait = asyncio.ensure_future(broker.done.wait())
-    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
-    stop_wait.cancel()
-    done_wait.cancel()
+    await first_of(stop.wait(), broker.done.wait())
     failure = broker.failure
     await broker.stop()
     if failure is not None:

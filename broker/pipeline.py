@@ -21,7 +21,7 @@ from broker.client.dialer import Dialer
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import wire
-from broker.tasks import TaskOwner
+from plumbing.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 

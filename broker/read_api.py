@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker import metrics
 from broker.append_api import peer_error, relayed_code
-from broker.auth import Claims
 from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate, wire
 from broker.resolver import ResolveError
-from broker.tasks import wait_any
+from plumbing import metrics
+from plumbing.auth import Claims
+from plumbing.tasks import wait_any
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext

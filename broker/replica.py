@@ -19,8 +19,8 @@ from broker.fragment.spool import CompletedFragment, Spool
 from broker.keyspace import KeyValue
 from broker.pipeline import describe
 from broker.protocol import protocol_pb2 as pb
-from broker.retry import Backoff
-from broker.tasks import TaskOwner, take_unless, wait_any
+from plumbing.backoff import Backoff
+from plumbing.tasks import TaskOwner, take_unless, wait_any
 
 if TYPE_CHECKING:
     from broker.fragment.persister import Persister

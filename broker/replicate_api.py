@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker import logs
 from broker.allocator.keyspace import route_equivalent
-from broker.auth import Claims
 from broker.fragment.spool import Spool, SpoolError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
-from broker.tasks import take_unless
+from plumbing import logs
+from plumbing.auth import Claims
+from plumbing.tasks import take_unless
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from broker import logs
 from broker.allocator import keyspace as aks
-from broker.auth import Claims
 from broker.keyspace import KeySpace, KeyValue, Update
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
-from broker.tasks import TaskOwner
+from plumbing import logs
+from plumbing.auth import Claims
+from plumbing.tasks import TaskOwner
 
 if TYPE_CHECKING:
     from broker.allocator.state import State

@@ -21,22 +21,23 @@ import grpc
 from aetcd import exceptions as etcd_errors
 from aetcd import transactions
 
-from broker import auth, metrics
-from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate, broker_rules
 from broker.allocator import keyspace as aks
-from broker.client.credentials import Credentials
 from broker.client.dialer import Dialer
 from broker.fragment import spool
 from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
-from broker.http import Gateway, HTTPConfig, HTTPServers
+from broker.gateway import Gateway
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
-from broker.retry import Backoff
 from broker.service import JournalService, add_journal_service
-from broker.tasks import TaskOwner
-from broker.tls import ClientTLS, ServerTLS
+from plumbing import auth, metrics
+from plumbing import etcd as etcdx
+from plumbing.backoff import Backoff
+from plumbing.credentials import Credentials
+from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.tasks import TaskOwner
+from plumbing.tls import ClientTLS, ServerTLS
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class BrokerConfig:
     # `--broker.auth-keys`: verifies clients' tokens, and the first key signs this broker's
     # own (to proxy and to replicate). Empty: no authorization.
     auth_keys: str = ""
-    # The HTTP port (metrics, the gateway) and the diagnostics port: see broker.http.
+    # The HTTP port (metrics, the gateway: broker.gateway) and the diagnostics port: see
+    # plumbing.debug_http.
     http: HTTPConfig = field(default_factory=HTTPConfig)
 
     def bind_host(self) -> str:
@@ -247,7 +249,7 @@ class Broker:
             name=f"broker {self.config.zone}/{self.config.id}",
             host=self.config.bind_host(),
             tls=self.config.server_tls,
-            gateway=Gateway(channel, self.service.verifier if self.service else None),
+            routes=Gateway(channel, self.service.verifier if self.service else None),
         )
         await self.http.start()
 

@@ -17,8 +17,6 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker import auth, logs, metrics
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import AppendFSM, BrokerExiting, Chunk
@@ -36,8 +34,10 @@ from broker.read_api import serve_read
 from broker.replica import PULSE_INTERVAL, Replica
 from broker.replicate_api import serve_replicate
 from broker.resolver import Resolver
-from broker.retry import Backoff
-from broker.tasks import wait_any
+from plumbing import auth, logs, metrics
+from plumbing import etcd as etcdx
+from plumbing.backoff import Backoff
+from plumbing.tasks import wait_any
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import grpc
 
-from broker.client.credentials import Credentials
-from broker.client.credentials import default as default_credentials
 from broker.client.journals import ApplyConflict, ApplyTooLarge, BrokerUnavailable
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb
+from plumbing.credentials import Credentials
+from plumbing.credentials import default as default_credentials
 
 __all__ = ["ConsumerUnavailable", "PrimaryUnreachable", "ShardsClient"]
 

@@ -16,16 +16,16 @@ from typing import Any, TypeVar
 import click
 import grpc
 
-from broker import auth
-from broker import config as cfg
-from broker.client import credentials
 from broker.client.journals import ApplyConflict, BrokerUnavailable
-from broker.etcd import etcd_tls, parse_etcd_address
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
-from broker.tls import ClientTLS, ServerTLS, TLSConfigError, dial_target
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_spec
 from consumer.runtime import CONSUMER_PEER_TLS_FLAGS, Consumer, ConsumerApplication, ConsumerConfig
+from plumbing import auth, credentials
+from plumbing import config as cfg
+from plumbing.etcd import etcd_tls, parse_etcd_address
+from plumbing.tasks import first_of
+from plumbing.tls import ClientTLS, ServerTLS, TLSConfigError, dial_target
 from spec.durations import DurationError, parse_go_duration
 
 __all__ = ["run_command", "serve_command", "serve_config"]
@@ -165,11 +165,7 @@ async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) ->
     except Exception as exc:
         click.echo(f"{name}: cannot start: {one_line(exc)}", err=True)
         return 1
-    stop_wait = asyncio.ensure_future(stop.wait())
-    done_wait = asyncio.ensure_future(consumer.done.wait())
-    await asyncio.wait([stop_wait, done_wait], return_when=asyncio.FIRST_COMPLETED)
-    stop_wait.cancel()
-    done_wait.cancel()
+    await first_of(stop.wait(), consumer.done.wait())
     failure = consumer.failure
     await consumer.stop()
     if failure is not None:

@@ -26,18 +26,18 @@ from pathlib import Path
 import aetcd
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.client.append_service import AppendService
 from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.tasks import in_thread
 from consumer.protocol import cpb, hint_backup_keys, hint_primary_key, recovery_log
 from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.hints import encode_hints, pick_first_hints
 from consumer.recoverylog.player import Player
 from consumer.recoverylog.recorder import Recorder
 from consumer.shard_api import ShardState, get_hints
+from plumbing import etcd as etcdx
+from plumbing.tasks import first_of, in_thread
 
 __all__ = ["HINTS_INTERVAL", "Playback", "rotate_hints", "store_hints"]
 
@@ -81,11 +81,7 @@ class Playback:
     async def wait_tailing(self) -> None:
         """Until the player reached the write head (or failed: its error is raised)."""
         assert self.task is not None
-        waiting = asyncio.ensure_future(self.player.tailing.wait())
-        try:
-            await asyncio.wait({waiting, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
+        await first_of(self.player.tailing.wait(), self.task)
         if self.task.done() and not self.player.tailing.is_set():
             self.task.result()
 

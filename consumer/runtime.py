@@ -34,16 +34,12 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker import auth, logs, metrics
-from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, allocate
 from broker.allocator import keyspace as aks
 from broker.client.append_service import AppendService
-from broker.client.credentials import Credentials
 from broker.client.dialer import Dialer
 from broker.client.journals import JournalsClient
 from broker.client.routes import Router
-from broker.http import HTTPConfig, HTTPServers
 from broker.keyspace import KeySpace, KeyValue
 from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
 from broker.message.publisher import Publisher
@@ -51,9 +47,6 @@ from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
-from broker.retry import Backoff
-from broker.tasks import TaskOwner, in_thread
-from broker.tls import ClientTLS, ServerTLS
 from consumer.client import PrimaryUnreachable
 from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, truncate_error
@@ -70,6 +63,13 @@ from consumer.shard_api import (
 )
 from consumer.store import Store
 from consumer.transaction import Application, Progress, Shard, Source, run_shard
+from plumbing import auth, logs, metrics
+from plumbing import etcd as etcdx
+from plumbing.backoff import Backoff
+from plumbing.credentials import Credentials
+from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.tasks import TaskOwner, first_of, in_thread
+from plumbing.tls import ClientTLS, ServerTLS
 
 __all__ = ["Consumer", "ConsumerApplication", "ConsumerConfig", "LeaseLost", "Resolution"]
 
@@ -133,7 +133,7 @@ class ConsumerConfig:
     # TLS of the Shard service (`--consumer.server-*`), etcd's (`--etcd.*`), the keys that
     # verify (and sign) Shard calls (`--consumer.auth-keys`), and how brokers are dialled
     # (`--broker.cert-file` ..., `--broker.auth-keys` or `--broker.auth-token`; None: the
-    # process's defaults, see broker.client.credentials).
+    # process's defaults, see plumbing.credentials).
     server_tls: ServerTLS = field(default_factory=lambda: ServerTLS(prefix="--consumer.server"))
     peer_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=CONSUMER_PEER_TLS_FLAGS))
     etcd_tls: ClientTLS = field(default_factory=lambda: ClientTLS(flags=etcdx.ETCD_TLS_FLAGS))
@@ -777,13 +777,7 @@ class Consumer:
                 ) from None
             return answer
         assert replica.task is not None
-        waiting = asyncio.ensure_future(replica.progress.wait_for(dict(request.read_through)))
-        try:
-            await asyncio.wait({waiting, replica.task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiting
+        await first_of(replica.progress.wait_for(dict(request.read_through)), replica.task)
         if replica.task.done():
             response.status = cpb.SHARD_STOPPED
             return response

@@ -19,8 +19,6 @@ from typing import Any
 import aetcd
 from aetcd import transactions
 
-from broker import auth
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels
@@ -41,6 +39,8 @@ from consumer.protocol import (
     validate_shard_spec,
 )
 from consumer.recoverylog.hints import decode_hints, encode_hints, validate_hints
+from plumbing import auth
+from plumbing import etcd as etcdx
 
 __all__ = [
     "HintsError",

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from broker import metrics
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError, read_retrying
@@ -45,6 +43,8 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from consumer.checkpoint import build_checkpoint, producer_states_of, read_through_of
 from consumer.protocol import cpb
 from consumer.store import Store
+from plumbing import metrics
+from plumbing.tasks import first_of
 
 __all__ = [
     "Application",
@@ -421,27 +421,16 @@ async def _transaction(
         if not blocks():
             break  # Input stalled (or reading is over): commit.
         # Wait for input, the next deadline, or the previous transaction's commit.
-        waiters: list[asyncio.Future[Any]] = []
-        getter: asyncio.Task[Any] | None = None
-        if txn.reading and not pending:
-            getter = asyncio.ensure_future(queue.get())
-            waiters.append(getter)
+        getting = txn.reading and not pending
+        waits: list[Awaitable[Any]] = [queue.get()] if getting else []
         if not previous.done():
-            waiters.append(previous)
+            waits.append(previous)
         until = deadline()
         timeout = None if until is None else max(0.0, until - now())
-        try:
-            if waiters:
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            elif timeout is not None:
-                await asyncio.sleep(timeout)
-        finally:
-            if getter is not None and not getter.done():
-                getter.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await getter
-        if getter is not None and getter.done() and not getter.cancelled():
-            source_input.take(getter.result())
+        if waits or timeout is not None:
+            done = await first_of(*waits, timeout=timeout)
+            if getting and done[0].done() and not done[0].cancelled():
+                source_input.take(done[0].result())
 
     if txn.consumed == 0:
         return previous

@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import click
 import grpc
 
-from broker import config as cfg
 from broker.client import ApplyConflict, BrokerUnavailable
 from broker.client.journals import BrokerAddressError
 from broker.protocol.labels import SelectorError
 from broker.protocol.validate import ValidationError
+from plumbing import config as cfg
 from spec import SpecError
 
 INI_NAME = "gazctl.ini"

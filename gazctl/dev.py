@@ -38,7 +38,8 @@ from rich.table import Table
 from broker.allocator import keyspace as aks
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.journals import ListSnapshot
-from broker.local_etcd import (
+from gazctl.render import console, err_console
+from plumbing.local_etcd import (
     EtcdNotFound,
     etcd_command,
     etcd_environment,
@@ -46,8 +47,7 @@ from broker.local_etcd import (
     free_port,
     wait_etcd_healthy,
 )
-from broker.tls import DevPKI, make_dev_pki, write_private
-from gazctl.render import console, err_console
+from plumbing.tls import DevPKI, make_dev_pki, write_private
 
 T = TypeVar("T")
 
@@ -132,7 +132,7 @@ class DevSecurity:
 
     def apply(self) -> None:
         """Make this process, and every process it starts, a client of the cluster."""
-        from broker.client import credentials
+        from plumbing import credentials
 
         os.environ.update(self.environment())
         credentials.reset_defaults()
@@ -346,13 +346,13 @@ def print_exports(state: ClusterState) -> None:
     security = DevSecurity.make(Path(state.dir), state.tls, state.auth)
     for name, value in security.environment().items():
         click.echo(f"export {name}={value}")
-    # Every broker: a client reaches whichever is alive (broker.tls.dial_target).
+    # Every broker: a client reaches whichever is alive (plumbing.tls.dial_target).
     click.echo(f"export BROKER_ADDRESS={brokers_address(state)}")
     click.echo(f"export BROKER_FILE_ROOT={Path(state.dir) / 'fragments'}")
     if state.postgres is not None:
         click.echo(f"export POSTGRES_DSN={state.postgres.address}")
     if state.consumers:
-        # Every consumer: a client reaches whichever is alive (broker.tls.dial_target).
+        # Every consumer: a client reaches whichever is alive (plumbing.tls.dial_target).
         addresses = ",".join(c.address for c in state.consumers)
         click.echo(f"export CONSUMER_ADDRESS={addresses}")
 
@@ -510,7 +510,7 @@ async def revoke_stale_members(etcd_endpoint: str) -> None:
     """Brokers and consumers of an earlier run of this folder are all stopped, but etcd
     restored their leases with its data: revoke them, so new processes need not wait for them
     to expire."""
-    from broker import etcd as etcdx
+    from plumbing import etcd as etcdx
 
     client = etcdx.connect(etcd_endpoint)
     try:
@@ -1161,7 +1161,7 @@ def wait_started(
 async def revoke_leases(etcd_endpoint: str, keys: Sequence[str]) -> None:
     """Revoke the lease holding each of `keys` (each a member key of a process that is down),
     so that the process started in its place announces itself at once."""
-    from broker import etcd as etcdx
+    from plumbing import etcd as etcdx
 
     client = etcdx.connect(etcd_endpoint)
     try:

@@ -17,11 +17,11 @@ import click
 import grpc
 from google.protobuf import json_format
 
-from broker import config as cfg
 from broker.client import ApplyConflict, ApplyTooLarge, JournalsClient, ListSnapshot
 from broker.protocol import labels, validate
 from broker.protocol import protocol_pb2 as pb
 from gazctl import render
+from plumbing import config as cfg
 from spec import journals as jspec
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -17,11 +17,11 @@ import aetcd
 import click
 from rich.table import Table
 
-from broker import config as cfg
-from broker import etcd as etcdx
 from broker.protocol import protocol_pb2 as pb
 from gazctl import render
 from gazctl.journals import file_root_option
+from plumbing import config as cfg
+from plumbing import etcd as etcdx
 from replication import location_pb2 as lpb
 from replication import registry
 from replication.rpc import Document, LocationClient, LocationError, status_document

@@ -13,7 +13,6 @@ import click
 from google.protobuf import json_format
 from rich.table import Table
 
-from broker import config as cfg
 from broker.client import ApplyConflict, ApplyTooLarge, JournalsClient
 from broker.client.reader import write_head
 from broker.message.framing import framing_for
@@ -31,6 +30,7 @@ from gazctl.journals import (
     read_specs,
     too_large_error,
 )
+from plumbing import config as cfg
 from spec import SpecError
 from spec import shards as sspec
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import click
 
-from broker import auth
-from broker import config as cfg
-from broker.tls import ServerTLS, TLSConfigError
 from consumer.main import consumer_options, one_line
+from plumbing import auth
+from plumbing import config as cfg
+from plumbing.tls import ServerTLS, TLSConfigError
 from replication import registry
 from replication.server import LocationConfig, LocationServer, StartError
 from spec.durations import DurationError, parse_go_duration

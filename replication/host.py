@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 import aetcd
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
-from broker.tls import ServerTLS
 from consumer.protocol import cpb
+from plumbing import etcd as etcdx
+from plumbing.tasks import first_of
+from plumbing.tls import ServerTLS
 from replication import registry
 from replication.journal_log import JournalEventLog
 from replication.journals import journal_created
@@ -131,9 +132,7 @@ class LocationHost:
         stop, up = asyncio.Event(), asyncio.Event()
         async with asyncio.TaskGroup() as tasks:
             running = tasks.create_task(server.run(stop, up), name=f"location {name}")
-            waiting = tasks.create_task(up.wait())
-            await asyncio.wait([running, waiting], return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
+            await first_of(running, up.wait())
             if not up.is_set():
                 return  # It failed to start: the task group raises its error.
             self.servers[name] = server

@@ -45,14 +45,15 @@ import grpc
 from aetcd import transactions
 from google.protobuf.message import DecodeError
 
-from broker import auth
-from broker import etcd as etcdx
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
-from broker.tls import ServerTLS
+from plumbing import auth
+from plumbing import etcd as etcdx
+from plumbing.tasks import first_of
+from plumbing.tls import ServerTLS
 from replication import location_pb2 as lpb
 from replication import registry
 from replication.filters import parse_filter
@@ -286,13 +287,12 @@ class LocationServer:
                 ]
                 if ready is not None:
                     ready.set()
-                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._failed.wait())]  # fmt: skip
                 try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    await first_of(stop.wait(), self._failed.wait())
                     if self.failure:
                         log.warning("%s: stopping", self.failure)
                 finally:
-                    for task in [*waits, *background]:
+                    for task in background:
                         task.cancel()
             # Revoking the lease deletes the endpoint only if it is still ours (a process that
             # took the location over put its own).
@@ -535,13 +535,7 @@ class LocationServer:
                         self.connections[source] = state
                         task = group.create_task(self._replicate(state), name=f"{source}->{self.name}")  # fmt: skip
                         running[source] = (filter_text, task)
-                changed = asyncio.ensure_future(self._topology_changed.wait())
-                grown = asyncio.ensure_future(self.log.grown())
-                try:
-                    await asyncio.wait([changed, grown], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    changed.cancel()
-                    grown.cancel()
+                await first_of(self._topology_changed.wait(), self.log.grown())
 
     def _terminal(self) -> bool:
         """Connected to exactly one other location (in either direction)."""

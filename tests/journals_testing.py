@@ -10,10 +10,10 @@ from typing import Any
 import aetcd
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness
+from plumbing import etcd as etcdx
 
 
 def journal_spec(name: str, replication: int = 3, length: int = 1 << 20) -> pb.JournalSpec:

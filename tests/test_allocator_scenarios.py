@@ -13,12 +13,12 @@ import aetcd
 import pytest
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.allocator import MemberKeyMissing, Round, State, allocate, broker_rules, solve
 from broker.allocator import keyspace as aks
 from broker.allocator.allocate import _converge
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import protocol_pb2 as pb
+from plumbing import etcd as etcdx
 
 WAIT = 15.0
 

@@ -14,12 +14,12 @@ import grpc
 import pytest
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.append_fsm import AppendFSM, Chunk, State
 from broker.protocol import protocol_pb2 as pb
 from broker.service import JournalService
 from broker.testing import BrokerHarness, EtcdServer
+from plumbing import etcd as etcdx
 from tests.journals_testing import journal_spec, set_journal, started_brokers
 
 PRIMARY = "broker-a"

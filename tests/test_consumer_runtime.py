@@ -327,8 +327,8 @@ async def test_a_brief_etcd_error_writing_a_status_is_retried(
     assignment shows it starting."""
     import aetcd.exceptions
 
-    from broker import etcd as etcdx
     from consumer import runtime
+    from plumbing import etcd as etcdx
 
     real_txn = etcdx.txn
     failures = {"left": 1}

@@ -15,10 +15,10 @@ from pathlib import Path
 import click
 import pytest
 
-from broker import config as cfg
 from broker.main import cli as gazette_cli
 from consumer.examples.word_count import cli as word_count_cli
 from gazctl.cli import cli as gazctl_cli
+from plumbing import config as cfg
 
 gazctl_cli.load_all()  # Its sub-commands load lazily.
 

@@ -47,7 +47,7 @@ TEST_KITS = ("broker/testing", "consumer/testing", "gazctl/spark/testing.py")
 def test_production_code_never_imports_the_test_harness() -> None:
     files = [
         p
-        for p in python_files("broker", "consumer", "spec", "gazctl")
+        for p in python_files("broker", "plumbing", "consumer", "spec", "gazctl")
         if not any(kit in p.as_posix() for kit in TEST_KITS)
     ]
     assert files and offenders(files, ("broker.testing", "consumer.testing", "tests")) == []
@@ -93,25 +93,15 @@ def test_the_client_library_imports_nothing_of_the_broker_server() -> None:
     assert offenders(python_files("broker/client", "broker/message"), forbidden) == []
 
 
-# What consumers may use of `broker`: its client library, protocol, keyspace mirror, allocator,
-# messages, the small shared helpers (retries, task ownership, etcd connection settings,
-# command-line options bound to environment variables), and what every process serves or
-# verifies alike (TLS, authorization, metrics, logs, the HTTP port).
+# What consumers may use of `broker`: its client library, protocol, keyspace mirror, allocator
+# and messages. What every process shares (flags, the etcd connection, backoff, task ownership,
+# metrics, logs, TLS, tokens, the HTTP port) is plumbing's, open to all.
 CONSUMER_MAY_USE = (
     "broker.client",
     "broker.protocol",
     "broker.keyspace",
     "broker.allocator",
     "broker.message",
-    "broker.retry",
-    "broker.tasks",
-    "broker.etcd",
-    "broker.config",
-    "broker.tls",
-    "broker.auth",
-    "broker.metrics",
-    "broker.logs",
-    "broker.http",
 )
 
 
@@ -121,12 +111,53 @@ def test_consumers_build_on_the_public_parts_of_the_broker(package: str) -> None
     found = []
     for path in python_files(package):
         for module in sorted(imports_of(path)):
-            # (`from broker import etcd` records both `broker` and `broker.etcd`: the latter
-            # is the one to judge.)
+            # (`from broker import client` records both `broker` and `broker.client`: the
+            # latter is the one to judge.)
             allowed = CONSUMER_MAY_USE
             if "consumer/testing" in path.as_posix():
                 allowed += ("broker.testing",)  # The consumers' test kit builds on the brokers'.
             if module.startswith("broker.") and not module.startswith(allowed):
                 found.append(f"{path.relative_to(ROOT)} imports {module}")
     assert python_files(package), f"no {package} package"
+    assert found == []
+
+
+def test_plumbing_is_beneath_every_process() -> None:
+    """The package every process shares knows none of them: of the broker it uses only the
+    protocol (tokens carry label selectors)."""
+    found = [
+        line
+        for line in offenders(
+            python_files("plumbing"), ("broker", "consumer", "replication", "gazctl", "tests")
+        )
+        if not line.split(" imports ")[1].startswith("broker.protocol")
+    ]
+    assert python_files("plumbing") and found == []
+
+
+# The broker's root holds the broker alone: what brokers, consumers and locations all use lives
+# in plumbing.
+SHARED_MODULES = (
+    "config", "etcd", "local_etcd", "backoff", "retry", "tasks", "metrics", "logs", "tls",
+    "auth", "processes", "http", "debug_http",
+)  # fmt: skip
+
+
+def test_the_brokers_root_holds_the_broker_alone() -> None:
+    assert sorted(n for n in SHARED_MODULES if (ROOT / "broker" / f"{n}.py").exists()) == []
+    assert all(
+        (ROOT / "plumbing" / f"{n}.py").exists()
+        for n in SHARED_MODULES
+        if n not in ("retry", "http")
+    )
+
+
+def test_one_helper_waits_for_the_first_of_several_awaitables() -> None:
+    """ "The first of these" is plumbing.tasks.first_of (or wait_any, on events): the bare
+    asyncio pattern, whose helper tasks each caller had to cancel and await, lives only there."""
+    found = [
+        str(path.relative_to(ROOT))
+        for path in python_files("broker", "plumbing", "consumer", "replication", "gazctl")
+        if "FIRST_COMPLETED" in path.read_text() and path != ROOT / "plumbing" / "tasks.py"
+    ]
     assert found == []

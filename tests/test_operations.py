@@ -18,9 +18,9 @@ import jwt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import auth
-from broker.http import HTTPConfig, HTTPServers
 from broker.testing import EtcdServer, free_port, stop_processes
+from plumbing import auth
+from plumbing.debug_http import HTTPConfig, HTTPServers
 from tests.conftest import BrokerProcess, run_cli, start_broker_process
 
 KEY = b"the operations tests' key, long enough for HS256"

@@ -51,7 +51,16 @@ def test_the_sdist_holds_every_package_and_what_the_suite_needs(built: tuple[Pat
     sdist, _ = built
     with tarfile.open(sdist) as archive:
         top = {Path(name).parts[1] for name in archive.getnames() if len(Path(name).parts) > 1}
-    for part in ("broker", "consumer", "gazctl", "replication", "spec", "tests", "docs"):
+    for part in (
+        "broker",
+        "plumbing",
+        "consumer",
+        "gazctl",
+        "replication",
+        "spec",
+        "tests",
+        "docs",
+    ):
         assert part in top, f"the sdist lacks {part}/"
     assert {"CHANGELOG.md", "README.md", "noxfile.py", "pyproject.toml"} <= top
 

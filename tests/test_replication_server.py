@@ -251,7 +251,7 @@ def test_the_location_service_checks_the_token_before_the_request_and_bounds_rea
     upper bound (MAX_READ_EVENTS): a caller cannot make one reply hold the whole log."""
     import base64
 
-    from broker import auth
+    from plumbing import auth
     from replication.rpc import SERVICE
     from replication.server import MAX_READ_EVENTS
 
@@ -295,8 +295,8 @@ def test_the_location_service_authorizes_by_its_log_journals_labels(
     see), matching the journal's labels and meta-labels as the brokers do, not its name only."""
     import base64
 
-    from broker import auth
     from broker.protocol import protocol_pb2 as pb
+    from plumbing import auth
     from replication.rpc import SERVICE
 
     key = b"a key for the location service's tokens, 32+"

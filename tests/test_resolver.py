@@ -12,13 +12,13 @@ import aetcd
 import pytest
 from aetcd import transactions
 
-from broker import etcd as etcdx
 from broker.allocator import keyspace as aks
 from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.resolver import ResolveError, Resolver
-from broker.tasks import TaskOwner
+from plumbing import etcd as etcdx
+from plumbing.tasks import TaskOwner
 from tests.journals_testing import journal_spec
 
 LOCAL = pb.ProcessSpec.ID(zone="local", suffix="me")

@@ -23,11 +23,11 @@ import jwt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker import auth
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process, stop_processes
-from broker.tls import DevPKI, make_dev_pki
+from plumbing import auth
+from plumbing.tls import DevPKI, make_dev_pki
 from tests.conftest import BrokerProcess, run_cli, start_broker_process
 
 KEY1 = b"first key of the security tests, 32+ bytes"

@@ -1,15 +1,16 @@
-"""The task owner, the one wait with a timeout, the taking of an owned item from a queue, work
+"""The task owner, the one wait for the first of several awaitables (and on events), the taking of an owned item from a queue, work
 on a worker thread waited out through cancellation, and the one retry backoff."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
 
-from broker.retry import Backoff
-from broker.tasks import TaskOwner, in_thread, take_unless, wait_any
+from plumbing.backoff import Backoff
+from plumbing.tasks import TaskOwner, first_of, in_thread, take_unless, wait_any
 
 
 async def test_close_cancels_and_awaits_every_task_and_refuses_new_ones() -> None:
@@ -64,6 +65,79 @@ async def test_wait_any_returns_on_an_event_or_the_timeout() -> None:
     asyncio.get_running_loop().call_later(0.01, b.set)
     assert await wait_any(a, b, timeout=5)
     assert await wait_any(b)  # Already set: at once.
+
+
+async def test_first_of_returns_at_the_first_done_and_cancels_only_what_it_started() -> None:
+    cleaned: list[str] = []
+
+    async def slow(name: str) -> str:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.01)  # Clean-up that awaits: first_of waits for it.
+            cleaned.append(name)
+        return name
+
+    async def quick() -> int:
+        await asyncio.sleep(0.01)
+        return 7
+
+    theirs = asyncio.ensure_future(asyncio.sleep(60))  # The caller's: never cancelled by it.
+    try:
+        done = await first_of(slow("a"), quick(), theirs)
+        assert [f.done() for f in done] == [True, True, False]
+        assert done[0].cancelled() and done[1].result() == 7 and done[2] is theirs
+        assert cleaned == ["a"]  # Cancelled and awaited before first_of returned.
+        assert not theirs.cancelled()
+    finally:
+        theirs.cancel()
+
+
+async def test_first_of_ends_at_its_timeout_and_a_given_future_already_done_returns_at_once() -> (
+    None
+):
+    done = await first_of(asyncio.sleep(60), timeout=0.01)
+    assert done[0].cancelled()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    ready.set_result("now")
+    waited = await first_of(asyncio.sleep(60), ready)
+    assert waited[0].cancelled() and waited[1].result() == "now"
+    assert await first_of(timeout=0) == []  # Nothing to wait on: it sleeps out its timeout.
+    with pytest.raises(ValueError):
+        await first_of()
+
+
+async def test_first_of_cancelled_cancels_and_awaits_what_it_started() -> None:
+    started, cleaned = asyncio.Event(), asyncio.Event()
+
+    async def waits() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.sleep(0.01)
+            cleaned.set()
+
+    caller = asyncio.ensure_future(first_of(waits(), asyncio.Event().wait()))
+    await started.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert cleaned.is_set()  # Its clean-up ran before the caller saw the cancellation.
+
+
+async def test_first_of_hands_a_failure_to_the_caller_and_leaves_none_unretrieved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def fails() -> None:
+        raise RuntimeError("broken")
+
+    done = await first_of(fails(), asyncio.sleep(60))
+    assert isinstance(done[0].exception(), RuntimeError)
+    await first_of(fails(), asyncio.sleep(60))  # A failure nobody looks at: not logged.
+    del done
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 async def test_take_unless_never_loses_an_item_to_cancellation() -> None:

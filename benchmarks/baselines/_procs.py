@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from broker.processes import stop_process
+from plumbing.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT_LINE = b"PORT "

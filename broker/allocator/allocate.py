@@ -18,8 +18,6 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker import etcd as etcdx
-from broker import metrics
 from broker.allocator import keyspace as aks
 from broker.allocator.converge import MAX_TXN_OPS, Put, Txn, plan
 from broker.allocator.keyspace import Assignment, Member
@@ -27,6 +25,8 @@ from broker.allocator.rules import Rules, broker_rules
 from broker.allocator.solver import solve
 from broker.allocator.state import State
 from broker.keyspace import KeySpace
+from plumbing import etcd as etcdx
+from plumbing import metrics
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from broker.client.appender import AppendError, append
 from broker.client.routes import RETRYABLE, Router, is_transient
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.retry import Backoff
-from broker.tasks import wait_out
+from plumbing.backoff import Backoff
+from plumbing.tasks import wait_out
 
 log = logging.getLogger(__name__)
 

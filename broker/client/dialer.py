@@ -14,11 +14,11 @@ from typing import Any, NoReturn
 
 import grpc
 
-from broker.client.credentials import Credentials
-from broker.client.credentials import default as default_credentials
 from broker.client.journals import BrokerAddressError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing.credentials import Credentials
+from plumbing.credentials import default as default_credentials
 
 REPLICATE_METHOD = "/protocol.Journal/Replicate"
 

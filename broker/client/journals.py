@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 
-from broker.client.credentials import Credentials
-from broker.client.credentials import default as default_credentials
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.tls import AddressError, split_address
+from plumbing.credentials import Credentials
+from plumbing.credentials import default as default_credentials
+from plumbing.tls import AddressError, split_address
 
 
 class BrokerUnavailable(ConnectionError):
@@ -64,7 +64,7 @@ async def _trailer(call: Any, key: str) -> str:
 
 def dial(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
     """A channel to a broker: TLS for `https://`, with the credentials given or the process's
-    defaults (see broker.client.credentials)."""
+    defaults (see plumbing.credentials)."""
     creds = credentials or default_credentials("broker")
     return creds.open_channel(address, [("grpc.max_receive_message_length", 64 * 1024 * 1024)])
 

@@ -18,7 +18,7 @@ from broker.fragment.fragments import digest_of
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.retry import Backoff
+from plumbing.backoff import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from broker.client.dialer import Dialer
 from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.retry import Backoff
+from plumbing.backoff import Backoff
 
 # Statuses after which the same append can succeed a moment later, possibly elsewhere.
 RETRYABLE = frozenset(

@@ -20,7 +20,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
-from broker import metrics
 from broker.fragment import codecs
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import content_name, content_path
@@ -29,8 +28,9 @@ from broker.fragment.postfix import PostfixTemplate, compile_template, validate_
 from broker.fragment.spool import CompletedFragment
 from broker.fragment.stores import FragmentStore, check_store_url, open_store
 from broker.protocol import protocol_pb2 as pb
-from broker.retry import Backoff
-from broker.tasks import TaskOwner, wait_any
+from plumbing import metrics
+from plumbing.backoff import Backoff
+from plumbing.tasks import TaskOwner, first_of, wait_any
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +285,9 @@ class Persister:
                     spec = replica.spec or spec
                     call = loop.run_in_executor(_LISTERS, self.list_blocking, replica.journal, spec)
                     calls[call] = now
-                done, _ = await asyncio.wait(
-                    calls, timeout=FIRST_LISTING_PATIENCE, return_when=asyncio.FIRST_COMPLETED
-                )
+                await first_of(*calls, timeout=FIRST_LISTING_PATIENCE)
                 error: BaseException | None = None
-                for call in done:
+                for call in [call for call in calls if call.done()]:
                     del calls[call]
                     if call.exception() is None:
                         return call.result()

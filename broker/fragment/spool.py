@@ -18,10 +18,10 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
-from broker import metrics
 from broker.fragment import codecs
 from broker.fragment.fragments import ZERO_DIGEST, digest_of, sum_from_digest
 from broker.protocol import protocol_pb2 as pb
+from plumbing import metrics
 
 if TYPE_CHECKING:
     from hashlib import _Hash

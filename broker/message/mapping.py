@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from broker.client.journals import JournalsClient
 from broker.protocol import protocol_pb2 as pb
-from broker.retry import Backoff
+from plumbing.backoff import Backoff
 
 M = TypeVar("M")
 log = logging.getLogger(__name__)

@@ -4,10 +4,10 @@ processes (`start_broker_process`), each stopped by its owner (processes by pid)
 
 Consumer applications' tests get all of it as pytest fixtures from `consumer.testing`."""
 
-from broker.local_etcd import EtcdServer, find_etcd_binary, free_port
-from broker.processes import stop_process, stop_processes
 from broker.testing.harness import BrokerHarness
 from broker.testing.processes import BrokerProcess, start_broker_process
+from plumbing.local_etcd import EtcdServer, find_etcd_binary, free_port
+from plumbing.processes import stop_process, stop_processes
 
 __all__ = [
     "BrokerHarness",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 
-from broker.local_etcd import EtcdServer, free_port
-from broker.processes import stop_process
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing.local_etcd import EtcdServer, free_port
+from plumbing.processes import stop_process
 
 
 @dataclass

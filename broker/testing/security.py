@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.auth import NOOP_AUTH, KeyedAuth
-from broker.client.credentials import Credentials
-from broker.tls import ClientTLS, DevPKI, make_dev_pki
+from plumbing.auth import NOOP_AUTH, KeyedAuth
+from plumbing.credentials import Credentials
+from plumbing.tls import ClientTLS, DevPKI, make_dev_pki
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from typing import Any
 
 import click
 
-from broker import config as cfg
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.client.reader import write_head
@@ -51,6 +50,7 @@ from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
+from plumbing import config as cfg
 
 PREFIX = "examples/stream-sum"
 NDJSON = "application/x-ndjson"

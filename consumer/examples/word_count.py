@@ -28,8 +28,6 @@ from typing import Any
 import click
 import grpc
 
-from broker import config as cfg
-from broker.client import credentials
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.message.framing import DictMessages, JSONLines
@@ -47,6 +45,8 @@ from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore, Store
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
+from plumbing import config as cfg
+from plumbing import credentials
 
 PREFIX = "examples/word-count"
 DELTAS = f"{PREFIX}/deltas/"

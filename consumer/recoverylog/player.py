@@ -46,7 +46,6 @@ from broker.client.append_service import AppendService, Registers
 from broker.client.reader import Chunk, read_retrying
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.tasks import in_thread, start_in_thread, wait_out
 from consumer.recoverylog.fsm import (
     FRAME_MAGIC,
     FSM,
@@ -57,6 +56,7 @@ from consumer.recoverylog.fsm import (
     decode_header,
     encode_frame,
 )
+from plumbing.tasks import first_of, in_thread, start_in_thread, wait_out
 
 __all__ = ["FNODE_STAGING", "PlaybackError", "Player"]
 
@@ -451,19 +451,11 @@ class Player:
     async def _fill_or_request(self, reader: _LogReader) -> bool | None:
         """While tailing: the next frame's header buffered (True), or None if playback's end was
         requested first (a partly buffered frame stays buffered)."""
-        filling = asyncio.ensure_future(reader.fill(HEADER, True))
-        requested = asyncio.ensure_future(self._requested.wait())
-        try:
-            await asyncio.wait({filling, requested}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            requested.cancel()
-            if not filling.done():
-                filling.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await filling
+        filling, _ = await first_of(reader.fill(HEADER, True), self._requested.wait())
         if filling.cancelled():
             return None
-        return filling.result()
+        buffered: bool = filling.result()
+        return buffered
 
     @staticmethod
     def _check_jump(reader: _LogReader, fsm: FSM) -> None:

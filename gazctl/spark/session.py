@@ -181,7 +181,7 @@ def stop_spark(spark: SparkSession) -> None:
     SparkContext._gateway = None
     SparkContext._jvm = None
     if proc is not None:
-        from broker.processes import stop_process
+        from plumbing.processes import stop_process
 
         stop_process(proc)
         if forwarder is not None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.processes import stop_process
 from broker.testing import free_port
+from plumbing.processes import stop_process
 
 
 @dataclass(frozen=True)

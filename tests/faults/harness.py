@@ -197,7 +197,7 @@ class Cluster:
         """Stop everything this harness started (by pid), unmount, remove the network."""
         errors: list[str] = []
         if self._previous_credentials is not None:
-            from broker.client import credentials
+            from plumbing import credentials
 
             assert isinstance(self._previous_credentials, credentials.Credentials)
             credentials.set_default("broker", self._previous_credentials)
@@ -324,8 +324,8 @@ class Cluster:
         process's clients (the workload, the checker's reads) present and sign with them."""
         if not (self.config.tls or self.config.auth):
             return
-        from broker.client import credentials
         from broker.testing.security import Security
+        from plumbing import credentials
 
         hosts = ("localhost", "127.0.0.1", *{self.network.broker_host(i) for i in range(self.config.brokers)})  # fmt: skip
         # The key is not drawn from rng: a seed replays the same faults either way.

@@ -35,10 +35,10 @@ from typing import Any
 
 import grpc
 
-from broker import etcd as etcdx
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import find_etcd_binary
+from plumbing import etcd as etcdx
 from replication import registry
 from replication.rpc import LocationClient, LocationError, status_document
 from tests.faults.harness import HarnessError, _free_port, _stop, _wait_http, signal_slot

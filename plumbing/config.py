@@ -263,7 +263,7 @@ CREDENTIAL_NAMES = ("cert_file", "cert_key_file", "trusted_ca_file", "auth_keys"
 
 def client_credentials(*services: str) -> Callable[[F], F]:
     """A command's client TLS (and authorization) flags for each of `services`, applied as the
-    process's default credentials (broker.client.credentials) before the command runs, so every
+    process's default credentials (plumbing.credentials) before the command runs, so every
     client it makes dials as they say; they are exported to the environment too, under
     upstream's variable names, for the processes it starts (Spark's workers). A bad file or key
     is one line naming its flag."""
@@ -272,9 +272,9 @@ def client_credentials(*services: str) -> Callable[[F], F]:
     def apply(f: F) -> F:
         @functools.wraps(f)
         def wrapper(*args: Any, **opts: Any) -> Any:
-            from broker.auth import AuthConfigError
-            from broker.client import credentials
-            from broker.tls import TLSConfigError
+            from plumbing import credentials
+            from plumbing.auth import AuthConfigError
+            from plumbing.tls import TLSConfigError
 
             for service in services:
                 values = {
@@ -342,7 +342,7 @@ def http_options(service: str) -> Callable[[F], F]:
 
 
 def http_config(opts: dict[str, Any], service: str) -> Any:
-    from broker.http import HTTPConfig
+    from plumbing.debug_http import HTTPConfig
 
     origins = tuple(
         o.strip() for o in (opts[f"{service}_allow_origin"] or "").split(",") if o.strip()
@@ -367,6 +367,6 @@ def log_options(f: F) -> F:
 
 def setup_logging(level: str, fmt: str) -> None:
     """Logging as `--log.level` and `--log.format` ask, on stderr (servers and consumers)."""
-    from broker import logs
+    from plumbing import logs
 
     logs.setup(level, fmt)

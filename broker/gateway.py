@@ -1,12 +1,6 @@
-"""The HTTP side of a broker or consumer process: Prometheus metrics, readiness, upstream's
-HTTP gateway to journals (brokers), and a dump of every thread's and task's stack.
+"""Upstream's HTTP gateway to journals, served on a broker's HTTP port (`--broker.http-port`,
+beside plumbing.debug_http's /debug routes):
 
-Upstream serves HTTP on the gRPC port (cmux); gRPC servers of Python cannot share theirs, so
-HTTP has a port of its own (`--broker.http-port`, `--consumer.http-port`), served with the same
-TLS settings as gRPC. It answers:
-
-- `GET /debug/metrics`: Prometheus text format (unless `--debug.private`);
-- `GET /debug/ready`: 200 once the process serves;
 - `GET|HEAD /<journal>?offset=N&block=true`: reads the journal (206 with upstream's headers
   X-Fragment-Name, X-Fragment-Location, X-Fragment-Last-Modified, X-Write-Head, Content-Range,
   X-Route-Token and Location; 404 JOURNAL_NOT_FOUND, 503 INSUFFICIENT_JOURNAL_BROKERS, 416
@@ -16,46 +10,34 @@ TLS settings as gRPC. It answers:
 
 The gateway calls the broker's own Journal service, passing the request's `Authorization`
 header on as the call's authorization: what a token may not see is not found over HTTP either.
-CORS: origins given by `--broker.allow-origin` get `Access-Control-Allow-*` headers and
-preflight answers. A trailer (upstream's X-Close-Error) is not sent: a read that fails midway
-ends the response early.
-
-The stack dump (`GET /debug/stacks`) is served only on `--debug.port`, a diagnostics port
-that listens on loopback (with /debug/metrics and /debug/ready as well): private unless asked for.
+CORS: origins given by `--broker.allow-origin` get `Access-Control-Allow-*` headers (these
+headers exposed) and preflight answers. A trailer (upstream's X-Close-Error) is not sent: a read
+that fails midway ends the response early.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
-import sys
-import threading
-import traceback
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from email.utils import formatdate
 from typing import Any
 
 import grpc
 from aiohttp import web
 from google.protobuf import text_format
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from broker import auth, metrics
 from broker.client.appender import append
 from broker.fragment.fragments import content_name, digest_of
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import validate
-from broker.tls import ServerTLS
+from plumbing import auth
 
 log = logging.getLogger(__name__)
 
 MAX_INT64 = 2**63 - 1
 PUT_CHUNK = 256 * 1024
-# Seconds that requests still open at stop get to finish before they are cancelled.
-HANDLER_STOP_TIMEOUT = 2.0
 
 _READ_STATUS = {
     pb.OK: 206,
@@ -64,46 +46,18 @@ _READ_STATUS = {
     pb.OFFSET_NOT_YET_AVAILABLE: 416,
 }
 
-
-def stacks_text() -> str:
-    """Every thread's stack, then every asyncio task's of the running loop."""
-    out = io.StringIO()
-    frames = sys._current_frames()
-    for thread in threading.enumerate():
-        frame = frames.get(thread.ident or -1)
-        out.write(f"Thread {thread.name} (id {thread.ident}, daemon={thread.daemon}):\n")
-        if frame is not None:
-            out.write("".join(traceback.format_stack(frame)))
-        out.write("\n")
-    try:
-        tasks = asyncio.all_tasks()
-    except RuntimeError:
-        tasks = set()
-    for task in sorted(tasks, key=lambda t: t.get_name()):
-        out.write(f"Task {task.get_name()} ({task.get_coro()!r}):\n")
-        for frame in task.get_stack():
-            code = frame.f_code
-            out.write(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n')
-        out.write("\n")
-    return out.getvalue()
-
-
-@dataclass
-class HTTPConfig:
-    """What a process serves over HTTP (its flags)."""
-
-    port: int | None = None  # None: no HTTP port. 0: a free one.
-    debug_port: int | None = None  # The diagnostics port (stack dumps), on loopback.
-    private: bool = False  # --debug.private: no /debug/* on the HTTP port.
-    allow_origins: Sequence[str] = field(default_factory=tuple)
-
-    @property
-    def enabled(self) -> bool:
-        return self.port is not None or self.debug_port is not None
+EXPOSED_HEADERS = (
+    "X-Fragment-Name", "X-Fragment-Location", "X-Fragment-Last-Modified", "X-Write-Head",
+    "Content-Range", "X-Route-Token", "Location", "X-Commit-Begin", "X-Commit-End",
+    "X-Commit-SHA1-Sum",
+)  # fmt: skip
 
 
 class Gateway:
-    """Upstream's HTTP gateway over the broker's own Journal service (a gRPC channel to it)."""
+    """Upstream's HTTP gateway over the broker's own Journal service (a gRPC channel to it):
+    the routes a broker adds to its HTTP port (plumbing.debug_http.HTTPRoutes)."""
+
+    exposed_headers = EXPOSED_HEADERS
 
     def __init__(self, channel: grpc.aio.Channel, verifier: auth.Verifier | None = None) -> None:
         self.channel = channel
@@ -111,6 +65,13 @@ class Gateway:
         # The broker's own verifier: a PUT whose token it refuses is answered before the body
         # streams into a call (a refusal mid-stream can end the call INTERNAL, not UNAUTHENTICATED).
         self.verifier = verifier or auth.NoopVerifier()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/{journal:.+}", self.read)  # Also HEAD.
+        app.router.add_route("PUT", "/{journal:.+}", self.append)
+
+    async def aclose(self) -> None:
+        await self.channel.close(None)
 
     @staticmethod
     def _metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
@@ -252,121 +213,3 @@ def _rpc_error(exc: grpc.aio.AioRpcError) -> web.Response:
         grpc.StatusCode.UNAVAILABLE: 503,
     }.get(code, 500)
     return web.Response(status=status, text=f"{exc.details() or code.name}\n")
-
-
-def _cors(origins: Sequence[str]) -> Any:
-    allowed = set(origins)
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-        origin = request.headers.get("Origin", "")
-        ok = origin and ("*" in allowed or origin in allowed)
-        if request.method == "OPTIONS" and ok:
-            response: web.StreamResponse = web.Response(status=204)
-        else:
-            response = await handler(request)
-        if ok:
-            response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Allow-Methods"] = "GET, HEAD, PUT, POST, OPTIONS"
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
-            response.headers["Access-Control-Expose-Headers"] = ", ".join(_EXPOSED)
-            response.headers["Vary"] = "Origin"
-        return response
-
-    return middleware
-
-
-_EXPOSED = (
-    "X-Fragment-Name", "X-Fragment-Location", "X-Fragment-Last-Modified", "X-Write-Head",
-    "Content-Range", "X-Route-Token", "Location", "X-Commit-Begin", "X-Commit-End",
-    "X-Commit-SHA1-Sum",
-)  # fmt: skip
-
-
-async def _metrics(_: web.Request) -> web.Response:
-    return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def _ready(_: web.Request) -> web.Response:
-    return web.Response(text="ready\n")
-
-
-async def _stacks(_: web.Request) -> web.Response:
-    return web.Response(text=stacks_text())
-
-
-class HTTPServers:
-    """The HTTP port and the diagnostics port of one process (`name`, for its log), started
-    and stopped together; both serve TLS when `tls` is on. The HTTP port listens on `host`,
-    the diagnostics port on loopback."""
-
-    def __init__(
-        self,
-        config: HTTPConfig,
-        *,
-        name: str = "",
-        host: str = "127.0.0.1",
-        tls: ServerTLS | None = None,
-        gateway: Gateway | None = None,
-    ) -> None:
-        self.config = config
-        self.name = name
-        self.host = host
-        self.tls = tls or ServerTLS()
-        self.gateway = gateway
-        self._runners: list[web.AppRunner] = []
-        self.port = 0
-        self.debug_port = 0
-
-    def _app(self, *, main: bool) -> web.Application:
-        app = web.Application(
-            middlewares=[_cors(self.config.allow_origins)]
-            if main and self.config.allow_origins
-            else []
-        )
-        if not main or not self.config.private:
-            app.router.add_get("/debug/metrics", _metrics)
-            app.router.add_get("/debug/ready", _ready)
-        if not main:
-            app.router.add_get("/debug/stacks", _stacks)
-        if main and self.gateway is not None:
-            gateway = self.gateway
-            app.router.add_get("/{journal:.+}", gateway.read)  # Also HEAD.
-            app.router.add_route("PUT", "/{journal:.+}", gateway.append)
-        return app
-
-    async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        # At stop, requests still open get HANDLER_STOP_TIMEOUT to finish, then are cancelled:
-        # a blocking gateway read ends only with new content, and aiohttp's default (60 s)
-        # outlasts any supervisor's patience, which then kills the broker mid-flush.
-        runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, shutdown_timeout=HANDLER_STOP_TIMEOUT
-        )
-        await runner.setup()
-        self._runners.append(runner)
-        context = self.tls.ssl_context() if self.tls.enabled else None
-        site = web.TCPSite(runner, host, port, ssl_context=context, reuse_port=False)
-        await site.start()
-        server = site._server
-        assert server is not None
-        return int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
-
-    async def start(self) -> None:
-        c = self.config
-        try:
-            if c.port is not None:
-                self.port = await self._serve(self._app(main=True), self.host, c.port)
-                log.info("%s serves HTTP on port %d", self.name, self.port)
-            if c.debug_port is not None:
-                self.debug_port = await self._serve(self._app(main=False), "127.0.0.1", c.debug_port)  # fmt: skip
-                log.info("%s serves diagnostics on 127.0.0.1:%d", self.name, self.debug_port)
-        except BaseException:
-            await self.stop()
-            raise
-
-    async def stop(self) -> None:
-        runners, self._runners = self._runners, []
-        for runner in runners:
-            await runner.cleanup()
-        if self.gateway is not None:
-            await self.gateway.channel.close(None)

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.tls import DevPKI
+from plumbing.tls import DevPKI
 
 
 class EtcdNotFound(RuntimeError):

@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from broker import auth
-from broker.tls import ClientTLS, dial_target
+from plumbing import auth
+from plumbing.tls import ClientTLS, dial_target
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Credentials:
     ) -> grpc.aio.Channel:
         """A channel to `address`: TLS for `https://`, plaintext for `http://`, with this
         authorizer's tokens on every call; several addresses, separated by commas, for any of
-        them that answers (see broker.tls.dial_target). AddressError for an address that is
+        them that answers (see plumbing.tls.dial_target). AddressError for an address that is
         neither."""
         dial = dial_target(address, what=what)
         if dial.authority is not None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of brokers and consumers, served at `/debug/metrics` (see broker.http).
+"""Prometheus metrics of brokers and consumers, served at `/debug/metrics` (see plumbing.debug_http).
 
 Names are upstream's where upstream has the metric (`gazette_journal_server_*`,
 `gazette_write_head`, `gazette_spool_*`, `gazette_store_*`, `gazette_allocator_*`,

@@ -1,7 +1,7 @@
-"""Ownership of background tasks, the one wait with a timeout that the broker uses, and blocking
-work (disk I/O) run on worker threads that are waited out, never abandoned.
+"""Ownership of background tasks, the one wait for "the first of these" (`first_of`), and
+blocking work (disk I/O) run on worker threads that are waited out, never abandoned.
 
-Every background task of the broker (keyspace watch, lease, allocator, pulses, fragment refresh,
+Every background task of a process (keyspace watch, lease, allocator, pulses, fragment refresh,
 persists, pipeline teardowns and readers in turn) is started through the `TaskOwner` of the
 object that needs it, and that object's shutdown cancels (or joins) and awaits them: no task
 outlives its owner, and none is started in a constructor. `asyncio.TaskGroup` fits a task whose
@@ -15,7 +15,7 @@ import asyncio
 import contextvars
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -77,18 +77,48 @@ class TaskOwner:
             await asyncio.wait(tasks)
 
 
-async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool:
-    """Until any of `events` is set, or `timeout` seconds pass: returns whether one is set.
-    Its helper tasks are cancelled and awaited before it returns, however it ends."""
-    if any(event.is_set() for event in events):
-        return True
-    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+async def first_of(
+    *awaitables: Awaitable[Any], timeout: float | None = None
+) -> list[asyncio.Future[Any]]:
+    """Wait until the first of `awaitables` is done, or `timeout` seconds pass, and return them
+    as futures in the order given, for the caller to look into (`done()`, `result()`).
+
+    A coroutine given becomes a task owned by this call: if it is not done when the call ends,
+    however it ends (cancellation included), it is cancelled and awaited first. A future or task
+    given is waited on and never cancelled: it is its owner's. With nothing to wait on, it
+    sleeps out `timeout`."""
+    futures: list[asyncio.Future[Any]] = []
+    owned: list[asyncio.Future[Any]] = []
     try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for awaitable in awaitables:
+            if asyncio.isfuture(awaitable):
+                futures.append(awaitable)
+            else:
+                future = asyncio.ensure_future(awaitable)
+                futures.append(future)
+                owned.append(future)
+        if not futures:
+            if timeout is None:
+                raise ValueError("first_of: nothing to wait on, and no timeout")
+            await asyncio.sleep(timeout)
+        elif not any(future.done() for future in futures):
+            await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for waiter in waiters:
-            waiter.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
+        pending = [mine for mine in owned if not mine.done()]
+        for mine in pending:
+            mine.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for mine in owned:  # Their outcome is the caller's to read: never "unretrieved".
+            if not mine.cancelled():
+                mine.exception()
+    return futures
+
+
+async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool:
+    """Until any of `events` is set, or `timeout` seconds pass: returns whether one is set."""
+    if not any(event.is_set() for event in events):
+        await first_of(*(event.wait() for event in events), timeout=timeout)
     return any(event.is_set() for event in events)
 
 

@@ -16,7 +16,7 @@ import aetcd
 import grpc
 from aetcd import rpc, watcher
 
-from broker.tls import ClientTLS
+from plumbing.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def connect(
     options = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.max_reconnect_backoff_ms": 2000}
     if urllib.parse.urlparse(address).scheme == "https":
         if tls is None:
-            from broker.client.credentials import default
+            from plumbing.credentials import default
 
             tls = default("etcd").tls
         return TLSClient(host=host, port=port, timeout=timeout, options=options, tls=tls)
