@@ -148,7 +148,7 @@ async def serve_append(
     metrics.append_bytes.labels(status).inc(stream.bytes_received)
     metrics.append_seconds.labels(status).observe(timer.elapsed())
     if response.status == pb.OK and response.HasField("commit"):
-        metrics.write_head.labels(response.commit.journal).set(response.commit.end)
+        metrics.record_write_head(response.commit.journal, response.commit.end)
     return response
 
 

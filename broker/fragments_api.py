@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from broker.fragment.content import describe
 from broker.fragment.stores import StoreError, check_store_url
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import ResolveError
-from plumbing.auth import Claims
+from plumbing.auth import Claims, signature_ttl
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext
@@ -80,6 +81,16 @@ async def serve_list_fragments(
     problem = _validate(req)
     if problem is not None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    if req.HasField("signatureTTL") and claims is not None:
+        # Signed URLs live no longer than the caller's token: the TTL is cut here, before a
+        # proxy forwards it, so the replica that signs honours the client's token, not ours.
+        asked = timedelta(seconds=req.signatureTTL.seconds, microseconds=req.signatureTTL.nanos // 1000)  # fmt: skip
+        allowed = signature_ttl(claims, asked)
+        if allowed is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token has expired: no URL is signed for it")  # fmt: skip
+            raise AssertionError("unreachable")
+        if allowed < asked:
+            req = _with_ttl(req, allowed)
     try:
         res = await ctx.resolver.resolve(
             req.journal,
@@ -134,6 +145,15 @@ async def serve_list_fragments(
     return response
 
 
+def _with_ttl(req: pb.FragmentsRequest, ttl: timedelta) -> pb.FragmentsRequest:
+    out = pb.FragmentsRequest()
+    out.CopyFrom(req)
+    micros = max(1, int(ttl.total_seconds() * 1_000_000))  # A positive Duration, as required.
+    out.signatureTTL.seconds, out.signatureTTL.nanos = divmod(micros, 1_000_000)
+    out.signatureTTL.nanos *= 1000
+    return out
+
+
 async def _proxy(
     ctx: BrokerContext, req: pb.FragmentsRequest, header: pb.Header
 ) -> pb.FragmentsResponse:
@@ -150,12 +170,23 @@ async def _proxy(
 
 
 async def serve_store_health(
-    ctx: BrokerContext, req: pb.FragmentStoreHealthRequest, context: Any
+    ctx: BrokerContext,
+    req: pb.FragmentStoreHealthRequest,
+    context: Any,
+    visible_stores: Callable[[], set[str]] | None = None,
 ) -> pb.FragmentStoreHealthResponse:
+    """Check a store as the persister uses it (writing, and with `check_delete` removing, probe
+    objects with the broker's own credentials). `visible_stores`, for a caller whose token has
+    a selector: the stores named by journals it can see, the only ones it may have checked."""
     try:
         check_store_url(req.fragment_store)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if visible_stores is not None and req.fragment_store not in visible_stores():
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"not authorized to {req.fragment_store}: no journal your token selects names it",
+        )
     prefix = req.check_delete_prefix if req.check_delete else None
     if prefix and not prefix.endswith("/"):
         await context.abort(

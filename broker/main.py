@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from broker.server import PEER_TLS_FLAGS, AnnounceError, Broker, BrokerConfig
-from plumbing import auth
+from plumbing import auth, metrics
 from plumbing import config as cfg
 from plumbing.etcd import etcd_tls
 from plumbing.tasks import first_of
@@ -127,6 +127,13 @@ def cli(ctx: click.Context) -> None:
     help="How often a journal's primary pulses its replicas (with --broker.auto-suspend, a "
     "journal may be suspended after 15 pulses on an unchanged route)",
 )
+@cfg.option(
+    "--broker.metrics-journal-labels",
+    type=bool,
+    default=True,
+    help="Label metrics with journal names and store URLs; false: sums without names instead "
+    "(for brokers shared by tenants who must not learn of each other's journals)",
+)
 @cfg.tls_server_options("broker")
 @cfg.option("--broker.auth-keys", default="", help="Whitespace or comma separated, base64-encoded keys. The first key is used to sign Authorization tokens.", show_default=False)  # fmt: skip
 @cfg.option("--etcd.address", default="http://localhost:2379", help="etcd service address")
@@ -144,6 +151,7 @@ def cli(ctx: click.Context) -> None:
 def serve(**opts: Any) -> None:
     """Serve as a Gazette broker with the provided configuration, until SIGTERM or SIGINT."""
     cfg.setup_logging(opts["log_level"], opts["log_format"])
+    metrics.set_journal_labels(opts["broker_metrics_journal_labels"])
     config = BrokerConfig(
         zone=opts["broker_zone"],
         id=opts["broker_id"],

@@ -21,7 +21,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate, wire
 from broker.resolver import ResolveError
 from plumbing import metrics
-from plumbing.auth import Claims
+from plumbing.auth import Claims, signature_ttl
 from plumbing.tasks import wait_any
 
 if TYPE_CHECKING:
@@ -117,11 +117,11 @@ async def serve_read(
         metadata = pb.ReadResponse(
             status=pb.OK, offset=offset, write_head=index.write_head, fragment=fragment
         )
-        if fragment.backing_store and fragment.mod_time and ctx.persister is not None:
+        # A signed URL lives no longer than the reader's token (none once it has no life left).
+        ttl = SIGNED_URL_TTL if claims is None else signature_ttl(claims, SIGNED_URL_TTL)
+        if fragment.backing_store and fragment.mod_time and ctx.persister is not None and ttl:
             try:
-                metadata.fragment_url = await asyncio.to_thread(
-                    ctx.persister.sign, fragment, SIGNED_URL_TTL
-                )
+                metadata.fragment_url = await asyncio.to_thread(ctx.persister.sign, fragment, ttl)
             except Exception as exc:  # The broker still serves the content itself.
                 log.warning("signing a URL for %s failed: %s", describe(fragment), exc)
         if header is not None:

@@ -353,8 +353,10 @@ class JournalService(pb_grpc.JournalServicer):
             validate.validate_apply_request(request)
         except validate.ValidationError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        names: list[str] = []
         for change in request.changes:
-            # Upserts are authorized on the journal's labels, deletes on its name (upstream).
+            # Upserts are authorized on the journal's labels, deletes on its name (upstream);
+            # both on the labels of the spec they replace as well (below, ours).
             if change.HasField("upsert"):
                 name, allowed = change.upsert.name, claims.sees_journal(change.upsert)
             else:
@@ -362,6 +364,7 @@ class JournalService(pb_grpc.JournalServicer):
                 allowed = claims.sees_labels(labels.label_set((labels.META_NAME, name)))
             if not allowed:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authorized to {name}")
+            names.append(name)
         for change in request.changes:
             if change.HasField("upsert"):
                 try:
@@ -369,26 +372,35 @@ class JournalService(pb_grpc.JournalServicer):
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-        compare = []
+        keys: list[bytes] = []
         ops: list[object] = []
-        for change in request.changes:
+        for change, name in zip(request.changes, names, strict=True):
+            key = aks.item_key(self.root, name).encode()
+            keys.append(key)
             if change.HasField("upsert"):
-                key = aks.item_key(self.root, change.upsert.name)
-                ops.append(transactions.Put(key.encode(), change.upsert.SerializeToString()))
+                ops.append(transactions.Put(key, change.upsert.SerializeToString()))
             else:
-                key = aks.item_key(self.root, change.delete)
-                ops.append(transactions.Delete(key.encode()))
-            # -1 lets a caller skip the revision check explicitly.
-            if change.expect_mod_revision != -1:
-                compare.append(transactions.Mod(key.encode()) == change.expect_mod_revision)
+                ops.append(transactions.Delete(key))
 
-        response = pb.ApplyResponse(status=pb.OK, header=self.unrouted_header())
+        def check_replaced(index: int, value: bytes) -> None:
+            # A journal the caller cannot see is neither replaced nor deleted by it, and is
+            # refused as any unauthorized change, before a revision check could reveal it.
+            if not claims.sees_journal(pb.JournalSpec.FromString(value)):
+                raise auth.Unauthenticated(f"not authorized to {names[index]}")
+
+        expected = [change.expect_mod_revision for change in request.changes]
         try:
-            result = await etcdx.txn(self.etcd, compare, ops)
+            result = await etcdx.txn_guarded(
+                self.etcd, keys, expected, ops, None if claims.unrestricted else check_replaced
+            )
+        except auth.Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise AssertionError("unreachable") from None
         except etcdx.TxnTooLarge:
             changes = len(request.changes)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, etcdx.too_many_changes(changes))
             raise AssertionError("unreachable") from None
+        response = pb.ApplyResponse(status=pb.OK, header=self.unrouted_header())
         if not result.succeeded:
             response.status = pb.ETCD_TRANSACTION_FAILED
         elif ops:
@@ -431,8 +443,16 @@ class JournalService(pb_grpc.JournalServicer):
     async def FragmentStoreHealth(
         self, request: pb.FragmentStoreHealthRequest, context: Context
     ) -> pb.FragmentStoreHealthResponse:
-        await auth.verify_or_abort(self.verifier, context, auth.READ)
-        return await serve_store_health(self.ctx, request, context)
+        # Ours, stricter than upstream (READ): a check writes probe objects with the broker's
+        # own credentials, so it takes APPLY, and a token with a selector may check only the
+        # stores of journals it can see.
+        claims = await auth.verify_or_abort(self.verifier, context, auth.APPLY)
+        visible = None if claims.unrestricted else (lambda: self._stores_seen_by(claims))
+        return await serve_store_health(self.ctx, request, context, visible)
+
+    def _stores_seen_by(self, claims: auth.Claims) -> set[str]:
+        journals, _ = self.snapshot(pb.LabelSelector(), claims)
+        return {store for j in journals for store in j.spec.fragment.stores}
 
 
 def _counted(operation: str, handler: Any) -> Any:

@@ -210,8 +210,9 @@ async def apply_shards(
     state: ShardState, request: cpb.ApplyRequest, claims: auth.Claims = auth.UNRESTRICTED
 ) -> cpb.ApplyResponse:
     """All the changes in one etcd transaction, or none (ETCD_TRANSACTION_FAILED). Upserts
-    are authorized on the shard's labels and `id`, deletes on its `id`: one change the
-    caller may not make refuses them all (NotAuthorized)."""
+    are authorized on the shard's labels and `id`, deletes on its `id`, and both on the labels
+    of the spec they replace: one change the caller may not make refuses them all
+    (NotAuthorized), whatever its expected revision."""
     validate_apply_request(request)
     for change in request.changes:
         if change.HasField("upsert"):
@@ -219,23 +220,32 @@ async def apply_shards(
                 raise NotAuthorized(change.upsert.id)
         else:
             _authorize_id(claims, change.delete)
-    compare: list[Any] = []
+    keys: list[bytes] = []
+    ids: list[str] = []
     ops: list[Any] = []
     for change in request.changes:
+        shard_id = change.upsert.id if change.HasField("upsert") else change.delete
+        key = aks.item_key(state.root, shard_id).encode()
+        keys.append(key)
+        ids.append(shard_id)
         if change.HasField("upsert"):
-            key = aks.item_key(state.root, change.upsert.id)
-            ops.append(transactions.Put(key.encode(), change.upsert.SerializeToString()))
+            ops.append(transactions.Put(key, change.upsert.SerializeToString()))
             if change.HasField("primary_hints"):
                 hint_key = hint_primary_key(change.upsert)
                 ops.append(transactions.Put(hint_key.encode(), encode_hints(change.primary_hints)))
         else:
-            key = aks.item_key(state.root, change.delete)
-            ops.append(transactions.Delete(key.encode()))
-        if change.expect_mod_revision != -1:
-            compare.append(transactions.Mod(key.encode()) == change.expect_mod_revision)
+            ops.append(transactions.Delete(key))
 
+    def check_replaced(index: int, value: bytes) -> None:
+        # A shard the caller cannot see is neither replaced nor deleted by it, and is refused as
+        # any unauthorized change, before a revision check could reveal it.
+        if not auth.sees_shard(claims, cpb.ShardSpec.FromString(value)):
+            raise NotAuthorized(ids[index])
+
+    expected = [change.expect_mod_revision for change in request.changes]
+    check = None if claims.unrestricted else check_replaced
+    result = await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
     response = cpb.ApplyResponse(status=cpb.OK, header=state.unrouted_header())
-    result = await etcdx.txn(state.etcd, compare, ops)
     if not result.succeeded:
         response.status = cpb.ETCD_TRANSACTION_FAILED
     elif ops:

@@ -25,6 +25,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import grpc
@@ -117,6 +118,18 @@ class Claims:
         if self.unrestricted:
             return True
         return labels.matches(self._selector, meta_labels)
+
+
+def signature_ttl(claims: Claims, want: timedelta, now: float | None = None) -> timedelta | None:
+    """How long a signed URL handed to the bearer of `claims` may live: `want`, but never past
+    the token's `exp` (a URL outliving its token would extend its reach). None when the token
+    has no life left (it verified within the leeway). Claims of no token sign for `want`."""
+    if not claims.exp:
+        return want
+    left = claims.exp - (time.time() if now is None else now)
+    if left <= 0:
+        return None
+    return min(want, timedelta(seconds=left))
 
 
 UNRESTRICTED = Claims(ALL)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aetcd
 import grpc
-from aetcd import rpc, watcher
+from aetcd import rpc, transactions, watcher
 
 from plumbing.tls import ClientTLS
 
@@ -162,8 +162,17 @@ async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[An
     )
 
 
-async def get_many(client: aetcd.Client, keys: Sequence[bytes]) -> list[bytes | None]:
-    """The values of `keys` (None where absent), read in one etcd transaction: one revision."""
+@dataclass(frozen=True)
+class Current:
+    """A key's value (None when absent) and its mod revision (0 when absent), as of `revision`."""
+
+    value: bytes | None
+    mod_revision: int
+
+
+async def get_current(client: aetcd.Client, keys: Sequence[bytes]) -> tuple[list[Current], int]:
+    """What `keys` hold, read in one etcd transaction, and the revision it was read at: for a
+    change guarded on what it replaces (`Mod(key) == current.mod_revision`)."""
     await client.connect()
     request = rpc.TxnRequest(
         compare=[],
@@ -175,9 +184,60 @@ async def get_many(client: aetcd.Client, keys: Sequence[bytes]) -> list[bytes | 
             request, timeout=client._timeout, metadata=client.metadata
         )
     except rpc.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and TOO_MANY_OPS in (exc.details() or ""):
+            raise TxnTooLarge(len(keys)) from None
         aetcd.exceptions._handle_exception(exc)
         raise
-    return [
-        bytes(op.response_range.kvs[0].value) if op.response_range.kvs else None
-        for op in response.responses
-    ]
+    current = []
+    for op in response.responses:
+        kvs = op.response_range.kvs
+        current.append(
+            Current(bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else Current(None, 0)
+        )
+    return current, int(response.header.revision)
+
+
+async def get_many(client: aetcd.Client, keys: Sequence[bytes]) -> list[bytes | None]:
+    """The values of `keys` (None where absent), read in one etcd transaction: one revision."""
+    current, _ = await get_current(client, keys)
+    return [c.value for c in current]
+
+
+# Reads and writes of a guarded change, when others change its keys in between each time.
+GUARDED_ATTEMPTS = 5
+
+
+async def txn_guarded(
+    client: aetcd.Client,
+    keys: Sequence[bytes],
+    expected: Sequence[int],
+    ops: Sequence[Any],
+    check: Callable[[int, bytes], None] | None,
+) -> TxnResult:
+    """`ops` in one transaction, guarded on what `keys` hold: `check(i, value)` sees each
+    existing value first and raises to refuse the change (an Apply's authorization: what a
+    caller may not see it may neither replace nor learn of, not even through a revision
+    conflict); then each `expected[i]` (-1: any) must be its key's mod revision (0: absent),
+    else the result is unsuccessful, as etcd answers. The write is compared on the revisions
+    read, so what was checked is what it replaces; a change in between reads again. Without
+    `check`, nothing is read: only the `expected` revisions are compared."""
+    if check is None:
+        compare = [
+            transactions.Mod(key) == e for key, e in zip(keys, expected, strict=True) if e != -1
+        ]
+        return await txn(client, compare, ops)
+    for _ in range(GUARDED_ATTEMPTS):
+        current, revision = await get_current(client, keys)
+        for index, now in enumerate(current):
+            if now.value is not None:
+                check(index, now.value)
+        if any(e not in (-1, now.mod_revision) for e, now in zip(expected, current, strict=True)):
+            return TxnResult(False, revision, 0, 0, 0)
+        compare = [
+            transactions.Mod(key) == now.mod_revision
+            for key, now in zip(keys, current, strict=True)
+        ]
+        result = await txn(client, compare, ops)
+        if result.succeeded:
+            return result
+    return result

@@ -94,6 +94,47 @@ write_head = Gauge(
     "Current write head of the journal (i.e., next byte offset to be written).",
     ["journal"],
 )
+# With --broker.metrics-journal-labels=false, no series names a journal (nor a store's bucket
+# and prefix): write heads are summed over the journals instead.
+write_heads_sum = Gauge(
+    "gazette_write_heads_sum",
+    "Sum of the write heads of the journals this broker appended to as primary (ours; in place of gazette_write_head with --broker.metrics-journal-labels=false).",
+)  # fmt: skip
+write_heads_journals = Gauge(
+    "gazette_write_heads_journals",
+    "Journals this broker appended to as primary (ours; with --broker.metrics-journal-labels=false).",
+)  # fmt: skip
+_journal_labels = True
+_heads: dict[str, int] = {}
+_heads_lock = threading.Lock()
+
+
+def set_journal_labels(enabled: bool) -> None:
+    """Whether series may carry journal names and store URLs (`--broker.metrics-journal-labels`):
+    a process-wide setting, made once as the process starts."""
+    global _journal_labels
+    _journal_labels = enabled
+
+
+def record_write_head(journal: str, head: int) -> None:
+    """A journal's write head after an append this broker served as primary."""
+    if _journal_labels:
+        write_head.labels(journal).set(head)
+        return
+    with _heads_lock:
+        before = _heads.get(journal, 0)
+        _heads[journal] = head
+        write_heads_sum.inc(head - before)
+        write_heads_journals.set(len(_heads))
+
+
+def store_label(url: str) -> str:
+    """A store as a metric label: its URL without the query (which may name a profile), or
+    only its scheme when journal labels are off (a bucket or prefix may name a tenant)."""
+    if not _journal_labels:
+        return url.split(":", 1)[0]
+    return url.split("?", 1)[0]
+
 
 # ---- appends, replication and reads (ours) -----------------------------------------------------
 

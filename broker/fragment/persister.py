@@ -204,9 +204,9 @@ class Persister:
             if put:
                 self.persisted += 1
                 self.bytes_persisted += length
-                metrics.store_put_bytes.labels(_store_label(url), encoding or "identity").inc(
-                    length
-                )
+                metrics.store_put_bytes.labels(
+                    metrics.store_label(url), encoding or "identity"
+                ).inc(length)
                 log.info("persisted %s to %s (%d bytes)", path, url, length)
         metrics.spool_persisted.inc()
         fragment.backing_store = url
@@ -311,7 +311,7 @@ class Persister:
 def _store_operation(url: str, operation: str) -> Iterator[None]:
     """Count and time one store operation, by the store's URL and whether it failed."""
     timer = metrics.Timer()
-    store = _store_label(url)
+    store = metrics.store_label(url)
     status = "error"
     try:
         yield
@@ -319,8 +319,3 @@ def _store_operation(url: str, operation: str) -> Iterator[None]:
     finally:
         metrics.store_operations.labels(store, operation, status).inc()
         metrics.store_operation_seconds.labels(store, operation, status).observe(timer.elapsed())
-
-
-def _store_label(url: str) -> str:
-    """A store as a metric label: its URL without the query (which may name a profile)."""
-    return url.split("?", 1)[0]

@@ -25,7 +25,9 @@ class BrokerHarness:
         drain_timeout: float = 2.0,
         run_allocator: bool = True,
         persist_interval: float = 60.0,
+        auth_keys: str = "",
     ) -> None:
+        """`auth_keys`: as `--broker.auth-keys` (base64 keys; the broker then verifies tokens)."""
         self.config = BrokerConfig(
             zone=zone,
             id=id,
@@ -39,6 +41,7 @@ class BrokerHarness:
             drain_timeout=drain_timeout,
             run_allocator=run_allocator,
             persist_interval=persist_interval,
+            auth_keys=auth_keys,
         )
         self.broker = Broker(self.config)
 
