@@ -6,27 +6,34 @@ base64, separated by whitespace or commas; any key verifies, HS256 and HS384 onl
 required, `iat` is checked, with 5 s of leeway. The special key `AA==` admits requests that carry
 no token at all (for rolling authorization out over a running cluster). Every failure is
 UNAUTHENTICATED, as upstream answers it. What a token's selector does not match does not exist
-for its bearer: the servers treat such journals and shards as not found.
+for its bearer: the servers treat such journals and shards as not found. A call lasts no longer
+than the token it was admitted with: `CallBounds`, a server interceptor, ends it UNAUTHENTICATED
+(EXPIRED_DURING_CALL) once the token's `exp` plus the leeway passes, streaming or not.
 
 Clients authorize with a KeyedAuth (signs short-lived claims with the first key; brokers and
-consumers sign their own when they proxy or replicate), a BearerAuth (a pre-shared token,
-`--broker.auth-token`) or NoopAuth. `authorized_channel` attaches the token a method needs to
-every call of a gRPC channel, so stubs and callers need not know of authorization.
+consumers sign their own when they proxy or replicate, brokers narrowed to the one journal), a
+BearerAuth (a pre-shared token, `--broker.auth-token`) or NoopAuth. `authorized_channel` attaches
+the token a method needs to every call of a gRPC channel, so stubs and callers need not know of
+authorization.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
+import contextvars
 import functools
+import inspect
+import math
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 import jwt
@@ -48,7 +55,8 @@ LEEWAY = 5.0  # Seconds of clock skew tolerated on `exp` and `iat`.
 ALGORITHMS = ["HS256", "HS384"]
 ALLOW_MISSING_KEY = "AA=="
 
-# Which capability each RPC requires (upstream's table), by full method name.
+# Which capability each RPC requires (upstream's table, but FragmentStoreHealth), by full method
+# name: what servers require and what clients sign for.
 METHOD_CAPABILITY: dict[str, int] = {
     "/protocol.Journal/List": LIST,
     "/protocol.Journal/Apply": APPLY,
@@ -56,7 +64,7 @@ METHOD_CAPABILITY: dict[str, int] = {
     "/protocol.Journal/Append": APPEND,
     "/protocol.Journal/Replicate": REPLICATE,
     "/protocol.Journal/ListFragments": READ,
-    "/protocol.Journal/FragmentStoreHealth": READ,
+    "/protocol.Journal/FragmentStoreHealth": APPLY,  # Upstream: READ. Ours writes probes: APPLY.
     "/consumer.Shard/Stat": READ,
     "/consumer.Shard/List": LIST,
     "/consumer.Shard/Apply": APPLY,
@@ -74,9 +82,16 @@ METHOD_CAPABILITY: dict[str, int] = {
     "/gazette_py.replication.Location/TrustClock": APPLY,
 }
 
-# How long a client's own signed claims live: an hour for blocking RPCs, a minute otherwise.
+# How long a client's own signed claims live, as upstream's: an hour for the Journal calls that
+# stream or may last (a call ends when its token does), a minute otherwise.
 BLOCKING_METHODS = frozenset(
-    {"/protocol.Journal/Read", "/protocol.Journal/Replicate", "/protocol.Journal/List"}
+    {
+        "/protocol.Journal/Read",
+        "/protocol.Journal/Replicate",
+        "/protocol.Journal/List",
+        "/protocol.Journal/Append",
+        "/protocol.Journal/ListFragments",
+    }
 )
 
 
@@ -240,6 +255,9 @@ class KeyedVerifier:
     expiry), so that a client sending the same token over many calls costs one dict lookup
     after the first."""
 
+    # Seconds past a token's `exp` it still verifies, and a call it admitted goes on.
+    leeway = LEEWAY
+
     def __init__(self, keys: list[bytes], allow_missing: bool, *, cache_size: int = 4096) -> None:
         self.keys = keys
         self.allow_missing = allow_missing
@@ -259,7 +277,7 @@ class KeyedVerifier:
                 break
         if header is None:
             if self.allow_missing:
-                return Claims(require, exp=time.time() + 3600)
+                return Claims(require)  # No token, no expiry: the call is not bounded.
             raise Unauthenticated("missing or empty Authorization token")
         if not header.startswith("Bearer "):
             raise Unauthenticated("invalid or unsupported Authorization header (expected 'Bearer')")
@@ -337,15 +355,226 @@ def verifier_of(keys_text: str, flag: str) -> NoopVerifier | KeyedVerifier:
 async def verify_or_abort(
     verifier: Verifier, context: grpc.aio.ServicerContext[Any, Any], require: int
 ) -> Claims:
-    """The request's claims, or the RPC aborted UNAUTHENTICATED with upstream's reason."""
+    """The request's claims, or the RPC aborted UNAUTHENTICATED with upstream's reason. Claims
+    of a token bound the call (see CallBounds) to its `exp` plus the verifier's leeway."""
     try:
-        return verifier.verify(context.invocation_metadata(), require)
+        claims = verifier.verify(context.invocation_metadata(), require)
     except Unauthenticated as exc:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         raise AssertionError("unreachable") from None
+    if claims.exp:
+        bound = _CALL_BOUND.get()
+        if bound is not None:
+            bound.arm(claims.exp + getattr(verifier, "leeway", LEEWAY))
+    return claims
+
+
+# ---- a call bounded by its token (servers) ---------------------------------------------------
+
+# How a call that outlived its token ends (UNAUTHENTICATED): clients that renew their tokens
+# (KeyedAuth) call again; a read resumes where it was.
+EXPIRED_DURING_CALL = "token expired during the call"
+# A streaming call whose token ran out while its response was being sent is ended at its next
+# response; one whose client does not take that response within this grace is cut off.
+SEND_GRACE = 1.0
+
+_CALL_BOUND: contextvars.ContextVar[_CallBound | None] = contextvars.ContextVar(
+    "gazette_call_bound", default=None
+)
+
+
+def expired_during_call(exc: BaseException) -> bool:
+    """Whether `exc` is a call ended because its token expired while it ran (possibly relayed
+    by a proxying broker), rather than a token refused at the call's start."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    return (
+        isinstance(exc, grpc.RpcError)
+        and callable(code)
+        and callable(details)
+        and code() == grpc.StatusCode.UNAUTHENTICATED
+        and EXPIRED_DURING_CALL in (details() or "")
+    )
+
+
+class _CallBound:
+    """The bound of one call, in its handler's task: nothing until a token verified (`arm`);
+    then, at its deadline, the handler's work is cancelled where it waits, and the call ends
+    UNAUTHENTICATED. While a streaming handler's response is with gRPC (`inside` False) the
+    cancellation would land in gRPC's own code: the call ends at its next response instead."""
+
+    __slots__ = ("_handle", "_task", "deadline", "fired", "inside")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self.deadline = 0.0
+        self.fired = False
+        self.inside = True
+
+    def arm(self, deadline: float) -> None:
+        self.disarm()
+        self.deadline = deadline
+        self._handle = asyncio.get_running_loop().call_later(
+            max(0.0, deadline - time.time()), self._fire
+        )
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self.fired = True
+        if self.inside:
+            self._handle = None
+            self._task.cancel()
+        else:
+            self._handle = asyncio.get_running_loop().call_later(SEND_GRACE, self._cut_off)
+
+    def _cut_off(self) -> None:
+        self._handle = None
+        if not self.inside:
+            self._task.cancel()  # The client does not read: no status could reach it anyway.
+
+    def caught(self) -> bool:
+        """Whether a cancellation that ended the handler was this bound's (then undone, for the
+        call to be answered)."""
+        if not self.fired:
+            return False
+        self._task.uncancel()
+        return True
+
+    def message(self) -> str:
+        return (
+            f"{EXPIRED_DURING_CALL}: authorization ends at the token's exp plus "
+            f"{LEEWAY:g}s of leeway; call again with a fresh token"
+        )
+
+
+def _unary_bounded(behavior: Any) -> Any:
+    async def bounded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        bound = _CallBound(task)
+        _CALL_BOUND.set(bound)
+        try:
+            response = await behavior(request, context)
+        except asyncio.CancelledError:
+            if not bound.caught():
+                raise
+        else:
+            bound.caught()  # (Its cancellation swallowed by a handler that answered anyway.)
+            return response
+        finally:
+            bound.disarm()
+            _CALL_BOUND.set(None)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, bound.message())
+
+    return bounded
+
+
+def _stream_bounded(behavior: Any) -> Any:
+    async def bounded(
+        request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        bound = _CallBound(task)
+        _CALL_BOUND.set(bound)
+        responses = behavior(request, context).__aiter__()
+        try:
+            while True:
+                bound.inside = True
+                try:
+                    response = await anext(responses)
+                except StopAsyncIteration:
+                    if bound.fired:  # The handler swallowed the cancellation: still over.
+                        bound.caught()
+                        break
+                    return
+                except asyncio.CancelledError:
+                    if not bound.caught():
+                        raise
+                    break
+                bound.inside = False
+                if bound.fired:
+                    break
+                yield response
+        finally:
+            bound.disarm()
+            _CALL_BOUND.set(None)
+            with contextlib.suppress(Exception):
+                await responses.aclose()
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, bound.message())
+
+    return bounded
+
+
+def _bounded(handler: Any) -> Any:
+    """`handler` (a grpc.aio method handler) with its behaviour bounded by its token."""
+    replaced: dict[str, Any] = {}
+    for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
+        behavior = getattr(handler, kind)
+        if behavior is None:
+            continue
+        if inspect.isasyncgenfunction(behavior):
+            replaced[kind] = _stream_bounded(behavior)
+        elif inspect.iscoroutinefunction(behavior):
+            # A unary response, or a stream written with context.write.
+            replaced[kind] = _unary_bounded(behavior)
+    if not replaced or not hasattr(handler, "_replace"):
+        return handler  # Synchronous behaviour: not ours to bound.
+    return handler._replace(**replaced)
+
+
+class CallBounds(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Ends every call of a server when the token it was admitted with expires (its `exp`
+    plus the verifier's leeway), with UNAUTHENTICATED (EXPIRED_DURING_CALL): its handler is
+    cancelled where it waits, as at any other cancellation, and the call answered. Calls
+    admitted without a token (`AA==`) and servers without keys are not bounded. Each method's
+    wrapped handler is made once."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[method] = (handler, _bounded(handler))
+        return cached[1]
+
+
+def call_bounds(verifier: Verifier) -> tuple[grpc.aio.ServerInterceptor[Any, Any], ...]:
+    """The interceptors of a server verifying with `verifier`: none without keys."""
+    return (CallBounds(),) if isinstance(verifier, KeyedVerifier) else ()
 
 
 # ---- authorizing (clients) ---------------------------------------------------------------------
+
+
+class Token(NamedTuple):
+    """A call's authorization metadata, and when its token expires (inf: no token, or one
+    whose expiry the authorizer does not know, such as a pre-shared one)."""
+
+    metadata: tuple[tuple[str, str], ...]
+    exp: float
+
+
+NO_TOKEN = Token((), math.inf)
+
+
+def name_selector(journal: str) -> pb.LabelSelector:
+    """The selector of one journal by name (`name=<journal>`), as upstream narrows the claims
+    of a call about one journal."""
+    return labels.selector(include=labels.label_set(("name", journal)))
 
 
 class Authorizer(Protocol):
@@ -355,6 +584,15 @@ class Authorizer(Protocol):
         self, capability: int, selector: pb.LabelSelector | None, ttl: float
     ) -> tuple[tuple[str, str], ...]: ...
 
+    def token(
+        self,
+        capability: int,
+        selector: pb.LabelSelector | None,
+        ttl: float,
+        *,
+        fresh_for: float | None = None,
+    ) -> Token: ...
+
 
 class NoopAuth:
     enabled = False
@@ -363,6 +601,16 @@ class NoopAuth:
         self, capability: int, selector: pb.LabelSelector | None, ttl: float
     ) -> tuple[tuple[str, str], ...]:
         return ()
+
+    def token(
+        self,
+        capability: int,
+        selector: pb.LabelSelector | None,
+        ttl: float,
+        *,
+        fresh_for: float | None = None,
+    ) -> Token:
+        return NO_TOKEN
 
 
 class BearerAuth:
@@ -378,17 +626,28 @@ class BearerAuth:
     ) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
+    def token(
+        self,
+        capability: int,
+        selector: pb.LabelSelector | None,
+        ttl: float,
+        *,
+        fresh_for: float | None = None,
+    ) -> Token:
+        return Token(self._metadata, math.inf)
+
 
 class KeyedAuth:
     """Signs claims with the first of its keys (HS256). A token is reused while more than a
-    quarter of its life is left, so steady traffic signs rarely."""
+    quarter of its life is left (or `fresh_for` seconds, where the caller needs that long),
+    so steady traffic signs rarely."""
 
     enabled = True
 
     def __init__(self, keys: list[bytes], *, cache_size: int = 1024) -> None:
         self.key = keys[0]
-        # (capability, selector, ttl): (reuse until, metadata).
-        self._cache: OrderedDict[tuple[int, bytes, float], tuple[float, tuple[tuple[str, str], ...]]] = OrderedDict()  # fmt: skip
+        # (capability, selector, ttl): the token last signed for them.
+        self._cache: OrderedDict[tuple[int, bytes, float], Token] = OrderedDict()
         self._cache_size = cache_size
 
     @classmethod
@@ -397,29 +656,47 @@ class KeyedAuth:
         return cls(keys)
 
     def sign(self, claims_capability: int, selector: pb.LabelSelector | None, ttl: float) -> str:
+        return self._signed(claims_capability, selector, ttl)[0]
+
+    def _signed(
+        self, claims_capability: int, selector: pb.LabelSelector | None, ttl: float
+    ) -> tuple[str, int]:
         now = int(time.time())
+        exp = now + max(1, int(ttl))
         doc: dict[str, Any] = {
             "cap": claims_capability,
             "sel": selector_json(selector or pb.LabelSelector()),
             "iat": now,
-            "exp": now + max(1, int(ttl)),
+            "exp": exp,
         }
         with _short_keys_allowed():
-            return jwt.encode(doc, self.key, algorithm="HS256")
+            return jwt.encode(doc, self.key, algorithm="HS256"), exp
 
     def metadata(
         self, capability: int, selector: pb.LabelSelector | None, ttl: float
     ) -> tuple[tuple[str, str], ...]:
+        return self.token(capability, selector, ttl).metadata
+
+    def token(
+        self,
+        capability: int,
+        selector: pb.LabelSelector | None,
+        ttl: float,
+        *,
+        fresh_for: float | None = None,
+    ) -> Token:
+        """A token for these claims with more than `fresh_for` seconds (a quarter of `ttl` by
+        default) of life left: the last one signed for them, or a new one."""
         key = (capability, selector.SerializeToString() if selector else b"", ttl)
-        now = time.time()
         hit = self._cache.get(key)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        md = (("authorization", f"Bearer {self.sign(capability, selector, ttl)}"),)
-        self._cache[key] = (now + ttl * 0.75, md)
+        left = ttl * 0.25 if fresh_for is None else fresh_for
+        if hit is not None and hit.exp - time.time() > left:
+            return hit
+        signed, exp = self._signed(capability, selector, ttl)
+        made = self._cache[key] = Token((("authorization", f"Bearer {signed}"),), float(exp))
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-        return md
+        return made
 
 
 NOOP_AUTH = NoopAuth()
@@ -440,7 +717,7 @@ def _request_selector(method: str, request: Any) -> pb.LabelSelector | None:
     if method in ("/protocol.Journal/Read", "/protocol.Journal/ListFragments"):
         journal = getattr(request, "journal", "")
         if journal:
-            return labels.selector(include=labels.label_set(("name", journal.split(";", 1)[0])))
+            return name_selector(journal.split(";", 1)[0])
     elif method == "/protocol.Journal/List":
         sel = getattr(request, "selector", None)
         if isinstance(sel, pb.LabelSelector):
