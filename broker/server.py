@@ -170,11 +170,13 @@ class Broker:
         # Peers refuse headers naming an invalid process id: refuse to run as one (`gazette
         # serve` says which flag; an embedding program gets the ValidationError).
         validate.validate_process_id(self.process_id, field="broker id")
+        verifier = auth.verifier_of(self.config.auth_keys, "--broker.auth-keys")
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_grpc_recv_size),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            interceptors=auth.call_bounds(verifier),  # A call ends when its token does.
         )
         self._spool_dir = tempfile.TemporaryDirectory(prefix="gazette-spools-")
         self.service = JournalService(
@@ -189,7 +191,7 @@ class Broker:
             auto_suspend=self.config.auto_suspend,
             pulse_interval=self.config.pulse_interval,
             dialer=Dialer(Credentials(self.config.peer_tls, self._peer_auth())),
-            verifier=auth.verifier_of(self.config.auth_keys, "--broker.auth-keys"),
+            verifier=verifier,
             persister=Persister(
                 file_root=Path(self.config.file_root) if self.config.file_root else None,
                 spool_dir=Path(self._spool_dir.name),

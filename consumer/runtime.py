@@ -230,7 +230,10 @@ class Consumer:
         validate_process_id(self.process_id, field="consumer id")
         if self.local_dir is None:  # Ours, made here and removed on stop.
             self.local_dir = Path(tempfile.mkdtemp(prefix="gazette-consumer-"))
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)],
+            interceptors=auth.call_bounds(self.verifier),  # A call ends when its token does.
+        )
         cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
         bind = f"{self.config.host}:{self.config.port}"
         if self.config.server_tls.enabled:

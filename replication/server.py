@@ -263,7 +263,10 @@ class LocationServer:
             await log_.open()
             self.log = log_
             self._reader = SourceReader(self._stub, cfg.journal)
-            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            server = grpc.aio.server(
+                options=[("grpc.so_reuseport", 0)],
+                interceptors=auth.call_bounds(self.verifier),  # A call ends when its token does.
+            )
             server.add_generic_rpc_handlers((self._handlers(),))
             bind = f"{cfg.host}:{cfg.port}"
             if cfg.server_tls.enabled:

@@ -491,3 +491,70 @@ async def test_backup_hints_are_those_reached_at_hand_off_and_rotate_only_once_r
 
 async def _consumed(app: Summer, count: int) -> bool:
     return app.consumed >= count
+
+
+async def test_a_stat_ends_when_its_token_expires(
+    etcd_server: EtcdServer, sums_broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """A consumer verifying tokens bounds each call by its token: a Stat waiting for offsets
+    its shard has not read ends UNAUTHENTICATED at the token's exp plus the 5 s of leeway."""
+    import base64
+    import time
+
+    import jwt
+
+    from plumbing import auth
+
+    key = b"a key for the consumer's own tokens, 32+ bytes"
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    config = ConsumerConfig(
+        id="consumer-auth",
+        broker_address=sums_broker.endpoint,
+        etcd_address=etcd_server.endpoint,
+        etcd_prefix=root,
+        etcd_lease=5.0,
+        drain_timeout=5.0,
+        auth_keys=base64.b64encode(key).decode(),
+    )
+    consumer = Consumer(config, StoredSummer(tmp_path))
+    await consumer.start()
+    signer = auth.KeyedAuth([key])
+
+    def bearer(ttl: float) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {signer.sign(auth.ALL, None, ttl)}"),)
+
+    shards, channel = shard_stub(consumer)
+    try:
+        full = bearer(600)
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )
+        change = cpb.ApplyRequest.Change(upsert=spec)
+        applied = await shards.Apply(cpb.ApplyRequest(changes=[change]), metadata=full)
+        assert applied.status == cpb.OK
+
+        async def running() -> bool:
+            stat = await shards.Stat(cpb.StatRequest(shard="summer-0"), metadata=full)
+            return stat.status == cpb.OK  # type: ignore[no-any-return]
+
+        await until(running)
+        short = bearer(2)
+        exp = jwt.decode(short[0][1].removeprefix("Bearer "), options={"verify_signature": False})["exp"]  # fmt: skip
+        far = cpb.StatRequest(shard="summer-0", read_through={INPUT: 1 << 40})
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await shards.Stat(far, metadata=short, timeout=15)
+        at = time.time()
+        assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED, ended.value
+        assert "expired" in (ended.value.details() or "")
+        assert exp + auth.LEEWAY - 0.5 <= at <= exp + auth.LEEWAY + 2, at - exp
+        # The shard serves on: the consumer only ended that call.
+        assert (
+            await shards.Stat(cpb.StatRequest(shard="summer-0"), metadata=full)
+        ).status == cpb.OK
+    finally:
+        await channel.close()
+        await consumer.stop()
+        async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
+            await client.delete_prefix(root.encode())

@@ -336,3 +336,46 @@ def test_the_location_service_authorizes_by_its_log_journals_labels(
             await channel.close()
 
     asyncio.run(go())
+
+
+def test_a_location_read_ends_when_its_token_expires(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """The Location service bounds each call by its caller's token: a Read waiting (up to 10 s)
+    for events ends UNAUTHENTICATED at the token's exp plus the 5 s of leeway."""
+    import base64
+    import time
+
+    import jwt
+
+    from plumbing import auth
+    from replication.rpc import SERVICE
+
+    key = b"a key for the location service's tokens, 32+"
+
+    async def go() -> None:
+        await apply_location_journals(location_broker.address, "A")
+        config = LocationConfig("A", location_broker.address, etcd_server.endpoint,
+                                prefix=etcd_prefix + "/replication", lease=5,
+                                auth_keys=base64.b64encode(key).decode())  # fmt: skip
+        async with serving(config) as a:
+            channel = grpc.aio.insecure_channel(a.endpoint.removeprefix("http://"))
+            signer = auth.KeyedAuth([key])
+            full = (("authorization", f"Bearer {signer.sign(auth.ALL, None, 600)}"),)
+            status = channel.unary_unary(f"/{SERVICE}/Status")
+            raw = await status(lpb.StatusRequest().SerializeToString(), timeout=10, metadata=full)
+            last = lpb.StatusResponse.FromString(raw).last_seq
+            short = signer.sign(auth.ALL, None, 2)
+            exp = jwt.decode(short, options={"verify_signature": False})["exp"]
+            read = channel.unary_unary(f"/{SERVICE}/Read")
+            request = lpb.ReadRequest(after=last, wait=10)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await read(request.SerializeToString(), timeout=15,
+                           metadata=(("authorization", f"Bearer {short}"),))  # fmt: skip
+            at = time.time()
+            assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED, ended.value
+            assert "expired" in (ended.value.details() or "")
+            assert exp + auth.LEEWAY - 0.5 <= at <= exp + auth.LEEWAY + 2, at - exp
+            await channel.close()
+
+    asyncio.run(go())

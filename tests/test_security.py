@@ -424,6 +424,50 @@ def test_a_read_proxied_by_a_broker_carries_its_own_authorization(cluster: Clust
     assert contents == [b"proxied\n", b"proxied\n"]
 
 
+def _until_it_ends(call: Any) -> tuple[list[Any], grpc.RpcError | None, float]:
+    """Every response of a streaming call, how it ended, and when (wall-clock)."""
+    received: list[Any] = []
+    try:
+        for response in call:
+            received.append(response)
+    except grpc.RpcError as exc:
+        return received, exc, time.time()
+    return received, None, time.time()
+
+
+def test_a_call_ends_when_its_token_expires(cluster: Cluster) -> None:
+    """A token is checked when a call starts, and the call lasts no longer than it does: a
+    blocking Read (through either broker: one proxies) and a List watch, each given a token
+    that expires in 2 s, get what there is, then end UNAUTHENTICATED at its exp plus the 5 s
+    of leeway, not whenever they happen to finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    r = gazctl(cluster, "journals", "append", "-l", "name=a/two", input="before it expires\n")
+    assert r.code == 0, r.err
+    exp = int(time.time()) + 2
+    md = bearer(token(exp=exp))
+    channels = [cluster.stub(index) for index in range(2)]
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            calls = [
+                stub.Read(pb.ReadRequest(journal="a/two", block=True), metadata=md, timeout=15)
+                for _, stub in channels
+            ]
+            calls.append(channels[0][1].List(pb.ListRequest(watch=True), metadata=md, timeout=15))
+            futures = [pool.submit(_until_it_ends, call) for call in calls]
+            ended = [future.result() for future in futures]
+    finally:
+        for channel, _ in channels:
+            channel.close()
+    for index, (_, error, at) in enumerate(ended):
+        assert error is not None and error.code() == grpc.StatusCode.UNAUTHENTICATED, (index, error)
+        assert "expired" in (error.details() or ""), error.details()
+        assert exp + auth.LEEWAY - 0.5 <= at <= exp + auth.LEEWAY + 2, (index, at - exp)
+    for received, _, _ in ended[:2]:  # Each read had the content before it was cut off.
+        assert b"".join(r.content for r in received).endswith(b"before it expires\n")
+    assert "a/two" in {j.spec.name for j in ended[2][0][0].journals}  # The watch's snapshot.
+
+
 # ---- etcd over TLS, and the AA== roll-out -----------------------------------------------------
 
 
@@ -696,3 +740,4 @@ def test_token_claims_are_read_as_upstream_reads_them() -> None:
         verifier.verify((("authorization", ""),), auth.LIST)
     # No header at all, with missing tokens allowed (a broker without keys' strictness).
     assert verifier.verify((), auth.LIST).capability == auth.LIST
+

@@ -14,6 +14,7 @@ import grpc
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing import auth
 from plumbing.credentials import Credentials
 from plumbing.credentials import default as default_credentials
 from plumbing.tls import AddressError, split_address
@@ -114,25 +115,30 @@ class JournalsClient:
         self, selector: pb.LabelSelector, watch: bool
     ) -> AsyncIterator[ListSnapshot]:
         request = pb.ListRequest(selector=selector, watch=watch)
-        call = self.stub.List(request, timeout=None if watch else self.timeout)
-        current: ListSnapshot | None = None
-        try:
-            async for response in call:
-                if response.HasField("header"):
-                    if response.status != pb.OK:
-                        raise RuntimeError(f"List failed: {pb.Status.Name(response.status)}")
-                    current = ListSnapshot(header=response.header)
-                    current.journals.extend(response.journals)
-                elif current is not None and response.journals:
-                    current.journals.extend(response.journals)
-                elif current is not None:
-                    # An empty message closes a snapshot of a watch.
-                    yield current
-                    current = None
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise _unavailable(self.address, exc, self.credentials) from None
-            raise
+        while True:
+            call = self.stub.List(request, timeout=None if watch else self.timeout)
+            current: ListSnapshot | None = None
+            try:
+                async for response in call:
+                    if response.HasField("header"):
+                        if response.status != pb.OK:
+                            raise RuntimeError(f"List failed: {pb.Status.Name(response.status)}")
+                        current = ListSnapshot(header=response.header)
+                        current.journals.extend(response.journals)
+                    elif current is not None and response.journals:
+                        current.journals.extend(response.journals)
+                    elif current is not None:
+                        # An empty message closes a snapshot of a watch.
+                        request.watch_resume.CopyFrom(current.header)
+                        yield current
+                        current = None
+            except grpc.aio.AioRpcError as exc:
+                if watch and auth.expired_during_call(exc):
+                    continue  # The watch outlived its token: on, with a fresh one.
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _unavailable(self.address, exc, self.credentials) from None
+                raise
+            break
         if current is not None and not watch:
             current.placement = await _trailer(call, PLACEMENT)
             yield current

@@ -18,6 +18,7 @@ from broker.fragment.fragments import digest_of
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing import auth
 from plumbing.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -249,9 +250,10 @@ async def read_retrying(
     on_wait: Callable[[str], None] | None = None,
     **options: Any,
 ) -> AsyncIterator[Chunk]:
-    """`read`, resumed at the next offset whenever the broker goes away or a blocking read's
-    stream ends (its replica moved): a RetryReader. `stubs()` names a broker to try each time
-    (for example, a Router's default, or a rotation over several addresses). Statuses other
+    """`read`, resumed at the next offset whenever the broker goes away, a blocking read's
+    stream ends (its replica moved) or it outlives its token: a RetryReader. `stubs()` names a
+    broker to try each time (for example, a Router's default, or a rotation over several
+    addresses). Statuses other
     than transient ones end the read with ReadError. With `wait`, transient failures end it too
     once they have lasted that many seconds with nothing read (else it waits for as long as it
     takes, as a consumer's reader does); `on_wait` hears once, when such a wait grows long,
@@ -278,6 +280,8 @@ async def read_retrying(
             failure: Exception = exc
             reason = pb.Status.Name(exc.status)
         except grpc.aio.AioRpcError as exc:
+            if auth.expired_during_call(exc):
+                continue  # The read outlived its token: on from here, with a fresh one.
             if exc.code() not in READ_RETRYABLE_CODES:
                 raise
             failure, reason = exc, exc.code().name
