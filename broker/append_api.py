@@ -30,7 +30,7 @@ from broker.client.routes import CORE_SEND_FAILURE, NOT_APPENDED
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.resolver import ResolveError
-from plumbing import logs, metrics
+from plumbing import auth, logs, metrics
 from plumbing.auth import Claims
 
 if TYPE_CHECKING:
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # A client may pause this long before its flow rate is judged (upstream's burst credit).
 FLOW_GRACE = 1.0
+# A proxied append is authorized at the primary by a token of this broker's own: APPEND over the
+# journal alone, living PROXY_TOKEN_TTL seconds, with at least PROXY_TOKEN_FRESH of them left.
+PROXY_TOKEN_TTL = 600.0
+PROXY_TOKEN_FRESH = 300.0
 
 
 class ClientStream:
@@ -238,7 +242,11 @@ async def proxy_append(
     out = pb.AppendRequest()
     out.CopyFrom(first)
     out.header.CopyFrom(res.header)
-    call = ctx.dialer.journal_stub(endpoint).Append()
+    token = ctx.dialer.journal_token(
+        auth.APPEND, first.journal, PROXY_TOKEN_TTL, fresh_for=PROXY_TOKEN_FRESH
+    )
+    stub = ctx.dialer.journal_stub(endpoint)
+    call = stub.Append(metadata=token.metadata) if token.metadata else stub.Append()
     forwarded_commit = False
     try:
         try:

@@ -263,12 +263,17 @@ class AppendFSM:
             and route_equivalent(self.pln.route, res.route)
             and self.pln.send_err() is None
             and self.pln.recv_err() is None  # A peer out of step, or its stream broken.
+            and not self.pln.stale()  # Its token near expiry: renewed before a peer ends it.
         ):
             self.registers.CopyFrom(self.pln.spool.registers)
             self.state = State.UPDATE_ASSIGNMENTS
             return
         if self.pln is not None:
-            broken = self.pln.send_err() is not None or self.pln.recv_err() is not None
+            broken = (
+                self.pln.send_err() is not None
+                or self.pln.recv_err() is not None
+                or any(stream is not None and stream.done() for stream in self.pln.streams)
+            )
             self.ctx.tasks.spawn(self.pln.shutdown(expect_err=broken), "pipeline teardown")
             self.pln = None
         assert res.replica is not None

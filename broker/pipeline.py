@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from broker.client.dialer import Dialer
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import wire
+from plumbing import auth
 from plumbing.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,14 @@ EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # (missing from grpc-s
 
 
 SHUTDOWN_TIMEOUT = 10.0
+
+# A pipeline's Replicate streams are authorized by a token of the primary's own, REPLICATE over
+# its journal alone, living TOKEN_TTL seconds; a peer ends a stream when its token expires, so a
+# pipeline is rebuilt (a new one, with a fresh token, synchronized before any append uses it)
+# once less than RENEW_BEFORE seconds are left: appends and pulses take the pipeline far more
+# often than that, and no append holds it that long.
+TOKEN_TTL = 600.0
+RENEW_BEFORE = 300.0
 
 T = TypeVar("T")
 
@@ -70,6 +80,10 @@ class Pipeline:
         self._read_barrier: asyncio.Future[None] = loop.create_future()
         self._read_barrier.set_result(None)
         self._turns = TaskOwner("pipeline readers")  # Readers in turn (see read_in_turn).
+        token = dialer.journal_token(
+            auth.REPLICATE, spool.fragment.journal, TOKEN_TTL, fresh_for=TOKEN_TTL * 0.9
+        )
+        self.renew_at = token.exp - RENEW_BEFORE  # Wall-clock (inf: nothing to renew).
         primary = header.route.primary
         for i, member in enumerate(members):
             if i == primary:
@@ -78,7 +92,7 @@ class Pipeline:
             if not endpoint:
                 self.send_errs[i] = PipelineError(f"peer {member.suffix} has no endpoint")
                 continue
-            self.streams[i] = dialer.replicate_stream(endpoint)
+            self.streams[i] = dialer.replicate_stream(endpoint, token.metadata)
 
     @property
     def route(self) -> pb.Route:
@@ -143,6 +157,15 @@ class Pipeline:
                     await stream.done_writing()
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
                     self.send_errs[i] = exc
+
+    def stale(self) -> bool:
+        """Whether to build a new pipeline rather than use this one: its token is near its
+        expiry, or a peer ended its stream (a token that expired anyway, say) while it was
+        idle, which no send or receive has noticed yet."""
+        return time.time() >= self.renew_at or any(
+            stream is not None and self.send_errs[i] is None and stream.done()
+            for i, stream in enumerate(self.streams)
+        )
 
     def send_err(self) -> BaseException | None:
         for i, err in enumerate(self.send_errs):

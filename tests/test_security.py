@@ -3,6 +3,7 @@ here with PyJWT, as any upstream client would sign them), against `gazette serve
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import re
@@ -741,3 +742,89 @@ def test_token_claims_are_read_as_upstream_reads_them() -> None:
     # No header at all, with missing tokens allowed (a broker without keys' strictness).
     assert verifier.verify((), auth.LIST).capability == auth.LIST
 
+
+# ---- the tokens brokers sign for themselves ------------------------------------------------------
+
+
+class RecordingVerifier:
+    """A broker's verifier that keeps the claims of every call it verified, by capability."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.leeway = inner.leeway
+        self.seen: list[tuple[int, auth.Claims]] = []
+
+    def verify(self, metadata: Any, require: int) -> auth.Claims:
+        claims: auth.Claims = self.inner.verify(metadata, require)
+        self.seen.append((require, claims))
+        return claims
+
+    def of(self, capability: int) -> list[auth.Claims]:
+        return [claims for require, claims in self.seen if require == capability]
+
+
+async def append_to(endpoint: str, journal: str, content: bytes) -> pb.AppendResponse:
+    """One Append with a client's token for everything (no retries: its first answer)."""
+    channel = grpc.aio.insecure_channel(endpoint.removeprefix("http://"))
+    try:
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        requests = [pb.AppendRequest(journal=journal), pb.AppendRequest(content=content), pb.AppendRequest()]  # fmt: skip
+        response: pb.AppendResponse = await stub.Append(iter(requests), metadata=bearer(token()), timeout=20)  # fmt: skip
+        return response
+    finally:
+        await channel.close()
+
+
+async def test_brokers_sign_their_own_tokens_for_one_journal_and_briefly(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd: Any
+) -> None:
+    """A broker that proxies an Append, or replicates a journal it leads, signs itself a token
+    for that journal alone (`name=<journal>`), living minutes: not APPEND or REPLICATE over
+    every journal, for a minute or an hour."""
+    from tests.journals_testing import journal_spec, set_journal, started_brokers
+
+    ids = ["signer", "peer"]
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ids, auth_keys=b64(KEY1)) as (a, b):  # fmt: skip
+        assert b.broker.service is not None
+        recording = b.broker.service.verifier = RecordingVerifier(b.broker.service.verifier)
+        await set_journal(etcd, etcd_prefix, journal_spec("own/replicated", replication=2), [("local", "signer"), ("local", "peer")])  # fmt: skip
+        await set_journal(etcd, etcd_prefix, journal_spec("own/proxied", replication=1), [("local", "peer")])  # fmt: skip
+        for journal in ("own/replicated", "own/proxied"):  # Both through the signer.
+            assert (await append_to(a.endpoint, journal, b"hello\n")).status == pb.OK
+        signed = time.time()
+        for capability, journal in ((auth.REPLICATE, "own/replicated"), (auth.APPEND, "own/proxied")):  # fmt: skip
+            tokens = recording.of(capability)
+            assert tokens, capability
+            for claims in tokens:
+                assert claims.capability == capability
+                sel = claims.selector
+                assert [(x.name, x.value, x.prefix) for x in sel.include.labels] == [("name", journal, False)], sel  # fmt: skip
+                assert not sel.exclude.labels, sel
+                assert claims.exp - signed <= 600 + 1, claims.exp - signed
+
+
+async def test_a_pipeline_is_renewed_before_its_token_expires(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replication pipeline lives longer than its token: its primary builds a new one (with
+    a fresh token) before the peer would end the old one, so an append after the token's
+    expiry commits on its first try, never failing for it."""
+    from broker import pipeline
+    from tests.journals_testing import journal_spec, set_journal, started_brokers
+
+    monkeypatch.setattr(pipeline, "TOKEN_TTL", 2.0, raising=False)
+    monkeypatch.setattr(pipeline, "RENEW_BEFORE", 1.0, raising=False)
+    ids = ["renewing", "peer"]
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ids, auth_keys=b64(KEY1)) as (a, b):  # fmt: skip
+        assert b.broker.service is not None
+        recording = b.broker.service.verifier = RecordingVerifier(b.broker.service.verifier)
+        spec = journal_spec("own/renewed", replication=2)
+        await set_journal(etcd, etcd_prefix, spec, [("local", "renewing"), ("local", "peer")])
+        assert (await append_to(a.endpoint, "own/renewed", b"first\n")).status == pb.OK
+        first = recording.of(auth.REPLICATE)[-1]
+        assert first.exp - time.time() <= 2, first.exp - time.time()  # The pipeline's, short.
+        # Past the token's exp and the peer's leeway: the peer ended the old pipeline's stream.
+        await asyncio.sleep(first.exp + auth.LEEWAY + 0.5 - time.time())
+        response = await append_to(a.endpoint, "own/renewed", b"second\n")
+        assert response.status == pb.OK, response
+        assert recording.of(auth.REPLICATE)[-1].exp > first.exp  # A new pipeline's token.

@@ -17,6 +17,7 @@ import grpc
 from broker.client.journals import BrokerAddressError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing import auth
 from plumbing.credentials import Credentials
 from plumbing.credentials import default as default_credentials
 
@@ -127,16 +128,26 @@ class Dialer:
         with EndpointRefused (FAILED_PRECONDITION), having sent nothing."""
         return pb_grpc.JournalStub(self._channel_or_refused(endpoint))  # type: ignore[no-untyped-call]
 
-    def replicate_stream(self, endpoint: str) -> Any:
+    def journal_token(
+        self, capability: int, journal: str, ttl: float, *, fresh_for: float | None = None
+    ) -> auth.Token:
+        """Authorization for a call of this process's own about one journal: `capability`
+        over `name=<journal>` only, for `ttl` seconds (see auth.KeyedAuth.token)."""
+        return self.credentials.auth.token(
+            capability, auth.name_selector(journal), ttl, fresh_for=fresh_for
+        )
+
+    def replicate_stream(self, endpoint: str, metadata: tuple[tuple[str, str], ...] = ()) -> Any:
         """A Replicate stream whose requests are written already serialized (bytes), so that
-        a primary encodes each content chunk once for all of its peers. On an endpoint that is
-        not one to dial, every write and read fails with EndpointRefused."""
+        a primary encodes each content chunk once for all of its peers, authorized by
+        `metadata` (see journal_token). On an endpoint that is not one to dial, every write
+        and read fails with EndpointRefused."""
         call = self._channel_or_refused(endpoint).stream_stream(
             REPLICATE_METHOD,
             request_serializer=None,  # Identity: the pipeline writes wire bytes.
             response_deserializer=pb.ReplicateResponse.FromString,
         )
-        return call()
+        return call(metadata=metadata) if metadata else call()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
