@@ -62,8 +62,13 @@ async def serve_read(
         yield pb.ReadResponse(status=res.status, header=res.header)
         return
     if not res.is_local:
+        # The replica signs fragment URLs for this broker's token: one that would outlive the
+        # client's is signed again here for what the client's token has left, or dropped.
+        ttl = SIGNED_URL_TTL if claims is None else signature_ttl(claims, SIGNED_URL_TTL)
         try:
             async for response in proxy_read(ctx, req, res.header):
+                if response.fragment_url and ttl != SIGNED_URL_TTL:
+                    await _sign_shorter(ctx, response, ttl)
                 yield response
         except grpc.aio.AioRpcError as exc:
             # The replica's own status (UNAVAILABLE when it is down), not UNKNOWN.
@@ -188,6 +193,18 @@ async def read_persisted(
                 return
     finally:
         await blocks.aclose()
+
+
+async def _sign_shorter(ctx: BrokerContext, response: pb.ReadResponse, ttl: timedelta | None) -> None:  # fmt: skip
+    """Replace a relayed `fragment_url` by one living `ttl` (none when `ttl` is None or this
+    broker cannot sign for the fragment's store)."""
+    url = ""
+    if ttl is not None and ctx.persister is not None:
+        try:
+            url = await asyncio.to_thread(ctx.persister.sign, response.fragment, ttl)
+        except Exception as exc:  # The content still comes through this broker.
+            log.warning("signing a URL for %s failed: %s", describe(response.fragment), exc)
+    response.fragment_url = url
 
 
 async def proxy_read(

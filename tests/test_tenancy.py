@@ -204,39 +204,54 @@ async def test_store_health_takes_apply_and_only_the_stores_of_visible_journals(
 async def test_signed_fragment_urls_live_no_longer_than_the_token_they_were_asked_with(
     etcd_server: object, etcd_prefix: str, s3_server: S3Server
 ) -> None:
+    """Asked of the journal's broker or of another one (which proxies), ListFragments and Read
+    hand out URLs that expire with the caller's token."""
     bucket = s3_server.create_bucket()
     endpoint = urllib.parse.quote(s3_server.endpoint, safe="")
     store = f"s3://{bucket}/fragments/?endpoint={endpoint}&region=us-east-1"
     put_fragment(open_store(store), "t/signed", 0, b"persisted content\n")
-    async with BrokerHarness(etcd_server.endpoint, etcd_prefix, auth_keys=KEYS) as harness:  # type: ignore[attr-defined]
-        channel = grpc.aio.insecure_channel(harness.endpoint.removeprefix("http://"))
-        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+    address = etcd_server.endpoint  # type: ignore[attr-defined]
+    async with (
+        BrokerHarness(address, etcd_prefix, auth_keys=KEYS, id="broker-0") as one,
+        BrokerHarness(address, etcd_prefix, auth_keys=KEYS, id="broker-1") as two,
+    ):
+        channels = [grpc.aio.insecure_channel(h.endpoint.removeprefix("http://")) for h in (one, two)]  # fmt: skip
+        stubs = [pb_grpc.JournalStub(c) for c in channels]  # type: ignore[no-untyped-call]
         try:
             change = pb.ApplyRequest.Change(upsert=spec("t/signed", "x", store))
-            await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=ADMIN)
-            async with asyncio.timeout(30):  # Until the broker took the journal on.
-                while not ((found := await journal(stub, "t/signed")) and found.route.primary == 0):
+            await stubs[0].Apply(pb.ApplyRequest(changes=[change]), metadata=ADMIN)
+            async with asyncio.timeout(30):  # Until a broker took the journal on.
+                while not ((found := await journal(stubs[0], "t/signed")) and found.route.primary == 0):  # fmt: skip
                     await asyncio.sleep(0.05)
+            member = found.route.members[0].suffix
+            local, proxying = (stubs[0], stubs[1]) if member == "broker-0" else (stubs[1], stubs[0])
 
-            async def expires_in(metadata: tuple[tuple[str, str], ...], ttl: int) -> int:
+            def expiry(url: str) -> int:
+                return int(urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["X-Amz-Expires"][0])  # fmt: skip
+
+            async def listed(stub: pb_grpc.JournalStub, token_ttl: float, ttl: int) -> int:
                 request = pb.FragmentsRequest(journal="t/signed", signatureTTL={"seconds": ttl})
-                response = await stub.ListFragments(request, metadata=metadata)
+                response = await stub.ListFragments(request, metadata=md(auth.READ, ttl=token_ttl))
                 assert response.status == pb.OK
                 (fragment,) = [f for f in response.fragments if f.spec.backing_store]
-                query = urllib.parse.parse_qs(urllib.parse.urlsplit(fragment.signed_url).query)
-                return int(query["X-Amz-Expires"][0])
+                return expiry(fragment.signed_url)
 
-            assert await expires_in(md(auth.READ, ttl=600), 3600) <= 600
-            assert 25 <= await expires_in(md(auth.READ, ttl=30), 3600) <= 30
-            assert await expires_in(md(auth.READ, ttl=600), 60) == 60  # Shorter than the token.
-            # A Read's URL likewise.
-            reads = stub.Read(pb.ReadRequest(journal="t/signed", offset=0, block=False, metadata_only=True), metadata=md(auth.READ, ttl=20))  # fmt: skip
-            first = await reads.read()
-            query = urllib.parse.parse_qs(urllib.parse.urlsplit(first.fragment_url).query)
-            assert 15 <= int(query["X-Amz-Expires"][0]) <= 20
-            reads.cancel()
+            async def read(stub: pb_grpc.JournalStub, token_ttl: float) -> int:
+                request = pb.ReadRequest(journal="t/signed", block=False, metadata_only=True)
+                call = stub.Read(request, metadata=md(auth.READ, ttl=token_ttl))
+                first = await call.read()
+                call.cancel()
+                return expiry(first.fragment_url)
+
+            for stub in (local, proxying):
+                assert await listed(stub, 600, 3600) <= 600
+                assert 25 <= await listed(stub, 30, 3600) <= 30
+                assert await listed(stub, 600, 60) == 60  # Shorter than the token.
+                assert 15 <= await read(stub, 20) <= 20
+                assert await read(stub, 600) == 60  # A Read's URL lives its minute.
         finally:
-            await channel.close(None)
+            for channel in channels:
+                await channel.close(None)
 
 
 def test_metrics_can_leave_journal_names_and_store_urls_out(
