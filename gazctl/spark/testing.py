@@ -99,8 +99,8 @@ def standalone_cluster(
             try:
                 if cluster.state().get("aliveworkers", 0) >= workers:
                     break
-            except OSError:
-                pass  # The master's web UI is not up yet.
+            except (OSError, ValueError):
+                pass  # The master's web UI is not up yet (or answered before it had a body).
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{workers} Spark workers did not register with {url}")
             time.sleep(0.25)
