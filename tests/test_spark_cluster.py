@@ -1,7 +1,7 @@
 """Spark jobs on a standalone cluster (`--master spark://...`): a master and two workers started
-from PySpark's `spark-class` (gazctl.spark.testing), bound to 127.0.0.1 only, stopped by pid. The
-replay runs as a user runs it, `gazctl spark replay` in its own process, its tasks on the
-workers' executors."""
+from PySpark's `spark-class` (gazctl.spark.testing), bound to 127.0.0.1 only, stopped by pid, and
+shared by the module's tests. Each job runs as a user runs it, `gazctl spark replay` or `gazctl
+spark compact` in its own process, its tasks on the workers' executors."""
 
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.testing import StandaloneCluster, standalone_cluster
 from tests.conftest import run_cli
+from tests.fragments_testing import put_pieces
+from tests.test_spark_compact import JOURNAL, content, journal_bytes, specs_file
 from tests.test_spark_replay import local_events, sequenced_offline
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # Three JVMs, started once for the module's tests.
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
     with standalone_cluster(tmp_path_factory.mktemp("spark-cluster")) as started:
         yield started
@@ -43,6 +46,18 @@ def listening_addresses(pid: int) -> set[str]:
     return out
 
 
+def executors_of(cluster: StandaloneCluster, app: str) -> list[int]:
+    """The workers (by index) that ran an executor of the application named `app`."""
+    state = cluster.state()
+    ids = [a["id"] for a in state["completedapps"] + state["activeapps"] if a["name"] == app]
+    assert ids, [a["name"] for a in state["completedapps"] + state["activeapps"]]
+    return [
+        i
+        for i in range(len(cluster.workers))
+        if any((cluster.workdir / f"worker-{i}" / app_id).is_dir() for app_id in ids)
+    ]
+
+
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
@@ -65,10 +80,29 @@ def test_replay_runs_on_a_standalone_cluster_of_two_workers(
     got = [(r["journal"], r["offset"], json.loads(r["content"])["id"]) for r in rows]
     assert got == sequenced_offline(data, "local/events")
     # It ran on the cluster, with an executor on each worker.
-    state = cluster.state()
-    apps = [a["name"] for a in state["completedapps"] + state["activeapps"]]
-    assert "gazctl spark replay" in apps, apps
-    for i in range(len(cluster.workers)):
-        assert list((cluster.workdir / f"worker-{i}").glob("app-*/*")), (
-            f"worker-{i} ran no executor"
-        )
+    assert executors_of(cluster, "gazctl spark replay") == [0, 1]
+
+
+@pytest.mark.slow
+def test_compact_runs_on_a_standalone_cluster_of_two_workers(
+    cluster: StandaloneCluster, tmp_path: Path
+) -> None:
+    (tmp_path / "root" / "store").mkdir(parents=True)
+    store = open_store("file:///store/", file_root=tmp_path / "root")
+    data = content(3000)
+    put_pieces(store, JOURNAL, data, [1000, 2000], codec=pb.NONE)
+    r = run_cli("gazctl", "spark", "compact", "-l", f"name={JOURNAL}", "--master", cluster.url,
+                "--specs", str(specs_file(tmp_path, "file:///store/")), "--min-age", "0s",
+                "--file-root", str(tmp_path / "root"), timeout=300)  # fmt: skip
+    assert r.code == 0, r.err
+    assert r.err.splitlines() == [
+        "compacted 1 journal: 3 fragments (3000 bytes) into 1 fragment; 0 redundant fragments "
+        "removed; 0 left as they are, 0 too young"
+    ], r.err
+    fragments = store.list_fragments(JOURNAL)
+    assert [(f.begin, f.end, f.compression_codec) for f in fragments] == [
+        (0, 3000, pb.ZSTANDARD)
+    ], fragments
+    assert journal_bytes(store, JOURNAL) == data
+    # The executors wrote, verified and removed the fragments: one on each worker.
+    assert executors_of(cluster, "gazctl spark compact") == [0, 1]
