@@ -713,11 +713,16 @@ def authorizer_of(keys_text: str = "", token: str = "", flag: str = "auth keys")
 
 def _request_selector(method: str, request: Any) -> pb.LabelSelector | None:
     """Upstream's default claims narrow a Read or ListFragments to its journal, a List to its
-    selector; other calls ask for the capability over everything the key may grant."""
+    selector; ours narrow a Stat or GetHints to its shard (`id=<shard>`) as well. Other calls
+    ask for the capability over everything the key may grant."""
     if method in ("/protocol.Journal/Read", "/protocol.Journal/ListFragments"):
         journal = getattr(request, "journal", "")
         if journal:
             return name_selector(journal.split(";", 1)[0])
+    elif method in ("/consumer.Shard/Stat", "/consumer.Shard/GetHints"):
+        shard = getattr(request, "shard", "")
+        if shard:
+            return labels.selector(include=labels.label_set((labels.META_ID, shard)))
     elif method == "/protocol.Journal/List":
         sel = getattr(request, "selector", None)
         if isinstance(sel, pb.LabelSelector):

@@ -828,3 +828,30 @@ async def test_a_pipeline_is_renewed_before_its_token_expires(
         response = await append_to(a.endpoint, "own/renewed", b"second\n")
         assert response.status == pb.OK, response
         assert recording.of(auth.REPLICATE)[-1].exp > first.exp  # A new pipeline's token.
+
+
+def test_a_clients_token_for_a_shard_call_names_its_shard() -> None:
+    """As a Read's token names its journal, a Stat's or GetHints' names its shard (`id`): a
+    consumer proxying a Stat to the shard's primary signs READ over that shard alone."""
+    from broker.protocol import consumer_pb2 as cpb
+    from broker.protocol import labels
+
+    sent: list[Any] = []
+
+    class Recording:  # A channel's multi-callables, recording each call's metadata.
+        def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            return lambda request, metadata=None, **kw: sent.append(metadata)
+
+    channel: Any = auth.authorized_channel(Recording(), auth.KeyedAuth([KEY1]))  # type: ignore[arg-type]
+    channel.unary_unary("/consumer.Shard/Stat")(cpb.StatRequest(shard="shard-a"))
+    channel.unary_unary("/consumer.Shard/GetHints")(cpb.GetHintsRequest(shard="shard-a"))
+    channel.unary_unary("/consumer.Shard/List")(cpb.ListRequest())
+    verifier = auth.KeyedVerifier([KEY1], False)
+    stat, hints, listing = (verifier.verify(md, 0) for md in sent)
+    for claims in (stat, hints):
+        assert [(label.name, label.value) for label in claims.selector.include.labels] == [
+            ("id", "shard-a")
+        ]
+        assert claims.sees_labels(labels.label_set(("id", "shard-a")))
+        assert not claims.sees_labels(labels.label_set(("id", "shard-b")))
+    assert listing.unrestricted  # A List asks for its capability over everything.
