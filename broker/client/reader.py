@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import hashlib
 import logging
 import time
@@ -28,6 +30,34 @@ class ReadError(RuntimeError):
     def __init__(self, journal: str, status: int) -> None:
         self.status = status
         super().__init__(f"read of {journal}: {pb.Status.Name(status)}")
+
+
+# Verified reads hash on this thread, in the order content arrives, while the event loop takes
+# the next response: hashlib releases the GIL on large buffers, so the two run on two cores.
+_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-sha1")
+# Content queued for hashing at most (responses of 256 KiB): a reader faster than the hash waits.
+HASH_AHEAD = 8
+
+
+class _Summer:
+    """A fragment's SHA-1, computed on the hashing thread as its content streams."""
+
+    __slots__ = ("_pending", "_sha")
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha1()
+        self._pending: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def update(self, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        self._pending.append(loop.run_in_executor(_HASHER, self._sha.update, data))
+        while len(self._pending) > HASH_AHEAD or (self._pending and self._pending[0].done()):
+            await self._pending.popleft()
+
+    async def digest(self) -> bytes:
+        while self._pending:
+            await self._pending.popleft()
+        return self._sha.digest()
 
 
 @dataclass(frozen=True)
@@ -88,7 +118,7 @@ async def read(
         fragment: pb.Fragment | None = None
         head = 0
         follow: tuple[str, pb.Fragment, int] | None = None
-        summer: Any = None
+        summer: _Summer | None = None
         held: Chunk | None = None
         try:
             async for response in call:
@@ -114,7 +144,7 @@ async def read(
                     # SHA-1 when it ends, its last chunk held back until it checks out.
                     persisted = fragment.mod_time and fragment.backing_store
                     whole = persisted and offset == fragment.begin
-                    summer = hashlib.sha1() if verify and whole else None
+                    summer = _Summer() if verify and whole else None
                     continue
                 offset = response.offset + len(response.content)
                 chunk = Chunk(response.offset, response.content, fragment, head)
@@ -122,12 +152,12 @@ async def read(
                     yield chunk
                     continue
                 assert fragment is not None
-                summer.update(response.content)
+                await summer.update(response.content)
                 if held is not None:
                     yield held
                 held = chunk
                 if offset >= fragment.end:
-                    digest = summer.digest()
+                    digest = await summer.digest()
                     summer, held = None, None
                     if offset > fragment.end or digest != digest_of(fragment.sum):
                         raise FragmentCorrupt(
