@@ -56,6 +56,10 @@ class Store(Protocol):
         """Release what the store holds (the shard stopped here)."""
         ...
 
+    # Optional: how many commits may be in flight at once (default 1: a transaction starts its
+    # commit only once the previous one is durable). A store whose commits chain, each durable
+    # only after those before it, may allow more (consumer.transaction).
+
 
 _STATE = "state.json"
 _LOCK = ".lock"

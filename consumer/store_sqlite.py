@@ -126,15 +126,23 @@ class _RecordingFile(apsw.VFSFile):
             self.recorder.record_write(self.fnode, content, 0)
 
     def xSync(self, flags: int) -> None:
-        super().xSync(flags)
-        if self.path is not None:
-            # Sent to the log now; the store's commit completes once it is durable there.
-            self.recorder.flush()
+        if self.path is None:
+            super().xSync(flags)
+            return
+        # Sent to the log now; the store's commit completes once it is durable there. The log
+        # is what makes a recorded file durable: the local copy is never trusted after a crash
+        # (a replica plays the log back into its directory), so it is not fsynced.
+        self.recorder.flush()
 
 
 class SQLiteStore:
     """A store on SQLite in the recorder's directory (see the module's doc). Made once the
     directory holds what the recovery log recorded (playback), with the recorder started."""
+
+    # Commits that may be in flight at once (consumer.transaction): each commits locally once
+    # the one before did, and becomes durable with its log writes, so commits queued behind an
+    # append in flight go out together in the next one.
+    pipelined_commits = 8
 
     def __init__(
         self, recorder: Recorder, *, compact_after: int = 64 << 20, journal_mode: str = "WAL"

@@ -16,7 +16,12 @@ transactions:
   that checkpoint with the application's state, made durable only once every append the
   transaction made has committed. Only after the commit are the ACK intents appended: readers
   then see the transaction's messages committed.
-* Two transactions overlap: the next consumes while the previous commits.
+* Transactions overlap: the next consumes while the previous commits. A store that chains its
+  commits (`pipelined_commits` above 1, as the recorded SQLite store) may have that many commits
+  in flight: a transaction then closes and starts its commit without waiting for the previous
+  one to be durable, and commits that queue behind a slow one reach the log in one append. A
+  transaction's ACKs and progress still follow every earlier transaction's, and its commit is
+  durable only after theirs.
 
 A message the application defers (`DeferToNextTransaction`) ends the transaction and begins
 the next. Progress (`read_through`, `publish_at`) is what Stat reports.
@@ -271,9 +276,11 @@ async def run_shard(
             shard.service.write_nowait(journal, intent)
             for journal, intent in checkpoint.ack_intents.items()
         ]
-        previous: asyncio.Task[None] = tasks.create_task(
-            _await_acks(shard, acks, {}, recovered=True)
+        # Commits in flight, oldest first (each completes only after those before it).
+        inflight: collections.deque[asyncio.Task[None]] = collections.deque(
+            [tasks.create_task(_await_acks(shard, acks, {}, recovered=True))]
         )
+        depth = max(1, int(getattr(store, "pipelined_commits", 1)))
         for source in sources:
             tasks.create_task(
                 _read_source(
@@ -283,9 +290,9 @@ async def run_shard(
             )
         # Runs until cancelled or failed; either way the group cancels the readers and commits.
         while True:
-            previous = await _transaction(
-                shard, app, store, sequencer, source_input, previous, by_journal, stubs, tasks,
-                recovery_log, now,
+            await _transaction(
+                shard, app, store, sequencer, source_input, inflight, depth, by_journal, stubs,
+                tasks, recovery_log, now,
             )  # fmt: skip
 
 
@@ -296,8 +303,16 @@ async def _await_acks(
     *,
     recovered: bool = False,
     committed: Awaitable[None] | None = None,
+    after: asyncio.Task[None] | None = None,
 ) -> None:
-    """Wait for the commit (if any), then for each ACK append; then signal progress."""
+    """Wait for the commit (if any), then for each ACK append; then signal progress. With
+    `after` (the commit in flight before this one), its own progress comes only after that one's:
+    if that one fails, the shard fails with its error, and this one reports nothing."""
+    if after is not None:
+        try:
+            await asyncio.shield(after)
+        except BaseException:
+            return  # The shard fails (or stops) for that one's reason.
     if committed is not None:
         await committed
     publish_at: dict[str, int] = {}
@@ -321,14 +336,16 @@ async def _transaction(
     store: Store,
     sequencer: Sequencer,
     source_input: _Input,
-    previous: asyncio.Task[None],
+    inflight: collections.deque[asyncio.Task[None]],
+    depth: int,
     sources: Mapping[str, Source],
     stubs: Callable[[], pb_grpc.JournalStub],
     tasks: asyncio.TaskGroup,
     recovery_log: str,
     now: Callable[[], float],
-) -> asyncio.Task[None]:
-    """Run one transaction; return the task that commits it and appends its ACKs."""
+) -> None:
+    """Run one transaction, and add the task that commits it and appends its ACKs to
+    `inflight` (the commits in flight, at most `depth` once it starts its commit)."""
     spec = shard.spec
     min_dur, max_dur = _duration(spec.min_txn_duration), _duration(spec.max_txn_duration)
     wait_for_ack = not spec.disable_wait_for_ack
@@ -354,8 +371,16 @@ async def _transaction(
             txn.max_done = True
             txn.reading = False
 
+    def unfinished() -> list[asyncio.Task[None]]:
+        return [task for task in inflight if not task.done()]
+
+    def reap() -> None:
+        """Drop the commits done, oldest first; the failure of one fails the shard."""
+        while inflight and inflight[0].done():
+            inflight.popleft().result()
+
     def blocks() -> bool:
-        if not previous.done():
+        if len(unfinished()) >= depth:
             return True
         if not txn.reading and txn.consumed == 0:
             return False
@@ -392,8 +417,7 @@ async def _transaction(
         await _dequeue_rest(sequencer, consume)
 
     while True:
-        if previous.done():
-            previous.result()  # Its failure (a commit or an ACK that failed) fails the shard.
+        reap()  # A failed commit (or an ACK that failed) fails the shard.
         tick()
         if txn.reading and pending:
             envelope = pending.popleft()
@@ -420,11 +444,11 @@ async def _transaction(
                 continue
         if not blocks():
             break  # Input stalled (or reading is over): commit.
-        # Wait for input, the next deadline, or the previous transaction's commit.
+        # Wait for input, the next deadline, or the oldest commit in flight.
         getting = txn.reading and not pending
         waits: list[Awaitable[Any]] = [queue.get()] if getting else []
-        if not previous.done():
-            waits.append(previous)
+        if running := unfinished():
+            waits.append(running[0])
         until = deadline()
         timeout = None if until is None else max(0.0, until - now())
         if waits or timeout is not None:
@@ -433,8 +457,11 @@ async def _transaction(
                 source_input.take(done[0].result())
 
     if txn.consumed == 0:
-        return previous
-    await previous  # Its commit comes first, and its failure is ours.
+        return
+    # Room for this commit: the oldest ones first (their failure is ours).
+    while len(running := unfinished()) >= depth:
+        await running[0]
+    reap()
     await app.finalize_txn(shard, store, shard.publisher)
     states = sequencer.checkpoint(PRUNE_HORIZON)
     read_through = sequencer.offsets
@@ -453,8 +480,12 @@ async def _transaction(
     # precede them: readers roll back what a producer wrote past its ACK's clock before the
     # ACK), and appended once the commit is durable.
     acks = [shard.service.write_after(journal, intent, committed) for journal, intent in intents]
-    return tasks.create_task(
-        _await_acks(shard, acks, read_through, committed=committed), name="commit"
+    after = inflight[-1] if inflight else None
+    inflight.append(
+        tasks.create_task(
+            _await_acks(shard, acks, read_through, committed=committed, after=after),
+            name="commit",
+        )
     )
 
 

@@ -430,3 +430,59 @@ async def test_a_shard_cancelled_as_its_commit_starts_writes_nothing_after_it_st
         await asyncio.sleep(0.6)
     assert store.writes == writes, "the store was written after the shard stopped"
     assert not [t for t in leftover if "_finish_commit" in repr(t.get_coro())], leftover
+
+
+class PipelinedStore(JSONFileStore):
+    """A JSON store whose commits chain, each written only once the one before it is and after a
+    delay (a slow log), so that a shard's commits queue: up to `pipelined_commits` in flight."""
+
+    pipelined_commits = 3
+    most_in_flight = 0  # Across instances: the most commits this test saw in flight at once.
+
+    def __init__(self, root: Path, shard_id: str) -> None:
+        super().__init__(root, shard_id)
+        self._last: asyncio.Future[None] | None = None
+        self._in_flight = 0
+
+    def start_commit(self, checkpoint: cpb.Checkpoint, wait_for: Any = ()) -> Any:
+        write = super().start_commit(checkpoint, wait_for)  # The snapshot, taken now.
+        previous = self._last
+
+        async def chained() -> None:
+            self._in_flight += 1
+            PipelinedStore.most_in_flight = max(PipelinedStore.most_in_flight, self._in_flight)
+            started = False
+            try:
+                if previous is not None:
+                    await asyncio.shield(previous)  # Its failure is this one's too.
+                await asyncio.sleep(0.01)
+                started = True
+                await write
+            finally:
+                self._in_flight -= 1
+                if not started:
+                    write.close()  # type: ignore[attr-defined]
+
+        self._last = asyncio.ensure_future(chained())
+        return self._last
+
+
+async def test_commits_pipelined_deeper_stay_exactly_once(
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """A store that chains its commits has several in flight (never more than it allows), and a
+    shard stopped anywhere, commits in flight included, still applies each input once and
+    publishes each output once."""
+    stub = sums_stub
+    expected = await publish_inputs(stub, 300, seed=7)
+    head = await write_head(stub, INPUT)
+    rng = random.Random(8)
+    PipelinedStore.most_in_flight = 0
+    for _ in range(5):
+        await run_until(stub, PipelinedStore(tmp_path, "summer-0"), Summer(), stop_after=rng.randint(20, 80))  # fmt: skip
+    await run_until(stub, PipelinedStore(tmp_path, "summer-0"), Summer(), through=head)
+    assert 1 < PipelinedStore.most_in_flight <= PipelinedStore.pipelined_commits
+    restored = JSONFileStore(tmp_path, "summer-0")
+    await restored.restore_checkpoint()
+    assert restored.state == dict(expected)
+    check_outputs(await committed_outputs(stub), expected)
