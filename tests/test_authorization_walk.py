@@ -53,7 +53,10 @@ def team_x() -> pb.LabelSelector:
     return sel
 
 
-ADMIN = metadata(auth.ALL)
+def admin() -> tuple[tuple[str, str], ...]:
+    """Every capability, no selector: signed when used (a module-level token would expire
+    before a long suite reaches these tests)."""
+    return metadata(auth.ALL)
 
 
 def journal_spec(name: str, team: str) -> pb.JournalSpec:
@@ -93,7 +96,7 @@ async def world(etcd_server: Any, etcd_prefix: str, tmp_path: Path) -> AsyncIter
         journals = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
         changes = [pb.ApplyRequest.Change(upsert=journal_spec(HIDDEN_JOURNAL, "y")),
                    pb.ApplyRequest.Change(upsert=journal_spec(SEEN_JOURNAL, "x"))]  # fmt: skip
-        await journals.Apply(pb.ApplyRequest(changes=changes), metadata=ADMIN)
+        await journals.Apply(pb.ApplyRequest(changes=changes), metadata=admin())
         header = await _routed_header(journals)
         await apply_location_journals(logs.endpoint, "A")
         location = LocationConfig("A", logs.endpoint, etcd_server.endpoint,
@@ -113,7 +116,7 @@ async def world(etcd_server: Any, etcd_prefix: str, tmp_path: Path) -> AsyncIter
             hidden = shard_spec(HIDDEN_SHARD, [HIDDEN_JOURNAL], labels=[("team", "y")])
             hidden.disable = True
             create = cpb.ApplyRequest.Change(upsert=hidden, expect_mod_revision=0)
-            assert (await shards.Apply(cpb.ApplyRequest(changes=[create]), metadata=ADMIN)).status == cpb.OK  # fmt: skip
+            assert (await shards.Apply(cpb.ApplyRequest(changes=[create]), metadata=admin())).status == cpb.OK  # fmt: skip
             location_channel = grpc.aio.insecure_channel(served.endpoint.removeprefix("http://"))
             assert walked.broker.http is not None
             try:
@@ -132,7 +135,7 @@ async def _routed_header(journals: pb_grpc.JournalStub) -> pb.Header:
 
     async with asyncio.timeout(30):
         while True:
-            call = journals.Read(pb.ReadRequest(journal=HIDDEN_JOURNAL, block=False), metadata=ADMIN)  # fmt: skip
+            call = journals.Read(pb.ReadRequest(journal=HIDDEN_JOURNAL, block=False), metadata=admin())  # fmt: skip
             first = await call.read()
             call.cancel()
             if first.status in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE) and first.header.route.primary == 0:  # fmt: skip

@@ -46,7 +46,10 @@ def md(capability: int = auth.ALL, selector: pb.LabelSelector | None = None, ttl
     return (("authorization", f"Bearer {SIGNER.sign(capability, selector, ttl)}"),)
 
 
-ADMIN = md()  # Every capability, no selector.
+def admin() -> tuple[tuple[str, str], ...]:
+    """Every capability, no selector: signed when used (a module-level token would expire
+    before a long suite reaches these tests)."""
+    return md()
 
 
 def spec(name: str, owner: str, store: str = "") -> pb.JournalSpec:
@@ -86,7 +89,7 @@ async def broker(etcd_server: object, etcd_prefix: str, tmp_path: Path) -> Async
                     ),
                 ]
             ),
-            metadata=ADMIN,
+            metadata=admin(),
         )
         yield stub
         await channel.close(None)
@@ -95,7 +98,7 @@ async def broker(etcd_server: object, etcd_prefix: str, tmp_path: Path) -> Async
 async def journal(stub: pb_grpc.JournalStub, name: str) -> pb.ListResponse.Journal | None:
     sel = pb.LabelSelector()
     sel.include.labels.add(name="name", value=name)
-    async for response in stub.List(pb.ListRequest(selector=sel), metadata=ADMIN):
+    async for response in stub.List(pb.ListRequest(selector=sel), metadata=admin()):
         for found in response.journals:
             return found
     return None
@@ -143,7 +146,7 @@ async def test_an_apply_neither_takes_over_nor_probes_a_journal_its_caller_canno
     assert (await broker.Apply(pb.ApplyRequest(changes=[created]), metadata=x)).status == pb.OK
     # The operator, unrestricted, replaces whatever it names.
     take = pb.ApplyRequest.Change(upsert=spec("t/theirs", "z"), expect_mod_revision=-1)
-    assert (await broker.Apply(pb.ApplyRequest(changes=[take]), metadata=ADMIN)).status == pb.OK
+    assert (await broker.Apply(pb.ApplyRequest(changes=[take]), metadata=admin())).status == pb.OK
 
 
 async def test_a_shard_apply_neither_takes_over_nor_probes_a_shard_its_caller_cannot_see(
@@ -169,7 +172,7 @@ async def test_a_shard_apply_neither_takes_over_nor_probes_a_shard_its_caller_ca
                 cpb.ApplyRequest(
                     changes=[cpb.ApplyRequest.Change(upsert=theirs, expect_mod_revision=0)]
                 ),
-                metadata=ADMIN,
+                metadata=admin(),
             )
             assert answer.status == cpb.OK
             mine = cpb.ShardSpec()
@@ -180,7 +183,7 @@ async def test_a_shard_apply_neither_takes_over_nor_probes_a_shard_its_caller_ca
             for expect in (answer.header.etcd.revision, -1, 0):
                 change = cpb.ApplyRequest.Change(upsert=mine, expect_mod_revision=expect)
                 await refused(stub.Apply(cpb.ApplyRequest(changes=[change]), metadata=x), "not authorized to s-theirs")  # fmt: skip
-            listed = await stub.List(cpb.ListRequest(), metadata=ADMIN)
+            listed = await stub.List(cpb.ListRequest(), metadata=admin())
             assert [(s.spec.id, s.spec.labels.labels[0].value) for s in listed.shards] == [("s-theirs", "y")]  # fmt: skip
         finally:
             await channel.close(None)
@@ -219,7 +222,7 @@ async def test_signed_fragment_urls_live_no_longer_than_the_token_they_were_aske
         stubs = [pb_grpc.JournalStub(c) for c in channels]  # type: ignore[no-untyped-call]
         try:
             change = pb.ApplyRequest.Change(upsert=spec("t/signed", "x", store))
-            await stubs[0].Apply(pb.ApplyRequest(changes=[change]), metadata=ADMIN)
+            await stubs[0].Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
             async with asyncio.timeout(30):  # Until a broker took the journal on.
                 while not ((found := await journal(stubs[0], "t/signed")) and found.route.primary == 0):  # fmt: skip
                     await asyncio.sleep(0.05)
