@@ -1,6 +1,7 @@
 """append_throughput: 3 brokers (separate processes), replication 3, one journal, 1 MiB appends
 streamed in 128 KiB chunks to the primary, in MB/s; baseline: the bare relay chain (client ->
-relay -> two sinks, each hashing and writing) with the same chunk and append sizes."""
+relay -> two sinks, each hashing and writing) with the same chunk and append sizes. Full runs
+alternate three rounds of each and report each side's median round (benchmarks/_rounds.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import statistics
 from typing import Any
 
 from benchmarks._cluster import appenders, cluster, percentile
+from benchmarks._rounds import alternating
 from benchmarks.baselines.relay import relay_throughput
 from broker.client.appender import CHUNK
 
@@ -32,9 +34,12 @@ async def measure(duration: float, concurrency: int = 1, *, tls: bool = False) -
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    duration = 1.0 if quick else 5.0
-    ours = asyncio.run(measure(duration))
-    base = asyncio.run(relay_throughput(duration, chunk_size=CHUNK, append_size=APPEND))
+    duration, pairs = (1.0, 1) if quick else (5.0, 3)
+    ours, base, rounds = alternating(
+        lambda: asyncio.run(measure(duration)),
+        lambda: asyncio.run(relay_throughput(duration, chunk_size=CHUNK, append_size=APPEND)),
+        pairs,
+    )
     return {
         "value": round(ours["value"], 1),
         "unit": "MB/s",
@@ -46,6 +51,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "p99_ms": round(ours["p99_ms"], 2),
         "chunk_size": CHUNK,
         "append_size": APPEND,
+        "rounds": rounds,
     }
 
 

@@ -13,19 +13,16 @@ import asyncio
 from typing import Any
 
 from benchmarks import append_small
-
-
-def _median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    return sorted(rounds, key=lambda r: r["value"])[len(rounds) // 2]
+from benchmarks._rounds import alternating
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     duration, pairs = (1.0, 1) if quick else (5.0, 3)
-    offs, ons = [], []
-    for _ in range(pairs):
-        offs.append(asyncio.run(append_small.measure(duration)))
-        ons.append(asyncio.run(append_small.measure(duration, auth=True)))
-    off, on = _median(offs), _median(ons)
+    on, off, rounds = alternating(
+        lambda: asyncio.run(append_small.measure(duration, auth=True)),
+        lambda: asyncio.run(append_small.measure(duration)),
+        pairs,
+    )
     return {
         "value": round(on["value"], 1),
         "unit": "appends/s",
@@ -36,9 +33,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "p99_ms": round(on["p99_ms"], 2),
         "baseline_p50_ms": round(off["p50_ms"], 2),
         "baseline_p99_ms": round(off["p99_ms"], 2),
-        "rounds": [
-            f"{round(a['value'])}/{round(b['value'])}" for a, b in zip(ons, offs, strict=True)
-        ],
+        "rounds": rounds,
     }
 
 

@@ -1,0 +1,28 @@
+"""Measurements against a same-run baseline on a shared, noisy machine: the two are measured in
+alternating rounds (ours, baseline, ours, baseline, ...) and each side is reported by its median
+round, so that a burst of load from elsewhere lands on either side alike, and every round is
+listed beside the figures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Measure = Callable[[], dict[str, Any]]
+
+
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose `value` is the median (the lower middle one of an even count)."""
+    return sorted(rounds, key=lambda r: r["value"])[(len(rounds) - 1) // 2]
+
+
+def alternating(ours: Measure, baseline: Measure, pairs: int) -> tuple[dict[str, Any], dict[str, Any], list[str]]:  # fmt: skip
+    """`pairs` rounds of each, alternating: the median round of each side, and every pair as
+    "ours/baseline" values."""
+    mine: list[dict[str, Any]] = []
+    theirs: list[dict[str, Any]] = []
+    for _ in range(pairs):
+        mine.append(ours())
+        theirs.append(baseline())
+    listed = [f"{a['value']:.4g}/{b['value']:.4g}" for a, b in zip(mine, theirs, strict=True)]
+    return median_round(mine), median_round(theirs), listed
