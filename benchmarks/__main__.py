@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "location_takeover": "benchmarks.location_takeover",
     "tls_cost": "benchmarks.tls_cost",
     "auth_overhead": "benchmarks.auth_overhead",
+    "journal_scale": "benchmarks.journal_scale",
 }
 
 if __name__ == "__main__":

@@ -54,9 +54,11 @@ def start_broker(
     lease: str | None = None,
     log_level: str = "warn",
     security: Security | None = None,
+    extra: Sequence[str] = (),
 ) -> BrokerProcess:
     """Start `gazette serve` as `broker_id` on a free port, its output in `log`. It is not
-    ready yet: see `wait_ready`. `lease` is `--etcd.lease` (default: the broker's)."""
+    ready yet: see `wait_ready`. `lease` is `--etcd.lease` (default: the broker's); `extra`
+    are more flags, as an operator would add them (`--broker.limit 20000`)."""
     port = free_port()
     command = [
         sys.executable, "-m", "broker.main", "serve",
@@ -73,6 +75,7 @@ def start_broker(
     if security is not None:
         command += security.broker_flags()
         scheme = "https" if security.pki else "http"
+    command += list(extra)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     return BrokerProcess(broker_id, f"{scheme}://127.0.0.1:{port}", proc, log)

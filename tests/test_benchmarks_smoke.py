@@ -235,3 +235,26 @@ def test_auth_overhead_quick() -> None:
     result = _runner.check("auth_overhead", auth_overhead.run(quick=True))
     assert result["unit"] == "appends/s" and result["value"] > 0 and result["baseline"] > 0
     assert result["target"] == 0.9
+
+
+@pytest.mark.slow
+def test_journal_scale_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200 journals at replication 3 on three brokers: every figure reported, every broker
+    stopped (figures are never asserted: they are nox -s bench's)."""
+    from benchmarks import journal_scale
+
+    started: list[_cluster.BrokerProcess] = []
+
+    def recording(*args: Any, **kwargs: Any) -> _cluster.BrokerProcess:
+        started.append(_cluster.start_broker(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(journal_scale, "start_broker", recording)
+    assert BENCHMARKS["journal_scale"] == "benchmarks.journal_scale"
+    result = _runner.check("journal_scale", journal_scale.run(quick=True))
+    assert result["unit"] == "KiB/replica" and result["ratio"] == 1.0
+    assert result["n200_replicas_per_broker"] == 200
+    assert 0 < result["n200_placed_s"] <= result["n200_consistent_s"]
+    for key in ("idle_rss_mib", "rss_mib", "cpu_short", "cpu_long", "list_ms"):
+        assert result[f"n200_{key}"] >= 0, key
+    assert len(started) == 3 and all(b.proc.poll() is not None for b in started)
