@@ -195,53 +195,89 @@ class Resolver:
     # ---- local replicas -----------------------------------------------------------------
 
     def _on_update(self, update: Update) -> None:
-        self.update_replicas()
+        if update.reload or self.replicas is None:
+            self.update_replicas()
+            return
+        # Only the journals whose item or assignments changed: a pass over every assignment
+        # at each update made placing N journals O(N^2), and pulsed every journal at once.
+        items, assigns = self.root + aks.ITEMS, self.root + aks.ASSIGNMENTS
+        journals: set[str] = set()
+        for change in update.changes:
+            key = change.key
+            if key.startswith(assigns):
+                journals.add(key[len(assigns) :].split(aks.SEP, 1)[0])
+            elif key.startswith(items):
+                journals.add(key[len(items) :])
+            elif key.startswith(self.root + aks.MEMBERS):
+                # A member's endpoint is part of every route it is in.
+                self.update_replicas()
+                return
+        if journals:
+            self.update_replicas(journals)
 
-    def update_replicas(self) -> None:
+    def update_replicas(self, journals: set[str] | None = None) -> None:
+        """Start, signal, promote or demote, and stop local replicas to match the keyspace:
+        of every journal, or of `journals` only."""
         if self.replicas is None:
             return
         local = (self.local_id.zone, self.local_id.suffix)
         mine: dict[str, aks.Assignment] = {}
-        for kv in self.ks.prefixed(self.root + aks.ASSIGNMENTS):
+        if journals is None:
+            candidates = self.ks.prefixed(self.root + aks.ASSIGNMENTS)
+        else:
+            candidates = [kv for j in sorted(journals) for kv in self.assignments_of(j)]
+        for kv in candidates:
             a = kv.decoded
             if isinstance(a, aks.Assignment) and (a.member_zone, a.member_suffix) == local:
                 mine.setdefault(a.item_id, a)
 
-        current, nxt = self.replicas, {}
+        current = self.replicas
+        kept: set[str] = set()
         for journal, assignment in mine.items():
             item_kv = self.ks.get(aks.item_key(self.root, journal))
             if item_kv is None:
                 continue  # An orphaned assignment: the allocator will remove it.
-            primary = assignment.slot == 0
-            assignments = self.assignments_of(journal)
-            replica = current.pop(journal, None)
-            if replica is not None and replica.create_revision != item_kv.create_revision:
-                # The journal was deleted and re-created: start afresh.
-                self._stop(replica)
-                replica = None
-            if replica is not None and replica.primary and not primary:
-                # Demoted: the pipeline goes (the new primary builds its own); the spool and
-                # index stay, so content committed here remains readable here.
-                self.tasks.spawn(replica.demote(), f"demoting {journal}")
-            if replica is None:
-                replica = self.new_replica(journal)
-                with logs.bound(journal=journal):  # Its tasks log with the journal.
-                    log.info("starting local replica of %s (primary: %s)", journal, primary)
-                    replica.start()
-                replica.create_revision = item_kv.create_revision
-                replica.assignments = assignments
-            elif _revisions(assignments) != _revisions(replica.assignments):
-                replica.assignments = assignments
-                replica.signal()
-            replica.primary = primary
-            item = item_kv.decoded
-            if isinstance(item, aks.Item) and isinstance(item.spec, pb.JournalSpec):
-                replica.set_spec(item.spec)
-            replica.on_route_change()
-            nxt[journal] = replica
-        for replica in current.values():
+            self._update_one(journal, assignment, item_kv, current)
+            kept.add(journal)
+        scope = list(current) if journals is None else [j for j in journals if j in current]
+        for journal in scope:
+            if journal not in kept:
+                self._stop(current.pop(journal))
+
+    def _update_one(
+        self,
+        journal: str,
+        assignment: aks.Assignment,
+        item_kv: KeyValue,
+        current: dict[str, Replica],
+    ) -> None:
+        primary = assignment.slot == 0
+        assignments = self.assignments_of(journal)
+        replica = current.get(journal)
+        if replica is not None and replica.create_revision != item_kv.create_revision:
+            # The journal was deleted and re-created: start afresh.
             self._stop(replica)
-        self.replicas = nxt
+            replica = None
+        if replica is not None and replica.primary and not primary:
+            # Demoted: the pipeline goes (the new primary builds its own); the spool and
+            # index stay, so content committed here remains readable here.
+            self.tasks.spawn(replica.demote(), f"demoting {journal}")
+        if replica is None:
+            replica = self.new_replica(journal)
+            with logs.bound(journal=journal):  # Its tasks log with the journal.
+                log.info("starting local replica of %s (primary: %s)", journal, primary)
+                replica.start()
+            replica.create_revision = item_kv.create_revision
+            replica.assignments = assignments
+        elif _revisions(assignments) != _revisions(replica.assignments):
+            replica.assignments = assignments
+            replica.signal()
+        replica.primary = primary
+        item = item_kv.decoded
+        if isinstance(item, aks.Item) and isinstance(item.spec, pb.JournalSpec):
+            replica.set_spec(item.spec)
+        replica.on_route_change()
+        current[journal] = replica
 
     def _stop(self, replica: Replica) -> None:
         log.info("stopping local replica of %s", replica.journal)
