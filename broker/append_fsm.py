@@ -29,7 +29,7 @@ from broker.resolver import Resolution, ResolveError, desired_replication
 from plumbing import etcd as etcdx
 from plumbing import metrics
 from plumbing.auth import Claims
-from plumbing.tasks import take_unless, wait_any
+from plumbing.tasks import Slot, take_unless, wait_any
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext
@@ -110,7 +110,7 @@ class AppendFSM:
         self.pln: Pipeline | None = None
         # The queue `pln` (possibly None) was taken from, while we own it: it goes back there,
         # whatever the resolution says by then (the replica may have been replaced meanwhile).
-        self.pln_return: asyncio.Queue[Pipeline | None] | None = None
+        self.pln_return: Slot[Pipeline | None] | None = None
         self.pln_header = False  # Whether the next sync must carry the pipeline's header.
         self.read_through_rev = 0
         self.roll_to_offset = 0
@@ -206,7 +206,7 @@ class AppendFSM:
         assert self.pln is not None
         return self.pln
 
-    async def _take(self, queue: asyncio.Queue[Any]) -> tuple[bool, Any]:
+    async def _take(self, queue: Slot[Any]) -> tuple[bool, Any]:
         """Take from a replica queue unless the resolution is invalidated first."""
         return await take_unless(queue, self._res.invalidated)
 
@@ -258,6 +258,8 @@ class AppendFSM:
     async def state_start_pipeline(self) -> None:
         """Keep a pipeline already at the resolved route, else build one with the spool."""
         res = self._res
+        assert res.replica is not None
+        res.replica.pipeline_uses += 1  # Tells the pulse loop the pipeline is not idle.
         if (
             self.pln is not None
             and route_equivalent(self.pln.route, res.route)

@@ -23,7 +23,7 @@ from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import wire
 from plumbing import auth
-from plumbing.tasks import TaskOwner
+from plumbing.tasks import Slot, TaskOwner
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Pipeline:
         self,
         header: pb.Header,
         spool: Spool,
-        spool_queue: asyncio.Queue[Spool],
+        spool_queue: Slot[Spool],
         dialer: Dialer,
     ) -> None:
         if header.route.primary == -1:

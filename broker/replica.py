@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from broker.keyspace import KeyValue
 from broker.pipeline import describe
 from broker.protocol import protocol_pb2 as pb
 from plumbing.backoff import Backoff
-from plumbing.tasks import TaskOwner, take_unless, wait_any
+from plumbing.tasks import Event, Slot, TaskOwner, take_unless, wait_any
 
 if TYPE_CHECKING:
     from broker.fragment.persister import Persister
@@ -28,9 +29,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The pulse re-synchronizes the pipeline at least this often, as upstream's health check.
+# The pulse re-synchronizes the pipeline at least this often, as upstream's health check. Each
+# wait between pulses is drawn from [PULSE_JITTER, 1] times the interval, so that the pulses of
+# journals placed together (a broker's start, an Apply of many) spread over the interval rather
+# than firing together each time.
 PULSE_INTERVAL = 60.0
+PULSE_JITTER = 0.5
 PULSE_STOP_TIMEOUT = 10.0
+# A primary whose pipeline no append has taken for this long releases it after a pulse (its
+# Replicate streams, and the peers' handlers of them): the next append or pulse builds and
+# synchronizes a new one, as after a route change. 0 keeps pipelines until the route changes.
+IDLE_PIPELINE_RELEASE = 30.0
 
 
 class Replica:
@@ -41,14 +50,15 @@ class Replica:
         pulse: Callable[[Replica], Awaitable[None]] | None = None,
         pulse_interval: float = PULSE_INTERVAL,
         persister: Persister | None = None,
+        idle_pipeline_release: float = IDLE_PIPELINE_RELEASE,
     ) -> None:
         self.journal = journal
         self.spool_dir = spool_dir
         self.index = Index(journal)
         self.spec: pb.JournalSpec | None = None
-        self._spec_changed = asyncio.Event()
+        self._spec_changed = Event()
         self.persister = persister
-        self.spool_queue: asyncio.Queue[Spool] = asyncio.Queue(maxsize=1)
+        self.spool_queue: Slot[Spool] = Slot()
         observer = _IndexObserver(self)
         spool = Spool(journal, observer=observer, directory=spool_dir)
         observer.spool = spool
@@ -57,27 +67,32 @@ class Replica:
         # stopped by `shutdown`.
         self.tasks = TaskOwner(f"replica of {journal}")
         self._refresh_task: asyncio.Task[None] | None = None
-        self.pipeline_queue: asyncio.Queue[Pipeline | None] = asyncio.Queue(maxsize=1)
+        self.pipeline_queue: Slot[Pipeline | None] = Slot()
         self.pipeline_queue.put_nowait(None)
         self.append_limiter = RateLimiter(0)  # The spec's max_append_rate (0: unlimited).
         self.primary = False
         self.create_revision = 0
         self.assignments: tuple[KeyValue, ...] = ()
-        self.invalidated = asyncio.Event()
+        self.invalidated = Event()
         self._pulse = pulse
         self._pulse_interval = pulse_interval
         # Pulses in a row, up to the one about to run, that found the route (the assignments
         # and their revisions) as the previous pulse left it: auto-suspension waits for these.
         self.stable_pulses = 0
         self._pulse_task: asyncio.Task[None] | None = None
-        self._pulse_now = asyncio.Event()
+        self._pulse_now = Event()
+        self._idle_pipeline_release = idle_pipeline_release
+        # Appends and pulses that took the pipeline (counted by the append FSM): the pulse
+        # loop tells from it whether anything but its own pulses used the pipeline.
+        self.pipeline_uses = 0
+        self.pipelines_released = 0
         self.stopped = False
         # While the broker cannot show that its etcd lease is alive (see `fence`): the token of
         # the current fence, and whether the fence holds the pipeline slot (its pipeline torn
         # down) rather than the queue.
         self._fence: object | None = None
         self._fence_holds = False
-        self._stopping = asyncio.Event()  # Set when `shutdown` begins.
+        self._stopping = Event()  # Set when `shutdown` begins.
 
     def start(self) -> None:
         """Start the fragment refresh daemon (listing the journal's stores)."""
@@ -92,7 +107,7 @@ class Replica:
         if self.spec is None or self.spec != spec:
             self.spec = spec
             self._spec_changed.set()
-            self._spec_changed = asyncio.Event()
+            self._spec_changed = Event()
 
     @property
     def spec_changed_event(self) -> asyncio.Event:
@@ -102,7 +117,7 @@ class Replica:
     def signal(self) -> None:
         """Invalidate resolutions of this journal: its assignments changed."""
         self.invalidated.set()
-        self.invalidated = asyncio.Event()
+        self.invalidated = Event()
 
     def on_route_change(self) -> None:
         if not self.primary or self._pulse is None or self.stopped:
@@ -116,14 +131,22 @@ class Replica:
         # A failed pulse is retried soon: the route may still be settling.
         backoff = Backoff(initial=0.25, maximum=5.0)
         last_route: list[tuple[str, int]] | None = None
+        loop = asyncio.get_running_loop()
+        # When the pipeline was last taken by anything but a pulse (as far as pulses can tell:
+        # uses between two pulses are dated at the second), and the count after the last pulse.
+        quiet_since, uses_after_pulse = loop.time(), self.pipeline_uses
         try:
             while self.primary and not self.stopped:
-                await wait_any(self._pulse_now, timeout=self._pulse_interval)
+                delay = self._pulse_interval * random.uniform(PULSE_JITTER, 1.0)
+                await wait_any(self._pulse_now, timeout=delay)
                 self._pulse_now.clear()
                 if not self.primary or self.stopped:
                     return
                 route = [(kv.key, kv.mod_revision) for kv in self.assignments]
                 self.stable_pulses = self.stable_pulses + 1 if route == last_route else 0
+                uses_before = self.pipeline_uses
+                if uses_before != uses_after_pulse:
+                    quiet_since = loop.time()  # An append took the pipeline since.
                 try:
                     await self._pulse(self)
                     # The route as this pulse left it (its assignments' values may be updated).
@@ -143,9 +166,36 @@ class Replica:
                     self._pulse_now.set()
                 else:
                     backoff.reset()
+                    if self.pipeline_uses - uses_before > 1:
+                        quiet_since = loop.time()  # An append ran beside the pulse.
+                    elif (
+                        self._idle_pipeline_release > 0
+                        and loop.time() - quiet_since >= self._idle_pipeline_release
+                    ):
+                        await self._release_idle_pipeline()
+                uses_after_pulse = self.pipeline_uses
         finally:
             if self._pulse_task is asyncio.current_task():
                 self._pulse_task = None
+
+    async def _release_idle_pipeline(self) -> None:
+        """Tear down the pipeline of a primary no append has used for a while (its Replicate
+        streams are the bulk of an idle replica's memory, here and on each peer): the next
+        append or pulse builds a new one, synchronized before any content, as after a route
+        change. Skipped if an append holds the pipeline now. As a demotion's teardown, the spool
+        goes back to its queue at once (nothing uncommitted is pending: an append returns the
+        pipeline only after its commit or rollback went out), and acknowledgements still on
+        their way are read first, in turn."""
+        try:
+            pipeline = self.pipeline_queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return  # Taken by an append (or held by a fence).
+        try:
+            if pipeline is not None:
+                self.pipelines_released += 1
+                await pipeline.shutdown(expect_err=False)
+        finally:
+            self.pipeline_queue.put_nowait(None)
 
     # ---- fencing ------------------------------------------------------------------------------
 

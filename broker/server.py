@@ -93,6 +93,8 @@ class BrokerConfig:
     auto_suspend: bool = False
     # How often each journal's primary pulses (a zero-byte append through its pipeline).
     pulse_interval: float = 60.0
+    # A primary releases a pipeline no append has used for this long, after a pulse (0: never).
+    idle_pipeline_release: float = 30.0
     # Tests of the broker core turn the allocator off and write assignments themselves.
     run_allocator: bool = True
     # TLS: served with `server_tls` (advertising https://), peers dialled with `peer_tls`,
@@ -190,6 +192,7 @@ class Broker:
             max_replication=self.config.max_replication,
             auto_suspend=self.config.auto_suspend,
             pulse_interval=self.config.pulse_interval,
+            idle_pipeline_release=self.config.idle_pipeline_release,
             dialer=Dialer(Credentials(self.config.peer_tls, self._peer_auth())),
             verifier=verifier,
             persister=Persister(

@@ -31,7 +31,7 @@ from broker.protocol import labels, validate, wire
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.read_api import serve_read
-from broker.replica import PULSE_INTERVAL, Replica
+from broker.replica import IDLE_PIPELINE_RELEASE, PULSE_INTERVAL, Replica
 from broker.replicate_api import serve_replicate
 from broker.resolver import Resolver
 from plumbing import auth, logs, metrics
@@ -68,6 +68,7 @@ class JournalService(pb_grpc.JournalServicer):
         max_replication: int = 9,
         auto_suspend: bool = False,
         pulse_interval: float = PULSE_INTERVAL,
+        idle_pipeline_release: float = IDLE_PIPELINE_RELEASE,
         persister: Persister | None = None,
         verifier: auth.Verifier | None = None,
     ) -> None:
@@ -83,6 +84,7 @@ class JournalService(pb_grpc.JournalServicer):
         self.min_append_rate = min_append_rate
         self.auto_suspend = auto_suspend
         self.pulse_interval = pulse_interval
+        self.idle_pipeline_release = idle_pipeline_release
         self.persister = persister
         # Holes in journals this broker leads: when each was first seen (None once reported).
         self._holes: dict[str, dict[tuple[int, int], float | None]] = {}
@@ -108,6 +110,7 @@ class JournalService(pb_grpc.JournalServicer):
             pulse=self.pulse,
             pulse_interval=self.pulse_interval,
             persister=self.persister,
+            idle_pipeline_release=self.idle_pipeline_release,
         )
 
     async def stop(self) -> None:

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from plumbing.backoff import Backoff
-from plumbing.tasks import TaskOwner, first_of, in_thread, take_unless, wait_any
+from plumbing.tasks import Event, Slot, TaskOwner, first_of, in_thread, take_unless, wait_any
 
 
 async def test_close_cancels_and_awaits_every_task_and_refuses_new_ones() -> None:
@@ -160,6 +160,65 @@ async def test_take_unless_never_loses_an_item_to_cancellation() -> None:
     event = asyncio.Event()
     asyncio.get_running_loop().call_later(0.01, event.set)
     assert await take_unless(queue, event) == (False, None)
+
+
+async def test_take_unless_never_loses_an_item_of_a_slot_to_cancellation() -> None:
+    for spins in range(6):
+        slot: Slot[str] = Slot()
+        event = Event()
+        task = asyncio.ensure_future(take_unless(slot, event))
+        await asyncio.sleep(0)
+        slot.put_nowait("spool")
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            taken, item = await task
+        except asyncio.CancelledError:
+            assert slot.qsize() == 1, f"lost after {spins} steps"
+        else:
+            assert taken and item == "spool" and slot.qsize() == 0
+    event = Event()
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await take_unless(Slot[str](), event) == (False, None)
+
+
+async def test_a_slot_serves_getters_in_order_and_a_woken_getter_cancelled_passes_it_on() -> None:
+    slot: Slot[int] = Slot()
+    with pytest.raises(asyncio.QueueEmpty):
+        slot.get_nowait()
+    got: list[tuple[str, int]] = []
+
+    async def getter(name: str) -> None:
+        got.append((name, await slot.get()))
+
+    first, second, third = (asyncio.ensure_future(getter(n)) for n in ("first", "second", "third"))
+    await asyncio.sleep(0)
+    slot.put_nowait(1)
+    with pytest.raises(asyncio.QueueFull):
+        slot.put_nowait(2)
+    first.cancel()  # Woken by the put, cancelled before it ran: the item goes to the next.
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert got == [("second", 1)] and first.cancelled()
+    await second
+    slot.put_nowait(3)
+    await third
+    assert got == [("second", 1), ("third", 3)] and slot.empty()
+
+
+async def test_an_event_wakes_every_waiter_and_a_cancelled_waiter_leaves() -> None:
+    event = Event()
+    waiters = [asyncio.ensure_future(event.wait()) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiters[0].cancel()
+    await asyncio.sleep(0)
+    event.set()
+    assert await asyncio.gather(*waiters[1:]) == [True, True] and waiters[0].cancelled()
+    assert event.is_set() and await event.wait()
+    event.clear()
+    assert not event.is_set()
+    assert not await wait_any(event, timeout=0.01)
 
 
 async def test_in_thread_is_waited_out_when_cancelled() -> None:

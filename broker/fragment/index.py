@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from broker.fragment.cover_set import CoverSet, IndexedFragment, Readable
 from broker.fragment.spool import CompletedFragment
 from broker.protocol import protocol_pb2 as pb
+from plumbing.tasks import Event
 
 # A read of an offset no fragment covers may jump forward to the next *persisted* fragment only
 # if the read starts before every fragment, or that fragment was persisted this long ago: a
@@ -38,13 +39,13 @@ class Index:
         self.journal = journal
         self._set = CoverSet()  # Local and remote.
         self._local = CoverSet()  # Local only: each has a `file`.
-        self._changed = asyncio.Event()
-        self.first_refresh = asyncio.Event()
+        self._changed = Event()
+        self.first_refresh = Event()
         self.refresh_error = ""  # Of the last failed listing of the stores.
         # Set to ask the refresh daemon for a listing now (a persist completed, or a read met
         # a range below the write head that nothing here covers).
-        self.refresh_requested = asyncio.Event()
-        self._listed = asyncio.Event()  # Set at the next listing (replaced by a fresh one).
+        self.refresh_requested = Event()
+        self._listed = Event()  # Set at the next listing (replaced by a fresh one).
         self._closed = False
 
     # ---- spool observer -----------------------------------------------------------------------
@@ -81,7 +82,7 @@ class Index:
         self._install_remote(remote)
         self.first_refresh.set()
         self._listed.set()
-        self._listed = asyncio.Event()
+        self._listed = Event()
 
     async def listing(self, timeout: float) -> bool:
         """Ask for a listing of the stores now, and wait for it (up to `timeout` seconds);
@@ -205,7 +206,7 @@ class Index:
 
     def _signal(self) -> None:
         self._changed.set()
-        self._changed = asyncio.Event()
+        self._changed = Event()
 
     def close(self) -> None:
         """Release local fragment files (the replica is going away)."""
