@@ -6,6 +6,8 @@ Brokers (and the allocator) read journal specs, members and assignments from it 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
@@ -190,6 +192,12 @@ class KeySpace:
         self._wanted = 0
         # Resolved to wake the watch loop when a new waiter arrives during a pending batch.
         self._wake: asyncio.Future[None] | None = None
+        # wait_for_revision() callers, by the revision each awaits (a heap), each woken once,
+        # when the mirror reaches it: thousands wait while journals are placed (pulses, peers'
+        # Replicate streams), and waking each at every batch was quadratic (issue 26).
+        self._revision_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiter_order = itertools.count()
+        self._waiters_gone = 0  # Cancelled waiters still in the heap.
 
     # ---- reading the mirror -------------------------------------------------------------
 
@@ -252,13 +260,25 @@ class KeySpace:
 
         Cancelling one waiter does not disturb others.
         """
-        async with asyncio.timeout(timeout):
-            while self._revision < revision:
-                if revision > self._wanted:
-                    self._wanted = revision
-                    if self._wake is not None and not self._wake.done():
-                        self._wake.set_result(None)
-                await self.wait_for_update()
+        if self._revision >= revision:
+            return
+        if revision > self._wanted:
+            self._wanted = revision
+            if self._wake is not None and not self._wake.done():
+                self._wake.set_result(None)
+        reached = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._revision_waiters, (revision, next(self._waiter_order), reached))
+        try:
+            async with asyncio.timeout(timeout):
+                await reached
+        finally:
+            if not reached.done():
+                reached.cancel()
+                self._waiters_gone += 1
+                if self._waiters_gone > 64 and self._waiters_gone * 2 > len(self._revision_waiters):
+                    self._revision_waiters = [w for w in self._revision_waiters if not w[2].done()]
+                    heapq.heapify(self._revision_waiters)
+                    self._waiters_gone = 0
 
     def _publish(self, update: Update) -> None:
         for observer in list(self._observers):
@@ -269,6 +289,13 @@ class KeySpace:
         fut, self._next_update = self._next_update, None
         if fut is not None and not fut.done():
             fut.set_result(update)
+        waiters = self._revision_waiters
+        while waiters and waiters[0][0] <= self._revision:
+            reached = heapq.heappop(waiters)[2]
+            if reached.done():
+                self._waiters_gone = max(0, self._waiters_gone - 1)
+            else:
+                reached.set_result(None)
 
     # ---- loading ------------------------------------------------------------------------
 
