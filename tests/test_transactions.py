@@ -433,10 +433,12 @@ async def test_a_shard_cancelled_as_its_commit_starts_writes_nothing_after_it_st
 
 
 class PipelinedStore(JSONFileStore):
-    """A JSON store whose commits chain, each written only once the one before it is and after a
-    delay (a slow log), so that a shard's commits queue: up to `pipelined_commits` in flight."""
+    """A JSON store whose commits chain, each taking at least `DELAY` (a slow log) and written
+    only once the one before it is, so that a shard's commits queue: up to `pipelined_commits`
+    in flight."""
 
     pipelined_commits = 3
+    DELAY = 0.3
     most_in_flight = 0  # Across instances: the most commits this test saw in flight at once.
 
     def __init__(self, root: Path, shard_id: str) -> None:
@@ -453,9 +455,9 @@ class PipelinedStore(JSONFileStore):
             PipelinedStore.most_in_flight = max(PipelinedStore.most_in_flight, self._in_flight)
             started = False
             try:
+                await asyncio.sleep(self.DELAY)
                 if previous is not None:
                     await asyncio.shield(previous)  # Its failure is this one's too.
-                await asyncio.sleep(0.01)
                 started = True
                 await write
             finally:
@@ -465,6 +467,17 @@ class PipelinedStore(JSONFileStore):
 
         self._last = asyncio.ensure_future(chained())
         return self._last
+
+
+class SlowSummer(Summer):
+    """A Summer taking 5 ms a message: transactions end at max_txn_duration (0.1 s), well
+    within a commit's 0.3 s, so commits overlap however loaded the machine is."""
+
+    async def consume_message(
+        self, shard: Shard, store: JSONFileStore, envelope: Envelope, publisher: Publisher[Any]
+    ) -> None:
+        await asyncio.sleep(0.005)
+        await super().consume_message(shard, store, envelope, publisher)
 
 
 async def test_commits_pipelined_deeper_stay_exactly_once(
@@ -478,9 +491,10 @@ async def test_commits_pipelined_deeper_stay_exactly_once(
     head = await write_head(stub, INPUT)
     rng = random.Random(8)
     PipelinedStore.most_in_flight = 0
-    for _ in range(5):
-        await run_until(stub, PipelinedStore(tmp_path, "summer-0"), Summer(), stop_after=rng.randint(20, 80))  # fmt: skip
-    await run_until(stub, PipelinedStore(tmp_path, "summer-0"), Summer(), through=head)
+    fields = {"max_txn_duration": duration_pb2.Duration(nanos=100_000_000)}
+    for _ in range(3):
+        await run_until(stub, PipelinedStore(tmp_path, "summer-0"), SlowSummer(), stop_after=rng.randint(20, 80), spec_fields=fields)  # fmt: skip
+    await run_until(stub, PipelinedStore(tmp_path, "summer-0"), SlowSummer(), through=head, spec_fields=fields)  # fmt: skip
     assert 1 < PipelinedStore.most_in_flight <= PipelinedStore.pipelined_commits
     restored = JSONFileStore(tmp_path, "summer-0")
     await restored.restore_checkpoint()
