@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 
 import aetcd
+import pytest
 
 from broker.client.appender import append
 from broker.fragment.fragments import digest_of
@@ -81,3 +82,48 @@ async def test_a_grouped_append_is_checked_against_the_registers_the_group_leave
         assert all(lb.value != "nobody" for a in lost for lb in a.registers.labels if lb.name == "owner")  # fmt: skip
         content = await read_all(primary, "group/regs")
         assert content.count(b"claim") == 1
+
+
+async def test_a_group_whose_write_fails_commits_none_of_its_appends(
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The primary's spool fails (ENOSPC) on a group's content write: every append of that group
+    fails, none of it is ever read back, and the appends after it commit."""
+    import errno
+
+    from broker.fragment.spool import Spool
+
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
+        await set_journal(
+            etcd, etcd_prefix, journal_spec("group/torn"), [("local", i) for i in IDS]
+        )
+        primary = brokers[0]
+        await append(stub(primary), "group/torn", b"kept\n")
+        original = Spool.apply_content
+        failed_once = False
+
+        def failing(self: Spool, content: bytes, content_delta: int) -> pb.ReplicateResponse:
+            nonlocal failed_once
+            if not failed_once and content.count(b"\n") > 1:  # A group's write.
+                failed_once = True
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return original(self, content, content_delta)
+
+        monkeypatch.setattr(Spool, "apply_content", failing)
+        payloads = [f"torn {i:03d}\n".encode() for i in range(60)]
+        answers = await asyncio.gather(
+            *(append(stub(primary), "group/torn", p) for p in payloads), return_exceptions=True
+        )
+        monkeypatch.setattr(Spool, "apply_content", original)
+        assert failed_once
+        ok = sorted(
+            (a.commit.begin, payloads[i]) for i, a in enumerate(answers) if isinstance(a, pb.AppendResponse)
+        )  # fmt: skip
+        failed = [a for a in answers if not isinstance(a, pb.AppendResponse)]
+        assert failed and ok  # The failed group's appends, and those after it.
+        after = await append(stub(primary), "group/torn", b"after\n")
+        content = await read_all(primary, "group/torn")
+        assert content == b"kept\n" + b"".join(p for _, p in ok) + b"after\n"
+        assert after.commit.end == len(content)
+        for h in brokers[1:]:
+            assert await read_all(h, "group/torn") == content
