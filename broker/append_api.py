@@ -9,6 +9,7 @@ on every replica before the pipeline is released.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # A client may pause this long before its flow rate is judged (upstream's burst credit).
 FLOW_GRACE = 1.0
+# Appends of less content than this are read whole before they wait for the journal's pipeline,
+# so that the append holding it can commit them with its own (group commit).
+WHOLE_APPEND = 64 * 1024
 # A proxied append is authorized at the primary by a token of this broker's own: APPEND over the
 # journal alone, living PROXY_TOKEN_TTL seconds, with at least PROXY_TOKEN_FRESH of them left.
 PROXY_TOKEN_TTL = 600.0
@@ -63,6 +67,7 @@ class ClientStream:
         self._waited = 0.0  # Seconds spent in receive(), waiting for the client.
         self._bytes = 0
         self._reading: asyncio.Future[pb.AppendRequest] | None = None
+        self._ahead: collections.deque[Chunk] = collections.deque()  # Read by `prefetch`.
 
     def _timeout(self) -> float | None:
         if self.min_rate <= 0:
@@ -79,7 +84,48 @@ class ClientStream:
         if self._reading is not None:
             self._reading.cancel()
 
+    async def prefetch(self, limit: int) -> bytes | None:
+        """Read the client's messages ahead while their content totals less than `limit`: the
+        append's whole content if it ended within that (content chunks, the empty commit
+        chunk, then EOF), else None. What was read is handed out first by `receive` (and by
+        `remaining`), either way."""
+        total = 0
+        pieces: list[bytes] = []
+        committed = False
+        while True:
+            chunk = await self._receive()
+            self._ahead.append(chunk)
+            request = chunk.request
+            if chunk.error is not None:
+                return None
+            if request is None:  # EOF.
+                return b"".join(pieces) if committed and total else None
+            if request.journal or committed:
+                return None  # Not a content stream: the FSM refuses it as it reads it.
+            if not request.content:
+                committed = True
+                continue
+            total += len(request.content)
+            pieces.append(request.content)
+            if total >= limit:
+                return None  # A larger append streams as it comes.
+
+    async def remaining(self) -> AsyncIterator[pb.AppendRequest]:
+        """The client's messages not yet handed out: those read ahead, then the rest."""
+        while self._ahead:
+            chunk = self._ahead.popleft()
+            if chunk.request is None:
+                return
+            yield chunk.request
+        async for request in self._it:
+            yield request
+
     async def receive(self) -> Chunk:
+        if self._ahead:
+            return self._ahead.popleft()
+        return await self._receive()
+
+    async def _receive(self) -> Chunk:
         if self.gone.is_set():
             return Chunk(None, ClientError("client went away; rolled back"))
         # One task per message: `leave` cancels it (cancelling the FSM's own task instead
@@ -135,7 +181,13 @@ async def serve_append(
     logs.bind(journal=first.journal)
     fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
-    task = asyncio.ensure_future(fsm.run(stream.receive))
+
+    async def run() -> None:
+        if groupable(first):
+            fsm.whole = await stream.prefetch(WHOLE_APPEND)
+        await fsm.run(stream.receive)
+
+    task = asyncio.ensure_future(run())
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -145,7 +197,7 @@ async def serve_append(
         raise
 
     if fsm.state == State.PROXY:
-        return await proxy_append(ctx, fsm, first, iterator, context)
+        return await proxy_append(ctx, fsm, first, stream.remaining(), context)
     response = response_of(fsm)
     await explain_unplaced(ctx, response.status, context)
     status = metrics.status_name(response.status, pb.Status.Name)
@@ -165,6 +217,16 @@ async def explain_unplaced(ctx: BrokerContext, status: int, context: Any) -> Non
     note = ctx.resolver.placement_shortfall()
     if note is not None:
         await context.send_initial_metadata(((PLACEMENT, note),))
+
+
+def groupable(first: pb.AppendRequest) -> bool:
+    """Whether an append may be committed in a group, once read whole: one at the journal's
+    head (no explicit offset), neither suspending nor resuming, not proxied to us."""
+    return (
+        first.offset == 0
+        and first.suspend == pb.AppendRequest.SUSPEND_RESUME
+        and not first.HasField("header")
+    )
 
 
 def response_of(fsm: AppendFSM) -> pb.AppendResponse:

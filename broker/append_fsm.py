@@ -8,6 +8,7 @@ precondition set `status`, and on a failure of the machinery set `error`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
 import logging
@@ -29,7 +30,7 @@ from broker.resolver import Resolution, ResolveError, desired_replication
 from plumbing import etcd as etcdx
 from plumbing import metrics
 from plumbing.auth import Claims
-from plumbing.tasks import Slot, take_unless, wait_any
+from plumbing.tasks import Slot, first_of, take_unless, wait_any
 
 if TYPE_CHECKING:
     from broker.context import BrokerContext
@@ -76,6 +77,8 @@ class OffsetOverflow(ClientError):
 
 
 MAX_OFFSET = (1 << 63) - 1
+# The most appends one group commit takes (its leader's own included).
+MAX_GROUP = 256
 
 
 @dataclass
@@ -125,6 +128,18 @@ class AppendFSM:
         self.status: pb.Status = pb.OK
         self.error: BaseException | None = None
         self.proposed_at = 0.0  # When the commit (or roll-back) proposal was sent to peers.
+        # Group commit. `whole`: the append's content, read whole before it waits for the
+        # pipeline (set by the Append RPC for a small append it may group). Such an append
+        # waits on the replica's `group_waiting` for either the pipeline or `adopted`, set by
+        # the append holding the pipeline, which then commits it with its own and settles it
+        # (`settled`: resolved once its outcome is set). `group`: what a leader adopted, each
+        # with the span it is given.
+        self.whole: bytes | None = None
+        self.adopted = False
+        self.settled: asyncio.Future[None] | None = None
+        self.group: list[tuple[AppendFSM, pb.Fragment | None]] = []
+        self.group_committed = False  # Whether the group's proposal was a commit, acknowledged.
+        self._group_proposed = False  # Whether it was proposed as a commit.
 
     # ---- driving ----------------------------------------------------------------------------
 
@@ -147,6 +162,7 @@ class AppendFSM:
             raise
         finally:
             self.return_pipeline()
+            self._settle_group()
 
     async def run_to(self, target: State) -> bool:
         steps = {
@@ -244,10 +260,28 @@ class AppendFSM:
             self.state = State.ACQUIRE_PIPELINE
 
     async def state_acquire_pipeline(self) -> None:
-        """Take exclusive ownership of the replica's pipeline (send side)."""
+        """Take exclusive ownership of the replica's pipeline (send side). An append read
+        whole waits for it in the replica's group, and the append holding the pipeline may
+        commit it with its own (group commit): it then ends as that one settles it."""
         replica = self._res.replica
         assert replica is not None
-        taken, pln = await self._take(replica.pipeline_queue)
+        if self.whole is not None:
+            settled = self.settled = asyncio.get_running_loop().create_future()
+            replica.group_waiting.append(self)
+            try:
+                take, _ = await first_of(self._take(replica.pipeline_queue), settled)
+            finally:
+                with contextlib.suppress(ValueError):
+                    replica.group_waiting.remove(self)
+            if self.adopted:
+                if take.done() and not take.cancelled() and take.result()[0]:
+                    replica.pipeline_queue.put_nowait(take.result()[1])  # Not ours to use.
+                await settled
+                return
+            self.settled = None
+            taken, pln = take.result()
+        else:
+            taken, pln = await self._take(replica.pipeline_queue)
         if taken:
             self.pln, self.pln_return = pln, replica.pipeline_queue
         if not taken or self._res.invalidated.is_set():
@@ -561,6 +595,9 @@ class AppendFSM:
         """Forward one client chunk to every replica; on the client's commit (an empty chunk,
         then EOF) propose the extended fragment, on any error propose a rollback."""
         pln, spec = self._pln, self._spec
+        if self.whole is not None and self.client_fragment is None and may_write(spec):
+            await self._stream_group()
+            return
         if self.client_fragment is None:
             proposal = maybe_roll_fragment(pln.spool, self.roll_to_offset, spec.fragment)
             if proposal != pln.spool.fragment:
@@ -659,6 +696,123 @@ class AppendFSM:
         )
         self.state = State.READ_ACKNOWLEDGEMENTS
 
+    async def _stream_group(self) -> None:
+        """STREAM_CONTENT of an append read whole: it adopts the appends read whole that wait
+        for this pipeline (in arrival order, on an equivalent route), and sends their content
+        with its own as one content write, then one commit proposal. Each adopted append is
+        checked as it would be alone (its `check_registers` against the registers as the ones
+        before it in the group leave them) and gets its own span and SHA-1; one refused is left
+        out of the group with its own status. Every append of the group commits, or none."""
+        pln, spec, res = self._pln, self._spec, self._res
+        replica = res.replica
+        assert replica is not None and self.whole is not None
+        proposal = maybe_roll_fragment(pln.spool, self.roll_to_offset, spec.fragment)
+        if proposal != pln.spool.fragment:
+            await pln.scatter(
+                pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=False)
+            )
+        members: list[AppendFSM] = [self]
+        for waiting in list(replica.group_waiting):
+            if len(members) >= MAX_GROUP:
+                break
+            if (
+                waiting.resolved is not None
+                and waiting.resolved.replica is replica
+                and route_equivalent(waiting.resolved.route, res.route)
+                and waiting.settled is not None
+                and not waiting.settled.done()
+            ):
+                replica.group_waiting.remove(waiting)
+                waiting.adopted = True
+                members.append(waiting)
+                self.group.append((waiting, None))  # Settled whatever happens from here.
+        fragment = pln.spool.fragment
+        offset = fragment.end
+        registers = pb.LabelSet()
+        registers.CopyFrom(self.registers)
+        contents: list[bytes] = []
+        for member in members:
+            content = member.whole
+            assert content is not None
+            req = member.req
+            if member is not self:
+                member.resolved = res
+                check = req.check_registers if req.HasField("check_registers") else None
+                if check is not None and registers.labels and not labels.matches(check, registers):
+                    member.registers.CopyFrom(registers)
+                    member._fail(pb.REGISTER_MISMATCH)
+                    member._settle()
+                    continue
+            if offset + len(content) > MAX_OFFSET:
+                error = OffsetOverflow(
+                    f"append to {req.journal} would end past the largest offset ({MAX_OFFSET}); "
+                    "rolled back"
+                )
+                member._fail(error=error)
+                if member is not self:
+                    member._settle()
+                continue
+            if req.HasField("subtract_registers"):
+                registers = labels.subtract(registers, req.subtract_registers)
+            if req.HasField("union_registers"):
+                registers = labels.union(req.union_registers, registers)
+            member.registers = pb.LabelSet()
+            member.registers.CopyFrom(registers)
+            member.total_chunks = 1
+            span = pb.Fragment(
+                journal=fragment.journal,
+                begin=offset,
+                end=offset + len(content),
+                sum=frag.sum_from_digest(hashlib.sha1(content).digest()),
+                compression_codec=fragment.compression_codec,
+            )
+            offset = span.end
+            contents.append(content)
+            if member is self:
+                self.client_fragment = span
+            else:
+                self.group = [(m, span if m is member else s) for m, s in self.group]
+        self.client_commit = True
+        if contents:
+            content = b"".join(contents)
+            replica.append_limiter.set_rate(spec.max_append_rate)
+            delayed = await replica.append_limiter.take(len(content))
+            delayed = await self.ctx.append_limiter.take(len(content)) or delayed
+            self.delayed_chunks += int(delayed)
+            await pln.scatter_content(content, 0)
+        committing = pln.send_err() is None and bool(contents)
+        if committing:
+            proposal = pln.spool.next_proposal()
+            self.registers = registers
+        else:
+            proposal = pb.Fragment()
+            proposal.CopyFrom(pln.spool.fragment)  # Roll back.
+        self.proposed_at = time.monotonic()
+        await pln.scatter(
+            pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=True)
+        )
+        self._group_proposed = committing
+        self.state = State.READ_ACKNOWLEDGEMENTS  # Its own error, if any, is kept for after.
+
+    def _settle(self) -> None:
+        if self.settled is not None and not self.settled.done():
+            self.settled.set_result(None)
+
+    def _settle_group(self) -> None:
+        """Settle the appends this one adopted: committed with it, or failed as it did."""
+        group, self.group = self.group, []
+        for member, span in group:
+            if member.settled is None or member.settled.done():
+                continue  # Refused on its own (and settled then).
+            if self.group_committed and span is not None:
+                member.client_fragment = span
+                member.state = State.FINISHED
+            elif self.status != pb.OK:
+                member._fail(self.status)
+            else:
+                member._fail(error=self.error or RuntimeError("the group's commit failed"))
+            member._settle()
+
     async def state_read_acknowledgements(self) -> None:
         """Release the send side, then, in turn, read every peer's acknowledgement."""
         pln = self._pln
@@ -677,13 +831,16 @@ class AppendFSM:
                 await pln.gather_eof()
 
         await pln.read_in_turn(read)
+        failed = pln.recv_err() or send_err
+        self.group_committed = self._group_proposed and failed is None
         if self.error is not None or self.status != pb.OK:
             self.state = State.ERROR
-        elif (error := pln.recv_err() or send_err) is not None:
-            self._fail(error=error)
+        elif failed is not None:
+            self._fail(error=failed)
         else:
             self.state = State.FINISHED
             metrics.replication_seconds.observe(time.monotonic() - self.proposed_at)
+        self._settle_group()
 
 
 # ---- helpers ------------------------------------------------------------------------------

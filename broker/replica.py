@@ -12,7 +12,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.flow_control import RateLimiter
 from broker.fragment.index import Index
@@ -68,6 +68,9 @@ class Replica:
         self.tasks = TaskOwner(f"replica of {journal}")
         self._refresh_task: asyncio.Task[None] | None = None
         self.pipeline_queue: Slot[Pipeline | None] = Slot()
+        # Appends received whole (AppendFSMs), waiting for the pipeline in arrival order: the
+        # append holding it commits them with its own, in one replication round (group commit).
+        self.group_waiting: list[Any] = []
         self.pipeline_queue.put_nowait(None)
         self.append_limiter = RateLimiter(0)  # The spec's max_append_rate (0: unlimited).
         self.primary = False

@@ -184,8 +184,10 @@ async def test_local_spool_failure_mid_append_rolls_back_everywhere(
         return original(self, content, content_delta)
 
     monkeypatch.setattr(Spool, "apply_content", failing)
+    # Larger than a group commit's whole append (WHOLE_APPEND): it streams chunk by chunk.
+    torn = [b"torn-1;" * 6000, b"torn-2;" * 6000]
     with pytest.raises(grpc.aio.AioRpcError):
-        await append(stub(brokers[0]), journal, [b"torn-1;", b"torn-2;"])
+        await append(stub(brokers[0]), journal, torn)
     monkeypatch.setattr(Spool, "apply_content", original)
 
     service = brokers[0].broker.service
