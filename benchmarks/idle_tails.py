@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from benchmarks._cluster import (
     stop_brokers,
     wait_ready,
 )
+from benchmarks._proc import cpu_seconds
 from broker.client.appender import AppendError, append
 from broker.client.dialer import Dialer
 from broker.client.reader import read
@@ -40,16 +40,6 @@ BROKERS = 3
 # Tails cost "next to nothing": at most this many CPU seconds per 10 s above the idle broker
 # (1% of a core).
 TARGET_EXCESS = 0.1
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far, every thread included."""
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    # Fields after the command (which may hold spaces), from the 3rd: utime is the 14th.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 async def cpu_over(pids: list[int], window: float) -> list[float]:

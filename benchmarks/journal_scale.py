@@ -48,6 +48,7 @@ from benchmarks._cluster import (
     stop_brokers,
     wait_ready,
 )
+from benchmarks._proc import cpu_seconds, rss_bytes
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
@@ -62,22 +63,10 @@ PULSE_INTERVAL = 60.0  # --broker.pulse-interval's default.
 SETTLE = 20.0  # After every journal is consistent, before memory and CPU are read.
 QUICK_SETTLE = 2.0
 QUICK_WINDOWS = (2.0, 4.0)
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    return rss_bytes(pid) / (1 << 20)
 
 
 def load_average() -> float:

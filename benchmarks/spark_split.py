@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._messages import transactions
+from benchmarks._proc import cpu_seconds, rss_bytes
 from broker.fragment.stores import close_stores, open_store
 from broker.protocol import protocol_pb2 as pb
 
@@ -93,24 +94,17 @@ def _tree(pids: list[int]) -> list[int]:
 
 def _rss(pid: int) -> int:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+        return rss_bytes(pid)
     except OSError:
-        pass
-    return 0
+        return 0  # Gone meanwhile.
 
 
 def _cpu(pid: int) -> float:
     """Seconds of CPU the process has used (user and system)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class ExecutorMeter:
