@@ -731,7 +731,7 @@ class AppendFSM:
         registers = pb.LabelSet()
         registers.CopyFrom(self.registers)
         contents: list[bytes] = []
-        for member in members:
+        for index, member in enumerate(members):
             content = member.whole
             assert content is not None
             req = member.req
@@ -771,7 +771,7 @@ class AppendFSM:
             if member is self:
                 self.client_fragment = span
             else:
-                self.group = [(m, span if m is member else s) for m, s in self.group]
+                self.group[index - 1] = (member, span)  # Adopted in the order of `members`.
         self.client_commit = True
         if contents:
             content = b"".join(contents)

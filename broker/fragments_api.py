@@ -84,7 +84,7 @@ async def serve_list_fragments(
     if req.HasField("signatureTTL") and claims is not None:
         # Signed URLs live no longer than the caller's token: the TTL is cut here, before a
         # proxy forwards it, so the replica that signs honours the client's token, not ours.
-        asked = timedelta(seconds=req.signatureTTL.seconds, microseconds=req.signatureTTL.nanos // 1000)  # fmt: skip
+        asked = req.signatureTTL.ToTimedelta()
         allowed = signature_ttl(claims, asked)
         if allowed is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "token has expired: no URL is signed for it")  # fmt: skip
@@ -113,11 +113,7 @@ async def serve_list_fragments(
     await index.first_refresh.wait()
     fragments = index.fragments()
     limit = req.page_limit or DEFAULT_PAGE_LIMIT
-    ttl = (
-        timedelta(seconds=req.signatureTTL.seconds, microseconds=req.signatureTTL.nanos // 1000)
-        if req.HasField("signatureTTL")
-        else None
-    )
+    ttl = req.signatureTTL.ToTimedelta() if req.HasField("signatureTTL") else None
     response = pb.FragmentsResponse(status=pb.OK, header=res.header)
     at = bisect.bisect_left([f.begin for f in fragments], req.next_page_token)
     taken = 0
@@ -148,9 +144,8 @@ async def serve_list_fragments(
 def _with_ttl(req: pb.FragmentsRequest, ttl: timedelta) -> pb.FragmentsRequest:
     out = pb.FragmentsRequest()
     out.CopyFrom(req)
-    micros = max(1, int(ttl.total_seconds() * 1_000_000))  # A positive Duration, as required.
-    out.signatureTTL.seconds, out.signatureTTL.nanos = divmod(micros, 1_000_000)
-    out.signatureTTL.nanos *= 1000
+    # A positive Duration, as required.
+    out.signatureTTL.FromTimedelta(max(ttl, timedelta(microseconds=1)))
     return out
 
 
