@@ -4,18 +4,21 @@ retries while a journal is not yet placed, and failures that are not retried."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aetcd
+import grpc
 import pytest
 
 from broker.client import append_service
 from broker.client.append_service import AppendService, DependencyFailed, Span
 from broker.client.appender import AppendError
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
 from tests.journals_testing import journal_spec, set_journal, started_brokers
 from tests.loop_testing import StallProbe
@@ -269,3 +272,75 @@ async def test_records_are_written_to_the_batch_file_off_the_event_loop(
     assert await read_all(brokers[1], "svc/large") == expected
     assert [s.end for s in spans[:-1]] == [s.begin for s in spans[1:]]
     assert probe.worst < 0.05, f"the loop stalled {probe.worst * 1000:.0f} ms"
+
+
+async def test_a_client_closed_with_batches_in_flight_settles_them_all_unlogged(
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The channel under an AppendService closes while a batch streams (its call ends
+    cancelled on this side), with another batch queued behind it, and then the service
+    closes: every batch ends, failed or cancelled (none waits for good), and none is logged as
+    "Future exception was never retrieved" once collected, though nobody awaited them."""
+    spec = journal_spec("svc/closed", replication=2)
+    spec.max_append_rate = 200  # Bytes a second: a batch of 4 KiB streams for seconds.
+    await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+    channel = grpc.aio.insecure_channel(brokers[0].endpoint.removeprefix("http://"))
+    service = AppendService(pb_grpc.JournalStub(channel), max_batch=4096)  # type: ignore[no-untyped-call]
+    in_flight = await service.write("svc/closed", b"x" * 4096)
+    queued = [await service.write("svc/closed", b"y" * 100) for _ in range(3)]
+    journal = service._journals["svc/closed"]
+    await asyncio.sleep(0.5)  # Its content is on its way to the primary, held by the rate.
+    assert journal.sending is not None and not in_flight.done()
+    await channel.close(None)
+    await asyncio.wait_for(service.close(), 10)
+    batches = [in_flight.batch, *(p.batch for p in queued)]
+    assert all(b.done() for b in batches), f"a batch left unsettled by close: {batches}"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await in_flight
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    del in_flight, queued, batches, journal, service
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
+
+
+async def test_batches_that_fail_or_are_cancelled_after_their_writers_gave_up_log_nothing(
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fault campaign's publishers: a writer waits for its record with a timeout and gives
+    up (the batch goes on, shielded), then the batch fails once its retries run out, with
+    nobody awaiting it; another service is closed within a timeout that cancels its close with
+    a batch still retrying. Neither batch waits for good, and neither is logged as "Future
+    exception was never retrieved" once collected."""
+    # Replication 2, one broker assigned: INSUFFICIENT_JOURNAL_BROKERS, retried.
+    await set_journal(
+        etcd, etcd_prefix, journal_spec("svc/gaveup", replication=2), [("local", "broker-a")]
+    )
+    async with AppendService(stub(brokers[0]), max_retry_delay=0.05, max_wait=0.5) as service:
+        pending = await service.write("svc/gaveup", b"never\n")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(pending, 0.1)  # The writer gives up; the batch goes on.
+        batch = pending.batch
+        del pending
+    assert batch.done() and not batch.cancelled()  # Failed once max_wait ran out.
+    del batch
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
+
+    service = AppendService(stub(brokers[0]), max_retry_delay=0.05)
+    retrying = await service.write("svc/gaveup", b"never either\n")
+    await asyncio.sleep(0.2)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(service.close(), 0.2)  # As the campaign's clients close.
+    assert retrying.batch.cancelled()  # Cancelled with its sender: nobody waits for good.
+    del retrying, service
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text

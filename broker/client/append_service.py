@@ -13,6 +13,11 @@ REGISTER_MISMATCH fails the batch (AppendError), never retried, and what waits o
 `write_after` fails with DependencyFailed. `barrier` is a zero-byte append in that
 order: it resolves once everything written to the journal before it has committed, and with
 `Registers(check=...)` it checks them (brokers change registers only with content, as upstream).
+
+A batch that fails fails every record in it, for whoever awaits them; writers may have stopped
+waiting, so a failure nobody awaits is not logged. Every batch ends: one whose call gRPC
+cancelled on this side (its channel closed) fails with CANCELLED, and those a cancelled `close`
+leaves unsent are cancelled.
 """
 
 from __future__ import annotations
@@ -201,6 +206,19 @@ class _Batch:
             self.file = None
 
 
+def _locally_cancelled(journal: str) -> grpc.aio.AioRpcError:
+    """What a batch fails with when gRPC cancelled its call on this side (a closed channel
+    ends its calls so, raising CancelledError into a task nobody cancelled)."""
+    empty = grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED,
+        empty,
+        empty,
+        details=f"append to {journal} cancelled on the client's side (its channel closed)",
+        debug_error_string="",
+    )
+
+
 class DependencyFailed(RuntimeError):
     """A `write_after` record not appended, because its dependency failed or was cancelled."""
 
@@ -323,6 +341,9 @@ class _Journal:
                         self._fail_dependent(batch, exc)
                         continue
                 await self._send(batch)
+            except asyncio.CancelledError:
+                batch.done.cancel()  # With its sender (`close` cancelled): none waits for good.
+                raise
             finally:
                 self.sending = None
                 batch.discard()
@@ -360,6 +381,17 @@ class _Journal:
             except _BatchFileError as exc:
                 self._fail(batch, exc.__cause__ or exc)
                 return
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # We are cancelled (the service closes): `close` settles the batch.
+                # gRPC cancelled the call on this side (its channel was closed): it is not
+                # retried, as a call the broker cancelled is not (the commit may have landed).
+                self._fail(batch, _locally_cancelled(self.name))
+                return
+            except Exception as exc:  # A closed channel refuses new calls (UsageError), say.
+                self._fail(batch, exc)
+                return
             else:
                 self.service.appends += 1
                 if self.service.router is not None:
@@ -382,8 +414,14 @@ class _Journal:
 
     @staticmethod
     def _fail(batch: _Batch, error: BaseException) -> None:
+        """The batch failed: every writer that awaits one of its records gets `error`. The
+        batch is every writer's in it, and each may have stopped waiting (given up, been
+        cancelled, closed its client): nobody need await it, so its failure is marked
+        retrieved ("Future exception was never retrieved" would otherwise be logged for a
+        failure that those who wait for it were told of)."""
         if not batch.done.done():
             batch.done.set_exception(error)
+            batch.done.exception()
 
     def _fail_dependent(self, batch: _Batch, cause: BaseException) -> None:
         """A `write_after` whose dependency failed: it fails too, with DependencyFailed. The
@@ -394,7 +432,6 @@ class _Journal:
         )
         error.__cause__ = cause
         self._fail(batch, error)
-        batch.done.add_done_callback(_retrieve)
 
 
 class AppendService:
@@ -524,15 +561,22 @@ class AppendService:
             await asyncio.gather(*futures, return_exceptions=True)
 
     async def close(self) -> None:
-        """Send everything written, then stop."""
+        """Send everything written, then stop. If `close` is cancelled (a caller's timeout),
+        the batches not yet committed or failed are cancelled with their senders: nothing
+        waits on them for good."""
         self.closing = True
         for j in self._journals.values():
             j.wake.set()
         tasks = [j.task for j in self._journals.values() if j.task is not None]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for j in self._journals.values():
-            j.open.discard()
+        try:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for j in self._journals.values():
+                for batch in [j.sending, *j.closed, j.open]:
+                    if batch is not None and not batch.done.done():
+                        batch.done.cancel()
+                j.open.discard()
         await self.disk.close()
 
     async def __aenter__(self) -> AppendService:
