@@ -133,7 +133,10 @@ async def measure(n: int, quick: bool) -> dict[str, Any]:
         limit = ["--broker.limit", str(n + n // 10 + 16)]
         try:
             for i in range(BROKERS):
-                log = Path(tmp) / f"broker-{i}.log"
+                # JOURNAL_SCALE_LOGS=DIR keeps the brokers' logs (to see why a size failed).
+                logs = Path(os.environ.get("JOURNAL_SCALE_LOGS") or tmp)
+                logs.mkdir(parents=True, exist_ok=True)
+                log = logs / f"broker-{i}-{n}.log"
                 brokers.append(start_broker(etcd, f"broker-{i}", log, extra=limit))
             await wait_ready(brokers)
             await asyncio.sleep(settle)

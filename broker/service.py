@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 HOLE_GRACE = 120.0
 # Upstream's: auto-suspension waits for this many pulses on an unchanged route.
 AUTO_SUSPEND_STABLE_PULSES = 15
+# Pulses of one broker in flight at once. A placement or a member's loss changes the routes of
+# thousands of journals together, and each primary pulses at its route change: unbounded, those
+# pulses (each building a pipeline, two streams and the peers' handlers of them) were all ready
+# together and held the event loop past the etcd lease's TTL. Bounded, they run in turn.
+PULSES_IN_FLIGHT = 32
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -86,6 +91,7 @@ class JournalService(pb_grpc.JournalServicer):
         self.pulse_interval = pulse_interval
         self.idle_pipeline_release = idle_pipeline_release
         self.persister = persister
+        self._pulse_slots = asyncio.Semaphore(PULSES_IN_FLIGHT)
         # Holes in journals this broker leads: when each was first seen (None once reported).
         self._holes: dict[str, dict[tuple[int, int], float | None]] = {}
         self.resolver = Resolver(
@@ -128,6 +134,10 @@ class JournalService(pb_grpc.JournalServicer):
         state_update_assignments, advertises the route the replicas agreed on. With
         auto-suspend, once the route has held for AUTO_SUSPEND_STABLE_PULSES pulses, the pulse
         asks to suspend the journal if it is flushed (as upstream's pulseDaemon)."""
+        async with self._pulse_slots:
+            await self._pulse(replica)
+
+    async def _pulse(self, replica: Replica) -> None:
         suspend = pb.AppendRequest.SUSPEND_NO_RESUME
         if self.auto_suspend and replica.stable_pulses >= AUTO_SUSPEND_STABLE_PULSES:
             suspend = pb.AppendRequest.SUSPEND_IF_FLUSHED

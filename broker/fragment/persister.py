@@ -240,7 +240,9 @@ class Persister:
             first = not replica.index.first_refresh.is_set()
             interval = spec.fragment.refresh_interval.seconds or 60
             try:
-                if first:
+                if not spec.fragment.stores:
+                    listed = []  # Nothing to list: no thread, no wait.
+                elif first:
                     listed = await self._first_listing(replica, spec)
                 else:
                     listed = await loop.run_in_executor(
