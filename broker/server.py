@@ -123,6 +123,23 @@ class BrokerConfig:
         return "0.0.0.0"
 
 
+def describe_refresh_failure(error: BaseException | None, bound: float) -> str:
+    """Why a lease refresh failed, never empty: its error's text, or its type's name when the
+    text is empty (`str(TimeoutError())` is ""), a timeout with the bound it ran out
+    ("TimeoutError after 2.0s"); a gRPC error as its code and first line of details."""
+    if error is None:
+        return "no answer"
+    if isinstance(error, grpc.aio.AioRpcError):
+        detail = (error.details() or "").split("\n")[0]
+        return f"{error.code().name}: {detail}" if detail else error.code().name
+    text = str(error)
+    if text:
+        return text
+    if isinstance(error, TimeoutError):
+        return f"{type(error).__name__} after {bound:.1f}s"
+    return type(error).__name__
+
+
 class Broker:
     """One broker's runtime. Every background task it starts is owned here and awaited on stop."""
 
@@ -379,7 +396,7 @@ class Broker:
                     failing_since = sent
                     log.warning(
                         "refreshing the etcd lease failed (retrying): %s",
-                        error or "no answer",
+                        describe_refresh_failure(error, bound),
                     )
                 if not self.fenced and loop.time() >= fence_at():
                     self._fence(ttl, loop.time() - self.lease_valid_until + ttl)

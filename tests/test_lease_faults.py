@@ -264,3 +264,44 @@ async def test_a_fenced_broker_exits_once_etcd_says_its_lease_is_gone(
     async with asyncio.timeout(5):
         await broker.done.wait()
     assert "expired or was revoked" in str(broker.failure)
+
+
+async def test_a_refresh_that_times_out_is_logged_by_its_type_and_bound(
+    lone_broker: BrokerHarness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lease refresh that etcd does not answer in time fails with TimeoutError, whose text
+    is empty: the warning names it and its bound ("TimeoutError after 0.5s"), rather than
+    ending in an empty reason."""
+    broker = lone_broker.broker
+    refresh = broker.etcd.refresh_lease
+    hung = True
+
+    async def refresh_or_hang(lease_id: int) -> object:
+        if hung:
+            await asyncio.sleep(60)
+        return await refresh(lease_id)
+
+    monkeypatch.setattr(broker.etcd, "refresh_lease", refresh_or_hang)
+    try:
+        async with asyncio.timeout(5):
+            while "refreshing the etcd lease failed" not in caplog.text:
+                await asyncio.sleep(0.05)
+    finally:
+        hung = False
+    [message] = [
+        r.getMessage() for r in caplog.records if "refreshing the etcd lease failed" in r.message
+    ]
+    reason = message.split("(retrying): ", 1)[1]
+    assert reason.startswith("TimeoutError after ") and reason.endswith("s"), message
+
+
+def test_a_refresh_failure_is_described_even_when_its_text_is_empty() -> None:
+    from broker.server import describe_refresh_failure
+
+    assert describe_refresh_failure(TimeoutError(), 2.0) == "TimeoutError after 2.0s"
+    assert describe_refresh_failure(ConnectionError(), 2.0) == "ConnectionError"
+    assert (
+        describe_refresh_failure(etcd_errors.ConnectionFailedError("etcd unreachable"), 2.0)
+        == "etcd unreachable"
+    )
+    assert describe_refresh_failure(None, 2.0) == "no answer"
