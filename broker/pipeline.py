@@ -193,21 +193,34 @@ class Pipeline:
 
         async def turn() -> T:
             try:
-                await wait_for
+                await _wait_turn(wait_for)
                 return await read()
             finally:
-                close_after.set_result(None)
+                _pass_turn(close_after)
 
         return await asyncio.shield(self._turns.spawn(turn(), "acknowledgements"))
+
+    async def _read(self, i: int, stream: Any) -> Any:
+        """The next response of peer `i`'s stream, or None with its error recorded: a gRPC
+        error, or the stream cancelled on this side (a teardown's `cancel`), which gRPC raises
+        as CancelledError into a task nobody cancelled."""
+        try:
+            return await stream.read()
+        except grpc.aio.AioRpcError as exc:
+            self.recv_errs[i] = exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # Our own cancellation.
+            self.recv_errs[i] = PipelineError("stream cancelled by a teardown of the pipeline")
+        return None
 
     async def gather(self) -> None:
         for i, stream in enumerate(self.streams):
             if stream is None or self.recv_errs[i] is not None:
                 continue
-            try:
-                response = await stream.read()
-            except grpc.aio.AioRpcError as exc:
-                self.recv_errs[i] = exc
+            response = await self._read(i, stream)
+            if response is None:
                 continue
             if response is EOF:
                 self.recv_errs[i] = PipelineError("unexpected EOF")
@@ -263,10 +276,8 @@ class Pipeline:
         for i, stream in enumerate(self.streams):
             if stream is None or self.recv_errs[i] is not None:
                 continue
-            try:
-                response = await stream.read()
-            except grpc.aio.AioRpcError as exc:
-                self.recv_errs[i] = exc
+            response = await self._read(i, stream)
+            if response is None:
                 continue
             if response is not EOF:
                 self.recv_errs[i] = PipelineError(f"unexpected response: {response}")
@@ -284,7 +295,7 @@ class Pipeline:
             await self.close_send()
             if not expect_err and (err := self.send_err()) is not None:
                 log.warning("tearing down pipeline: close_send failed: %s", err)
-            await wait_for
+            await _wait_turn(wait_for)
             # A peer that never answers must not wedge the replica's shutdown.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(SHUTDOWN_TIMEOUT):
@@ -292,8 +303,7 @@ class Pipeline:
             if not expect_err and (err := self.recv_err()) is not None:
                 log.warning("tearing down pipeline: gather_eof failed: %s", err)
         finally:
-            if not close_after.done():
-                close_after.set_result(None)
+            _pass_turn(close_after)
             self.cancel()
 
     def cancel(self) -> None:
@@ -301,3 +311,16 @@ class Pipeline:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.cancel()
+
+
+async def _wait_turn(barrier: asyncio.Future[None]) -> None:
+    """Wait for the reader before us to pass the turn. The barrier is that reader's: a waiter
+    cancelled here (a teardown cancelled by a stopping broker) must not cancel it, or the
+    reader, passing the turn on, would find it cancelled (InvalidStateError)."""
+    if not barrier.done():
+        await asyncio.wait({barrier})
+
+
+def _pass_turn(barrier: asyncio.Future[None]) -> None:
+    if not barrier.done():
+        barrier.set_result(None)

@@ -256,3 +256,48 @@ async def test_a_failed_commit_is_an_error_and_the_pipeline_is_rebuilt(
     second = fsm_for(h, journal)
     await synchronized(second, peer)
     second.return_pipeline()
+
+
+async def test_a_teardown_cancelled_behind_a_reader_fails_the_read_quietly(
+    cluster: tuple[BrokerHarness, ScriptedPeer],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pipeline teardown waits its turn behind an append reading its acknowledgements, and
+    is cancelled there (a broker stopping cancels its teardown tasks; a fenced replica's
+    shutdown cancels its fence's teardown at once), which cancels the pipeline's streams under
+    the reader. The append fails as any whose acknowledgements could not be read (ERROR, a
+    pipeline error): no InvalidStateError from its turn's barrier, which the teardown's
+    cancelled wait must not cancel, and no CancelledError out of a read the append's own task
+    did not cancel."""
+    h, peer = cluster
+    journal = "fsm/teardown"
+    await placed(h, etcd, etcd_prefix, journal)
+    fsm = fsm_for(h, journal)
+    await synchronized(fsm, peer)
+    while fsm.state != State.STREAM_CONTENT:
+        await step(fsm)
+    await step(fsm, Chunk(pb.AppendRequest(content=b"x")))
+    await step(fsm, Chunk(pb.AppendRequest()))
+    await step(fsm, Chunk(None))
+    await peer.next_request()
+    await peer.next_request()  # The commit's proposal: its acknowledgement is held.
+    pln = fsm.pln
+    assert pln is not None
+    reading = asyncio.ensure_future(fsm.state_read_acknowledgements())
+    replica = h.broker.service.resolver.replicas[journal]  # type: ignore[index]
+    async with asyncio.timeout(5):
+        assert await replica.pipeline_queue.get() is pln  # Released to the next user.
+    teardown = asyncio.ensure_future(pln.shutdown(expect_err=False))
+    await asyncio.sleep(0.2)  # It waits for the reader's turn to end.
+    assert not teardown.done() and not reading.done()
+    teardown.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await teardown
+    peer.answers.put_nowait(pb.ReplicateResponse(status=pb.OK))  # Too late: streams cancelled.
+    async with asyncio.timeout(5):
+        await reading
+    assert fsm.state == State.ERROR and fsm.error is not None, fsm.state
+    assert "InvalidStateError" not in caplog.text
+    replica.pipeline_queue.put_nowait(None)
