@@ -17,7 +17,7 @@ import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,36 @@ async def first_of(
 
 
 async def wait_any(*events: asyncio.Event, timeout: float | None = None) -> bool:
-    """Until any of `events` is set, or `timeout` seconds pass: returns whether one is set."""
-    if not any(event.is_set() for event in events):
+    """Until any of `events` is set, or `timeout` seconds pass: returns whether one is set.
+
+    On our `Event`s (every one the broker waits on) this is one future listed with each event
+    and one timer: no task per event. Every idle replica waits so (its refresh daemon, its
+    pulse loop) and every tailing reader at each wake-up, so the tasks were most of what an
+    idle wait cost. Other events are waited on with a task each (`first_of`)."""
+    if any(event.is_set() for event in events):
+        return True
+    if not all(type(event) is Event for event in events):
         await first_of(*(event.wait() for event in events), timeout=timeout)
+        return any(event.is_set() for event in events)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[bool] = loop.create_future()
+    ours = cast("tuple[Event, ...]", events)
+    for event in ours:
+        event._listen(future)
+    timer = None if timeout is None else loop.call_later(timeout, _settle, future)
+    try:
+        await future
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for event in ours:
+            event._unlisten(future)
     return any(event.is_set() for event in events)
+
+
+def _settle(future: asyncio.Future[bool]) -> None:
+    if not future.done():
+        future.set_result(False)
 
 
 class Event(asyncio.Event):
@@ -152,13 +178,21 @@ class Event(asyncio.Event):
         if self._value:
             return True
         future = asyncio.get_running_loop().create_future()
-        if self._waiting is None:
-            self._waiting = []
-        self._waiting.append(future)
+        self._listen(future)
         try:
             await future
             return True
         finally:
+            self._unlisten(future)
+
+    def _listen(self, future: asyncio.Future[bool]) -> None:
+        """`set` will set `future`'s result (if it is not done by then)."""
+        if self._waiting is None:
+            self._waiting = []
+        self._waiting.append(future)
+
+    def _unlisten(self, future: asyncio.Future[bool]) -> None:
+        if self._waiting is not None:
             self._waiting.remove(future)
             if not self._waiting:
                 self._waiting = None

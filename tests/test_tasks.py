@@ -67,6 +67,33 @@ async def test_wait_any_returns_on_an_event_or_the_timeout() -> None:
     assert await wait_any(b)  # Already set: at once.
 
 
+async def test_wait_any_on_our_events_needs_no_task_and_leaves_no_waiter() -> None:
+    """On `Event`s, wait_any lists one future with each event (no task per event); whether it
+    ends on an event, on its timeout or cancelled, it is unlisted from every event."""
+    a, b = Event(), Event()
+    tasks_before = len(asyncio.all_tasks())
+    waiting = asyncio.ensure_future(wait_any(a, b, timeout=5))
+    await asyncio.sleep(0)
+    assert len(asyncio.all_tasks()) == tasks_before + 1  # The waiter itself, nothing more.
+    assert a._waiting is not None and b._waiting is not None
+    b.set()
+    assert await waiting and a._waiting is None and b._waiting is None
+    b.clear()
+    assert not await wait_any(a, b, timeout=0.01)
+    assert a._waiting is None and b._waiting is None
+    cancelled = asyncio.ensure_future(wait_any(a, b))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert a._waiting is None and b._waiting is None
+    a.set()  # Nothing left listening: no error from a cancelled future.
+    mixed = asyncio.Event()  # Not ours: waited on as before.
+    asyncio.get_running_loop().call_later(0.01, mixed.set)
+    b.clear()
+    assert await wait_any(b, mixed, timeout=5) and b._waiting is None
+
+
 async def test_first_of_returns_at_the_first_done_and_cancels_only_what_it_started() -> None:
     cleaned: list[str] = []
 
