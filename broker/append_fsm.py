@@ -524,9 +524,12 @@ class AppendFSM:
         wait until the persister has put every fragment up to its end in the store, and only
         then suspend the journal (PARTIAL) at that end offset. Brokers started later roll to
         the offset and go on, with no reset-head: nothing before it can be missing from the
-        store. If the store does not take it in time, nothing is recorded, and INDEX_HAS_
-        GREATER_OFFSET keeps guarding the journal as after a crash. Ends in SUSPENDED when
-        done, FRAGMENT_STORE_UNHEALTHY when not."""
+        store but the journal's holes, ranges no fragment here covers (content lost before,
+        or removed from the store): the stores are listed for them once, then the journal is
+        suspended over them with a warning, as no wait brings them back. If the store does
+        not take what this replica holds in time, nothing is recorded, and INDEX_HAS_GREATER_
+        OFFSET keeps guarding the journal as after a crash. Ends in SUSPENDED when done,
+        FRAGMENT_STORE_UNHEALTHY when not."""
         spec, spool = self._spec, self._pln.spool
         end = spool.fragment.end
         if spool.fragment.end > spool.fragment.begin:
@@ -541,10 +544,27 @@ class AppendFSM:
             self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
             return
         res = self._res
+        listed = False  # Whether the stores were listed for ranges the index does not cover.
         try:
             async with asyncio.timeout(FLUSH_TIMEOUT):
                 while not index.persisted_through(end) and not res.invalidated.is_set():
-                    await wait_any(index.changed, res.invalidated)
+                    if not index.persisted_through(end, over_holes=True):
+                        # What this replica holds is on its way to the store.
+                        await wait_any(index.changed, res.invalidated)
+                    elif not listed:
+                        # Only holes are left: ranges no fragment here covers, local or
+                        # listed. A listing may find them (persisted by another broker
+                        # since the last one); nothing else will, however long we wait.
+                        listed = True
+                        await first_of(index.listing(FLUSH_TIMEOUT), res.invalidated.wait())
+                    else:
+                        holes = ", ".join(f"[{b}, {e})" for b, e in index.holes() if b < end)
+                        log.warning(
+                            "%s: suspending it at %d over %s, which neither its stores nor this "
+                            "broker hold: reads from before a hole stop there, as they did",
+                            self.req.journal, end, holes,
+                        )  # fmt: skip
+                        break
         except TimeoutError:
             self.store_health_error = index.refresh_error or f"not persisted through {end}"
             self._fail(pb.FRAGMENT_STORE_UNHEALTHY)

@@ -4,6 +4,8 @@ that replace remote fragments and drop the local ones they cover."""
 
 from __future__ import annotations
 
+import asyncio
+
 from broker.fragment.index import OFFSET_JUMP_AGE, Index
 from broker.protocol import protocol_pb2 as pb
 
@@ -160,3 +162,27 @@ def test_holes_are_the_offsets_no_fragment_covers() -> None:
     index.on_commit(fragment(60, 70), Content())
     assert index.holes() == [(20, 30), (50, 60)]
     assert Index(JOURNAL).holes() == []
+
+
+def test_persisted_through_over_holes_counts_only_what_the_index_holds() -> None:
+    index = Index(JOURNAL)
+    index.replace_remote([fragment(0, 10, 100), fragment(20, 40, 100)])
+    index.on_commit(fragment(40, 60), Content())
+    assert not index.persisted_through(60, over_holes=True)  # [40, 60) is local only.
+    persisted = fragment(40, 60, 200)
+    index.add_remote(persisted)
+    assert index.persisted_through(60, over_holes=True)
+    assert not index.persisted_through(60)  # [10, 20): a hole.
+    assert index.persisted_through(10)
+
+
+async def test_a_wait_for_a_listing_ends_when_the_index_closes() -> None:
+    """A read at a hole waits for a listing: once the replica stops (and its refresh daemon
+    with it), none comes, and the wait ends with the index rather than run out its timeout."""
+    index = Index(JOURNAL)
+    waiting = asyncio.ensure_future(index.listing(30))
+    await asyncio.sleep(0)
+    assert index.refresh_requested.is_set()
+    index.close()
+    assert await asyncio.wait_for(waiting, 1) is False
+    assert await asyncio.wait_for(index.listing(30), 1) is False

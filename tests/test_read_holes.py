@@ -144,3 +144,44 @@ async def test_a_read_goes_past_a_range_no_store_holds_and_apply_warns_of_it(
     finally:
         await channel.close(None)
         stop_process(broker.proc)
+
+
+async def test_a_broker_stopping_with_a_hole_in_its_journal_suspends_it_and_exits(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """SIGTERM to the last broker of a journal with a hole below its end, [10, 20), that no
+    store holds: the broker flushes what it holds, suspends the journal at its end and exits
+    at once. The flush at exit waited for the stores to hold the hole too, which no waiting
+    could bring about: the exit took FLUSH_TIMEOUT (15s) and more, long enough to be
+    SIGKILLed by a supervisor's grace period (stop_process's 10s, Kubernetes' 30s)."""
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    persist(root, 0, 10)
+    persist(root, 20, 40)
+    broker = start_broker_process(
+        etcd_server, etcd_prefix, tmp_path / "broker.log",
+        extra=("--broker.file-root", str(root)),
+    )  # fmt: skip
+    channel = dial(broker.address)
+    try:
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        spec = pb.JournalSpec(name=JOURNAL, replication=1)
+        spec.fragment.length = 1 << 20
+        spec.fragment.compression_codec = pb.NONE
+        spec.fragment.stores.append(STORE)
+        spec.fragment.refresh_interval.seconds = 60
+        async with JournalsClient(broker.address) as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec)])
+            await routed(client, JOURNAL, 1)
+        await append(stub, JOURNAL, content(40, 60), offset=40)  # Confirms the head at 40.
+    finally:
+        await channel.close(None)
+        # A clean exit well within stop_process's SIGKILL deadline.
+        status = stop_process(broker.proc, timeout=8)
+    log = broker.log.read_text()
+    assert status == 0, log
+    assert f"flushed {JOURNAL} and suspended it at its end" in log, log
+    assert f"{JOURNAL}: suspending it at 60 over [10, 20)" in log, log
+    # What it held, [40, 60), is in the store: the suspension hides no byte but the hole's.
+    persisted = sorted(f.name.split("-")[:2] for f in (root / "fragments" / JOURNAL).iterdir())
+    assert persisted == [[f"{b:016x}", f"{e:016x}"] for b, e in ((0, 10), (20, 40), (40, 60))]

@@ -87,13 +87,15 @@ class Index:
     async def listing(self, timeout: float) -> bool:
         """Ask for a listing of the stores now, and wait for it (up to `timeout` seconds);
         whether one came."""
+        if self._closed:
+            return False  # The replica stopped, and its refresh daemon with it.
         listed = self._listed
         self.refresh_requested.set()
         try:
             await asyncio.wait_for(listed.wait(), timeout)
         except TimeoutError:
             return False
-        return True
+        return not self._closed
 
     def add_remote(self, fragment: pb.Fragment) -> None:
         """A fragment this broker just persisted. Its local copy now names its store (readers
@@ -136,14 +138,15 @@ class Index:
         """The largest offset any fragment reaches (the index's max offset)."""
         return self._set.end_offset()
 
-    def persisted_through(self, end: int) -> bool:
+    def persisted_through(self, end: int, over_holes: bool = False) -> bool:
         """Whether fragments in stores cover every offset the index holds below `end` (local
-        copies of persisted fragments name their store)."""
+        copies of persisted fragments name their store). With `over_holes`, ranges that no
+        fragment covers (`holes`) do not count: only what the index holds must be persisted."""
         covered = self._set.begin_offset()
         for entry in self._set:
             if entry.begin >= end:
                 break
-            if not entry.backing_store or entry.begin > covered:
+            if not entry.backing_store or (entry.begin > covered and not over_holes):
                 return False
             covered = max(covered, entry.end)
         return covered >= end
@@ -215,6 +218,7 @@ class Index:
             _close(entry)
         self._local = CoverSet()
         self._signal()
+        self._listed.set()  # No listing comes any more: release those waiting for one.
 
 
 def _replace(cover: CoverSet, entry: IndexedFragment) -> CoverSet:
