@@ -148,14 +148,18 @@ class Pipeline:
                         self.send_errs[i] = result
 
     async def close_send(self) -> None:
-        """Roll back anything uncommitted, release the spool, and half-close every stream."""
+        """Roll back anything uncommitted, release the spool, and half-close every stream.
+
+        A half-close that fails is that peer's send error, whatever it raised: gRPC's
+        `done_writing`, unlike `write`, lets a failure of its batch in core escape as its own
+        ExecuteBatchError (a stream reset while the loop had not yet seen it end)."""
         self.spool.rollback()
         self._spool_queue.put_nowait(self.spool)
         for i, stream in enumerate(self.streams):
             if stream is not None and self.send_errs[i] is None:
                 try:
                     await stream.done_writing()
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
+                except Exception as exc:
                     self.send_errs[i] = exc
 
     def stale(self) -> bool:

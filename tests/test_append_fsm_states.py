@@ -301,3 +301,46 @@ async def test_a_teardown_cancelled_behind_a_reader_fails_the_read_quietly(
     assert fsm.state == State.ERROR and fsm.error is not None, fsm.state
     assert "InvalidStateError" not in caplog.text
     replica.pipeline_queue.put_nowait(None)
+
+
+async def test_a_teardown_whose_half_close_fails_in_grpc_core_is_quiet(
+    cluster: tuple[BrokerHarness, ScriptedPeer],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC's `done_writing` lets a failure of its batch in core escape as ExecuteBatchError (a
+    `write` turns the same into an AioRpcError): a peer's stream reset under a loaded loop. A
+    pipeline teardown half-closing such a stream records it as that peer's send error, goes
+    on to release the spool and end the other streams, and nothing fails with (or logs)
+    ExecuteBatchError. (Injected here: the failure needs core to fail the half-close batch.)"""
+    from grpc._cython import cygrpc
+
+    from broker import pipeline
+
+    # The scripted peer never saw the half-close, so it never ends its stream: the teardown
+    # waits out its bound for the peer's EOF (10 s), shortened here.
+    monkeypatch.setattr(pipeline, "SHUTDOWN_TIMEOUT", 0.5)
+    h, peer = cluster
+    journal = "fsm/halfclose"
+    await placed(h, etcd, etcd_prefix, journal)
+    fsm = fsm_for(h, journal)
+    await synchronized(fsm, peer)
+    pln = fsm.pln
+    assert pln is not None
+    [stream] = [s for s in pln.streams if s is not None]
+
+    async def fails_in_core() -> None:
+        raise cygrpc.ExecuteBatchError('Failed "execute_batch": (SendCloseFromClientOperation,)')
+
+    stream.done_writing = fails_in_core
+    fsm.return_pipeline()
+    replica = h.broker.service.resolver.replicas[journal]  # type: ignore[index]
+    assert await replica.pipeline_queue.get() is pln
+    async with asyncio.timeout(15):
+        await pln.shutdown(expect_err=False)
+    assert "execute_batch" in str(pln.send_err())  # Recorded, as any send failure.
+    assert replica.spool_queue.qsize() == 1  # The spool was released.
+    assert "ExecuteBatchError" not in caplog.text  # No task or append failed with it.
+    replica.pipeline_queue.put_nowait(None)
