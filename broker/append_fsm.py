@@ -137,6 +137,10 @@ class AppendFSM:
         self.whole: bytes | None = None
         self.adopted = False
         self.settled: asyncio.Future[None] | None = None
+        # Whether this append counted itself in its replica's `pipeline_uses` (once per append,
+        # however many times it takes the pipeline: a pulse that advertises a new route takes
+        # it again at the revision it wrote).
+        self._counted_use = False
         self.group: list[tuple[AppendFSM, pb.Fragment | None]] = []
         self.group_committed = False  # Whether the group's proposal was a commit, acknowledged.
         self._group_proposed = False  # Whether it was proposed as a commit.
@@ -293,7 +297,9 @@ class AppendFSM:
         """Keep a pipeline already at the resolved route, else build one with the spool."""
         res = self._res
         assert res.replica is not None
-        res.replica.pipeline_uses += 1  # Tells the pulse loop the pipeline is not idle.
+        if not self._counted_use:
+            self._counted_use = True
+            res.replica.pipeline_uses += 1  # Tells the pulse loop the pipeline is not idle.
         if (
             self.pln is not None
             and route_equivalent(self.pln.route, res.route)

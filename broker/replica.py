@@ -137,7 +137,12 @@ class Replica:
         loop = asyncio.get_running_loop()
         # When the pipeline was last taken by anything but a pulse (as far as pulses can tell:
         # uses between two pulses are dated at the second), and the count after the last pulse.
-        quiet_since, uses_after_pulse = loop.time(), self.pipeline_uses
+        # A new primary's pipeline has served no append: its first pulse releases it unless an
+        # append takes it meanwhile. (A placement or a member's loss makes thousands of
+        # primaries at once; keeping each one's streams open until a second pulse held them all
+        # open together, and the memory they left freed but fragmented stayed with the broker.)
+        quiet_since = loop.time() - self._idle_pipeline_release
+        uses_after_pulse = self.pipeline_uses
         try:
             while self.primary and not self.stopped:
                 delay = self._pulse_interval * random.uniform(PULSE_JITTER, 1.0)
