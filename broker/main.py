@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from broker.server import PEER_TLS_FLAGS, AnnounceError, Broker, BrokerConfig
-from plumbing import auth, metrics
+from plumbing import auth, metrics, runtime
 from plumbing import config as cfg
 from plumbing.etcd import etcd_tls
 from plumbing.tasks import first_of
@@ -193,6 +193,7 @@ def serve(**opts: Any) -> None:
         http=cfg.http_config(opts, "broker"),
     )
     _check(config)
+    runtime.tune_gc()
     sys.exit(asyncio.run(_serve(config)))
 
 

@@ -21,7 +21,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, validate_consumer_spec
 from consumer.runtime import CONSUMER_PEER_TLS_FLAGS, Consumer, ConsumerApplication, ConsumerConfig
-from plumbing import auth, credentials
+from plumbing import auth, credentials, runtime
 from plumbing import config as cfg
 from plumbing.etcd import etcd_tls, parse_etcd_address
 from plumbing.tasks import first_of
@@ -176,6 +176,7 @@ async def _serve(config: ConsumerConfig, app: ConsumerApplication, name: str) ->
 
 def serve_config(config: ConsumerConfig, app: ConsumerApplication, name: str) -> int:
     """Run a consumer process of `app` until SIGTERM or SIGINT; its exit code."""
+    runtime.tune_gc()
     return asyncio.run(_serve(config, app, name))
 
 
