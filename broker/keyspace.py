@@ -9,6 +9,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import sys
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,11 @@ from plumbing import metrics
 from plumbing.backoff import Backoff
 
 log = logging.getLogger(__name__)
+
+# A batch of at most 1/IN_PLACE_RATIO of the mirror's entries is merged in place when nothing
+# else holds the mirror's list (an insertion or deletion moves the entries after it, in C); a
+# larger one builds a new list in one pass.
+IN_PLACE_RATIO = 16
 
 # Raises on a value that cannot be decoded.
 Decoder = Callable[[str, bytes], object]
@@ -536,8 +542,14 @@ class KeySpace:
         self._publish(Update(revision, changes, events, reload=False))
 
     def _merge(self, pending: dict[str, KeyValue | None]) -> tuple[Change, ...]:
-        # One pass building a new list rather than in-place inserts, so a list handed out by
-        # `items` stays a consistent snapshot.
+        # A list handed out by `items` (to the allocator's solver, or an iteration across an
+        # await) must stay a consistent snapshot: while anyone holds it, the batch goes into
+        # a new list. Held by the mirror alone (its attribute and getrefcount's argument), it
+        # is changed in place: a batch of a few keys then costs a few bisects, not a copy of
+        # every entry (at 50,000 journals, 200,000 entries copied per batch of pulses'
+        # assignment writes took a third of each broker's time).
+        if sys.getrefcount(self._kvs) <= 2 and len(pending) * IN_PLACE_RATIO < len(self._kvs):
+            return self._merge_in_place(pending)
         old, new = self._kvs, []
         changes: list[Change] = []
         i = 0
@@ -555,6 +567,23 @@ class KeySpace:
                 changes.append(Change(key, before, after))
         new.extend(old[i:])
         self._kvs = new
+        return tuple(changes)
+
+    def _merge_in_place(self, pending: dict[str, KeyValue | None]) -> tuple[Change, ...]:
+        kvs = self._kvs
+        changes: list[Change] = []
+        for key in sorted(pending):
+            j = bisect_left(kvs, key, key=_key)
+            before = kvs[j] if j < len(kvs) and kvs[j].key == key else None
+            after = pending[key]
+            if before is not None and after is not None:
+                kvs[j] = after
+            elif before is not None:
+                del kvs[j]
+            elif after is not None:
+                kvs.insert(j, after)
+            if before is not None or after is not None:
+                changes.append(Change(key, before, after))
         return tuple(changes)
 
     def _decode_kv(self, raw: Any, key: str | None = None) -> KeyValue | None:

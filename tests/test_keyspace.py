@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Iterator
 
 import aetcd
 import pytest
 
-from broker.keyspace import EtcdHeader, KeySpace, KeyValue, Update
+from broker.keyspace import IN_PLACE_RATIO, EtcdHeader, KeySpace, KeyValue, Update
 from broker.testing import EtcdServer
 
 
@@ -457,3 +458,53 @@ async def test_watch_reloads_after_compaction(
             await ks.wait_for_revision(rev, timeout=5)
             assert mirror_state(ks) == await etcd_state(client, root)
     assert any("compacted" in r.getMessage() for r in caplog.records)
+
+
+def _kv(key: str, revision: int) -> KeyValue:
+    return KeyValue(key, b"", None, revision, revision, 1, 0)
+
+
+def test_a_batch_merged_in_place_matches_one_merged_into_a_new_list() -> None:
+    """Small batches go into the mirror's list in place when nothing else holds it, larger
+    ones (or any, while `items` is held) into a new list: the mirror and the changes are the
+    same either way, for puts of new keys, puts over old ones and deletes of present or
+    absent keys."""
+    rng = random.Random(20261126)
+    mirrors = [KeySpace("/p/", lambda key, raw: None) for _ in range(2)]
+    for mirror in mirrors:
+        mirror._kvs = [_kv(f"/p/{i:04d}", 1) for i in range(0, 2000, 2)]
+    for revision in range(2, 200):
+        size = rng.choice((1, 3, 20, 300))
+        pending: dict[str, KeyValue | None] = {
+            f"/p/{rng.randrange(2000):04d}": (_kv("", revision) if rng.random() < 0.7 else None)
+            for _ in range(size)
+        }
+        pending = {k: (None if v is None else _kv(k, revision)) for k, v in pending.items()}
+        held = mirrors[1].items  # Held: this mirror's batches all go into a new list.
+        lists = [m._kvs for m in mirrors]
+        in_place = len(pending) * IN_PLACE_RATIO < len(lists[0])
+        del lists
+        ids = [id(m._kvs) for m in mirrors]
+        changes = [m._merge(dict(pending)) for m in mirrors]
+        assert (id(mirrors[0]._kvs) == ids[0]) == in_place
+        assert mirrors[1]._kvs is not held
+        assert changes[0] == changes[1]
+        assert mirrors[0].items == mirrors[1].items
+        keys = [kv.key for kv in mirrors[0].items]
+        assert keys == sorted(set(keys))
+        del held
+
+
+def test_a_list_handed_out_by_items_stays_a_snapshot() -> None:
+    mirror = KeySpace("/p/", lambda key, raw: None)
+    mirror._kvs = [_kv(f"/p/{i:04d}", 1) for i in range(100)]
+    snapshot = mirror.items
+    before = list(snapshot)
+    mirror._merge({"/p/0005": _kv("/p/0005", 2), "/p/0200": _kv("/p/0200", 2), "/p/0007": None})
+    assert list(snapshot) == before  # Unchanged for whoever holds it...
+    assert mirror.get("/p/0005").mod_revision == 2  # type: ignore[union-attr]
+    assert mirror.get("/p/0007") is None and mirror.get("/p/0200") is not None
+    del snapshot
+    mirror._merge({"/p/0006": _kv("/p/0006", 3)})  # ...and in place once nobody does.
+    assert mirror.get("/p/0006").mod_revision == 3  # type: ignore[union-attr]
+    assert len(mirror) == 100
