@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aetcd
 import pytest
@@ -527,3 +530,33 @@ async def test_a_stale_leader_changes_nothing(cluster: Cluster) -> None:
     assert (applied, error) == (1, None)
     await cluster.ks.wait_for_revision(revision, WAIT)
     assert cluster.keys() == ["j1#zone-a#A#0"]
+
+
+async def test_a_round_that_held_the_loop_is_followed_by_a_wait_as_long(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's state and plan are built on the event loop in time linear in the keyspace;
+    at 50,000 journals, with every pulse's assignment write calling for a new round, rounds ran
+    back to back and took nine tenths of the leader's loop. The loop now waits at least as
+    long as the round held it before the next."""
+    build = State.from_keyspace
+
+    def slow_build(*args: Any, **kwargs: Any) -> State:
+        time.sleep(0.1)  # As a large keyspace takes.
+        return build(*args, **kwargs)
+
+    waits: list[float] = []
+    sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args: Any) -> None:
+        if sys._getframe(1).f_code.co_name == "allocate":  # The allocator's own waits.
+            waits.append(delay)
+        await sleep(delay, *args)
+
+    monkeypatch.setattr(State, "from_keyspace", staticmethod(slow_build))
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    await cluster.member("zone-a", "A1", 4)
+    await cluster.journal("j1", 1)
+    leader = cluster.run("zone-a", "A1")
+    await leader.until_idle(cluster.written)
+    assert waits and all(wait >= 0.1 for wait in waits)

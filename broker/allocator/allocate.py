@@ -19,7 +19,7 @@ import grpc
 from aetcd import transactions
 
 from broker.allocator import keyspace as aks
-from broker.allocator.converge import MAX_TXN_OPS, Put, Txn, plan
+from broker.allocator.converge import MAX_TXN_OPS, Plan, Put, Txn, plan
 from broker.allocator.keyspace import Assignment, Member
 from broker.allocator.rules import Rules, broker_rules
 from broker.allocator.solver import solve
@@ -93,8 +93,11 @@ async def allocate(
         role = _role(ks, root, member_key, rules)
         if role == "done":
             break
+        busy = 0.0  # Seconds this round held the event loop (building its state, planning).
         if role == "leader":
+            began = time.perf_counter()
             state = State.from_keyspace(ks, root, member_key, rules)
+            busy += time.perf_counter() - began
             if state.should_exit:
                 break
             if state.network_key != desired_for:
@@ -102,7 +105,10 @@ async def allocate(
                 # broker's event loop (and its RPCs) responsive meanwhile.
                 desired = await asyncio.get_running_loop().run_in_executor(None, _solve, state)
                 desired_for = state.network_key
-            applied, applied_at, error = await _converge(state, desired, client, max_txn_ops)
+            began = time.perf_counter()
+            round_plan = plan(state, desired, max_ops=max_txn_ops)
+            busy += time.perf_counter() - began
+            applied, applied_at, error = await _apply_plan(state, round_plan, client)
             wait_for = max(wait_for, applied_at)
             if error is not None:
                 log.warning("allocator round %d at revision %d: %s", number, revision, error)
@@ -118,10 +124,13 @@ async def allocate(
         # After an etcd failure, retry even if nothing changes meanwhile.
         with contextlib.suppress(TimeoutError):
             await ks.wait_for_revision(wait_for, timeout)
-        if settle > 0:
+        if settle > 0 or busy > 0:
             # Changes come in bursts (an apply of many journals, a rolling restart): one
-            # round after the burst beats a round per change.
-            await asyncio.sleep(settle)
+            # round after the burst beats a round per change. A round's state and plan are
+            # built on the event loop, in time linear in the keyspace (about a second at
+            # 50,000 journals): waiting at least as long again keeps the rounds to half the
+            # loop, while every pulse's assignment write is a change that calls for one.
+            await asyncio.sleep(max(settle, busy))
     log.info("allocator: %s is exiting and holds no assignments; done", member_key)
 
 
@@ -186,7 +195,13 @@ async def _converge(
 ) -> tuple[int, int, str | None]:
     """Apply a round's transactions in order. Returns how many applied, the revision of the
     last one (0 if none) and why it stopped early, if it did."""
-    round_plan = plan(state, desired, max_ops=max_ops)
+    return await _apply_plan(state, plan(state, desired, max_ops=max_ops), client)
+
+
+async def _apply_plan(
+    state: State, round_plan: Plan, client: aetcd.Client
+) -> tuple[int, int, str | None]:
+    """`_converge` for a plan already made."""
     if round_plan.txns:
         log.debug(
             "allocator: round at revision %d: %d txns, +%d -%d ~%d, %d removals deferred",
