@@ -558,3 +558,43 @@ async def test_a_stat_ends_when_its_token_expires(
         await consumer.stop()
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
+
+
+async def test_a_primary_fetches_its_sources_specs_by_name(
+    etcd_server: EtcdServer,
+    sums_broker: BrokerHarness,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting a shard lists its sources' specs by name (as upstream's fetchJournalSpec), never
+    every journal: with one List of all journals per shard, starting N shards of N journals
+    was quadratic, and at 1,000 shards the brokers' answers outlived the 30 s deadline and
+    shards FAILED (shard_scale, docs/benchmarks.md)."""
+    from broker.client.journals import JournalsClient
+    from broker.protocol import labels
+
+    selectors: list[Any] = []
+    original = JournalsClient.list
+
+    async def recording(self: JournalsClient, selector: Any = None) -> Any:
+        selectors.append(selector)
+        return await original(self, selector)
+
+    monkeypatch.setattr(JournalsClient, "list", recording)
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    async with consumers(etcd_server, sums_broker, root, tmp_path, 1) as (consumer,):
+        shards, channel = shard_stub(consumer)
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            # The same journal twice (a suffix reads it again): its spec is fetched once.
+            sources=[cpb.ShardSpec.Source(journal=INPUT), cpb.ShardSpec.Source(journal=f"{INPUT};again")],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )  # fmt: skip
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+
+        async def primary() -> bool:
+            return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
+
+        await until(primary)
+        await channel.close()
+    assert [labels.format_selector(s) for s in selectors] == [f"name={INPUT}"]
