@@ -68,6 +68,7 @@ from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff
 from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import TaskOwner, first_of, in_thread
 from plumbing.tls import ClientTLS, ServerTLS
 
@@ -231,7 +232,7 @@ class Consumer:
         if self.local_dir is None:  # Ours, made here and removed on stop.
             self.local_dir = Path(tempfile.mkdtemp(prefix="gazette-consumer-"))
         self.server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)],
+            options=SERVER_OPTIONS,
             interceptors=auth.call_bounds(self.verifier),  # A call ends when its token does.
         )
         cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
