@@ -38,7 +38,7 @@ from broker.allocator import MemberKeyMissing, allocate
 from broker.allocator import keyspace as aks
 from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
-from broker.client.journals import JournalsClient
+from broker.client.journals import BrokerUnavailable, JournalsClient
 from broker.client.routes import Router
 from broker.keyspace import KeySpace, KeyValue
 from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
@@ -558,6 +558,18 @@ class Consumer:
                 log.warning("%s: etcd unavailable (%s): trying again", what, exc)
                 await backoff.sleep()
 
+    async def _through_brokers(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call`, tried again (the project's backoff) while the brokers are unreachable or do
+        not answer in time: a shard fails only for its own errors, not for a broker that is busy
+        (thousands of shards starting at once) or restarting."""
+        backoff = Backoff(initial=0.1, maximum=2.0)
+        while True:
+            try:
+                return await call()
+            except BrokerUnavailable as exc:
+                log.warning("%s: %s: trying again", what, exc)
+                await backoff.sleep()
+
     async def _sources(self, spec: cpb.ShardSpec) -> list[Source]:
         # Each source's spec by its name, as upstream's fetchJournalSpec: a broker answers a
         # List of one name from its index, where a List of every journal, once per shard
@@ -593,7 +605,9 @@ class Consumer:
         try:
             if spec is None:
                 raise ValueError(f"shard {replica.shard_id} has no spec")
-            sources = await self._sources(spec)
+            sources = await self._through_brokers(
+                f"shard {spec.id}: reading its sources' specs", lambda: self._sources(spec)
+            )
             log_name = recovery_log(spec)
             async with AppendService(self.router) as service:
                 recorder = await self._recover(replica, spec, service) if log_name else None

@@ -598,3 +598,44 @@ async def test_a_primary_fetches_its_sources_specs_by_name(
         await until(primary)
         await channel.close()
     assert [labels.format_selector(s) for s in selectors] == [f"name={INPUT}"]
+
+
+async def test_a_primary_waits_through_brokers_that_do_not_answer_its_sources_specs(
+    etcd_server: EtcdServer,
+    sums_broker: BrokerHarness,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broker too busy to answer in time (5,000 shards starting at once on a loaded machine:
+    the List of their sources' specs past its 30 s deadline), or unreachable a moment, is no
+    failure of the shard: it asks again, and is PRIMARY once answered, not FAILED until an
+    operator unassigns it (shard_scale, docs/benchmarks.md)."""
+    from broker.client.journals import BrokerUnavailable, JournalsClient
+
+    refusals = 2
+    original = JournalsClient.list
+
+    async def busy(self: JournalsClient, selector: Any = None) -> Any:
+        nonlocal refusals
+        if refusals:
+            refusals -= 1
+            raise BrokerUnavailable(f"cannot reach broker at {self.address}: Deadline Exceeded")
+        return await original(self, selector)
+
+    monkeypatch.setattr(JournalsClient, "list", busy)
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    async with consumers(etcd_server, sums_broker, root, tmp_path, 1) as (consumer,):
+        shards, channel = shard_stub(consumer)
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+
+        async def primary() -> bool:
+            return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
+
+        await until(primary)
+        await channel.close()
+    assert refusals == 0
