@@ -14,7 +14,6 @@ that failed (in OUT too)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -38,20 +37,20 @@ class Tail:
 
 
 async def _tail(stub: Any, journal: str, offset: int, tail: Tail) -> None:
-    async with contextlib.aclosing(read(stub, journal, offset, block=True)) as chunks:
-        async for chunk in chunks:
-            received = time.monotonic_ns()
-            tail.ready = True
-            data = tail.partial + chunk.content
-            lines = data.split(b"\n")
-            tail.partial = lines.pop()
-            for line in lines:
-                phase, _seq, sent = line.split(b" ")
-                if phase == b"m":
-                    tail.latencies_us.append((received - int(sent)) // 1000)
-                    tail.measured += 1
-                elif phase == b"e":
-                    return
+    # Its call ends with the channel, closed once every reader is done.
+    async for chunk in read(stub, journal, offset, block=True):
+        received = time.monotonic_ns()
+        tail.ready = True
+        data = tail.partial + chunk.content
+        lines = data.split(b"\n")
+        tail.partial = lines.pop()
+        for line in lines:
+            phase, _seq, sent = line.split(b" ")
+            if phase == b"m":
+                tail.latencies_us.append((received - int(sent)) // 1000)
+                tail.measured += 1
+            elif phase == b"e":
+                return
 
 
 async def _say_ready(tails: list[Tail]) -> None:

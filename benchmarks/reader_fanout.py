@@ -11,7 +11,7 @@ channel a process), and each records, for every record appended in the measure w
 delivery latency: the time it arrived at that reader minus its send time.
 
 Per reader count, on the same cluster (`n0_*` first: the appender alone, no readers): `p50_ms`,
-`p99_ms` and `max_ms` of every delivery of the window (readers × records); `broker_cpu`, CPU
+`p99_ms` and `max_ms` of every delivery of the window (readers x records); `broker_cpu`, CPU
 seconds per second of the primary (it serves every read and the appends) over the window, and
 `busiest_broker_cpu` (the busiest of the three); `client_cpu_max`, the busiest client process's
 (near 1.0: the client, not the broker, is the bottleneck); `append_p50_ms`, the appends' own
@@ -157,13 +157,9 @@ async def measure_count(
             outs.append(out)
             logs.append(log)
             with open(log, "wb") as stdout:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "benchmarks._fanout_readers",
-                         address, JOURNAL, str(head), str(n), str(out)],
-                        stdout=stdout, stderr=subprocess.STDOUT,
-                    )  # fmt: skip
-                )
+                command = [sys.executable, "-m", "benchmarks._fanout_readers"]
+                command += [address, JOURNAL, str(head), str(n), str(out)]
+                procs.append(subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT))
 
         def all_ready() -> bool:
             for proc, log in zip(procs, logs, strict=True):
@@ -199,7 +195,7 @@ async def measure_count(
             await asyncio.sleep(0.1)
     finally:
         codes = stop_processes(procs)
-    latencies: list[int] = []
+    latencies: list[float] = []
     measured: list[int] = []
     errors: list[str] = []
     for out, log, code in zip(outs, logs, codes, strict=True):
