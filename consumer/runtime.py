@@ -433,6 +433,11 @@ class Consumer:
         return out
 
     async def _reconcile(self) -> None:
+        if self.shards.closed:
+            # Stopping: every replica is being stopped, and none may start (the allocator still
+            # moves shards while every process exits; a replica started now would fail the
+            # process on its way out).
+            return
         wanted = self._local_assignments()
         for shard_id in list(self.replicas):
             replica = self.replicas[shard_id]

@@ -639,3 +639,32 @@ async def test_a_primary_waits_through_brokers_that_do_not_answer_its_sources_sp
         await until(primary)
         await channel.close()
     assert refusals == 0
+
+
+async def test_no_replica_starts_once_a_stopping_process_closed_its_shards(
+    etcd_server: EtcdServer, sums_broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """A stopping process closes its shards before its other tasks; a shard assigned to it in
+    between (every process of the application exiting at once, the allocator still placing)
+    is not started, and the process does not fail on its way out (it did: `shards is closed:
+    cannot start ...`, seen stopping 5,000 shards in shard_scale)."""
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    async with consumers(etcd_server, sums_broker, root, tmp_path, 1) as (consumer,):
+        shards, channel = shard_stub(consumer)
+        await consumer.shards.close()  # As Consumer.stop does, before its other tasks.
+
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+
+        async def assigned() -> bool:
+            return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.IDLE)]
+
+        await until(assigned)
+        await asyncio.sleep(0.5)  # The reconcile loop has seen the assignment.
+        await channel.close()
+        assert consumer.failure is None and not consumer.done.is_set()
+        assert consumer.replicas == {}
