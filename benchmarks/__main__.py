@@ -38,6 +38,8 @@ BENCHMARKS: dict[str, str] = {
     "tls_cost": "benchmarks.tls_cost",
     "auth_overhead": "benchmarks.auth_overhead",
     "journal_scale": "benchmarks.journal_scale",
+    "reader_fanout": "benchmarks.reader_fanout",
+    "shard_scale": "benchmarks.shard_scale",
 }
 
 if __name__ == "__main__":

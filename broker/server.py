@@ -36,6 +36,7 @@ from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff
 from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import TaskOwner
 from plumbing.tls import ClientTLS, ServerTLS
 
@@ -193,7 +194,7 @@ class Broker:
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_grpc_recv_size),
-                ("grpc.so_reuseport", 0),
+                *SERVER_OPTIONS,
             ],
             interceptors=auth.call_bounds(verifier),  # A call ends when its token does.
         )

@@ -38,7 +38,7 @@ from broker.allocator import MemberKeyMissing, allocate
 from broker.allocator import keyspace as aks
 from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
-from broker.client.journals import JournalsClient
+from broker.client.journals import BrokerUnavailable, JournalsClient
 from broker.client.routes import Router
 from broker.keyspace import KeySpace, KeyValue
 from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
@@ -68,6 +68,7 @@ from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff
 from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import TaskOwner, first_of, in_thread
 from plumbing.tls import ClientTLS, ServerTLS
 
@@ -231,7 +232,7 @@ class Consumer:
         if self.local_dir is None:  # Ours, made here and removed on stop.
             self.local_dir = Path(tempfile.mkdtemp(prefix="gazette-consumer-"))
         self.server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)],
+            options=SERVER_OPTIONS,
             interceptors=auth.call_bounds(self.verifier),  # A call ends when its token does.
         )
         cpb_grpc.add_ShardServicer_to_server(_ShardServicer(self), self.server)  # type: ignore[no-untyped-call]
@@ -432,6 +433,11 @@ class Consumer:
         return out
 
     async def _reconcile(self) -> None:
+        if self.shards.closed:
+            # Stopping: every replica is being stopped, and none may start (the allocator still
+            # moves shards while every process exits; a replica started now would fail the
+            # process on its way out).
+            return
         wanted = self._local_assignments()
         for shard_id in list(self.replicas):
             replica = self.replicas[shard_id]
@@ -557,12 +563,30 @@ class Consumer:
                 log.warning("%s: etcd unavailable (%s): trying again", what, exc)
                 await backoff.sleep()
 
+    async def _through_brokers(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`call`, tried again (the project's backoff) while the brokers are unreachable or do
+        not answer in time: a shard fails only for its own errors, not for a broker that is busy
+        (thousands of shards starting at once) or restarting."""
+        backoff = Backoff(initial=0.1, maximum=2.0)
+        while True:
+            try:
+                return await call()
+            except BrokerUnavailable as exc:
+                log.warning("%s: %s: trying again", what, exc)
+                await backoff.sleep()
+
     async def _sources(self, spec: cpb.ShardSpec) -> list[Source]:
+        # Each source's spec by its name, as upstream's fetchJournalSpec: a broker answers a
+        # List of one name from its index, where a List of every journal, once per shard
+        # started, made starting N shards O(N x journals) (shard_scale, docs/benchmarks.md).
+        names = sorted({source.journal.partition(";")[0] for source in spec.sources})
+        specs: dict[str, pb.JournalSpec] = {}
         async with JournalsClient(
             self.config.broker_address, credentials=self.config.broker_credentials
         ) as client:
-            snapshot = await client.list()
-        specs = {j.spec.name: j.spec for j in snapshot.journals}
+            for name in names:
+                snapshot = await client.list(labels.selector(labels.label_set(("name", name))))
+                specs.update((j.spec.name, j.spec) for j in snapshot.journals)
         out = []
         for source in spec.sources:
             name = source.journal.partition(";")[0]
@@ -586,7 +610,9 @@ class Consumer:
         try:
             if spec is None:
                 raise ValueError(f"shard {replica.shard_id} has no spec")
-            sources = await self._sources(spec)
+            sources = await self._through_brokers(
+                f"shard {spec.id}: reading its sources' specs", lambda: self._sources(spec)
+            )
             log_name = recovery_log(spec)
             async with AppendService(self.router) as service:
                 recorder = await self._recover(replica, spec, service) if log_name else None

@@ -37,6 +37,11 @@ class TaskOwner:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called: `spawn` refuses from then on."""
+        return self._closed
+
     def spawn(self, coro: Coroutine[Any, Any, T], name: str = "") -> asyncio.Task[T]:
         if self._closed:
             coro.close()

@@ -52,6 +52,7 @@ from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from plumbing import auth
 from plumbing import etcd as etcdx
+from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import first_of
 from plumbing.tls import ServerTLS
 from replication import location_pb2 as lpb
@@ -264,7 +265,7 @@ class LocationServer:
             self.log = log_
             self._reader = SourceReader(self._stub, cfg.journal)
             server = grpc.aio.server(
-                options=[("grpc.so_reuseport", 0)],
+                options=SERVER_OPTIONS,
                 interceptors=auth.call_bounds(self.verifier),  # A call ends when its token does.
             )
             server.add_generic_rpc_handlers((self._handlers(),))

@@ -258,3 +258,60 @@ def test_journal_scale_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("idle_rss_mib", "rss_mib", "cpu_short", "cpu_long", "list_ms"):
         assert result[f"n200_{key}"] >= 0, key
     assert len(started) == 3 and all(b.proc.poll() is not None for b in started)
+
+
+@pytest.mark.slow
+def test_reader_fanout_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 and 10 tailing readers of one journal at replication 3: every record reached every
+    reader once (the benchmark checks it), latencies and CPU reported, every broker stopped."""
+    from benchmarks import reader_fanout
+
+    started: list[_cluster.BrokerProcess] = []
+
+    def recording(*args: Any, **kwargs: Any) -> _cluster.BrokerProcess:
+        started.append(_cluster.start_broker(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(reader_fanout, "start_broker", recording)
+    assert BENCHMARKS["reader_fanout"] == "benchmarks.reader_fanout"
+    result = _runner.check("reader_fanout", reader_fanout.run(quick=True))
+    assert result["unit"] == "ms p99" and result["readers"] == 10
+    assert result["baseline_readers"] == 1 and result["ratio"] > 0
+    for n in (1, 10):
+        assert 0 < result[f"n{n}_p50_ms"] <= result[f"n{n}_p99_ms"] <= result[f"n{n}_max_ms"]
+        assert result[f"n{n}_records"] > 0 and result[f"n{n}_client_processes"] == 1
+        assert result[f"n{n}_broker_cpu"] >= 0
+    assert len(started) == 3 and all(b.proc.poll() is not None for b in started)
+
+
+@pytest.mark.slow
+def test_shard_scale_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """50 shards on three consumer processes: every shard PRIMARY, `gazctl shards list` run,
+    every consumer and broker stopped (figures are never asserted: they are nox -s bench's)."""
+    from benchmarks import shard_scale
+    from consumer.testing.processes import ConsumerProcesses
+
+    brokers: list[_cluster.BrokerProcess] = []
+    groups: list[ConsumerProcesses] = []
+
+    def recording(*args: Any, **kwargs: Any) -> _cluster.BrokerProcess:
+        brokers.append(_cluster.start_broker(*args, **kwargs))
+        return brokers[-1]
+
+    class Recorded(ConsumerProcesses):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            groups.append(self)
+
+    monkeypatch.setattr(shard_scale, "start_broker", recording)
+    monkeypatch.setattr(shard_scale, "ConsumerProcesses", Recorded)
+    assert BENCHMARKS["shard_scale"] == "benchmarks.shard_scale"
+    result = _runner.check("shard_scale", shard_scale.run(quick=True))
+    assert result["unit"] == "KiB/shard" and result["ratio"] == 1.0 and result["shards"] == 50
+    assert 0 < result["n50_assigned_s"] <= result["n50_primary_s"]
+    assert result["n50_shards_per_consumer"] >= 17  # 50 over three processes.
+    for key in ("idle_rss_mib", "rss_mib", "cpu_idle", "list_s", "list_rpc_ms"):
+        assert result[f"n50_{key}"] >= 0, key
+    assert len(brokers) == 3 and all(b.proc.poll() is not None for b in brokers)
+    assert len(groups) == 1 and len(groups[0].procs) == 3
+    assert all(p.poll() is not None for p in groups[0].procs.values())

@@ -558,3 +558,113 @@ async def test_a_stat_ends_when_its_token_expires(
         await consumer.stop()
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
+
+
+async def test_a_primary_fetches_its_sources_specs_by_name(
+    etcd_server: EtcdServer,
+    sums_broker: BrokerHarness,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting a shard lists its sources' specs by name (as upstream's fetchJournalSpec), never
+    every journal: with one List of all journals per shard, starting N shards of N journals
+    was quadratic, and at 1,000 shards the brokers' answers outlived the 30 s deadline and
+    shards FAILED (shard_scale, docs/benchmarks.md)."""
+    from broker.client.journals import JournalsClient
+    from broker.protocol import labels
+
+    selectors: list[Any] = []
+    original = JournalsClient.list
+
+    async def recording(self: JournalsClient, selector: Any = None) -> Any:
+        selectors.append(selector)
+        return await original(self, selector)
+
+    monkeypatch.setattr(JournalsClient, "list", recording)
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    async with consumers(etcd_server, sums_broker, root, tmp_path, 1) as (consumer,):
+        shards, channel = shard_stub(consumer)
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            # The same journal twice (a suffix reads it again): its spec is fetched once.
+            sources=[cpb.ShardSpec.Source(journal=INPUT), cpb.ShardSpec.Source(journal=f"{INPUT};again")],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )  # fmt: skip
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+
+        async def primary() -> bool:
+            return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
+
+        await until(primary)
+        await channel.close()
+    assert [labels.format_selector(s) for s in selectors] == [f"name={INPUT}"]
+
+
+async def test_a_primary_waits_through_brokers_that_do_not_answer_its_sources_specs(
+    etcd_server: EtcdServer,
+    sums_broker: BrokerHarness,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broker too busy to answer in time (5,000 shards starting at once on a loaded machine:
+    the List of their sources' specs past its 30 s deadline), or unreachable a moment, is no
+    failure of the shard: it asks again, and is PRIMARY once answered, not FAILED until an
+    operator unassigns it (shard_scale, docs/benchmarks.md)."""
+    from broker.client.journals import BrokerUnavailable, JournalsClient
+
+    refusals = 2
+    original = JournalsClient.list
+
+    async def busy(self: JournalsClient, selector: Any = None) -> Any:
+        nonlocal refusals
+        if refusals:
+            refusals -= 1
+            raise BrokerUnavailable(f"cannot reach broker at {self.address}: Deadline Exceeded")
+        return await original(self, selector)
+
+    monkeypatch.setattr(JournalsClient, "list", busy)
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    async with consumers(etcd_server, sums_broker, root, tmp_path, 1) as (consumer,):
+        shards, channel = shard_stub(consumer)
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+
+        async def primary() -> bool:
+            return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
+
+        await until(primary)
+        await channel.close()
+    assert refusals == 0
+
+
+async def test_no_replica_starts_once_a_stopping_process_closed_its_shards(
+    etcd_server: EtcdServer, sums_broker: BrokerHarness, tmp_path: Path
+) -> None:
+    """A stopping process closes its shards before its other tasks; a shard assigned to it in
+    between (every process of the application exiting at once, the allocator still placing)
+    is not started, and the process does not fail on its way out (it did: `shards is closed:
+    cannot start ...`, seen stopping 5,000 shards in shard_scale)."""
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    async with consumers(etcd_server, sums_broker, root, tmp_path, 1) as (consumer,):
+        shards, channel = shard_stub(consumer)
+        await consumer.shards.close()  # As Consumer.stop does, before its other tasks.
+
+        spec = cpb.ShardSpec(
+            id="summer-0",
+            sources=[cpb.ShardSpec.Source(journal=INPUT)],
+            max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
+        )
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+
+        async def assigned() -> bool:
+            return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.IDLE)]
+
+        await until(assigned)
+        await asyncio.sleep(0.5)  # The reconcile loop has seen the assignment.
+        await channel.close()
+        assert consumer.failure is None and not consumer.done.is_set()
+        assert consumer.replicas == {}
