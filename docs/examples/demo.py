@@ -81,6 +81,10 @@ def main() -> None:
                         env=env)  # fmt: skip
             env.update(exports(up))
 
+            # The example tree's file:// store, as the README's `mkdir -p`: its directory must
+            # exist (a missing mount is not created). Without it the appends below could not
+            # be persisted, and each broker spent its exit retrying until it was SIGKILLed.
+            (Path(cluster) / "fragments" / "examples" / "fragments").mkdir(parents=True)
             specs = str(HERE / "journals.yaml")
             gazctl("preview", "journals", "apply", "--specs", specs, "--dry-run", env=env)
             gazctl("apply the example tree", "journals", "apply", "--specs", specs, env=env)
