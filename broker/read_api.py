@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from broker.append_api import peer_error, relayed_code
-from broker.fragment.content import FragmentCorrupt, describe, open_in_store, stream_blocks
+from broker.fragment.content import (
+    Buffers,
+    FragmentCorrupt,
+    describe,
+    open_in_store,
+    stream_blocks,
+)
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate, wire
@@ -67,9 +73,13 @@ async def serve_read(
         ttl = SIGNED_URL_TTL if claims is None else signature_ttl(claims, SIGNED_URL_TTL)
         try:
             async for response in proxy_read(ctx, req, res.header):
-                if response.fragment_url and ttl != SIGNED_URL_TTL:
+                if (
+                    not isinstance(response, bytes)  # Content, relayed as it came.
+                    and response.fragment_url
+                    and ttl != SIGNED_URL_TTL
+                ):
                     await _sign_shorter(ctx, response, ttl)
-                yield response
+                yield response  # type: ignore[misc]
         except grpc.aio.AioRpcError as exc:
             # The replica's own status (UNAVAILABLE when it is down), not UNKNOWN.
             await context.abort(relayed_code(exc), peer_error(res.header.process_id, exc))
@@ -86,6 +96,7 @@ async def serve_read(
     invalidated = res.invalidated
     stalled = False  # The last local read made no progress: wait for a change first.
     listed_at = -1  # The offset of a hole the stores were listed for (once per hole).
+    buffers: Buffers | None = None  # What persisted fragments are read into.
     while True:
         if replica.stopped:
             return  # No longer a replica here: the client re-resolves and reads elsewhere.
@@ -152,12 +163,17 @@ async def serve_read(
             continue
         assert ctx.persister is not None
         try:
-            async for content in read_persisted(ctx.persister, fragment, offset, end):
-                for at in range(0, len(content), CHUNK):
-                    piece = content[at : at + CHUNK]
-                    yield wire.read_content(offset, piece)  # type: ignore[misc]
-                    offset += len(piece)
-                    metrics.read_bytes.inc(len(piece))
+            if buffers is None:
+                buffers = Buffers()
+            async for block in read_persisted(ctx.persister, fragment, offset, end, buffers):
+                # Each piece is copied once, into its response. The block is a view of one of
+                # `buffers`, read into again once no view of it is left.
+                size = len(block)
+                with memoryview(block) as view:
+                    for at in range(0, size, CHUNK):
+                        yield wire.read_content(offset, view[at : at + CHUNK])  # type: ignore[misc]
+                        offset += min(CHUNK, size - at)
+                metrics.read_bytes.inc(size)
         except FragmentCorrupt as exc:
             log.error("%s", exc)
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
@@ -177,13 +193,19 @@ async def _wait_for_change(index: Index, invalidated: asyncio.Event) -> None:
 
 
 async def read_persisted(
-    persister: Persister, fragment: pb.Fragment, offset: int, end: int
-) -> AsyncIterator[bytes]:
+    persister: Persister,
+    fragment: pb.Fragment,
+    offset: int,
+    end: int,
+    buffers: Buffers | None = None,
+) -> AsyncIterator[bytes | memoryview]:
     """Content of a persisted fragment from `offset` to `end`, read from its store on a worker
-    thread a block at a time."""
+    thread a block at a time (into `buffers`, when given: see content.Buffers)."""
     store = persister.store(fragment.backing_store)
     # The client checks the SHA-1 of what it reads whole (end to end); the broker does not.
-    blocks = stream_blocks(lambda: open_in_store(store, fragment, offset, verify=False))
+    blocks = stream_blocks(
+        lambda: open_in_store(store, fragment, offset, verify=False, buffers=buffers)
+    )
     try:
         async for block in blocks:
             block = block[: end - offset]
@@ -209,7 +231,8 @@ async def _sign_shorter(ctx: BrokerContext, response: pb.ReadResponse, ttl: time
 
 async def proxy_read(
     ctx: BrokerContext, req: pb.ReadRequest, header: pb.Header
-) -> AsyncIterator[pb.ReadResponse]:
+) -> AsyncIterator[pb.ReadResponse | bytes]:
+    """The replica's responses to `req`; content responses as the replica encoded them."""
     route = header.route
     target = header.process_id
     index = list(route.members).index(target)
@@ -223,6 +246,7 @@ async def proxy_read(
     call = ctx.dialer.journal_stub(endpoint).Read(out)
     try:
         async for response in call:
-            yield response
+            # Content parsed by hand is relayed as it came (its bytes are the response).
+            yield response.raw if isinstance(response, wire.ReadContent) else response
     finally:
         call.cancel()

@@ -208,13 +208,16 @@ async def test_a_corrupt_fragment_is_reported_not_served(
     path.write_bytes(bytes(b ^ 0x20 for b in content))  # Same length, wrong bytes.
 
     # Streamed by the broker, or read straight from the store: the reader checks the SHA-1 and
-    # never hands out the fragment's (here only) chunk.
-    delivered = []
-    with pytest.raises(FragmentCorrupt, match="SHA-1") as through_broker:
-        async for chunk in read(stub, JOURNAL, 0):
-            delivered.append(chunk)
-    assert fragment_path(victim) in str(through_broker.value)
-    assert not delivered
+    # never hands out the fragment's (here only) chunk; with the generated stub or the
+    # dialer's (content responses parsed by hand).
+    dialed = harness.broker.service.dialer.journal_stub(harness.endpoint)
+    for through in (stub, dialed):
+        delivered = []
+        with pytest.raises(FragmentCorrupt, match="SHA-1") as through_broker:
+            async for chunk in read(through, JOURNAL, 0):
+                delivered.append(chunk)
+        assert fragment_path(victim) in str(through_broker.value)
+        assert not delivered
 
     with pytest.raises(FragmentCorrupt, match="SHA-1"):
         async for _ in read(stub, JOURNAL, 0, direct=True, file_root=root):

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from broker.client.journals import BrokerAddressError
+from broker.client.journals import BrokerAddressError, JournalStub
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from plumbing import auth
@@ -126,7 +126,7 @@ class Dialer:
     def journal_stub(self, endpoint: str) -> pb_grpc.JournalStub:
         """A Journal stub for `endpoint`; if the endpoint is not one to dial, its calls fail
         with EndpointRefused (FAILED_PRECONDITION), having sent nothing."""
-        return pb_grpc.JournalStub(self._channel_or_refused(endpoint))  # type: ignore[no-untyped-call]
+        return JournalStub(self._channel_or_refused(endpoint))
 
     def journal_token(
         self, capability: int, journal: str, ttl: float, *, fresh_for: float | None = None

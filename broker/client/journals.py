@@ -14,6 +14,7 @@ import grpc
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.protocol import wire
 from plumbing import auth
 from plumbing.credentials import Credentials
 from plumbing.credentials import default as default_credentials
@@ -70,6 +71,21 @@ def dial(address: str, credentials: Credentials | None = None) -> grpc.aio.Chann
     return creds.open_channel(address, [("grpc.max_receive_message_length", 64 * 1024 * 1024)])
 
 
+class JournalStub(pb_grpc.JournalStub):
+    """The generated Journal stub, except that Read's content responses are parsed by hand
+    (`wire.parse_read_response`: a `wire.ReadContent` whose content is copied once out of the
+    message, where protobuf copies it in parsing and again at each access). Readers take either
+    stub; this one is what the dialer and JournalsClient hand out."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)  # type: ignore[no-untyped-call]
+        self.Read = channel.unary_stream(
+            "/protocol.Journal/Read",
+            request_serializer=pb.ReadRequest.SerializeToString,
+            response_deserializer=wire.parse_read_response,
+        )
+
+
 def _unavailable(
     address: str, exc: grpc.aio.AioRpcError, credentials: Credentials | None = None
 ) -> BrokerUnavailable:
@@ -100,7 +116,7 @@ class JournalsClient:
         self.timeout = timeout
         self.credentials = credentials or default_credentials("broker")
         self.channel = dial(address, self.credentials)
-        self.stub = pb_grpc.JournalStub(self.channel)  # type: ignore[no-untyped-call]
+        self.stub: pb_grpc.JournalStub = JournalStub(self.channel)
 
     async def close(self) -> None:
         await self.channel.close(None)

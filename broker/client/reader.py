@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
 import hashlib
 import logging
 import time
@@ -20,6 +18,7 @@ from broker.fragment.fragments import digest_of
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.protocol.wire import ReadContent
 from plumbing import auth
 from plumbing.backoff import Backoff
 
@@ -30,34 +29,6 @@ class ReadError(RuntimeError):
     def __init__(self, journal: str, status: int) -> None:
         self.status = status
         super().__init__(f"read of {journal}: {pb.Status.Name(status)}")
-
-
-# Verified reads hash on this thread, in the order content arrives, while the event loop takes
-# the next response: hashlib releases the GIL on large buffers, so the two run on two cores.
-_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="read-sha1")
-# Content queued for hashing at most (responses of 256 KiB): a reader faster than the hash waits.
-HASH_AHEAD = 8
-
-
-class _Summer:
-    """A fragment's SHA-1, computed on the hashing thread as its content streams."""
-
-    __slots__ = ("_pending", "_sha")
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha1()
-        self._pending: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    async def update(self, data: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        self._pending.append(loop.run_in_executor(_HASHER, self._sha.update, data))
-        while len(self._pending) > HASH_AHEAD or (self._pending and self._pending[0].done()):
-            await self._pending.popleft()
-
-    async def digest(self) -> bytes:
-        while self._pending:
-            await self._pending.popleft()
-        return self._sha.digest()
 
 
 @dataclass(frozen=True)
@@ -90,8 +61,8 @@ async def read(
     broker or, with `direct`, read straight from their store through the signed URL the broker
     returns (file:// URLs under `file_root`; a URL that cannot be read falls back to the
     broker); a fragment's last chunk comes only once it checked out (FragmentCorrupt if not).
-    `verify=False` skips the check of fragments the broker streams (it costs a CPU-second per
-    GiB; the read_broker benchmark reports both). `begin_mod_time` skips
+    `verify=False` skips the check of fragments the broker streams (SHA-1 costs about 0.6
+    CPU-seconds per GiB; the read_broker benchmark reports both). `begin_mod_time` skips
     fragments persisted before it (unix seconds). `do_not_proxy` reads what the broker dialed
     holds itself, as upstream's flag (it must be a replica of the journal).
 
@@ -118,46 +89,50 @@ async def read(
         fragment: pb.Fragment | None = None
         head = 0
         follow: tuple[str, pb.Fragment, int] | None = None
-        summer: _Summer | None = None
+        # The SHA-1 of a persisted fragment read whole, hashed as each response arrives (on the
+        # event loop: handing content to a hashing thread cost more than it saved on two cores).
+        summer: hashlib._Hash | None = None
         held: Chunk | None = None
         try:
             async for response in call:
-                if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
-                    if on_hole is None:
-                        return
-                    hole = (response.offset or offset, response.write_head)
-                    break
-                if response.status == pb.NOT_JOURNAL_BROKER and use_urls:
-                    break  # Not a replica, and told not to proxy: ask again, proxied.
-                if response.status != pb.OK:
-                    raise ReadError(journal, response.status)
-                if response.HasField("fragment"):
-                    if held is not None:  # A fragment not read to its end: nothing to check.
-                        yield held
-                        held = None
-                    fragment, head = response.fragment, response.write_head
-                    offset = response.offset
-                    if use_urls and response.fragment_url:
-                        follow = (response.fragment_url, response.fragment, response.offset)
+                if type(response) is not ReadContent:  # Else content, parsed by hand.
+                    if response.status == pb.OFFSET_NOT_YET_AVAILABLE:
+                        if on_hole is None:
+                            return
+                        hole = (response.offset or offset, response.write_head)
                         break
-                    # A persisted fragment streamed from its begin is checked against its
-                    # SHA-1 when it ends, its last chunk held back until it checks out.
-                    persisted = fragment.mod_time and fragment.backing_store
-                    whole = persisted and offset == fragment.begin
-                    summer = _Summer() if verify and whole else None
-                    continue
-                offset = response.offset + len(response.content)
-                chunk = Chunk(response.offset, response.content, fragment, head)
+                    if response.status == pb.NOT_JOURNAL_BROKER and use_urls:
+                        break  # Not a replica, and told not to proxy: ask again, proxied.
+                    if response.status != pb.OK:
+                        raise ReadError(journal, response.status)
+                    if response.HasField("fragment"):
+                        if held is not None:  # A fragment not read to its end: unchecked.
+                            yield held
+                            held = None
+                        fragment, head = response.fragment, response.write_head
+                        offset = response.offset
+                        if use_urls and response.fragment_url:
+                            follow = (response.fragment_url, response.fragment, response.offset)
+                            break
+                        # A persisted fragment streamed from its begin is checked against its
+                        # SHA-1 when it ends, its last chunk held back until it checks out.
+                        persisted = fragment.mod_time and fragment.backing_store
+                        whole = persisted and offset == fragment.begin
+                        summer = hashlib.sha1() if verify and whole else None
+                        continue
+                content = response.content
+                offset = response.offset + len(content)
+                chunk = Chunk(response.offset, content, fragment, head)
                 if summer is None:
                     yield chunk
                     continue
                 assert fragment is not None
-                await summer.update(response.content)
+                summer.update(content)
                 if held is not None:
                     yield held
                 held = chunk
                 if offset >= fragment.end:
-                    digest = await summer.digest()
+                    digest = summer.digest()
                     summer, held = None, None
                     if offset > fragment.end or digest != digest_of(fragment.sum):
                         raise FragmentCorrupt(

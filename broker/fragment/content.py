@@ -5,11 +5,14 @@ passes through (a mismatch is an error, never silently wrong bytes)."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import hashlib
+import itertools
 import logging
 from collections.abc import AsyncGenerator, Callable, Generator
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, TypeVar, cast, overload
 
 from broker.fragment import codecs
 from broker.fragment.fragments import content_name, content_path, digest_of
@@ -20,10 +23,21 @@ from broker.protocol import protocol_pb2 as pb
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_Bytes = Generator[bytes, None, None]  # Blocks of their own (not views of a reused buffer).
 
 # Bytes read (and decompressed, and hashed) per step: large enough to amortize handing each
 # block from the worker thread to the event loop.
 READ_SIZE = 4 << 20
+# Threads hashing the blocks of verified reads (see `_read`), each in the order it is given
+# blocks: a read hashes all of its blocks on one of them (taken in turn), so several reads
+# hash at once.
+_HASHERS = [
+    concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fragment-sha1-{i}")
+    for i in range(4)
+]
+_next_hasher = itertools.count()
+# Blocks a verified read reads ahead of its hash at most (each held until it is hashed).
+HASH_AHEAD = 2
 
 
 class FragmentCorrupt(ValueError):
@@ -39,18 +53,77 @@ def describe(fragment: pb.Fragment) -> str:
     return f"{fragment.backing_store}{fragment_path(fragment)}"
 
 
+class Buffers:
+    """Buffers to read blocks into, for a reader that needs no block of its own (a broker
+    copies each block into its responses): a buffer is taken again once no view of it is left,
+    so that a long read does not allocate a fresh block each time (glibc returns freed 4 MiB
+    blocks to the system and page-faults new ones in: that cost the broker more than reading
+    them). A buffer with live views cannot be resized, which is how one in use is told apart.
+    For one read at a time (one thread takes buffers, others only drop views)."""
+
+    def __init__(self, size: int = READ_SIZE) -> None:
+        self.size = size
+        self._buffers: list[bytearray] = []
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def take(self) -> bytearray:
+        for buffer in self._buffers:
+            try:
+                buffer.append(0)
+            except BufferError:
+                continue  # A view of it is still alive.
+            del buffer[-1]
+            return buffer
+        buffer = bytearray(self.size)
+        self._buffers.append(buffer)
+        return buffer
+
+
+@overload
 def open_in_store(
-    store: FragmentStore, fragment: pb.Fragment, offset: int, *, verify: bool = True
-) -> Generator[bytes, None, None]:
+    store: FragmentStore,
+    fragment: pb.Fragment,
+    offset: int,
+    *,
+    verify: bool = True,
+    buffers: None = None,
+) -> Generator[bytes, None, None]: ...
+
+
+@overload
+def open_in_store(
+    store: FragmentStore,
+    fragment: pb.Fragment,
+    offset: int,
+    *,
+    verify: bool = True,
+    buffers: Buffers,
+) -> Generator[bytes | memoryview, None, None]: ...
+
+
+def open_in_store(
+    store: FragmentStore,
+    fragment: pb.Fragment,
+    offset: int,
+    *,
+    verify: bool = True,
+    buffers: Buffers | None = None,
+) -> Generator[bytes | memoryview, None, None]:
     """Content of a persisted fragment from journal `offset`, read from `store`. Without
     `verify`, the SHA-1 is not checked (its length still is): what a broker streaming the
-    fragment does, leaving the check to the client that reads it whole, end to end."""
+    fragment does, leaving the check to the client that reads it whole, end to end.
+
+    With `buffers` (and not `verify`), uncompressed content is read into them, each block a
+    view of one (see Buffers)."""
     path = fragment_path(fragment)
     if fragment.compression_codec == pb.NONE and offset > fragment.begin:
         # Uncompressed: start the read at the offset (the skipped part is not verified).
         source = store.open(path, offset - fragment.begin)
-        return _read(source, fragment, offset, start=offset, verify=False)
-    return _read(store.open(path, 0), fragment, offset, start=fragment.begin, verify=verify)
+        return _read(source, fragment, offset, start=offset, verify=False, buffers=buffers)
+    source = store.open(path, 0)
+    return _read(source, fragment, offset, start=fragment.begin, verify=verify, buffers=buffers)
 
 
 def open_signed_url(
@@ -60,34 +133,58 @@ def open_signed_url(
     broker returned (what clients do to read history without a broker in the path)."""
     if fragment.compression_codec == pb.NONE and offset > fragment.begin:
         source = open_url(url, offset=offset - fragment.begin, file_root=file_root)
-        return _read(source, fragment, offset, start=offset)
-    return _read(open_url(url, file_root=file_root), fragment, offset, start=fragment.begin)
+        return cast(_Bytes, _read(source, fragment, offset, start=offset))
+    source = open_url(url, file_root=file_root)
+    return cast(_Bytes, _read(source, fragment, offset, start=fragment.begin))
 
 
 def _read(
-    source: BinaryIO, fragment: pb.Fragment, offset: int, start: int, verify: bool = True
-) -> Generator[bytes, None, None]:
+    source: BinaryIO,
+    fragment: pb.Fragment,
+    offset: int,
+    start: int,
+    verify: bool = True,
+    buffers: Buffers | None = None,
+) -> Generator[bytes | memoryview, None, None]:
     """Decompress `source` (content from journal offset `start`) and yield what follows
     `offset`. Verifies the SHA-1 when `start` is the fragment's begin, and then holds each
     block back until the next one is read, so the last block comes only once the whole
     fragment checked out: a fragment smaller than a block is never handed out unverified, and
-    a larger one fails before its end."""
+    a larger one fails before its end. With `buffers`, blocks read as they are (no check, no
+    decompressor) are views of those buffers."""
     codec = fragment.compression_codec if start == fragment.begin else pb.NONE
     # Uncompressed content is read as it is: the source already reads whole blocks.
     reader = source if codec == pb.NONE else codecs.decompressor(codec, source)
     summer = hashlib.sha1() if verify and start == fragment.begin else None
+    readinto = getattr(source, "readinto", None) if reader is source and not summer else None
+    if buffers is None or buffers.size < READ_SIZE:
+        readinto = None
+    # Blocks are hashed on a hashing thread while this one reads the next (both release the
+    # GIL: reading, decompressing and hashing run on two cores), and while this one waits for
+    # its caller to take the next block.
+    hasher = _HASHERS[next(_next_hasher) % len(_HASHERS)] if summer is not None else None
+    hashing: collections.deque[concurrent.futures.Future[None]] = collections.deque()
     at = start
-    held: bytes | None = None
+    held: bytes | memoryview | None = None
     try:
         while at < fragment.end:
-            data = reader.read(min(READ_SIZE, fragment.end - at))
+            want = min(READ_SIZE, fragment.end - at)
+            data: bytes | memoryview
+            if readinto is not None and buffers is not None:
+                into = memoryview(buffers.take())
+                data = into[: readinto(into[:want])]
+                del into
+            else:
+                data = reader.read(want)
             if not data:
                 raise FragmentCorrupt(
                     f"fragment {describe(fragment)} ends at offset {at}, before its end "
                     f"{fragment.end}: the store holds wrong content for its name"
                 )
-            if summer is not None:
-                summer.update(data)
+            if summer is not None and hasher is not None:
+                hashing.append(hasher.submit(summer.update, data))  # In order: one thread.
+                while len(hashing) > HASH_AHEAD:
+                    hashing.popleft().result()
             begin, at = at, at + len(data)
             if at <= offset:
                 continue
@@ -102,6 +199,8 @@ def _read(
                 f"fragment {describe(fragment)} holds more content than its name says "
                 f"({fragment.end - fragment.begin} bytes)"
             )
+        while hashing:
+            hashing.popleft().result()
         if summer is not None and summer.digest() != digest_of(fragment.sum):
             raise FragmentCorrupt(
                 f"fragment {describe(fragment)} does not match its SHA-1 "
@@ -121,8 +220,8 @@ _END = object()
 
 
 async def stream_blocks(
-    open_blocks: Callable[[], Generator[bytes, None, None]], depth: int = 4
-) -> AsyncGenerator[bytes, None]:
+    open_blocks: Callable[[], Generator[_T, None, None]], depth: int = 4
+) -> AsyncGenerator[_T, None]:
     """The blocks of a blocking generator, produced up to `depth` blocks ahead of the consumer
     (reading, decompressing and hashing overlap with sending), without blocking the event loop.
     Leaving early stops the production and closes the generator.
@@ -140,8 +239,7 @@ async def stream_blocks(
                 break
             if isinstance(item, BaseException):
                 raise item
-            assert isinstance(item, bytes)
-            yield item
+            yield cast(_T, item)
     finally:
         producer.cancel()
         await _wait_out(producer)
@@ -153,9 +251,9 @@ class _Blocks:
     """A blocking generator opened by its first step. Steps and the close run on worker
     threads, one at a time (a generator cannot run on two threads at once)."""
 
-    def __init__(self, open_blocks: Callable[[], Generator[bytes, None, None]]) -> None:
+    def __init__(self, open_blocks: Callable[[], Generator[Any, None, None]]) -> None:
         self._open = open_blocks
-        self._blocks: Generator[bytes, None, None] | None = None
+        self._blocks: Generator[Any, None, None] | None = None
 
     def step(self) -> object:
         """The next block, or _END."""

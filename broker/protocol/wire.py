@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from broker.protocol import protocol_pb2 as pb
+
 if TYPE_CHECKING:
     _Handler = grpc.RpcMethodHandler[Any, Any]
     _Generic = grpc.GenericRpcHandler[Any, Any]
@@ -21,6 +23,9 @@ _REPLICATE_DELTA = b"\x28"
 # ReadResponse: offset = 3 (int64), content = 7 (bytes).
 _READ_OFFSET = b"\x18"
 _READ_CONTENT = b"\x3a"
+_READ_OFFSET_TAG = _READ_OFFSET[0]
+_READ_CONTENT_TAG = _READ_CONTENT[0]
+_INT64_SIGN = 1 << 63
 
 
 def varint(value: int) -> bytes:
@@ -42,14 +47,81 @@ def replicate_content(content: bytes, content_delta: int) -> bytes:
     return b"".join(parts)
 
 
-def read_content(offset: int, content: bytes) -> bytes:
+def read_content(offset: int, content: bytes | memoryview) -> bytes:
     """ReadResponse(offset=offset, content=content), serialized."""
     if offset < 0:
         raise ValueError(f"negative offset {offset}")
-    parts = [_READ_OFFSET, varint(offset)] if offset else []
+    parts: list[bytes | memoryview] = [_READ_OFFSET, varint(offset)] if offset else []
     if content:
         parts += [_READ_CONTENT, varint(len(content)), content]
     return b"".join(parts)
+
+
+class ReadContent:
+    """A Read response carrying content at an offset and nothing else (what a broker streams a
+    fragment's content in), parsed by hand by `parse_read_response`: `content` is copied once
+    out of the message's bytes (protobuf's parse copies it into the message, and every access of
+    its field copies it again). `raw` is the message as received, which a proxy relays as it is.
+    It reads as the protobuf message would: status OK and every other field unset."""
+
+    __slots__ = ("content", "offset", "raw")
+
+    status = 0  # pb.OK
+    write_head = 0
+    fragment_url = ""
+
+    def __init__(self, raw: bytes, offset: int, content: bytes) -> None:
+        self.raw = raw
+        self.offset = offset
+        self.content = content
+
+    @property
+    def header(self) -> pb.Header:
+        return pb.Header()
+
+    @property
+    def fragment(self) -> pb.Fragment:
+        return pb.Fragment()
+
+    def HasField(self, name: str) -> bool:
+        if name not in ("header", "fragment"):
+            raise ValueError(f'ReadResponse has no message field "{name}"')
+        return False
+
+    def SerializeToString(self) -> bytes:
+        return self.raw
+
+    def __repr__(self) -> str:
+        return f"ReadContent(offset={self.offset}, content=<{len(self.content)} bytes>)"
+
+
+def _varint_at(data: bytes, at: int) -> tuple[int, int]:
+    """The varint at `data[at]` and the position after it; IndexError past the end."""
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def parse_read_response(data: bytes) -> Any:
+    """A serialized ReadResponse: a `ReadContent` when it is exactly what `read_content`
+    encodes (an offset, then content reaching to its end), else the protobuf message."""
+    try:
+        offset = 0
+        at = 0
+        if data[0] == _READ_OFFSET_TAG:
+            offset, at = _varint_at(data, 1)
+        if data[at] == _READ_CONTENT_TAG and offset < _INT64_SIGN:
+            length, at = _varint_at(data, at + 1)
+            if at + length == len(data):
+                return ReadContent(data, offset, data[at:])
+    except IndexError:
+        pass
+    return pb.ReadResponse.FromString(data)
 
 
 def passing_bytes(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
