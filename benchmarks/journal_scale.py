@@ -34,7 +34,6 @@ import os
 import statistics
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from benchmarks._cluster import (
     wait_ready,
 )
 from benchmarks._proc import cpu_seconds, rss_bytes
+from benchmarks._sizes import each_size, sizes
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
@@ -206,27 +206,9 @@ async def measure(n: int, quick: bool) -> dict[str, Any]:
     return out
 
 
-def sizes(quick: bool) -> tuple[int, ...]:
-    if quick:
-        return QUICK_SIZES
-    env = os.environ.get("JOURNAL_SCALE_SIZES")
-    return tuple(int(s) for s in env.split(",")) if env else SIZES
-
-
 def run(quick: bool = False) -> dict[str, Any]:
-    results: dict[int, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    for n in sizes(quick):
-        try:
-            results[n] = asyncio.run(measure(n, quick))
-        except Exception as exc:
-            if quick:
-                raise
-            traceback.print_exc()
-            # A size the cluster cannot take in time is a figure too: the others are kept.
-            failed[f"n{n}_error"] = f"{type(exc).__name__}: {exc}"
-    if not results:
-        raise RuntimeError(f"no size completed: {failed}")
+    ns = sizes("JOURNAL_SCALE_SIZES", SIZES, QUICK_SIZES, quick)
+    results, failed = each_size(measure, ns, quick)
     first, last = results[min(results)], results[max(results)]
     out: dict[str, Any] = {
         "value": last["kib_per_replica"],

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ import aetcd
 
 from benchmarks._cluster import PREFIX, BrokerProcess, start_broker, stop_brokers, wait_ready
 from benchmarks._proc import cpu_seconds, rss_bytes
+from benchmarks._sizes import Partial, each_size, sizes
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
@@ -245,7 +245,7 @@ async def measure(n: int, quick: bool) -> dict[str, Any]:
                 lists.append(elapsed)
         except TimeoutError as exc:
             out["load"] = os.getloadavg()[0]
-            raise _Partial(str(exc), out) from None
+            raise Partial(str(exc), out) from None
         finally:
             if consumers is not None:
                 consumers.stop_all()
@@ -270,14 +270,6 @@ async def measure(n: int, quick: bool) -> dict[str, Any]:
     return out
 
 
-class _Partial(TimeoutError):
-    """A size that did not settle, with the figures it got."""
-
-    def __init__(self, message: str, figures: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.figures = figures
-
-
 async def _until(check: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not await check():
@@ -286,29 +278,9 @@ async def _until(check: Any, timeout: float, what: str) -> None:
         await asyncio.sleep(0.5)
 
 
-def sizes(quick: bool) -> tuple[int, ...]:
-    if quick:
-        return QUICK_SIZES
-    env = os.environ.get("SHARD_SCALE_SIZES")
-    return tuple(int(s) for s in env.split(",")) if env else SIZES
-
-
 def run(quick: bool = False) -> dict[str, Any]:
-    results: dict[int, dict[str, Any]] = {}
-    failed: dict[str, Any] = {}
-    for n in sizes(quick):
-        try:
-            results[n] = asyncio.run(measure(n, quick))
-        except Exception as exc:
-            if quick:
-                raise
-            traceback.print_exc()
-            # A size the consumers cannot take in time is a figure too: the others are kept.
-            failed[f"n{n}_error"] = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, _Partial):
-                failed.update({f"n{n}_{k}": v for k, v in exc.figures.items()})
-    if not results:
-        raise RuntimeError(f"no size completed: {failed}")
+    ns = sizes("SHARD_SCALE_SIZES", SIZES, QUICK_SIZES, quick)
+    results, failed = each_size(measure, ns, quick)
     first, last = results[min(results)], results[max(results)]
     out: dict[str, Any] = {
         "value": last["kib_per_shard"],
