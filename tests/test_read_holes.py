@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+
+import pytest
 
 from broker.client import JournalsClient
 from broker.client.appender import append
@@ -23,7 +26,7 @@ from broker.fragment.fragments import sum_from_digest
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer, stop_process
+from broker.testing import BrokerProcess, EtcdServer, stop_process
 from tests.conftest import start_broker_process
 from tests.test_gazctl_journals import gazctl
 from tests.test_persistence import routed
@@ -49,42 +52,67 @@ def persist(root: Path, begin: int, end: int, store: str = STORE) -> None:
     )
 
 
-async def test_a_read_across_a_range_persisted_after_the_last_listing_reads_it(
-    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
-) -> None:
-    root = tmp_path / "root"
-    (root / "fragments").mkdir(parents=True)
-    persist(root, 0, 100)
-    persist(root, 200, 300)  # [100, 200) persisted later: a range no listing has seen yet.
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """The broker's --broker.file-root: file:///a/ is the directory a/ under it."""
+    (tmp_path / "root").mkdir()
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def broker(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, root: Path
+) -> Iterator[BrokerProcess]:
+    """A `gazette serve` process over `root`, stopped after the test (unless it stopped it)."""
     broker = start_broker_process(
         etcd_server, etcd_prefix, tmp_path / "broker.log",
         extra=("--broker.file-root", str(root)),
     )  # fmt: skip
-    channel = dial(broker.address)
     try:
-        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-        spec = pb.JournalSpec(name=JOURNAL, replication=1)
-        spec.fragment.length = 1 << 20
-        spec.fragment.compression_codec = pb.NONE
-        spec.fragment.stores.append(STORE)
-        spec.fragment.refresh_interval.seconds = 60
-        async with JournalsClient(broker.address) as client:
-            await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-            await routed(client, JOURNAL, 1)
-        listed = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
-        assert [(f.spec.begin, f.spec.end) for f in listed.fragments] == [(0, 100), (200, 300)]
-        await append(stub, JOURNAL, content(300, 340), offset=300)  # The write head is at 300.
-        persist(root, 100, 200)  # Committed content, persisted as a replica would.
-
-        got = b"".join([c.content async for c in read(stub, JOURNAL, 0, block=False)])
-        assert got == content(0, 340)
+        yield broker
     finally:
-        await channel.close(None)
         stop_process(broker.proc)
 
 
+@pytest.fixture
+async def stub(broker: BrokerProcess) -> AsyncIterator[pb_grpc.JournalStub]:
+    channel = dial(broker.address)
+    try:
+        yield pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+    finally:
+        await channel.close(None)
+
+
+async def apply_journal(broker: BrokerProcess) -> None:
+    """JOURNAL at replication 1 on STORE, applied through `broker` and placed."""
+    spec = pb.JournalSpec(name=JOURNAL, replication=1)
+    spec.fragment.length = 1 << 20
+    spec.fragment.compression_codec = pb.NONE
+    spec.fragment.stores.append(STORE)
+    spec.fragment.refresh_interval.seconds = 60
+    async with JournalsClient(broker.address) as client:
+        await client.apply([pb.ApplyRequest.Change(upsert=spec)])
+        await routed(client, JOURNAL, 1)
+
+
+async def test_a_read_across_a_range_persisted_after_the_last_listing_reads_it(
+    broker: BrokerProcess, stub: pb_grpc.JournalStub, root: Path
+) -> None:
+    (root / "fragments").mkdir()
+    persist(root, 0, 100)
+    persist(root, 200, 300)  # [100, 200) persisted later: a range no listing has seen yet.
+    await apply_journal(broker)
+    listed = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
+    assert [(f.spec.begin, f.spec.end) for f in listed.fragments] == [(0, 100), (200, 300)]
+    await append(stub, JOURNAL, content(300, 340), offset=300)  # The write head is at 300.
+    persist(root, 100, 200)  # Committed content, persisted as a replica would.
+
+    got = b"".join([c.content async for c in read(stub, JOURNAL, 0, block=False)])
+    assert got == content(0, 340)
+
+
 async def test_a_read_goes_past_a_range_no_store_holds_and_apply_warns_of_it(
-    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+    broker: BrokerProcess, stub: pb_grpc.JournalStub, root: Path, tmp_path: Path
 ) -> None:
     """As an operator met it: [0, 20) persisted to store a/, [20, 40) in a local fragment, then
     the spec's stores changed to b/ alone, which hides a/'s fragments. `journals apply` warns
@@ -95,89 +123,61 @@ async def test_a_read_goes_past_a_range_no_store_holds_and_apply_warns_of_it(
     [20, 40) has been persisted to b/ and listed by the time of the read (the stores change
     rolls it, and its primary persists it at once): a read starting before every fragment
     would jump to the first one, as upstream's does, with nothing to note."""
-    root = tmp_path / "root"
     for store in ("a", "b"):
-        (root / store).mkdir(parents=True)
+        (root / store).mkdir()
     persist(root, 0, 20, "file:///a/")
     persist(root, 0, 10, "file:///b/")
-    broker = start_broker_process(
-        etcd_server, etcd_prefix, tmp_path / "broker.log",
-        extra=("--broker.file-root", str(root)),
-    )  # fmt: skip
-    channel = dial(broker.address)
     spec_yaml = tmp_path / "spec.yaml"
     template = (
         f"name: {JOURNAL}\nrevision: -1\nreplication: 1\nfragment:\n  length: 1048576\n"
         "  compression_codec: NONE\n  refresh_interval: 1m0s\n  stores: [{stores}]\n"
     )
-    try:
-        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-        spec_yaml.write_text(template.replace("{stores}", "file:///a/"))
-        assert gazctl(broker, "journals", "apply", "--specs", str(spec_yaml)).code == 0
-        async with JournalsClient(broker.address) as client:
-            await routed(client, JOURNAL, 1)
-        response = await append_routed(stub, JOURNAL, content(20, 40), offset=20)
-        assert (response.commit.begin, response.commit.end) == (20, 40)
+    spec_yaml.write_text(template.replace("{stores}", "file:///a/"))
+    assert gazctl(broker, "journals", "apply", "--specs", str(spec_yaml)).code == 0
+    async with JournalsClient(broker.address) as client:
+        await routed(client, JOURNAL, 1)
+    response = await append_routed(stub, JOURNAL, content(20, 40), offset=20)
+    assert (response.commit.begin, response.commit.end) == (20, 40)
 
-        spec_yaml.write_text(template.replace("{stores}", "file:///b/"))
-        r = gazctl(broker, "journals", "apply", "--specs", str(spec_yaml))
-        assert r.code == 0, r.err
-        assert (
-            f"warning: {JOURNAL}: the change drops file:///a/, which holds 1 of its fragments "
-            "([0, 20))" in r.err
-        ), r.err
-        assert "list file:///a/ after the new store(s)" in r.err
+    spec_yaml.write_text(template.replace("{stores}", "file:///b/"))
+    r = gazctl(broker, "journals", "apply", "--specs", str(spec_yaml))
+    assert r.code == 0, r.err
+    assert (
+        f"warning: {JOURNAL}: the change drops file:///a/, which holds 1 of its fragments "
+        "([0, 20))" in r.err
+    ), r.err
+    assert "list file:///a/ after the new store(s)" in r.err
 
-        r = gazctl(broker, "journals", "read", "-l", f"name={JOURNAL}")
-        assert r.code == 0, r.err
-        assert r.out.encode() == content(0, 10) + content(20, 40)
-        assert f"{JOURNAL}: skipped [10, 20): no broker holds it" in r.err, r.err
+    r = gazctl(broker, "journals", "read", "-l", f"name={JOURNAL}")
+    assert r.code == 0, r.err
+    assert r.out.encode() == content(0, 10) + content(20, 40)
+    assert f"{JOURNAL}: skipped [10, 20): no broker holds it" in r.err, r.err
 
-        # A blocking read with a hole handler goes past it too, then waits for new content.
-        skipped: list[tuple[int, int]] = []
-        reader = read(stub, JOURNAL, 10, block=True, on_hole=lambda b, e: skipped.append((b, e)))
-        first = await anext(reader)
-        assert (first.offset, skipped) == (20, [(10, 20)])
-        await reader.aclose()
-        # Without one, a read stops at the hole, as upstream's does.
-        assert [c async for c in read(stub, JOURNAL, 10, block=False)] == []
-    finally:
-        await channel.close(None)
-        stop_process(broker.proc)
+    # A blocking read with a hole handler goes past it too, then waits for new content.
+    skipped: list[tuple[int, int]] = []
+    reader = read(stub, JOURNAL, 10, block=True, on_hole=lambda b, e: skipped.append((b, e)))
+    first = await anext(reader)
+    assert (first.offset, skipped) == (20, [(10, 20)])
+    await reader.aclose()
+    # Without one, a read stops at the hole, as upstream's does.
+    assert [c async for c in read(stub, JOURNAL, 10, block=False)] == []
 
 
 async def test_a_broker_stopping_with_a_hole_in_its_journal_suspends_it_and_exits(
-    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+    broker: BrokerProcess, stub: pb_grpc.JournalStub, root: Path
 ) -> None:
     """SIGTERM to the last broker of a journal with a hole below its end, [10, 20), that no
     store holds: the broker flushes what it holds, suspends the journal at its end and exits
     at once. The flush at exit waited for the stores to hold the hole too, which no waiting
     could bring about: the exit took FLUSH_TIMEOUT (15s) and more, long enough to be
     SIGKILLed by a supervisor's grace period (stop_process's 10s, Kubernetes' 30s)."""
-    root = tmp_path / "root"
-    (root / "fragments").mkdir(parents=True)
+    (root / "fragments").mkdir()
     persist(root, 0, 10)
     persist(root, 20, 40)
-    broker = start_broker_process(
-        etcd_server, etcd_prefix, tmp_path / "broker.log",
-        extra=("--broker.file-root", str(root)),
-    )  # fmt: skip
-    channel = dial(broker.address)
-    try:
-        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-        spec = pb.JournalSpec(name=JOURNAL, replication=1)
-        spec.fragment.length = 1 << 20
-        spec.fragment.compression_codec = pb.NONE
-        spec.fragment.stores.append(STORE)
-        spec.fragment.refresh_interval.seconds = 60
-        async with JournalsClient(broker.address) as client:
-            await client.apply([pb.ApplyRequest.Change(upsert=spec)])
-            await routed(client, JOURNAL, 1)
-        await append(stub, JOURNAL, content(40, 60), offset=40)  # Confirms the head at 40.
-    finally:
-        await channel.close(None)
-        # A clean exit well within stop_process's SIGKILL deadline.
-        status = stop_process(broker.proc, timeout=8)
+    await apply_journal(broker)
+    await append(stub, JOURNAL, content(40, 60), offset=40)  # Confirms the head at 40.
+    # A clean exit well within stop_process's SIGKILL deadline.
+    status = stop_process(broker.proc, timeout=8)
     log = broker.log.read_text()
     assert status == 0, log
     assert f"flushed {JOURNAL} and suspended it at its end" in log, log
