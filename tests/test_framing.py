@@ -3,6 +3,7 @@ arbitrary chunkings, desync recovery, and UUID handling of each message type."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -706,3 +707,34 @@ def test_fused_json_decode_memo_across_messages_of_producers() -> None:
         except ValueError:
             got = ValueError
         assert got == expected, head
+
+
+@pytest.mark.parametrize("uuid_path", [("_meta", "uuid"), ("uuid",), ("a", "b", "c")])
+def test_set_uuid_texts_sets_what_set_uuid_text_sets_message_by_message(
+    uuid_path: tuple[str, ...],
+) -> None:
+    """The publisher's list path: each message ends as `set_uuid_text` leaves it, and one that
+    cannot carry the UUID (set_uuid_text raises) is left as it was."""
+
+    def messages() -> list[Any]:
+        return [
+            {"n": 1},
+            {"n": 2, "_meta": {"other": True}},
+            {"_meta": {"uuid": "old"}, "a": {"b": {}}},
+            {"_meta": 5, "a": 5, "uuid": None},
+            {"a": {"b": 7}},
+            [1, 2],
+            "text",
+        ]
+
+    dicts = DictMessages(uuid_path)
+    texts = [f"text-{i}" for i in range(len(messages()))]
+    one_by_one = messages()
+    for msg, text in zip(one_by_one, texts, strict=True):
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            dicts.set_uuid_text(msg, text)
+    together = messages()
+    dicts.set_uuid_texts(together, texts)
+    assert together == one_by_one
+    assert together != messages()
+    assert dicts.encode_lines(together) == b"".join(dicts.encode(m) + b"\n" for m in together)

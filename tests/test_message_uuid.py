@@ -315,3 +315,35 @@ def test_text_formatting_equals_the_uuid_text(
             text = str(mu.build(producer, clock, flags))
             assert mu.text_of(producer.hex(), clock, flags) == text
             assert formatter.text(clock, flags) == text
+
+
+@given(
+    producers,
+    flag_values,
+    st.integers(min_value=0, max_value=(1 << 28) - 1),
+    st.integers(min_value=0, max_value=15),
+    st.integers(min_value=1, max_value=300),
+    st.integers(min_value=-40, max_value=40),
+)
+def test_texts_of_a_run_of_ticks_equal_each_text(
+    producer: bytes, flags: int, high: int, counter: int, count: int, shift: int
+) -> None:
+    # Runs that start near where the clock's bits above the first eight hex digits change (the
+    # formatter's cached tail must change there), and runs that do not.
+    start = max(0, (high << 36) + shift * mu.TICK) | counter
+    if start + count * mu.TICK > mu.MAX_CLOCK:
+        start = mu.MAX_CLOCK - count * mu.TICK
+    texts = mu.TextFormatter(producer).texts(start, count, flags)
+    assert texts == [str(mu.build(producer, start + i * mu.TICK, flags)) for i in range(count)]
+
+
+def test_advance_many_reserves_distinct_increasing_clocks() -> None:
+    clock = mu.Clock()
+    first = clock.advance_many(5)
+    # The five are first, first + TICK, ... first + 4 * TICK; the next begins after them.
+    assert clock.value == first + 4 * mu.TICK
+    after = clock.advance()
+    assert after > first + 4 * mu.TICK
+    ahead = mu.Clock(1 << 62)  # Ahead of wall time: it only ticks.
+    assert ahead.advance_many(3) == (1 << 62) + mu.TICK
+    assert ahead.value == (1 << 62) + 3 * mu.TICK

@@ -8,9 +8,12 @@ import itertools
 import json
 from typing import Any
 
+import pytest
+
 from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import dial
+from broker.client.reader import read
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import (
@@ -193,3 +196,109 @@ async def test_one_producer_publishes_to_journals_of_different_content_types(
         assert [m["n"] for m in got_lines] == [1, 3]
         got_protos = await committed(protos, Reader(ProtobufMessages(count), FixedProtobuf()))
         assert [(m.ngram, m.count) for m in got_protos] == [("one", 1), ("three", 3)]
+
+
+async def test_publishing_a_list_writes_what_publishing_each_message_writes(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """`publish_committed_many` and `publish_uncommitted_many` stamp one Clock tick per message
+    in list order and write each journal's messages as one record: the bytes are those of the
+    one-at-a-time path with the same clocks, the spans cover them, a transaction published as a
+    list commits and aborts as one, and a message that cannot be encoded fails the call with
+    nothing written or left pending."""
+    from broker.message.framing import CSV, CSVMessages
+    from broker.message.uuid import TICK, Flags, build, parse_text
+
+    csv_journal = "events/csv"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True) as (
+        broker,
+    ):
+        async with broker.client() as client:
+            await client.apply(
+                [pb.ApplyRequest.Change(upsert=spec(j)) for j in [*JOURNALS, csv_journal]]
+            )
+            for journal in [*JOURNALS, csv_journal]:
+                await routed(client, journal, 1)
+        stub = pb_grpc.JournalStub(dial(broker.endpoint))  # type: ignore[no-untyped-call]
+        partitions = [Partition(j, "application/x-ndjson") for j in JOURNALS]
+        mapping = modulo_mapping(lambda m: str(m["key"]).encode(), lambda: partitions)
+        messages, framing = DictMessages(), JSONLines()
+
+        async with AppendService(stub) as service:
+            publisher = Publisher(service, messages, framing)
+            docs = [{"key": i % 3, "n": i} for i in range(10)]
+            before = publisher.clock.value
+            spans = await publisher.publish_committed_many(mapping, docs)
+            assert publisher.clock.value > before
+            # One span per journal, in the order of each journal's first message.
+            order = list(dict.fromkeys(mapping(d).journal for d in docs))
+            assert len(order) == 2
+            assert [s.journal for s in spans] == order
+            committed = [await s for s in spans]
+            assert await publisher.publish_committed_many(mapping, []) == []
+
+            # The clocks are TICK apart in list order; the bytes are the one-at-a-time path's.
+            uuids = [messages.get_uuid(d) for d in docs]
+            first = publisher.clock.value - (len(docs) - 1) * TICK
+            assert [str(u) for u in uuids] == [
+                str(build(publisher.producer, first + i * TICK, Flags.OUTSIDE_TXN))
+                for i in range(len(docs))
+            ]
+            for span in committed:
+                expected = bytearray()
+                for doc in docs:
+                    if mapping(doc).journal == span.journal:
+                        framing.marshal(messages.encode(doc), expected)
+                content = bytearray()
+                async for chunk in read(stub, span.journal, 0, end_offset=span.end):
+                    content += chunk.content
+                assert bytes(content[span.begin : span.end]) == bytes(expected)
+
+            # A transaction published as a list: committed by one ACK, or rolled back by one.
+            txn = Publisher(service, messages, framing)
+            await txn.publish_uncommitted_many(
+                mapping, [{"key": i, "kind": "txn"} for i in range(4)]
+            )
+            await txn.commit()
+            aborted = Publisher(service, messages, framing)
+            await aborted.publish_uncommitted_many(
+                mapping, [{"key": i, "kind": "aborted"} for i in range(4)]
+            )
+            await aborted.abort()
+
+            # A message that cannot be encoded: the call fails, nothing is written or pending.
+            failing = Publisher(service, messages, framing)
+            heads = [await service.barrier(j) for j in JOURNALS]
+            with pytest.raises(TypeError):
+                await failing.publish_uncommitted_many(
+                    mapping, [{"key": 1, "n": 1}, {"key": 2, "bad": object()}]
+                )
+            assert failing.build_ack_intents() == []
+            assert [await service.barrier(j) for j in JOURNALS] == heads
+
+            # Another framing and type (CSV rows): the generic path, the same bytes.
+            rows = Publisher(service, CSVMessages(), CSV())
+            to_csv = lambda _m: Partition(csv_journal, "text/csv")  # noqa: E731
+            (csv_span,) = await rows.publish_committed_many(
+                to_csv, [["", w] for w in ("a", "b,c", 'd"e')]
+            )
+            csv_done = await csv_span
+            await service.flush()
+
+        reader = Reader(messages, framing)
+        kinds = []
+        for journal in JOURNALS:
+            async for envelope in read_committed(stub, journal, reader, Sequencer()):
+                if not envelope.is_ack and "kind" in envelope.message:
+                    kinds.append(envelope.message["kind"])
+        assert sorted(kinds) == ["txn"] * 4
+        content = bytearray()
+        async for chunk in read(stub, csv_journal, 0, end_offset=csv_done.end):
+            content += chunk.content
+        lines = content.decode().splitlines()
+        assert [parse_text(line.split(",", 1)[0])[0] for line in lines] == [rows.producer] * 3
+        assert [line.split(",", 1)[1] for line in lines] == [
+            "a",
+            '"b,c"',
+            '"d""e"',
+        ]

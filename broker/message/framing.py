@@ -28,6 +28,7 @@ reader logs them with their offsets and skips them (`decode_message` raises `Fra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import dataclasses
@@ -669,9 +670,12 @@ def _json_default(obj: object) -> object:
 _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_json_default)
 # msgspec is the fast path both ways (about 3x the json module); what it refuses (integers past 64
 # bits, numbers beyond a double) goes through the json module, which also words the errors.
-_FAST_ENCODE = msgspec.json.Encoder().encode
+_FAST_ENCODER = msgspec.json.Encoder()
+_FAST_ENCODE = _FAST_ENCODER.encode
+_FAST_ENCODE_LINES = _FAST_ENCODER.encode_lines
 _FAST_DECODE = msgspec.json.Decoder().decode
 _FAST_ERRORS = (msgspec.MsgspecError, TypeError, OverflowError)
+_MISSING = object()
 
 
 def _json_dumps(obj: object) -> bytes:
@@ -783,6 +787,42 @@ class DictMessages:
                 )
             node = child
         node[self.uuid_path[-1]] = text
+
+    def set_uuid_texts(self, msgs: Sequence[dict[str, Any]], texts: Sequence[str]) -> None:
+        """`set_uuid_text` of each message and its text, in one call (the publisher's path for
+        lists). A message that cannot carry a UUID is left as it is, as the publisher does."""
+        set_one = self.set_uuid_text
+        skipped = (TypeError, ValueError, AttributeError)
+        if len(self.uuid_path) == 2:
+            outer, inner = self.uuid_path
+            missing = _MISSING
+            for msg, text in zip(msgs, texts, strict=True):
+                if type(msg) is dict:
+                    node = msg.get(outer, missing)
+                    if node is missing:
+                        msg[outer] = {inner: text}  # What set_uuid_text's setdefault makes.
+                        continue
+                    if type(node) is dict:
+                        node[inner] = text
+                        continue
+                with contextlib.suppress(*skipped):
+                    set_one(msg, text)  # Worded, or skipped as `_stamp` skips it.
+            return
+        for msg, text in zip(msgs, texts, strict=True):
+            with contextlib.suppress(*skipped):
+                set_one(msg, text)
+
+    def encode_lines(self, msgs: Sequence[dict[str, Any]]) -> bytes:
+        """The messages as JSON lines, each newline-terminated: `JSONLines` framing of each
+        `encode`, in one call."""
+        try:
+            return _FAST_ENCODE_LINES(msgs)
+        except _FAST_ERRORS:
+            out = bytearray()
+            for msg in msgs:
+                out += _json_dumps(msg)
+                out += b"\n"
+            return bytes(out)
 
     def new_acknowledgement(self, journal: str) -> dict[str, Any]:
         if self._ack_template is not None:

@@ -19,8 +19,9 @@ back ones never (ACKs themselves are delivered too, with `is_ack`, as upstream: 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from broker.client.append_service import AppendService, PendingSpan, Span
@@ -36,7 +37,7 @@ from broker.message.framing import (
 )
 from broker.message.mapping import Partition
 from broker.message.sequencer import COMMITTING, Envelope, Sequencer
-from broker.message.uuid import Clock, Flags, TextFormatter, build, new_producer_id
+from broker.message.uuid import TICK, Clock, Flags, TextFormatter, build, new_producer_id
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 
 M = TypeVar("M")
@@ -72,13 +73,23 @@ class Publisher(Generic[M]):
         self._codecs: dict[str, tuple[MessageType[Any], Framing]] = {}
         # Per-message hot path: bound once. A type that takes UUID text (DictMessages) skips
         # building a uuid.UUID only to format it.
-        self._uuid_text = TextFormatter(self.producer).text
+        formatter = TextFormatter(self.producer)
+        self._uuid_text = formatter.text
+        self._texts = formatter.texts
         self._set_uuid_text: Callable[[M, str], None] | None = getattr(
             messages, "set_uuid_text", None
         )
         self._encode = messages.encode
         self._marshal = framing.marshal
         self._service_write = service.write
+        # The list paths: a type that sets many UUID texts, or encodes many JSON lines, at once.
+        self._set_uuid_texts: Callable[[list[M], list[str]], None] | None = getattr(
+            messages, "set_uuid_texts", None
+        )
+        encode_lines = getattr(messages, "encode_lines", None)
+        self._encode_lines: Callable[[list[M]], bytes] | None = (
+            encode_lines if isinstance(framing, JSONLines) else None
+        )
 
     def sharing(self, messages: MessageType[N], framing: Framing) -> Publisher[N]:
         """A publisher of another message type and framing under this one's identity: the
@@ -121,6 +132,79 @@ class Publisher(Generic[M]):
             self._pending[journal] = clock
             self._codecs[journal] = (self.messages, self.framing)
         return await self._service_write(journal, self._framed(msg))
+
+    async def publish_committed_many(
+        self, mapping: Callable[[M], Partition], msgs: Iterable[M]
+    ) -> list[PendingSpan]:
+        """`publish_committed` of each message, in one call: the same UUIDs (one Clock tick
+        each, in list order) and bytes, without a call and a write per message. The messages
+        `mapping` sends to one journal are written as one record, so they land together, in
+        list order, and commit in one append or fail together. Returns a PendingSpan for each
+        journal written, in the order of their first message (empty for no messages)."""
+        return await self._publish_many(mapping, msgs, _OUTSIDE_TXN)
+
+    async def publish_uncommitted_many(
+        self, mapping: Callable[[M], Partition], msgs: Iterable[M]
+    ) -> list[PendingSpan]:
+        """`publish_uncommitted` of each message (CONTINUE_TXN), as `publish_committed_many`
+        writes them: pending until an ACK of this publisher commits them."""
+        return await self._publish_many(mapping, msgs, _CONTINUE_TXN)
+
+    async def _publish_many(
+        self, mapping: Callable[[M], Partition], msgs: Iterable[M], flags: int
+    ) -> list[PendingSpan]:
+        batch = msgs if type(msgs) is list else list(msgs)
+        if not batch:
+            return []
+        # Each journal's messages, and the index of its first (whose Clock opens its pending
+        # span), mapped before stamping as `publish_committed` does.
+        groups: dict[str, list[M]] = {}
+        firsts: dict[str, int] = {}
+        for index, msg in enumerate(batch):
+            journal = mapping(msg).journal
+            group = groups.get(journal)
+            if group is None:
+                groups[journal] = [msg]
+                firsts[journal] = index
+            else:
+                group.append(msg)
+        first = self.clock.advance_many(len(batch))
+        self._stamp_many(batch, first, flags)
+        # Everything is framed before anything is written: a message that cannot be encoded
+        # fails the call with nothing written.
+        encoded = [(journal, self._framed_many(group)) for journal, group in groups.items()]
+        if flags == _CONTINUE_TXN:
+            for journal in groups:
+                if journal not in self._pending:
+                    self._pending[journal] = first + firsts[journal] * TICK
+                    self._codecs[journal] = (self.messages, self.framing)
+        write = self._service_write
+        return [await write(journal, data) for journal, data in encoded]
+
+    def _stamp_many(self, batch: list[M], first: int, flags: int) -> None:
+        if self._set_uuid_text is None:
+            for index, msg in enumerate(batch):
+                # A message that cannot carry a UUID is published as it is: at-least-once.
+                with contextlib.suppress(TypeError, ValueError, AttributeError):
+                    self.messages.set_uuid(msg, build(self.producer, first + index * TICK, flags))
+            return
+        texts = self._texts(first, len(batch), flags)
+        if self._set_uuid_texts is not None:
+            self._set_uuid_texts(batch, texts)
+            return
+        set_text = self._set_uuid_text
+        for msg, text in zip(batch, texts, strict=True):
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                set_text(msg, text)
+
+    def _framed_many(self, group: list[M]) -> bytes:
+        if self._encode_lines is not None:
+            return self._encode_lines(group)
+        out = bytearray()
+        encode, marshal = self._encode, self._marshal
+        for msg in group:
+            marshal(encode(msg), out)
+        return bytes(out)
 
     def build_ack_intents(self) -> list[tuple[str, bytes]]:
         """The framed ACK_TXN acknowledgement for each journal with pending messages, at the

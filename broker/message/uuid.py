@@ -175,6 +175,17 @@ class Clock:
             self._value = value = value + TICK
             return value
 
+    def advance_many(self, count: int) -> int:
+        """`advance` `count` times under one lock: returns the first of the `count` values,
+        which are `TICK` apart (a publisher's clocks for a list of messages)."""
+        now = (time.time_ns() // 100 + GREGORIAN_OFFSET) << 4
+        with self._lock:
+            value = self._value
+            if now > value:
+                value = now
+            self._value = value + count * TICK
+            return value + TICK
+
     def tick(self) -> int:
         """Advance by one microsecond (`TICK`) and return the new value."""
         with self._lock:
@@ -242,6 +253,28 @@ class TextFormatter:
             self._rest = text_of(self._producer_hex, clock, flags)[8:]
             self._key = key
         return "%08x" % ((clock >> 4) & 0xFFFF_FFFF) + self._rest
+
+    def texts(self, first: int, count: int, flags: int) -> list[str]:
+        """The texts of `count` clocks `TICK` apart from `first` (`advance_many`'s), as `text`
+        gives each."""
+        out: list[str] = []
+        clock = first
+        end = first + count * TICK
+        step = TICK >> 4  # What the first eight hex digits (the clock's bits 4 to 35) gain a tick.
+        while clock < end:
+            # The tail changes only where the clock's bits above those digits do: within a run
+            # that does not cross such a change, the digits grow by `step`, without wrapping.
+            self.text(clock, flags)
+            stop = min(end, ((clock >> 36) + 1) << 36)
+            n = -(-(stop - clock) // TICK)
+            low = (clock >> 4) & 0xFFFF_FFFF
+            # One %-format of the whole run, split at its newlines: half the cost of a format
+            # and a concatenation per text.
+            lines = (("%08x" + self._rest + "\n") * n) % tuple(range(low, low + n * step, step))
+            out += lines.split("\n")
+            out.pop()  # After the last newline.
+            clock += n * TICK
+        return out
 
 
 def _uuid_of_int(value: int) -> uuid.UUID:
