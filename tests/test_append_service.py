@@ -344,3 +344,70 @@ async def test_batches_that_fail_or_are_cancelled_after_their_writers_gave_up_lo
     gc.collect()
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text
+
+
+async def test_a_writer_that_never_waits_lets_the_sender_send_meanwhile(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+) -> None:
+    """A publisher writing faster than appends commit, with room to spare, never has to wait:
+    `write` still gives the loop a turn every YIELD_EVERY bytes, so the journal's sender starts
+    its appends while the writes go on (not only once room runs out), and a write cancelled at
+    that turn has queued nothing."""
+    name = "svc/busy"
+    await set_journal(
+        etcd, etcd_prefix, journal_spec(name, replication=2), [("local", i) for i in IDS]
+    )
+    record = b"r" * 4096
+    async with AppendService(stub(brokers[0]), max_pending=256 << 20) as service:
+        journal = service._journal(name)
+        futures = []
+        sending_seen = 0
+        for _ in range(2048):  # 8 MiB, written without anything else awaited.
+            futures.append(await service.write(name, record))
+            sending_seen += journal.sending is not None
+        assert sending_seen > 0, "the sender never ran while the writer wrote"
+        # A write that yields and is cancelled there queues nothing.
+        await asyncio.gather(*futures)
+        service._unyielded = append_service.YIELD_EVERY
+        pending, count = journal.pending, journal.open.count
+        task = asyncio.ensure_future(service.write(name, b"never"))
+        await asyncio.sleep(0)  # The write runs to its turn for the loop.
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (journal.pending, journal.open.count) == (pending, count)
+        last = await service.write(name, b"end")
+        await last
+    content = await read_all(brokers[1], name)
+    assert content == record * 2048 + b"end"
+
+
+@pytest.mark.parametrize("max_memory", [0, 64 << 20])
+async def test_batches_past_a_mebibyte_stay_in_memory_while_the_budget_lasts(
+    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str, max_memory: int
+) -> None:
+    """A batch keeps its first SPILL_AT bytes in memory, and more while the service's
+    `max_memory` lasts (no file round trip); with no budget it spills past SPILL_AT. Either way
+    the records are appended whole and in order, and a sent batch gives its memory back."""
+    name = "svc/memory"
+    await set_journal(
+        etcd, etcd_prefix, journal_spec(name, replication=2), [("local", i) for i in IDS]
+    )
+    records = [bytes([65 + i % 26]) * 1000 + b"\n" for i in range(3000)]  # About 3 MiB.
+    async with AppendService(
+        stub(brokers[0]), max_batch=16 << 20, max_memory=max_memory
+    ) as service:
+        batch = service._journal(name).open
+        # Written in one step (no turn for the loop): all in the one open batch.
+        futures = [service.write_nowait(name, r) for r in records]
+        assert batch.count == len(records)
+        if max_memory:
+            assert batch.spilled == 0 and len(batch.buffer) == batch.size
+            assert service.disk.memory_left == max_memory - (batch.size - append_service.SPILL_AT)
+        else:
+            assert batch.spilled > 0 and len(batch.buffer) < append_service.SPILL_AT
+            assert service.disk.memory_left == 0
+        spans = await asyncio.gather(*futures)
+        assert service.disk.memory_left == max_memory
+    assert await read_all(brokers[1], name) == b"".join(records)
+    assert [s.end for s in spans[:-1]] == [s.begin for s in spans[1:]]

@@ -1,8 +1,11 @@
 """AppendService: many small, asynchronous appends become few large ones.
 
-Records written to a journal are buffered, up to `SPILL_AT` bytes in memory and past that in a
-local temporary file that a worker thread writes and reads (disk I/O never blocks the loop), and
-sent as one Append RPC per batch, in order: while one batch is in flight, the next accumulates. Each write
+Records written to a journal are buffered in memory, each batch's first `SPILL_AT` bytes and
+more while the service's budget (`max_memory`, across journals) lasts, and past that in a local
+temporary file that a worker thread writes and reads (disk I/O never blocks the loop), and sent
+as one Append RPC per batch, in order: while one batch is in flight, the next accumulates. A
+writer that never has to wait gives the loop a turn every `YIELD_EVERY` bytes, so the senders
+keep sending while it writes. Each write
 returns a `PendingSpan`, awaited for the record's own span once its batch commits. Writers wait when a
 journal has too much pending (back-pressure); transient failures are retried, so a record is
 appended at least once and, once acknowledged, exactly where its PendingSpan says.
@@ -47,8 +50,12 @@ log = logging.getLogger(__name__)
 BATCH_CHUNK = 1 << 20
 
 # A batch keeps this much in memory; past it, its records go to its temporary file on the disk
-# thread, in pieces of about this size (a record this large goes alone, never copied).
+# thread, in pieces of about this size (a record this large goes alone, never copied), unless
+# the service's memory budget (`max_memory`) still has room for them.
 SPILL_AT = 1 << 20
+
+# `write` gives the event loop a turn after this many bytes written without one.
+YIELD_EVERY = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,11 @@ class _DiskThread:
     order given, so a batch's writes, reads and close never overtake each other. Started at
     the first job, ended by `close` once every job given before is done."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: int = 0) -> None:
         self._executor: ThreadPoolExecutor | None = None
+        # Bytes batches may still keep in memory past their first SPILL_AT (`max_memory`):
+        # a file round trip costs the loop a thread hop per chunk, memory only the copy.
+        self.memory_left = memory
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         if self._executor is None:
@@ -112,8 +122,8 @@ class _Batch:
     `buffer`."""
 
     __slots__ = (
-        "buffer", "count", "dependency", "disk", "done", "error", "file", "registers", "size",
-        "spilled",
+        "borrowed", "buffer", "count", "dependency", "disk", "done", "error", "file",
+        "registers", "size", "spilled",
     )  # fmt: skip
 
     def __init__(
@@ -125,6 +135,7 @@ class _Batch:
         self.disk = disk
         self.buffer = bytearray()
         self.spilled = 0
+        self.borrowed = 0  # Bytes of `buffer` past SPILL_AT, taken from disk.memory_left.
         self.file: IO[bytes] | None = None  # Made by the disk thread at the first spill.
         self.error: Exception | None = None  # The disk thread's: the file cannot be sent.
         self.size = 0
@@ -139,11 +150,25 @@ class _Batch:
         length = len(data)
         self.size = size + length
         self.count += 1
-        if len(self.buffer) + length < SPILL_AT:
+        held = len(self.buffer) + length
+        if held < SPILL_AT or (length < SPILL_AT and self._borrow(held - SPILL_AT)):
             self.buffer += data
         else:
             self._spill(data)
         return _new_tuple(PendingSpan, (journal, self.done, size, length))
+
+    def _borrow(self, extra: int) -> bool:
+        """Whether the memory budget lets `buffer` hold `extra` bytes past SPILL_AT (taken)."""
+        more = extra - self.borrowed
+        if more > self.disk.memory_left:
+            return False
+        self.disk.memory_left -= more
+        self.borrowed = extra
+        return True
+
+    def _give_back(self) -> None:
+        self.disk.memory_left += self.borrowed
+        self.borrowed = 0
 
     def _spill(self, data: bytes) -> None:
         """What is buffered, and `data`, to the file on the disk thread (a large record by
@@ -157,6 +182,7 @@ class _Batch:
             self.buffer += data
             pieces = [self.buffer]
         self.buffer = bytearray()
+        self._give_back()
         self.spilled += sum(map(len, pieces))
         self.disk.run(self._write, pieces).add_done_callback(_retrieve)
 
@@ -191,12 +217,14 @@ class _Batch:
                 raise _BatchFileError from exc
             offset += len(chunk)
             yield chunk
-        for at in range(0, len(self.buffer), BATCH_CHUNK):
-            yield bytes(self.buffer[at : at + BATCH_CHUNK])
+        with memoryview(self.buffer) as view:
+            for at in range(0, len(view), BATCH_CHUNK):
+                yield bytes(view[at : at + BATCH_CHUNK])  # One copy: a bytearray may change.
 
     def discard(self) -> None:
         """Its file is closed (removed) on the disk thread, after every job given before."""
         self.buffer = bytearray()
+        self._give_back()
         if self.spilled:
             self.disk.run(self._close).add_done_callback(_retrieve)
 
@@ -443,6 +471,7 @@ class AppendService:
         *,
         max_batch: int = 8 << 20,
         max_pending: int = 64 << 20,
+        max_memory: int = 64 << 20,
         max_retry_delay: float = 2.0,
         max_wait: float | None = None,
     ) -> None:
@@ -461,9 +490,10 @@ class AppendService:
         # (None: for as long as it takes, as upstream's AppendService does).
         self.max_wait = max_wait
         self.closing = False
-        self.disk = _DiskThread()
+        self.disk = _DiskThread(max_memory)
         self.appends = 0  # Append RPCs committed: records / appends is the batching factor.
         self._journals: dict[str, _Journal] = {}
+        self._unyielded = 0  # Bytes `write` queued since it last gave the loop a turn.
 
     def _journal(self, name: str) -> _Journal:
         if self.closing:
@@ -485,6 +515,15 @@ class AppendService:
         j = self._journal(journal)
         if not j.room.is_set():
             await j.room.wait()
+        elif self._unyielded >= YIELD_EVERY:
+            # A writer that never has to wait would keep the loop from the senders (and from
+            # gRPC) until room ran out: it gives them a turn, before queueing, so that a
+            # write cancelled here queued nothing.
+            self._unyielded = 0
+            await asyncio.sleep(0)
+            if not j.room.is_set():
+                await j.room.wait()
+        self._unyielded += len(data)
         return j.write(data, registers)
 
     async def room(self, journal: str) -> None:
