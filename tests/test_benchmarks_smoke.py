@@ -147,6 +147,18 @@ def test_consumer_throughput_quick() -> None:
 
 
 @pytest.mark.slow
+def test_publish_quick() -> None:
+    """The benchmark runs end to end: the baseline re-encoded exactly the bytes published as
+    lists (it asserts so), and both ways of publishing are reported beside the baseline."""
+    from benchmarks import publish
+
+    result = _runner.check("publish", publish.run(quick=True))
+    assert result["unit"] == "messages/s" and result["messages"] % publish.BATCH == 0
+    assert len(result["rounds"]) == 1
+    assert result["value"] > 0 and result["baseline"] > 0 and result["one_at_a_time"] > 0
+
+
+@pytest.mark.slow
 def test_shard_failover_quick() -> None:
     """One kill of the process hosting a shard's primary (stream-sum summers, lease 2 s): the
     shard comes back (Stat through the survivor reads past the kill) after the lease expired."""
