@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from broker.append_api import relayed_code
-from broker.client.append_service import AppendService
+from broker.client.append_service import AppendService, Span
 from broker.client.appender import append
 from broker.client.routes import CORE_SEND_FAILURE, append_routed, is_transient, transient_reason
 from broker.protocol import protocol_pb2 as pb
@@ -107,36 +107,80 @@ async def test_a_proxied_append_to_a_primary_that_dies_mid_stream_is_unavailable
     assert tracebacks(caplog) == []
 
 
+class Retries(logging.Handler):
+    """The retries AppendService logs ("append to ... failed (retrying in ...)"), and an event
+    set at the first, to await rather than sleep for."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: list[str] = []
+        self.first = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "failed (retrying in" in message:
+            self.reasons.append(message)
+            self.first.set()  # The service logs from its sender, on the loop.
+
+
 async def test_append_service_retries_a_proxied_append_through_a_primary_change(
-    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """AppendService sends through the broker that is not primary while the primary moves to
-    it: what the proxy answers on the way (UNAVAILABLE, NOT_JOURNAL_PRIMARY_BROKER, ...) is
-    retried, and every batch lands once."""
+    """AppendService sends through the broker that is not primary while the primary is gone:
+    the proxy answers UNAVAILABLE, which the service retries (its own retry, not the test's)
+    until the journal moves to the proxying broker; then the batch lands, once, and the next
+    one after it, each record where its span says."""
     journal = "faults/moving"
     members = [("local", IDS[0]), ("local", IDS[1])]
-    await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=2), members)
+    await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[:1])
     await append(stub(brokers[0]), journal, b"")
-    async with AppendService(lambda name: stub(brokers[1]), max_retry_delay=0.2) as service:
-        spans = [service.write_nowait(journal, b"%03d;" % i) for i in range(20)]
-        await asyncio.sleep(0.05)
-        server = brokers[0].broker.server
-        assert server is not None
-        await server.stop(grace=0)
-        await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[1:])
-        spans += [service.write_nowait(journal, b"%03d;" % i) for i in range(20, 40)]
-        async with asyncio.timeout(30):
-            written = [await span for span in spans]
-    assert len(written) == 40
+    server = brokers[0].broker.server
+    assert server is not None
+    await server.stop(grace=0)  # Before the first write: its first attempt cannot land.
+
+    retries = Retries()
+    service_log = logging.getLogger("broker.client.append_service")
+    service_log.addHandler(retries)
+    try:
+        with caplog.at_level(logging.WARNING, logger=service_log.name):
+            async with AppendService(lambda name: stub(brokers[1]), max_retry_delay=0.2) as service:
+                spans = [service.write_nowait(journal, b"%03d;" % i) for i in range(20)]
+                # The first batch's first attempt fails: it waits to retry (or, without the
+                # retry, it has failed, and the test with it at once).
+                retried = asyncio.ensure_future(retries.first.wait())
+                first = asyncio.ensure_future(asyncio.gather(*spans))
+                await asyncio.wait(
+                    [retried, first], timeout=30, return_when=asyncio.FIRST_COMPLETED
+                )
+                retried.cancel()
+                assert retries.reasons and not first.done(), first
+                # Queued behind the batch being retried: the next batch.
+                spans += [service.write_nowait(journal, b"%03d;" % i) for i in range(20, 40)]
+                await set_journal(
+                    etcd, etcd_prefix, journal_spec(journal, replication=1), members[1:]
+                )
+                async with asyncio.timeout(30):
+                    written = [await span for span in spans]
+                assert service.appends == 2  # Two batches, each committed once.
+    finally:
+        service_log.removeHandler(retries)
+    assert retries.reasons[0].startswith(f"append to {journal} failed"), retries.reasons
+    assert "UNAVAILABLE" in retries.reasons[0], retries.reasons
+    assert tracebacks(caplog) == []
+
+    records = [b"%03d;" % i for i in range(40)]
+    begin = written[0].begin
+    assert written == [Span(journal, begin + 4 * i, begin + 4 * i + 4) for i in range(40)]
     content = bytearray()
     async for r in stub(brokers[1]).Read(pb.ReadRequest(journal=journal, offset=0, block=False)):
         if r.status != pb.OK:
             break
         content += r.content
-    pieces = bytes(content).split(b";")[:-1]
-    # Every batch once (a batch the stopped primary acknowledged may repeat only if it was
-    # retried without an answer; here each got one).
-    assert sorted(set(pieces)) == [b"%03d" % i for i in range(40)]
+    assert bytes(content) == b"".join(records)  # Every record once, in order, nothing else.
+    assert [bytes(content[s.begin : s.end]) for s in written] == records
 
 
 async def test_a_proxied_append_that_never_reached_the_primary_is_sent_again(
