@@ -41,7 +41,7 @@ from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError, read_retrying
 from broker.message.framing import FrameReader, Framing, MessageType
-from broker.message.publisher import Publisher, Reader
+from broker.message.publisher import Publisher, Reader, chunk_envelopes
 from broker.message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -185,7 +185,7 @@ async def _read_source(
         async for chunk in read_retrying(stubs, source.journal, offset, block=True):
             if write_heads is not None and chunk.write_head:
                 write_heads[source.journal] = chunk.write_head
-            batch = reader.envelopes(source.journal, frames.feed(chunk.offset, chunk.content))
+            batch = chunk_envelopes(reader, frames, source.journal, chunk.offset, chunk.content)
             if batch:
                 await into.put(batch)
     except asyncio.CancelledError:
@@ -202,7 +202,7 @@ async def _replay(
     frames = FrameReader(source.framing)
     out: list[Envelope] = []
     async for chunk in read_retrying(stubs, source.journal, begin, block=True):
-        out.extend(reader.envelopes(source.journal, frames.feed(chunk.offset, chunk.content)))
+        out.extend(chunk_envelopes(reader, frames, source.journal, chunk.offset, chunk.content))
         if chunk.offset + len(chunk.content) >= end:
             break
     return [e for e in out if e.begin < end]

@@ -500,3 +500,24 @@ async def test_commits_pipelined_deeper_stay_exactly_once(
     await restored.restore_checkpoint()
     assert restored.state == dict(expected)
     check_outputs(await committed_outputs(stub), expected)
+
+
+async def test_a_corrupt_input_line_is_skipped_and_the_rest_applied(
+    sums_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """The shard frames JSON lines a read chunk at a time: a line that is not JSON, between
+    committed inputs, is skipped (reported, never consumed), and every committed input around
+    it is applied once."""
+    from broker.client.appender import append
+
+    stub = sums_stub
+    first = await publish_inputs(stub, 30, seed=5)
+    await append(stub, INPUT, b'{"key": "key-0", "n": \n')  # Not a JSON document.
+    second = await publish_inputs(stub, 30, seed=6)
+    head = await write_head(stub, INPUT)
+    app = Summer()
+    await run_until(stub, JSONFileStore(tmp_path, "summer-0"), app, through=head)
+    assert app.consumed == 60
+    restored = JSONFileStore(tmp_path, "summer-0")
+    await restored.restore_checkpoint()
+    assert restored.state == dict(first + second)

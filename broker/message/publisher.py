@@ -332,6 +332,20 @@ class Reader(Generic[M]):
         self.errors.append(error)
 
 
+def chunk_envelopes(
+    reader: Reader[M], frames: FrameReader, journal: str, offset: int, content: bytes
+) -> list[Envelope]:
+    """The envelopes of the frames a read chunk of `journal` at `offset` completes (`frames`
+    keeps the partial frame for the next chunk): for JSON lines, without a Frame per line."""
+    if reader._fused is None:
+        return reader.envelopes(journal, frames.feed(offset, content))
+    errors, base, lines = frames.feed_lines(offset, content)
+    envelopes = reader.envelopes_of_lines(journal, base, lines)
+    if errors:  # The partial frame before a jump comes first.
+        return reader.envelopes(journal, errors) + envelopes
+    return envelopes
+
+
 async def read_uncommitted(
     stub: pb_grpc.JournalStub,
     journal: str,
@@ -358,15 +372,8 @@ async def _envelope_batches(
     **read_options: Any,
 ) -> AsyncIterator[list[Envelope]]:
     frames = FrameReader(reader.framing)
-    if reader._fused is not None:  # JSON lines: no Frame per line.
-        async for chunk in read(stub, journal, offset, block=block, **read_options):
-            errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
-            if errors:
-                yield reader.envelopes(journal, errors)
-            yield reader.envelopes_of_lines(journal, base, lines)
-    else:
-        async for chunk in read(stub, journal, offset, block=block, **read_options):
-            yield reader.envelopes(journal, frames.feed(chunk.offset, chunk.content))
+    async for chunk in read(stub, journal, offset, block=block, **read_options):
+        yield chunk_envelopes(reader, frames, journal, chunk.offset, chunk.content)
     yield reader.envelopes(journal, frames.finish())
 
 
