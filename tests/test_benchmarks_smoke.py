@@ -159,6 +159,17 @@ def test_publish_quick() -> None:
 
 
 @pytest.mark.slow
+def test_append_service_quick() -> None:
+    """The benchmark runs end to end, its records and the same bytes appended raw reported
+    side by side."""
+    from benchmarks import append_service
+
+    result = _runner.check("append_service", append_service.run(quick=True))
+    assert result["unit"] == "records/s" and result["records"] % 256 == 0
+    assert result["value"] > 0 and result["baseline"] > 0 and len(result["rounds"]) == 1
+
+
+@pytest.mark.slow
 def test_shard_failover_quick() -> None:
     """One kill of the process hosting a shard's primary (stream-sum summers, lease 2 s): the
     shard comes back (Stat through the survivor reads past the kill) after the lease expired."""

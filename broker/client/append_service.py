@@ -469,7 +469,7 @@ class AppendService:
         self,
         stub_for: Router | Callable[[str], pb_grpc.JournalStub] | pb_grpc.JournalStub,
         *,
-        max_batch: int = 8 << 20,
+        max_batch: int = 32 << 20,
         max_pending: int = 64 << 20,
         max_memory: int = 64 << 20,
         max_retry_delay: float = 2.0,
