@@ -66,7 +66,10 @@ class ClientStream:
         self.gone = asyncio.Event()
         self._waited = 0.0  # Seconds spent in receive(), waiting for the client.
         self._bytes = 0
-        self._reading: asyncio.Future[pb.AppendRequest] | None = None
+        # The FSM's task while it waits for the client's next message, and why that wait was
+        # cut short (the client left, or streamed too slowly), if it was.
+        self._waiting: asyncio.Task[Any] | None = None
+        self._cut: str | None = None
         self._ahead: collections.deque[Chunk] = collections.deque()  # Read by `prefetch`.
 
     def _timeout(self) -> float | None:
@@ -81,8 +84,21 @@ class ClientStream:
     def leave(self) -> None:
         """The client went away: a read in flight ends, and so does every later one."""
         self.gone.set()
-        if self._reading is not None:
-            self._reading.cancel()
+        self._cut_short("client went away; rolled back")
+
+    def _too_slow(self) -> None:
+        self._cut_short(
+            f"client streamed slower than --broker.min-append-rate ({self.min_rate} bytes/s); "
+            "aborted and rolled back"
+        )
+
+    def _cut_short(self, why: str) -> None:
+        # The FSM's task is suspended at its read of the client (nowhere else while `_waiting`
+        # is set): cancelling it raises there, and only there, where `_receive` takes it back.
+        task, self._waiting = self._waiting, None
+        if task is not None:
+            self._cut = why
+            task.cancel()
 
     async def prefetch(self, limit: int) -> bytes | None:
         """Read the client's messages ahead while their content totals less than `limit`: the
@@ -128,34 +144,46 @@ class ClientStream:
     async def _receive(self) -> Chunk:
         if self.gone.is_set():
             return Chunk(None, ClientError("client went away; rolled back"))
-        # One task per message: `leave` cancels it (cancelling the FSM's own task instead
-        # would interrupt the machinery this class exists to protect).
-        read = self._reading = asyncio.ensure_future(anext(self._it))
+        # Read in the FSM's own task (no task per message): `leave` and the flow-rate timer
+        # cancel it only while it waits here, and the cancellation is taken back below, so the
+        # machinery around the read is never interrupted.
+        task = asyncio.current_task()
+        assert task is not None
+        timeout = self._timeout()
+        timer = (
+            None
+            if timeout is None
+            else asyncio.get_running_loop().call_later(timeout, self._too_slow)
+        )
         began = time.monotonic()
+        self._waiting = task
         try:
-            await asyncio.wait((read,), timeout=self._timeout())
-        finally:
-            self._reading = None
-            self._waited += time.monotonic() - began
-        if not read.done() or self.gone.is_set():
-            read.cancel()
-            with contextlib.suppress(BaseException):
-                await read
-            if self.gone.is_set():
-                return Chunk(None, ClientError("client went away; rolled back"))
-            return Chunk(
-                None,
-                ClientError(
-                    f"client streamed slower than --broker.min-append-rate ({self.min_rate} bytes/s); "
-                    "aborted and rolled back"
-                ),
-            )
-        try:
-            request = read.result()
+            request = await anext(self._it)
+        except asyncio.CancelledError:
+            why, self._cut = self._cut, None
+            # Ours if we cut the wait short and nobody else cancelled the task meanwhile.
+            if why is None or task.uncancel() > 0:
+                raise
+            return Chunk(None, ClientError(why))
         except StopAsyncIteration:
-            return Chunk(None)
-        except BaseException as exc:  # Includes the RPC's cancellation: the client is gone.
-            return Chunk(None, ClientError(f"client stream failed: {exc!r}"))
+            ended: Chunk | None = Chunk(None)
+        except Exception as exc:  # The RPC failed under the read: the client is gone.
+            ended = Chunk(None, ClientError(f"client stream failed: {exc!r}"))
+        else:
+            ended = None
+        finally:
+            self._waiting = None
+            if timer is not None:
+                timer.cancel()
+            self._waited += time.monotonic() - began
+        if self._cut is not None:
+            # Cut short, and the read ended another way (gRPC took the cancellation in): it is
+            # taken back from the task, and the append ends as cut.
+            why, self._cut = self._cut, None
+            task.uncancel()
+            return Chunk(None, ClientError(why))
+        if ended is not None:
+            return ended
         self._bytes += len(request.content)
         return Chunk(request)
 
