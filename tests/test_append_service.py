@@ -402,10 +402,10 @@ async def test_batches_past_a_mebibyte_stay_in_memory_while_the_budget_lasts(
         futures = [service.write_nowait(name, r) for r in records]
         assert batch.count == len(records)
         if max_memory:
-            assert batch.spilled == 0 and len(batch.buffer) == batch.size
+            assert batch.spilled == 0 and batch.held == batch.size
             assert service.disk.memory_left == max_memory - (batch.size - append_service.SPILL_AT)
         else:
-            assert batch.spilled > 0 and len(batch.buffer) < append_service.SPILL_AT
+            assert batch.spilled > 0 and batch.held < append_service.SPILL_AT
             assert service.disk.memory_left == 0
         spans = await asyncio.gather(*futures)
         assert service.disk.memory_left == max_memory

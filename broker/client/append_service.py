@@ -118,12 +118,14 @@ class _BatchFileError(Exception):
 class _Batch:
     """Records buffered for one Append RPC; `done` resolves with the offset where the batch
     began once it commits (one future per batch, not per record: the publish path's cost).
-    The first `spilled` bytes are in `file`, which only the disk thread touches; the rest are in
-    `buffer`."""
+    The first `spilled` bytes are in `file`, which only the disk thread touches; the rest, `held`
+    bytes, are in memory: the `full` pieces of BATCH_CHUNK bytes, then `buffer`. Pieces, not one
+    growing buffer: a bytearray grown to tens of MiB costs more a record (reallocations, fresh
+    pages) than the record's copy, and the pieces are what is sent."""
 
     __slots__ = (
-        "borrowed", "buffer", "count", "dependency", "disk", "done", "error", "file",
-        "registers", "size", "spilled",
+        "borrowed", "buffer", "count", "dependency", "disk", "done", "error", "file", "full",
+        "held", "registers", "size", "spilled",
     )  # fmt: skip
 
     def __init__(
@@ -134,8 +136,10 @@ class _Batch:
     ) -> None:
         self.disk = disk
         self.buffer = bytearray()
+        self.full: list[bytearray] = []
+        self.held = 0
         self.spilled = 0
-        self.borrowed = 0  # Bytes of `buffer` past SPILL_AT, taken from disk.memory_left.
+        self.borrowed = 0  # Bytes held past SPILL_AT, taken from disk.memory_left.
         self.file: IO[bytes] | None = None  # Made by the disk thread at the first spill.
         self.error: Exception | None = None  # The disk thread's: the file cannot be sent.
         self.size = 0
@@ -150,15 +154,24 @@ class _Batch:
         length = len(data)
         self.size = size + length
         self.count += 1
-        held = len(self.buffer) + length
+        held = self.held + length
         if held < SPILL_AT or (length < SPILL_AT and self._borrow(held - SPILL_AT)):
-            self.buffer += data
+            self.held = held
+            buffer = self.buffer
+            room = BATCH_CHUNK - len(buffer)
+            if length <= room:
+                buffer += data
+            else:  # The piece fills; the rest (less than a piece: length < SPILL_AT) begins one.
+                with memoryview(data) as view:
+                    buffer += view[:room]
+                    self.full.append(buffer)
+                    self.buffer = bytearray(view[room:])
         else:
             self._spill(data)
         return _new_tuple(PendingSpan, (journal, self.done, size, length))
 
     def _borrow(self, extra: int) -> bool:
-        """Whether the memory budget lets `buffer` hold `extra` bytes past SPILL_AT (taken)."""
+        """Whether the memory budget lets the batch hold `extra` bytes past SPILL_AT (taken)."""
         more = extra - self.borrowed
         if more > self.disk.memory_left:
             return False
@@ -173,15 +186,19 @@ class _Batch:
     def _spill(self, data: bytes) -> None:
         """What is buffered, and `data`, to the file on the disk thread (a large record by
         reference: it is not copied on the loop)."""
-        pieces: list[bytes | bytearray]
+        pieces: list[bytes | bytearray] = [*self.full]
         if len(data) >= SPILL_AT:
             if type(data) is not bytes:
                 data = bytes(data)  # The writer's to change once `write` returns.
-            pieces = [self.buffer, data] if self.buffer else [data]
+            if self.buffer:
+                pieces.append(self.buffer)
+            pieces.append(data)
         else:
             self.buffer += data
-            pieces = [self.buffer]
+            pieces.append(self.buffer)
         self.buffer = bytearray()
+        self.full = []
+        self.held = 0
         self._give_back()
         self.spilled += sum(map(len, pieces))
         self.disk.run(self._write, pieces).add_done_callback(_retrieve)
@@ -217,13 +234,16 @@ class _Batch:
                 raise _BatchFileError from exc
             offset += len(chunk)
             yield chunk
-        with memoryview(self.buffer) as view:
-            for at in range(0, len(view), BATCH_CHUNK):
-                yield bytes(view[at : at + BATCH_CHUNK])  # One copy: a bytearray may change.
+        for piece in self.full:
+            yield bytes(piece)  # Bytes, as gRPC takes them.
+        if self.buffer:
+            yield bytes(self.buffer)
 
     def discard(self) -> None:
         """Its file is closed (removed) on the disk thread, after every job given before."""
         self.buffer = bytearray()
+        self.full = []
+        self.held = 0
         self._give_back()
         if self.spilled:
             self.disk.run(self._close).add_done_callback(_retrieve)
