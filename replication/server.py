@@ -46,7 +46,7 @@ from aetcd import transactions
 from google.protobuf.message import DecodeError
 
 from broker.client import BrokerUnavailable, JournalsClient
-from broker.client.append_service import AppendService
+from broker.client.append_service import AppendService, ServiceClosed
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
@@ -714,6 +714,14 @@ class LocationServer:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {exc}")
             except LocationError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ServiceClosed:
+                # This process is stopping the location (a zombie that found its lease gone,
+                # say): its writer closed while the server still took the call.
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"location {self.name} is stopping in this process (its log's writer is "
+                    "closed): call the process that serves it now",
+                )
             except AppendError as exc:
                 self.failure = _writer_failure(self.name, exc)
                 self._failed.set()

@@ -379,3 +379,33 @@ def test_a_location_read_ends_when_its_token_expires(
             await channel.close()
 
     asyncio.run(go())
+
+
+def test_an_emit_after_the_log_writer_closed_is_refused_as_unavailable(
+    location_broker: BrokerProcess, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A process stopping its location (a zombie host that found its lease gone) closes the
+    log's writer while its server may still take an emit: the emit is refused as the location
+    being unreachable here, in one line, not as an unexpected error of the server."""
+    from replication.rpc import LocationClient, LocationError
+
+    async def steps() -> None:
+        await apply_location_journals(location_broker.address, "A")
+        config = LocationConfig("A", location_broker.address, etcd_server.endpoint,
+                                prefix=etcd_prefix + "/replication", lease=2)  # fmt: skip
+        async with serving(config) as a:
+            assert a.log is not None and a.log.service is not None
+            await emit(a, {"n": 1})
+            await a.log.service.close()
+            async with LocationClient("A", a.endpoint, timeout=10) as client:
+                with pytest.raises(LocationError) as info:
+                    await client.emit({"n": 2})
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "unreachable" in str(info.value) and "writer" in str(info.value)
+        assert "Unexpected" not in str(info.value) and "\n" not in str(info.value)
+
+    async def go() -> None:
+        async with asyncio.timeout(60):
+            await steps()
+
+    asyncio.run(go())

@@ -267,6 +267,10 @@ def _locally_cancelled(journal: str) -> grpc.aio.AioRpcError:
     )
 
 
+class ServiceClosed(RuntimeError):
+    """A write to an AppendService that is closing or closed: nothing was queued."""
+
+
 class DependencyFailed(RuntimeError):
     """A `write_after` record not appended, because its dependency failed or was cancelled."""
 
@@ -517,7 +521,7 @@ class AppendService:
 
     def _journal(self, name: str) -> _Journal:
         if self.closing:
-            raise RuntimeError("the AppendService is closed")
+            raise ServiceClosed(f"the AppendService is closed: nothing more is written to {name}")
         journal = self._journals.get(name)
         if journal is None:
             journal = self._journals[name] = _Journal(self, name)
