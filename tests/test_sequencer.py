@@ -109,6 +109,28 @@ def test_ring_add_and_evict() -> None:
     assert seq.offsets == {JOURNAL: a_ack.end}
 
 
+def test_the_ring_grows_as_envelopes_arrive_up_to_its_size() -> None:
+    """An idle reader holds no ring slots (a shard with nothing to read costs none of the
+    8,192 a default ring has); the ring grows by one slot an envelope until it has
+    `ring_size`, then reuses them in turn."""
+    assert len(Sequencer()._ring) == 0
+    seq = Sequencer(ring_size=3)
+    gen = generator()
+    envs = [gen(A, c, CONTINUE) for c in range(100, 600, 100)]
+    sizes = []
+    for env in envs:
+        assert queue(seq, env) in ([Q.CONTINUE_BEGIN_SPAN], [Q.CONTINUE_EXTEND_SPAN])
+        sizes.append(len(seq._ring))
+    assert sizes == [1, 2, 3, 3, 3]
+    # The span outgrew the ring (which the ACK's own slot takes the third envelope from): the
+    # ACK replays what left it, then takes the rest from the ring.
+    ack = gen(A, 600, ACK)
+    assert queue(seq, ack) == [Q.ACK_COMMIT_REPLAY]
+    assert len(seq._ring) == 3
+    expect_replay(seq, envs[0].begin, envs[3].begin, *envs[:3])
+    expect_deque(seq, *envs, ack)
+
+
 def test_txn_sequence_cases() -> None:
     gen = generator()
     seq = Sequencer(ring_size=3)

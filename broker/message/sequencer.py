@@ -203,8 +203,11 @@ class Sequencer:
         self._dequeued: Envelope | None = None
         self._dequeued_clock = 0
         self._replay: Iterator[Envelope] | AsyncIterator[Envelope] | None = None
-        self._ring: list[Envelope | None] = [None] * size
-        self._next: list[int] = [-1] * size  # Links envelopes of the same JournalProducer.
+        # Grown as envelopes arrive, up to `size` slots, then reused in turn: an idle reader
+        # (a shard with nothing to read) holds no slots.
+        self._size = size
+        self._ring: list[Envelope | None] = []
+        self._next: list[int] = []  # Links envelopes of the same JournalProducer.
         self._head = 0  # Next ring index to write.
 
         for journal, offset in self._offsets.items():
@@ -234,7 +237,7 @@ class Sequencer:
             raise RuntimeError(
                 "committed messages remain to dequeue: call step() until it returns None"
             )
-        if self._ring[self._head] is not None:
+        if self._head < len(self._ring) and self._ring[self._head] is not None:
             self._evict_at_head()
 
         clock, flags = env.clock, env.flags
@@ -583,14 +586,18 @@ class Sequencer:
 
     def _add_at_head(self, env: Envelope, partial: _Partial) -> None:
         head = self._head
-        self._ring[head] = env
-        self._next[head] = -1
+        if head == len(self._ring):  # Still growing.
+            self._ring.append(env)
+            self._next.append(-1)
+        else:
+            self._ring[head] = env
+            self._next[head] = -1
         if partial.ring_stop == -1:
             partial.ring_start = head
         else:
             self._next[partial.ring_stop] = head
         partial.ring_stop = head
-        self._head = (head + 1) % len(self._ring)
+        self._head = (head + 1) % self._size
 
     @staticmethod
     def _log_error(env: Envelope, partial: _Partial, message: str) -> None:
