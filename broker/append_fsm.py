@@ -464,6 +464,7 @@ class AppendFSM:
         if (
             self.req.suspend == pb.AppendRequest.SUSPEND_RESUME
             and level != pb.JournalSpec.Suspend.NONE
+            and not self.flush_and_suspend  # Settled as it is: it stays suspended.
         ):
             self.next_suspend = pb.JournalSpec.Suspend(
                 level=pb.JournalSpec.Suspend.NONE, offset=spool.fragment.end

@@ -16,7 +16,7 @@ import aetcd
 import grpc
 import pytest
 
-from broker.client.appender import append
+from broker.client.appender import AppendError, append
 from broker.fragment.index import Index
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
@@ -645,6 +645,59 @@ async def test_the_exit_flush_leaves_a_journal_without_stores_alone(
     assert spec.suspend.level == pb.JournalSpec.Suspend.NONE, spec.suspend
     warnings = [r.getMessage() for r in caplog.records]
     assert not any("flush" in w for w in warnings), warnings
+
+
+async def test_the_exit_flush_keeps_a_journal_an_operator_suspended_suspended(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+) -> None:
+    """A journal suspended before the exit (`gazctl journals suspend`: PARTIAL at its end) is
+    settled by the exit flush as it is: the flush waits for its content to be in the store and
+    leaves the suspension alone. It resumed it (suspension NONE), so brokers started later met
+    INDEX_HAS_GREATER_OFFSET on it, and their exit flush retried until they were killed."""
+    journal = "faults/suspended-before"
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    spec = journal_spec(journal, replication=1)
+    spec.fragment.stores.append("file:///fragments/")
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS[:1], file_root=str(root)
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", IDS[0])])
+        await append(stub(brokers[0]), journal, b"persisted before the exit;")
+        # As `gazctl journals suspend --force` does it: answered SUSPENDED once suspended.
+        with pytest.raises(AppendError) as suspended:
+            await append(stub(brokers[0]), journal, b"", suspend=pb.AppendRequest.SUSPEND_NOW)
+        assert suspended.value.status == pb.SUSPENDED
+
+        async def suspension() -> pb.JournalSpec.Suspend:
+            async with brokers[0].client() as client:
+                listing = await client.list(pb.LabelSelector())
+            return listing.journals[0].spec.suspend
+
+        before = await suspension()
+        assert (before.level, before.offset) == (pb.JournalSpec.Suspend.PARTIAL, 26)
+        # The broker exits, as `stop` begins it: marked exiting, so that nobody is left to take
+        # the journal over, and the exit flush settles it.
+        server = brokers[0].broker
+        service = server.service
+        assert service is not None
+        await server.etcd.put(
+            server.member_key.encode(),
+            server.spec(exiting=True).SerializeToString(),
+            lease=server.lease_id,
+        )
+        async with asyncio.timeout(10):
+            while not any(service._all_exiting(r) for r in service.resolver.replicas.values()):
+                await asyncio.sleep(0.05)  # Until this broker's keyspace has seen it.
+        await service.flush_for_exit(timeout=10)
+        assert journal in service.ctx.sealed  # Settled by the flush, not left alone.
+        after = await suspension()
+    assert (after.level, after.offset) == (before.level, before.offset)
+    names = [p.name.split("-") for p in (root / "fragments" / journal).iterdir()]
+    assert [(int(n[0], 16), int(n[1], 16)) for n in names] == [(0, 26)]
 
 
 # ---- the fault campaign's finding 2: a fragment rolled by a new primary's synchronization -----
