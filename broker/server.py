@@ -442,13 +442,16 @@ class Broker:
         if self.fenced:
             self._apply_fence()  # Replicas started meanwhile.
 
-    async def _await_drain(self) -> None:
+    async def _await_drain(self) -> bool:
         """Until the allocator returns (drained), the timeout passes, or no live member is left
-        that could take our journals (then waiting cannot help)."""
+        that could take our journals (then waiting cannot help). Whether the wait ended for
+        one of those reasons other than the timeout."""
         assert self._allocator is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout
-        while not self._allocator.done() and loop.time() < deadline:
+        while not self._allocator.done():
+            if loop.time() >= deadline:
+                return False
             others = [
                 kv
                 for kv in self.ks.prefixed(self.config.etcd_prefix + aks.MEMBERS)
@@ -458,8 +461,9 @@ class Broker:
                 and not kv.decoded.spec.exiting
             ]
             if not others:
-                return
+                return True  # Left to the exit flush.
             await asyncio.wait({self._allocator}, timeout=min(0.25, deadline - loop.time()))
+        return True
 
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful exit: mark the member exiting, drain gRPC, revoke the lease, close etcd."""
@@ -477,14 +481,13 @@ class Broker:
                 )
             # Marked exiting, the allocator moves our journals elsewhere (when the cluster has
             # room for them); it returns once we hold none. Wait for that, within a bound.
-            if self._allocator is not None and not self._allocator.done():
-                await self._await_drain()
-                if not self._allocator.done():
-                    log.warning(
-                        "journals not drained from %s within %gs; stopping anyway",
-                        self.member_key,
-                        self.config.drain_timeout,
-                    )
+            drained = self._allocator is None or self._allocator.done() or await self._await_drain()
+            if not drained:
+                log.warning(
+                    "journals not drained from %s within %gs; stopping anyway",
+                    self.member_key,
+                    self.config.drain_timeout,
+                )
             # Journals nobody is left to take over: flushed to their stores and suspended at
             # their end, so that a restarted cluster resumes them without reset-head.
             if self.service is not None:
