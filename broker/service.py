@@ -231,6 +231,11 @@ class JournalService(pb_grpc.JournalServicer):
             if not replica.primary:
                 if spec is not None and spec.suspend.level != pb.JournalSpec.Suspend.NONE:
                     return  # Its primary flushed and suspended it.
+                index = replica.index
+                if index.first_refresh.is_set() and index.end_offset() == 0:
+                    # Never written: its primary has nothing to flush and suspends nothing, so
+                    # no suspension will come to wait for.
+                    return
                 if not self._has_primary(replica):
                     return  # Its primary is gone: nobody is left to flush it.
                 await wait_any(replica.spec_changed_event, replica.invalidated, timeout=0.5)

@@ -828,3 +828,47 @@ async def test_a_broker_with_nobody_to_drain_to_stops_without_a_drain_warning(
     warnings = [r.getMessage() for r in caplog.records if r.name == "broker.server"]
     assert not any("not drained" in w for w in warnings), warnings
     assert took < brokers[0].broker.config.drain_timeout, took
+
+
+async def test_the_exit_flush_of_an_empty_journal_ends_on_every_broker(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+) -> None:
+    """Every broker of a journal nobody ever wrote exits: its primary has nothing to flush
+    (and suspends nothing), so its other replicas must not wait for a suspension that never
+    comes. They did, until the flush's timeout, and `gazctl dev down` killed them."""
+    journal = "faults/never-written"
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    spec = journal_spec(journal)
+    spec.fragment.stores.append("file:///fragments/")
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, IDS, file_root=str(root)
+    ) as brokers:
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        await append(stub(brokers[0]), journal, b"")  # Routed and synchronized, still empty.
+        services = []
+        for harness in brokers:
+            server = harness.broker
+            assert server.service is not None
+            services.append(server.service)
+            await server.etcd.put(
+                server.member_key.encode(),
+                server.spec(exiting=True).SerializeToString(),
+                lease=server.lease_id,
+            )
+        async with asyncio.timeout(10):
+            while not all(
+                any(s._all_exiting(r) for r in s.resolver.replicas.values()) for s in services
+            ):
+                await asyncio.sleep(0.05)  # Until each broker's keyspace has seen both exit.
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.gather(*(s.flush_for_exit(timeout=8) for s in services))
+        took = loop.time() - began
+        async with brokers[0].client() as client:
+            listed = (await client.list(pb.LabelSelector())).journals[0].spec
+    assert took < 4, f"the exit flush took {took:.1f}s"
+    assert listed.suspend.level == pb.JournalSpec.Suspend.NONE  # Nothing was written.
