@@ -5,6 +5,7 @@ listed beside the figures."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -26,3 +27,11 @@ def alternating(ours: Measure, baseline: Measure, pairs: int) -> tuple[dict[str,
         theirs.append(baseline())
     listed = [f"{a['value']:.4g}/{b['value']:.4g}" for a, b in zip(mine, theirs, strict=True)]
     return median_round(mine), median_round(theirs), listed
+
+
+def paired(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> tuple[float, list[str]]:
+    """Rounds measured in pairs: the median of the pairs' own ratios (`pair_ratio`, rounded),
+    and every pair as "ours/baseline" values."""
+    zipped = list(zip(ours, theirs, strict=True))
+    ratio = round(statistics.median(a["value"] / b["value"] for a, b in zipped), 2)
+    return ratio, [f"{a['value']:.4g}/{b['value']:.4g}" for a, b in zipped]

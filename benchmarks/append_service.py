@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import time
 from typing import Any
 
 from benchmarks._cluster import cluster
-from benchmarks._rounds import median_round
+from benchmarks._rounds import median_round, paired
 from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -71,17 +70,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     result = asyncio.run(measure(duration, pairs))
     ours, theirs = result["ours"], result["theirs"]
     mine, base = median_round(ours), median_round(theirs)
+    pair_ratio, rounds = paired(ours, theirs)
     records = sum(r["records"] for r in ours)
     return {
         "value": round(mine["value"]),
         "unit": "records/s",
         "baseline": round(base["value"]),
         "ratio": round(mine["value"] / base["value"], 2),
-        "pair_ratio": round(
-            statistics.median(a["value"] / b["value"] for a, b in zip(ours, theirs, strict=True)),
-            2,
-        ),
-        "rounds": [f"{a['value']:.4g}/{b['value']:.4g}" for a, b in zip(ours, theirs, strict=True)],
+        "pair_ratio": pair_ratio,
+        "rounds": rounds,
         "target": 150_000,
         "mb_per_s": round(mine["value"] * RECORD / 1e6, 1),
         "raw_mb_per_s": round(base["value"] * RECORD / 1e6, 1),

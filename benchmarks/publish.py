@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import statistics
 import time
 from typing import Any
 
@@ -24,7 +23,7 @@ import msgspec
 
 from benchmarks._cluster import cluster
 from benchmarks._messages import MESSAGE_SIZE, document
-from benchmarks._rounds import median_round
+from benchmarks._rounds import median_round, paired
 from broker.client.append_service import AppendService, PendingSpan
 from broker.client.appender import append
 from broker.client.reader import read
@@ -118,17 +117,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     result = asyncio.run(measure(duration, pairs))
     ours, theirs = result["ours"], result["theirs"]
     mine, base = median_round(ours), median_round(theirs)
+    pair_ratio, rounds = paired(ours, theirs)
     published = sum(r["published"] for r in ours)
     return {
         "value": round(mine["value"]),
         "unit": "messages/s",
         "baseline": round(base["value"]),
         "ratio": round(mine["value"] / base["value"], 2),
-        "pair_ratio": round(
-            statistics.median(a["value"] / b["value"] for a, b in zip(ours, theirs, strict=True)),
-            2,
-        ),
-        "rounds": [f"{a['value']:.4g}/{b['value']:.4g}" for a, b in zip(ours, theirs, strict=True)],
+        "pair_ratio": pair_ratio,
+        "rounds": rounds,
         "target": 100_000,
         "ratio_target": 0.8,
         "message_bytes": MESSAGE_SIZE,

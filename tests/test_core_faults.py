@@ -11,6 +11,7 @@ import errno
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aetcd
 import grpc
@@ -647,6 +648,27 @@ async def test_the_exit_flush_leaves_a_journal_without_stores_alone(
     assert not any("flush" in w for w in warnings), warnings
 
 
+async def marked_exiting(brokers: list[BrokerHarness]) -> list[Any]:
+    """Each broker marked exiting in etcd, as `stop` begins its exit, once every one's keyspace
+    sees all of them exiting (so that nobody is left to take their journals): their services."""
+    services = []
+    for harness in brokers:
+        server = harness.broker
+        assert server.service is not None
+        services.append(server.service)
+        await server.etcd.put(
+            server.member_key.encode(),
+            server.spec(exiting=True).SerializeToString(),
+            lease=server.lease_id,
+        )
+    async with asyncio.timeout(10):
+        while not all(
+            any(s._all_exiting(r) for r in s.resolver.replicas.values()) for s in services
+        ):
+            await asyncio.sleep(0.05)  # Until each broker's keyspace has seen them exit.
+    return services
+
+
 async def test_the_exit_flush_keeps_a_journal_an_operator_suspended_suspended(
     etcd_server: EtcdServer,
     etcd_prefix: str,
@@ -681,17 +703,7 @@ async def test_the_exit_flush_keeps_a_journal_an_operator_suspended_suspended(
         assert (before.level, before.offset) == (pb.JournalSpec.Suspend.PARTIAL, 26)
         # The broker exits, as `stop` begins it: marked exiting, so that nobody is left to take
         # the journal over, and the exit flush settles it.
-        server = brokers[0].broker
-        service = server.service
-        assert service is not None
-        await server.etcd.put(
-            server.member_key.encode(),
-            server.spec(exiting=True).SerializeToString(),
-            lease=server.lease_id,
-        )
-        async with asyncio.timeout(10):
-            while not any(service._all_exiting(r) for r in service.resolver.replicas.values()):
-                await asyncio.sleep(0.05)  # Until this broker's keyspace has seen it.
+        (service,) = await marked_exiting(brokers)
         await service.flush_for_exit(timeout=10)
         assert journal in service.ctx.sealed  # Settled by the flush, not left alone.
         after = await suspension()
@@ -849,21 +861,7 @@ async def test_the_exit_flush_of_an_empty_journal_ends_on_every_broker(
     ) as brokers:
         await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
         await append(stub(brokers[0]), journal, b"")  # Routed and synchronized, still empty.
-        services = []
-        for harness in brokers:
-            server = harness.broker
-            assert server.service is not None
-            services.append(server.service)
-            await server.etcd.put(
-                server.member_key.encode(),
-                server.spec(exiting=True).SerializeToString(),
-                lease=server.lease_id,
-            )
-        async with asyncio.timeout(10):
-            while not all(
-                any(s._all_exiting(r) for r in s.resolver.replicas.values()) for s in services
-            ):
-                await asyncio.sleep(0.05)  # Until each broker's keyspace has seen both exit.
+        services = await marked_exiting(brokers)
         loop = asyncio.get_running_loop()
         began = loop.time()
         await asyncio.gather(*(s.flush_for_exit(timeout=8) for s in services))
