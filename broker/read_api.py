@@ -96,6 +96,7 @@ async def serve_read(
     invalidated = res.invalidated
     stalled = False  # The last local read made no progress: wait for a change first.
     listed_at = -1  # The offset of a hole the stores were listed for (once per hole).
+    waited_listing = False  # Waited for the replica's first listing of the stores.
     buffers: Buffers | None = None  # What persisted fragments are read into.
     while True:
         if replica.stopped:
@@ -105,6 +106,15 @@ async def serve_read(
         found = index.query(offset, req.begin_mod_time)
         offset = found.offset
         entry = found.fragment
+        if entry is None and not index.first_refresh.is_set() and not waited_listing:
+            # Before its first listing of the stores, this replica knows nothing they hold (a
+            # journal its brokers restarted under, a suspended one): "not yet available at a
+            # write head of 0" would read as an empty journal. Wait for that listing, once.
+            waited_listing = True
+            await wait_any(index.first_refresh, invalidated, timeout=HOLE_LISTING_WAIT)
+            if req.offset == -1:
+                offset = index.write_head
+            continue
         if entry is None and offset < index.write_head and listed_at != offset:
             # A range below this replica's write head that nothing here covers: committed
             # content that another replica persisted after this one last listed its stores

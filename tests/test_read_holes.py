@@ -9,11 +9,14 @@ ended there, acknowledged events and all."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aetcd
 import pytest
 
 from broker.client import JournalsClient
@@ -23,11 +26,13 @@ from broker.client.reader import read
 from broker.client.routes import append_routed
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import sum_from_digest
+from broker.fragment.persister import Persister
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerProcess, EtcdServer, stop_process
 from tests.conftest import start_broker_process
+from tests.journals_testing import journal_spec, set_journal, started_brokers
 from tests.test_gazctl_journals import gazctl
 from tests.test_persistence import routed
 
@@ -185,3 +190,50 @@ async def test_a_broker_stopping_with_a_hole_in_its_journal_suspends_it_and_exit
     # What it held, [40, 60), is in the store: the suspension hides no byte but the hole's.
     persisted = sorted(f.name.split("-")[:2] for f in (root / "fragments" / JOURNAL).iterdir())
     assert persisted == [[f"{b:016x}", f"{e:016x}"] for b, e in ((0, 10), (20, 40), (40, 60))]
+
+
+async def test_a_read_before_the_first_listing_of_the_stores_waits_for_it(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    etcd: aetcd.Client,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A broker that has just taken a journal whose content is all in its store (restarted
+    brokers, a suspended journal) knows nothing of it until its first listing. A read that
+    arrived before then was answered "not yet available" at a write head of 0, and `journals
+    read` printed nothing, as if the journal were empty (the demo's read after its restart
+    met this). The read now waits for the first listing, then serves what it lists."""
+    root = tmp_path / "root"
+    (root / "fragments").mkdir(parents=True)
+    persist(root, 0, 100)
+    persist(root, 100, 250)
+    store_slow = threading.Event()
+    listing = Persister.list_blocking
+
+    def slow_listing(self: Persister, journal: str, spec: pb.JournalSpec) -> list[pb.Fragment]:
+        store_slow.wait(timeout=30)
+        return listing(self, journal, spec)
+
+    monkeypatch.setattr(Persister, "list_blocking", slow_listing)
+    async with started_brokers(
+        etcd_server.endpoint, etcd_prefix, ["holes-0"], file_root=str(root)
+    ) as brokers:
+        spec = journal_spec(JOURNAL, replication=1)
+        spec.fragment.stores.append(STORE)
+        await set_journal(etcd, etcd_prefix, spec, [("local", "holes-0")])
+        service = brokers[0].broker.service
+        stub = service.dialer.journal_stub(brokers[0].endpoint)
+
+        async def read_all(offset: int) -> bytes:
+            return b"".join([c.content async for c in read(stub, JOURNAL, offset, block=False)])
+
+        reads = [asyncio.create_task(read_all(0)), asyncio.create_task(read_all(120))]
+        try:
+            await asyncio.sleep(1.0)
+            replica = service.resolver.replicas[JOURNAL]  # type: ignore[index]
+            assert not replica.index.first_refresh.is_set()
+            assert not any(task.done() for task in reads), "a read answered before the listing"
+        finally:
+            store_slow.set()
+        assert await asyncio.gather(*reads) == [content(0, 250), content(120, 250)]

@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import word_count_demo  # Beside this file (the script's folder is on sys.path).
@@ -59,17 +58,11 @@ def append_lines(journal: str, lines: str, env: dict[str, str]) -> None:
         f"\n$ printf ... | gazctl {' '.join(args)}    # append {lines.count(chr(10))} lines",
         flush=True,
     )
-    deadline = time.monotonic() + 30
-    while True:
-        proc = subprocess.run(
-            [*GAZCTL, *args], env=env, input=lines, text=True, capture_output=True
-        )
-        if proc.returncode == 0:
-            print(proc.stderr, end="", flush=True)
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"demo step failed: {proc.stderr.strip()}")
-        time.sleep(0.2)  # Not yet assigned: the allocator is placing the journal.
+    # (A journal the allocator is still placing is waited for: `--wait`, 30s by default.)
+    proc = subprocess.run([*GAZCTL, *args], env=env, input=lines, text=True, capture_output=True)
+    print(proc.stderr, end="", flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"demo step failed: gazctl {' '.join(args)}")
 
 
 def main() -> None:
@@ -191,12 +184,8 @@ def persisted(tmp: str, cluster: str, env: dict[str, str]) -> None:
     up = gazctl("start them again (on the same addresses)", *UP, cluster, env=env)
     env.update(exports(up))
     out = Path(tmp) / "events.ndjson"
-    deadline = time.monotonic() + 30
-    while True:
-        gazctl("read it back", "journals", "read", "-l", selector, "-o", str(out), env=env)
-        if out.read_text() == "".join(events) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)  # The new brokers are still listing the store.
+    # (A broker that has not yet listed the store waits for that listing before it answers.)
+    gazctl("read it back", "journals", "read", "-l", selector, "-o", str(out), env=env)
     same = out.read_text() == "".join(events)
     print(f"\n{len(events)} events, {out.stat().st_size} bytes read back after the restart: "
           f"{'the same bytes' if same else 'DIFFERENT BYTES'}", flush=True)  # fmt: skip
