@@ -100,6 +100,15 @@ class ClientStream:
             self._cut = why
             task.cancel()
 
+    def preload(self, content: bytes) -> None:
+        """The whole append came in its first message (the one-message form): what `receive`
+        hands out is that content, the commit and the end of the stream, and nothing more is
+        read from the client."""
+        self._bytes += len(content)
+        self._ahead.extend(
+            (Chunk(pb.AppendRequest(content=content)), Chunk(pb.AppendRequest()), Chunk(None))
+        )
+
     async def prefetch(self, limit: int) -> bytes | None:
         """Read the client's messages ahead while their content totals less than `limit`: the
         append's whole content if it ended within that (content chunks, the empty commit
@@ -207,11 +216,19 @@ async def serve_append(
 
     timer = metrics.Timer()
     logs.bind(journal=first.journal)
+    # The one-message form (this project's clients): a first message with content is the whole
+    # append, committed without reading further. Upstream's clients never send it (upstream's
+    # brokers refuse it), so they see no difference.
+    whole, first.content = first.content, b""
     fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
+    if whole:
+        stream.preload(whole)
 
     async def run() -> None:
-        if groupable(first):
+        if whole:
+            fsm.whole = whole if groupable(first) and len(whole) < WHOLE_APPEND else None
+        elif groupable(first):
             fsm.whole = await stream.prefetch(WHOLE_APPEND)
         await fsm.run(stream.receive)
 

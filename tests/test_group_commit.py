@@ -24,8 +24,14 @@ def commits() -> float:
     return metrics.spool_commits._value.get()  # type: ignore[attr-defined,no-any-return]
 
 
+# The two forms of a small append: one message with the whole content (what `append` sends for
+# content in one piece), and the protocol's stream of parameters, content and an empty commit.
+FORMS = {"one message": lambda p: p, "streamed": lambda p: [p]}
+
+
+@pytest.mark.parametrize("form", FORMS)
 async def test_concurrent_small_appends_commit_in_groups_each_answered_as_alone(
-    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client, form: str
 ) -> None:
     async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
         await set_journal(etcd, etcd_prefix, journal_spec("group/one"), [("local", i) for i in IDS])
@@ -33,7 +39,10 @@ async def test_concurrent_small_appends_commit_in_groups_each_answered_as_alone(
         await append(stub(primary), "group/one", b"first\n")  # The pipeline is built.
         before = commits()
         payloads = [f"append {i:03d}\n".encode() * (1 + i % 3) for i in range(120)]
-        answers = await asyncio.gather(*(append(stub(primary), "group/one", p) for p in payloads))
+        as_form = FORMS[form]
+        answers = await asyncio.gather(
+            *(append(stub(primary), "group/one", as_form(p)) for p in payloads)
+        )
         # Every spool (primary and two peers) commits once per round: fewer rounds than appends.
         rounds = (commits() - before) / 3
         assert rounds < len(payloads) / 2, rounds
@@ -49,8 +58,9 @@ async def test_concurrent_small_appends_commit_in_groups_each_answered_as_alone(
             assert await read_all(h, "group/one") == content
 
 
+@pytest.mark.parametrize("form", FORMS)
 async def test_a_grouped_append_is_checked_against_the_registers_the_group_leaves(
-    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client, form: str
 ) -> None:
     """Appends that each require a register absent and then set it: in a group, the first one
     sets it and the others are refused REGISTER_MISMATCH, as they would be one by one."""
@@ -67,7 +77,7 @@ async def test_a_grouped_append_is_checked_against_the_registers_the_group_leave
 
         async def claim(i: int) -> pb.AppendResponse:
             return await append(
-                stub(primary), "group/regs", f"claim {i}\n".encode(), check=False,
+                stub(primary), "group/regs", FORMS[form](f"claim {i}\n".encode()), check=False,
                 check_registers=check,
                 subtract_registers=labels.label_set(("owner", "nobody")),
                 union_registers=labels.label_set(("owner", f"writer-{i}")),

@@ -223,6 +223,13 @@ class _Batch:
         self.file.seek(offset)  # Flushes what was written before.
         return self.file.read(min(BATCH_CHUNK, end - offset))
 
+    def whole(self) -> bytes | None:
+        """The batch's content as one piece, when it is one MiB or less, all in memory (an
+        append sends it in one message with its parameters); else None (it streams)."""
+        if self.spilled or self.full or not self.buffer or len(self.buffer) > BATCH_CHUNK:
+            return None
+        return bytes(self.buffer)
+
     async def chunks(self) -> AsyncIterator[bytes]:
         offset = 0
         while offset < self.spilled:
@@ -412,7 +419,7 @@ class _Journal:
                 response = await append(
                     self.service.stub_for(self.name),
                     self.name,
-                    batch.chunks(),
+                    batch.whole() or batch.chunks(),
                     chunk_size=BATCH_CHUNK,
                     check_registers=registers.check,
                     union_registers=registers.union,

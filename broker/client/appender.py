@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterable, Iterable, Sequence
+from typing import Any
 
 import grpc
 
@@ -86,8 +87,10 @@ async def append(
 
     With `check` (the default), a non-OK status raises AppendError. Content is streamed in
     messages of at most `chunk_size` bytes; the append commits only once all of it is sent
-    (with the final empty chunk). `metadata` goes with the call (the HTTP gateway passes on
-    its request's authorization).
+    (with the final empty chunk). Content given as one piece of at most `chunk_size` bytes
+    goes in one unary call instead, with the parameters (`JournalStub.AppendWhole`), where
+    the stub has it. `metadata` goes with the call (the HTTP gateway passes on its request's
+    authorization).
     """
     first = pb.AppendRequest(
         journal=journal, offset=offset, do_not_proxy=do_not_proxy, suspend=suspend
@@ -98,6 +101,16 @@ async def append(
         first.union_registers.CopyFrom(union_registers)
     if subtract_registers is not None:
         first.subtract_registers.CopyFrom(subtract_registers)
+    if (
+        getattr(stub, "whole_appends", False)
+        and isinstance(content, bytes | bytearray | memoryview)
+        and 0 < len(content) <= chunk_size
+    ):
+        first.content = bytes(content)
+        whole = await _append_whole(stub, first, timeout, metadata)
+        if whole is not None:
+            return await _answer(journal, *whole, check)
+        first.content = b""  # Refused as a form this broker does not know: streamed instead.
     call = stub.Append(timeout=timeout, metadata=metadata)
     sent: list[bool] = []
     try:
@@ -115,6 +128,60 @@ async def append(
     except BaseException:
         call.cancel()  # Without its commit chunk, the append rolls back everywhere.
         raise
+    return await _answer(journal, call, response, check)
+
+
+# How a broker that does not know the one-message form refuses it, before anything is appended:
+# upstream's validation, and ours before we took the form.
+_WHOLE_REFUSALS = ("unexpected Content", "must not carry content")
+
+
+async def _append_whole(
+    stub: pb_grpc.JournalStub,
+    first: pb.AppendRequest,
+    timeout: float | None,
+    metadata: Sequence[tuple[str, str]] | None,
+) -> tuple[Any, pb.AppendResponse] | None:
+    """The append as one unary call whose message carries its parameters and whole content:
+    the call and its response, or None when the broker refused the form itself (then the
+    stub streams its appends from now on, and nothing was appended)."""
+    call = stub.AppendWhole(first, timeout=timeout, metadata=metadata)  # type: ignore[attr-defined]
+    try:
+        response: pb.AppendResponse = await call
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT) and any(
+            refusal in (exc.details() or "") for refusal in _WHOLE_REFUSALS
+        ):
+            stub.whole_appends = False  # type: ignore[attr-defined]
+            return None
+        call.cancel()
+        # The commit went with the content, unless the call never left this process.
+        exc.commit_sent = not _never_sent(exc)  # type: ignore[attr-defined]
+        raise
+    except BaseException:
+        call.cancel()
+        raise
+    return call, response
+
+
+def _never_sent(exc: grpc.aio.AioRpcError) -> bool:
+    """A unary call that failed before it had a connection to go on: an endpoint the dialer
+    refuses, or gRPC's failure to pick a connection (every address refused it, or the name did
+    not resolve). Anything else may have reached the broker."""
+    from broker.client.dialer import EndpointRefused
+
+    details = exc.details() or ""
+    return isinstance(exc, EndpointRefused) or (
+        exc.code() == grpc.StatusCode.UNAVAILABLE
+        and details.startswith(("failed to connect to all addresses", "DNS resolution failed"))
+    )
+
+
+async def _answer(
+    journal: str, call: Any, response: pb.AppendResponse, check: bool
+) -> pb.AppendResponse:
+    """The broker's response, or with `check` its refusal raised as AppendError (saying why,
+    where the broker did: a refusal for want of brokers, see PLACEMENT)."""
     if check and response.status != pb.OK:
         from broker.client.journals import PLACEMENT
 

@@ -75,7 +75,12 @@ class JournalStub(pb_grpc.JournalStub):
     """The generated Journal stub, except that Read's content responses are parsed by hand
     (`wire.parse_read_response`: a `wire.ReadContent` whose content is copied once out of the
     message, where protobuf copies it in parsing and again at each access). Readers take either
-    stub; this one is what the dialer and JournalsClient hand out."""
+    stub; this one is what the dialer and JournalsClient hand out.
+
+    `AppendWhole` is Append as a unary call: one message that carries the parameters and the
+    whole content, and the end of the stream, in one operation (`appender.append` sends small
+    appends so). Our brokers take it as the whole append; upstream's refuse it ("unexpected
+    Content"), and then `whole_appends` is cleared and this stub's appends stream as usual."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__(channel)  # type: ignore[no-untyped-call]
@@ -84,6 +89,12 @@ class JournalStub(pb_grpc.JournalStub):
             request_serializer=pb.ReadRequest.SerializeToString,
             response_deserializer=wire.parse_read_response,
         )
+        self.AppendWhole = channel.unary_unary(
+            "/protocol.Journal/Append",
+            request_serializer=pb.AppendRequest.SerializeToString,
+            response_deserializer=pb.AppendResponse.FromString,
+        )
+        self.whole_appends = True
 
 
 def _unavailable(

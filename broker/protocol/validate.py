@@ -906,8 +906,9 @@ def validate_apply_request(req: protocol_pb2.ApplyRequest, *, field: str = "") -
 
 def validate_append_request(req: protocol_pb2.AppendRequest, *, field: str = "") -> None:
     """The first message of an Append: a journal (a `;meta` suffix allowed), a non-negative
-    offset, valid register selector and label sets, a known suspend mode, and no content
-    (content comes in the messages that follow)."""
+    offset, valid register selector and label sets, and a known suspend mode. Content, if
+    any, is the whole append (this project's one-message form: upstream refuses content here,
+    and its clients send it in the messages that follow)."""
     if req.HasField("header"):
         validate_header(req.header, field=_at(field, "header"))
     validate_journal_name(req.journal, field=_at(field, "journal"), allow_meta=True)
@@ -921,12 +922,6 @@ def validate_append_request(req: protocol_pb2.AppendRequest, *, field: str = "")
     if req.suspend not in protocol_pb2.AppendRequest.Suspend.values():
         raise ValidationError(
             _at(field, "suspend"), req.suspend, f"{req.suspend} is not a suspend mode"
-        )
-    if req.content:
-        raise ValidationError(
-            _at(field, "content"),
-            len(req.content),
-            "the first Append message must not carry content",
         )
 
 
