@@ -100,14 +100,21 @@ class ClientStream:
             self._cut = why
             task.cancel()
 
-    def preload(self, content: bytes) -> None:
-        """The whole append came in its first message (the one-message form): what `receive`
-        hands out is that content, the commit and the end of the stream, and nothing more is
-        read from the client."""
+    async def preload(self, content: bytes) -> Chunk:
+        """The whole append came in its first message (the one-message form): the stream must
+        end there. If it does, what `receive` hands out is that content, the commit and the end
+        of the stream; if not, the chunk read instead (a message, or the client's failure) is
+        returned, and the append is refused (a message) or rolled back (a failure) whole."""
+        ended = await self._receive()
+        if ended.error is not None:
+            self._ahead.append(ended)  # The state machine rolls back, as for any client error.
+        if ended.request is not None or ended.error is not None:
+            return ended
         self._bytes += len(content)
         self._ahead.extend(
             (Chunk(pb.AppendRequest(content=content)), Chunk(pb.AppendRequest()), Chunk(None))
         )
+        return ended
 
     async def prefetch(self, limit: int) -> bytes | None:
         """Read the client's messages ahead while their content totals less than `limit`: the
@@ -216,18 +223,24 @@ async def serve_append(
 
     timer = metrics.Timer()
     logs.bind(journal=first.journal)
-    # The one-message form (this project's clients): a first message with content is the whole
-    # append, committed without reading further. Upstream's clients never send it (upstream's
+    # The one-message form (this project's clients): a first message with content, then the
+    # end of the stream, is the whole append. Upstream's clients never send it (upstream's
     # brokers refuse it), so they see no difference.
     whole, first.content = first.content, b""
     fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
-    if whole:
-        stream.preload(whole)
 
     async def run() -> None:
         if whole:
-            fsm.whole = whole if groupable(first) and len(whole) < WHOLE_APPEND else None
+            ended = await stream.preload(whole)
+            if ended.request is not None:
+                raise validate.ValidationError(
+                    "content", len(ended.request.content),
+                    "a first Append message with content is the whole append: the stream must "
+                    "end after it",
+                )  # fmt: skip
+            if ended.error is None:
+                fsm.whole = whole if groupable(first) and len(whole) < WHOLE_APPEND else None
         elif groupable(first):
             fsm.whole = await stream.prefetch(WHOLE_APPEND)
         await fsm.run(stream.receive)
@@ -240,6 +253,8 @@ async def serve_append(
         with contextlib.suppress(Exception):
             await task
         raise
+    except validate.ValidationError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     if fsm.state == State.PROXY:
         return await proxy_append(ctx, fsm, first, stream.remaining(), context)

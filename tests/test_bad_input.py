@@ -45,13 +45,17 @@ async def test_invalid_requests_are_refused_and_the_broker_keeps_serving(
             await append(s, journal, b"x")
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "journal" in (info.value.details() or "")
-    # Content in the first message, and a negative offset.
+    # Content in the first message is the whole append (the one-message form): a stream that
+    # goes on after it is refused, and none of it appended. Then a negative offset.
     call = s.Append()
     await call.write(pb.AppendRequest(journal="bad/j", content=b"sneaky"))
+    await call.write(pb.AppendRequest(content=b"more"))
+    await call.write(pb.AppendRequest())
     await call.done_writing()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the stream must end after it" in (info.value.details() or "")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await append(s, "bad/j", b"x", offset=-5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
