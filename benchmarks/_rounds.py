@@ -17,16 +17,16 @@ def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(rounds, key=lambda r: r["value"])[(len(rounds) - 1) // 2]
 
 
-def alternating(ours: Measure, baseline: Measure, pairs: int) -> tuple[dict[str, Any], dict[str, Any], list[str]]:  # fmt: skip
-    """`pairs` rounds of each, alternating: the median round of each side, and every pair as
-    "ours/baseline" values."""
+def alternating(ours: Measure, baseline: Measure, pairs: int) -> tuple[dict[str, Any], dict[str, Any], float, list[str]]:  # fmt: skip
+    """`pairs` rounds of each, alternating: the median round of each side, the median of the
+    pairs' own ratios (`pair_ratio`) and every pair as "ours/baseline" values (see `paired`)."""
     mine: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     for _ in range(pairs):
         mine.append(ours())
         theirs.append(baseline())
-    listed = [f"{a['value']:.4g}/{b['value']:.4g}" for a, b in zip(mine, theirs, strict=True)]
-    return median_round(mine), median_round(theirs), listed
+    pair_ratio, listed = paired(mine, theirs)
+    return median_round(mine), median_round(theirs), pair_ratio, listed
 
 
 def paired(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> tuple[float, list[str]]:

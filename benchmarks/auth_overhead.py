@@ -18,7 +18,7 @@ from benchmarks._rounds import alternating
 
 def run(quick: bool = False) -> dict[str, Any]:
     duration, pairs = (1.0, 1) if quick else (5.0, 3)
-    on, off, rounds = alternating(
+    on, off, pair_ratio, rounds = alternating(
         lambda: asyncio.run(append_small.measure(duration, auth=True)),
         lambda: asyncio.run(append_small.measure(duration)),
         pairs,
@@ -29,6 +29,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "baseline": round(off["value"], 1),
         "ratio": round(on["value"] / off["value"], 2),
         "target": 0.9,
+        "pair_ratio": pair_ratio,
         "p50_ms": round(on["p50_ms"], 2),
         "p99_ms": round(on["p99_ms"], 2),
         "baseline_p50_ms": round(off["p50_ms"], 2),

@@ -159,6 +159,19 @@ def test_publish_quick() -> None:
 
 
 @pytest.mark.slow
+def test_append_small_quick() -> None:
+    """The benchmark runs end to end (64 appenders in one message each, against the unary
+    chain), one alternating pair reported with its own ratio."""
+    from benchmarks import append_small
+
+    result = _runner.check("append_small", append_small.run(quick=True))
+    assert result["unit"] == "appends/s" and len(result["rounds"]) == 1
+    ours, base = (float(v) for v in result["rounds"][0].split("/"))
+    assert abs(result["pair_ratio"] - ours / base) < 0.01  # (the pair is listed to 4 digits)
+    assert result["value"] > 0 and result["baseline"] > 0 and result["p99_ms"] > 0
+
+
+@pytest.mark.slow
 def test_append_service_quick() -> None:
     """The benchmark runs end to end, its records and the same bytes appended raw reported
     side by side."""
