@@ -34,7 +34,9 @@ from consumer.examples.stream_sum import chunk_journal
 from consumer.protocol import cpb
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
-PREFIX = "/bench/consumers"
+# Not under the brokers' /bench (as shard_scale's): a keyspace watches its root as a string
+# prefix, and the brokers would see (and decode) every consumer key as theirs.
+PREFIX = "/bench-consumers"
 SHARD = "stream-sum-000"
 
 
