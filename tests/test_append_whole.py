@@ -7,6 +7,7 @@ form instead, by the same `append` call, and nothing lands twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 
@@ -127,24 +128,35 @@ class UpstreamLikeJournal(pb_grpc.JournalServicer):
         )
 
 
-async def test_a_broker_that_refuses_the_one_message_form_gets_the_streamed_form() -> None:
-    servicer = UpstreamLikeJournal()
+@contextlib.asynccontextmanager
+async def fake_broker(
+    servicer: pb_grpc.JournalServicer,
+) -> AsyncIterator[tuple[grpc.aio.Server, str]]:
+    """A gRPC server of `servicer` alone on 127.0.0.1, and its address; stopped on exit."""
     server = grpc.aio.server()
     pb_grpc.add_JournalServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = dial(f"http://127.0.0.1:{port}")
     try:
-        journal_stub = JournalStub(channel)
-        first = await append(journal_stub, "a/journal", b"first\n")
-        second = await append(journal_stub, "a/journal", b"second\n")
-        assert (first.commit.begin, second.commit.begin) == (0, 6)
-        assert servicer.committed == [b"first\n", b"second\n"]  # Each once.
-        assert servicer.refused == 1  # Once per stub: after it, appends stream.
-        assert not journal_stub.whole_appends
+        yield server, f"http://127.0.0.1:{port}"
     finally:
-        await channel.close(None)
         await server.stop(None)
+
+
+async def test_a_broker_that_refuses_the_one_message_form_gets_the_streamed_form() -> None:
+    servicer = UpstreamLikeJournal()
+    async with fake_broker(servicer) as (_, address):
+        channel = dial(address)
+        try:
+            journal_stub = JournalStub(channel)
+            first = await append(journal_stub, "a/journal", b"first\n")
+            second = await append(journal_stub, "a/journal", b"second\n")
+            assert (first.commit.begin, second.commit.begin) == (0, 6)
+            assert servicer.committed == [b"first\n", b"second\n"]  # Each once.
+            assert servicer.refused == 1  # Once per stub: after it, appends stream.
+            assert not journal_stub.whole_appends
+        finally:
+            await channel.close(None)
 
 
 class SilentJournal(pb_grpc.JournalServicer):
@@ -176,18 +188,14 @@ async def test_a_one_message_append_that_failed_says_whether_its_commit_went() -
         await nobody.close(None)
 
     servicer = SilentJournal()
-    server = grpc.aio.server()
-    pb_grpc.add_JournalServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = dial(f"http://127.0.0.1:{port}")
-    try:
-        call = asyncio.ensure_future(append(JournalStub(channel), "a/journal", b"sent\n"))
-        await asyncio.wait_for(servicer.received.wait(), 10)
-        await server.stop(None)  # The broker goes away with the append in hand.
-        with pytest.raises(grpc.aio.AioRpcError) as lost:
-            await call
-        assert lost.value.commit_sent is True  # type: ignore[attr-defined]
-    finally:
-        await channel.close(None)
-        await server.stop(None)
+    async with fake_broker(servicer) as (server, address):
+        channel = dial(address)
+        try:
+            call = asyncio.ensure_future(append(JournalStub(channel), "a/journal", b"sent\n"))
+            await asyncio.wait_for(servicer.received.wait(), 10)
+            await server.stop(None)  # The broker goes away with the append in hand.
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await call
+            assert lost.value.commit_sent is True  # type: ignore[attr-defined]
+        finally:
+            await channel.close(None)
