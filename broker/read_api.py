@@ -97,6 +97,7 @@ async def serve_read(
     stalled = False  # The last local read made no progress: wait for a change first.
     listed_at = -1  # The offset of a hole the stores were listed for (once per hole).
     waited_listing = False  # Waited for the replica's first listing of the stores.
+    loop = asyncio.get_running_loop()
     buffers: Buffers | None = None  # What persisted fragments are read into.
     while True:
         if replica.stopped:
@@ -110,8 +111,17 @@ async def serve_read(
             # Before its first listing of the stores, this replica knows nothing they hold (a
             # journal its brokers restarted under, a suspended one): "not yet available at a
             # write head of 0" would read as an empty journal. Wait for that listing, once.
+            # The journal's route changing meanwhile (its first pulse advertises it) does not
+            # end the wait: the replica stays, and so does what it has yet to list.
             waited_listing = True
-            await wait_any(index.first_refresh, invalidated, timeout=HOLE_LISTING_WAIT)
+            deadline = loop.time() + HOLE_LISTING_WAIT
+            while not (index.first_refresh.is_set() or replica.stopped):
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                await wait_any(index.first_refresh, invalidated, timeout=left)
+                if invalidated.is_set():
+                    invalidated = replica.invalidated
             if req.offset == -1:
                 offset = index.write_head
             continue

@@ -244,6 +244,15 @@ class JournalService(pb_grpc.JournalServicer):
             if fsm.status == pb.SUSPENDED and fsm.error is None:
                 log.info("flushed %s and suspended it at its end for the restart", replica.journal)
                 return
+            if fsm.status == pb.INDEX_HAS_GREATER_OFFSET and fsm.error is None:
+                # Its stores hold offsets past every replica's spool: no append goes through
+                # until an operator resets its head, and waiting changes nothing.
+                log.warning(
+                    "cannot flush %s before exiting: its stores hold offsets past its spool "
+                    "(INDEX_HAS_GREATER_OFFSET); it needs `gazctl journals reset-head`",
+                    replica.journal,
+                )  # fmt: skip
+                return
             reason = fsm.error or fsm.store_health_error or pb.Status.Name(fsm.status)
             if fsm.status != pb.NOT_JOURNAL_PRIMARY_BROKER:
                 log.warning(

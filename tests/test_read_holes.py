@@ -192,6 +192,32 @@ async def test_a_broker_stopping_with_a_hole_in_its_journal_suspends_it_and_exit
     assert persisted == [[f"{b:016x}", f"{e:016x}"] for b, e in ((0, 10), (20, 40), (40, 60))]
 
 
+async def test_a_broker_stopping_with_a_journal_that_needs_reset_head_exits_at_once(
+    broker: BrokerProcess, root: Path
+) -> None:
+    """SIGTERM to the last broker of a journal whose store holds offsets past its spool (its
+    brokers were lost without a suspension): no append can go through until `reset-head`, so
+    the flush at exit says so once and the broker exits. It retried until FLUSH_TIMEOUT (20s),
+    past stop_process's SIGKILL deadline."""
+    (root / "fragments").mkdir()
+    persist(root, 0, 100)
+    await apply_journal(broker)
+    channel = dial(broker.address)
+    try:
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        # Answered once the replica has listed its stores.
+        listed = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
+    finally:
+        await channel.close(None)
+    assert [(f.spec.begin, f.spec.end) for f in listed.fragments] == [(0, 100)]
+    status = stop_process(broker.proc, timeout=8)
+    log = broker.log.read_text()
+    assert status == 0, log
+    assert log.count(f"cannot flush {JOURNAL} before exiting") == 1, log
+    assert "it needs `gazctl journals reset-head`" in log
+    assert "retrying" not in log, log
+
+
 async def test_a_read_before_the_first_listing_of_the_stores_waits_for_it(
     etcd_server: EtcdServer,
     etcd_prefix: str,
@@ -224,6 +250,9 @@ async def test_a_read_before_the_first_listing_of_the_stores_waits_for_it(
         await set_journal(etcd, etcd_prefix, spec, [("local", "holes-0")])
         service = brokers[0].broker.service
         stub = service.dialer.journal_stub(brokers[0].endpoint)
+        async with asyncio.timeout(10):  # Until the broker has taken its assignment.
+            while JOURNAL not in service.resolver.replicas:  # type: ignore[union-attr]
+                await asyncio.sleep(0.05)
 
         async def read_all(offset: int) -> bytes:
             return b"".join([c.content async for c in read(stub, JOURNAL, offset, block=False)])
@@ -231,7 +260,7 @@ async def test_a_read_before_the_first_listing_of_the_stores_waits_for_it(
         reads = [asyncio.create_task(read_all(0)), asyncio.create_task(read_all(120))]
         try:
             await asyncio.sleep(1.0)
-            replica = service.resolver.replicas[JOURNAL]  # type: ignore[index]
+            replica = service.resolver.replicas[JOURNAL]  # type: ignore[union-attr,index]
             assert not replica.index.first_refresh.is_set()
             assert not any(task.done() for task in reads), "a read answered before the listing"
         finally:
