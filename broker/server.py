@@ -385,7 +385,10 @@ class Broker:
             if not self.fenced:
                 bound = min(bound, max(0.05, fence_at() - sent))
             try:
-                reply = await asyncio.wait_for(self.etcd.refresh_lease(self.lease_id), bound)
+                # (Not `asyncio.wait_for`: in Python 3.11 it can swallow a cancellation that
+                # meets the refresh's end, and this loop would go on through the broker's stop.)
+                async with asyncio.timeout(bound):
+                    reply = await self.etcd.refresh_lease(self.lease_id)
                 error: BaseException | None = None
             except (TimeoutError, etcd_errors.ClientError, grpc.aio.AioRpcError) as exc:
                 reply, error = None, exc

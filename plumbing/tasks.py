@@ -72,7 +72,10 @@ class TaskOwner:
 
     async def close(self, grace: float = 0.0) -> None:
         """Stop: no new task; wait `grace` seconds for those running, then cancel the rest and
-        wait until each has ended. Safe to call twice."""
+        wait until each has ended. Safe to call twice. A task still running a second after its
+        cancellation is cancelled again: one that swallowed it (Python 3.11's `wait_for` can,
+        when the cancellation meets its inner call's end) would otherwise be waited for
+        forever."""
         self._closed = True
         if grace > 0:
             await self.join(grace)
@@ -80,7 +83,11 @@ class TaskOwner:
             tasks = set(self._tasks)
             for task in tasks:
                 task.cancel()
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks, timeout=RECANCEL_AFTER)
+
+
+# Seconds `TaskOwner.close` waits for cancelled tasks to end before it cancels them again.
+RECANCEL_AFTER = 1.0
 
 
 async def first_of(

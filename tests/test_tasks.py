@@ -36,6 +36,30 @@ async def test_close_cancels_and_awaits_every_task_and_refuses_new_ones() -> Non
     await owner.close()  # Twice is fine.
 
 
+async def test_close_cancels_again_a_task_that_swallowed_its_cancellation() -> None:
+    """Python 3.11's `asyncio.wait_for` can swallow a cancellation that arrives as its inner
+    call ends: the task goes on as if never cancelled. A broker's lease keep-alive did so once
+    in CI, inside `await asyncio.wait_for(refresh_lease(...))`, and `close` waited for it
+    forever, holding the broker's stop (and the test) until pytest's timeout."""
+    owner = TaskOwner("test")
+    swallowed = asyncio.Event()
+
+    async def loses_one_cancellation() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if swallowed.is_set():
+                    raise
+                swallowed.set()  # And loops on, as the keep-alive did.
+
+    owner.spawn(loses_one_cancellation(), "stubborn")
+    await asyncio.sleep(0)
+    async with asyncio.timeout(10):
+        await owner.close()
+    assert swallowed.is_set() and len(owner) == 0
+
+
 async def test_join_waits_for_tasks_to_end_by_themselves_within_a_bound() -> None:
     owner = TaskOwner("test")
     owner.spawn(asyncio.sleep(0.05), "short")
