@@ -108,12 +108,11 @@ class ClientStream:
         ended = await self._receive()
         if ended.error is not None:
             self._ahead.append(ended)  # The state machine rolls back, as for any client error.
-        if ended.request is not None or ended.error is not None:
-            return ended
-        self._bytes += len(content)
-        self._ahead.extend(
-            (Chunk(pb.AppendRequest(content=content)), Chunk(pb.AppendRequest()), Chunk(None))
-        )
+        elif ended.request is None:
+            self._bytes += len(content)
+            self._ahead.extend(
+                (Chunk(pb.AppendRequest(content=content)), Chunk(pb.AppendRequest()), Chunk(None))
+            )
         return ended
 
     async def prefetch(self, limit: int) -> bytes | None:

@@ -97,7 +97,6 @@ async def serve_read(
     stalled = False  # The last local read made no progress: wait for a change first.
     listed_at = -1  # The offset of a hole the stores were listed for (once per hole).
     waited_listing = False  # Waited for the replica's first listing of the stores.
-    loop = asyncio.get_running_loop()
     buffers: Buffers | None = None  # What persisted fragments are read into.
     while True:
         if replica.stopped:
@@ -114,14 +113,7 @@ async def serve_read(
             # The journal's route changing meanwhile (its first pulse advertises it) does not
             # end the wait: the replica stays, and so does what it has yet to list.
             waited_listing = True
-            deadline = loop.time() + HOLE_LISTING_WAIT
-            while not (index.first_refresh.is_set() or replica.stopped):
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                await wait_any(index.first_refresh, invalidated, timeout=left)
-                if invalidated.is_set():
-                    invalidated = replica.invalidated
+            await index.first_listing(HOLE_LISTING_WAIT)
             if req.offset == -1:
                 offset = index.write_head
             continue

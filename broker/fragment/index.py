@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from broker.fragment.cover_set import CoverSet, IndexedFragment, Readable
 from broker.fragment.spool import CompletedFragment
 from broker.protocol import protocol_pb2 as pb
-from plumbing.tasks import Event
+from plumbing.tasks import Event, wait_any
 
 # A read of an offset no fragment covers may jump forward to the next *persisted* fragment only
 # if the read starts before every fragment, or that fragment was persisted this long ago: a
@@ -96,6 +96,11 @@ class Index:
         except TimeoutError:
             return False
         return not self._closed
+
+    async def first_listing(self, timeout: float) -> None:
+        """Until the first listing of the stores is in (or none is needed: a journal without
+        stores), the index closes, or `timeout` seconds pass. Asks for no listing."""
+        await wait_any(self.first_refresh, self._listed, timeout=timeout)
 
     def add_remote(self, fragment: pb.Fragment) -> None:
         """A fragment this broker just persisted. Its local copy now names its store (readers
