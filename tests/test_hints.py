@@ -123,3 +123,38 @@ def test_recovery_picks_the_primary_hints_then_the_first_backup_then_none() -> N
     assert pick_first_hints(response, log) == backup
     response.primary_hints.hints.CopyFrom(primary)
     assert pick_first_hints(response, log) == primary
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("/" + "../" * 12 + "tmp/victim", "has a '..' segment"),
+        ("/a/../../victim", "has a '..' segment"),
+        ("../victim", "has a '..' segment"),
+        ("//etc/victim", "an empty or '.' segment"),
+        ("/a//b", "an empty or '.' segment"),
+        ("/./a", "an empty or '.' segment"),
+        ("/a\x00b", "holds a NUL character"),
+        ("/", "names the directory itself"),
+        ("", "names the directory itself"),
+        ("/.fnodes/3", "the player's own staging"),
+    ],
+)
+def test_a_property_path_that_could_leave_the_shards_directory_is_invalid(
+    path: str, words: str
+) -> None:
+    """Stricter than upstream (a shard is a tenant boundary): a property's path is rooted at
+    the shard's directory, spelled cleanly, and never leaves it; the error names the field and
+    the path, on one line."""
+    from broker.protocol.validate import quote
+
+    hints = example()
+    hints.properties.add(path="/IDENTITY", content="fine")
+    hints.properties.add(path=path, content="pwned")
+    with pytest.raises(ValidationError) as caught:
+        validate_hints(hints, field="changes[0].primary_hints")
+    assert caught.value.field == "changes[0].primary_hints.properties[1].path"
+    message = str(caught.value)
+    assert words in message and quote(path) in message and "\n" not in message, message
+    for fine in ("/IDENTITY", "IDENTITY", "/a/b.c/..d/...", "/tmp/victim"):  # Rooted: inside.
+        validate_hints(rpb.FSMHints(log="l/og", properties=[rpb.Property(path=fine)]))

@@ -525,3 +525,165 @@ async def test_a_hand_off_that_loses_the_race_injects_again(
         old.record_write(fnode, b"zombie", 0)
         with pytest.raises(Fenced):
             await old.sync()
+
+
+# ---- Nothing escapes the directory (issue 37, defect 1) ----------------------------------------
+#
+# Paths of the log and of the hints name files of the played directory, rooted at it ("/db"). A
+# path that would land anywhere else, or that no recorder writes (empty, "." or ".." segments,
+# NUL, the player's own staging), fails playback with one line naming it; nothing is written
+# outside. "{outside}" is the test's outside directory, without its leading slash.
+
+_ESCAPES = [
+    pytest.param("/" + "../" * 12 + "{outside}/victim", id="dotdot-chain"),
+    pytest.param("/../outside/victim", id="one-dotdot"),
+    pytest.param("../outside/victim", id="unrooted-dotdot"),
+    pytest.param("/a/../../outside/victim", id="a-then-climb"),
+    pytest.param("/a/b/../../../outside/victim", id="deeper-then-climb"),
+    pytest.param("/a/../b", id="dotdot-that-stays-inside"),
+    pytest.param("//{outside}/victim", id="absolute"),
+    pytest.param("/victim\x00/../../outside/victim", id="nul"),
+    pytest.param("/a//b", id="empty-segment"),
+    pytest.param("/a/", id="trailing-slash"),
+    pytest.param("/./a", id="dot-segment"),
+    pytest.param("/", id="the-directory-itself"),
+    pytest.param("", id="empty"),
+    pytest.param("/.fnodes/1", id="the-players-staging"),
+]
+
+# Where the escaping path sits: a file created there, a second link of a file, a property
+# recorded in the log, a property in the hints.
+_KINDS = ["create", "link", "property-op", "hinted-property"]
+
+
+def _escape_ops(
+    kind: str, path: str, log: str, first: tuple[str, ...] = ()
+) -> tuple[bytes, rpb.FSMHints]:
+    """The log content and hints that put `path` where `kind` says, with the content
+    b"pwned" (what an attacker wants written outside), after files created at `first`."""
+    from tests.test_recoverylog_fsm import link as link_op
+
+    w = LogWriter()
+    hints = rpb.FSMHints(log=log)
+    payloads: dict[int, bytes] = {}
+    for earlier in first:
+        w.op(1, **create(earlier))
+    if kind == "create":
+        fnode = w.op(1, **create(path)).seq_no
+        payloads[w.op(1, **write(fnode, 0, 5)).seq_no] = b"pwned"
+    elif kind == "link":
+        fnode = w.op(1, **create("/ok")).seq_no
+        payloads[w.op(1, **write(fnode, 0, 5)).seq_no] = b"pwned"
+        w.op(1, **link_op(fnode, path))
+    elif kind == "property-op":
+        w.op(1, property=rpb.Property(path=path, content="pwned"))
+    else:
+        hints.properties.add(path=path, content="pwned")
+        w.op(1, **create("/ok"))
+    return framed(w.ops, payloads), hints
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize("spelling", _ESCAPES)
+async def test_a_path_that_escapes_or_is_unclean_fails_playback_and_writes_nothing_outside(
+    recovery_broker: BrokerHarness,
+    recovery_stub: pb_grpc.JournalStub,
+    tmp_path: Path,
+    kind: str,
+    spelling: str,
+) -> None:
+    from broker.protocol.validate import quote
+
+    broker, stub = recovery_broker, recovery_stub
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    path = spelling.replace("{outside}", str(outside).lstrip("/"))
+    log = await new_log(broker)
+    content, hints = _escape_ops(kind, path, log)
+    await append(stub, log, content)
+    target = tmp_path / "played"
+    async with AppendService(stub) as service:
+        player = Player()
+        player.finish_at_write_head()
+        with pytest.raises(PlaybackError) as failed:
+            await player.play(hints, target, lambda: stub, service)
+    message = str(failed.value)
+    assert quote(path) in message and "\n" not in message, message
+    assert list(outside.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside"]  # played/ is removed too.
+
+
+_THROUGH = [
+    # A symlink on disk, in the played directory (put there while the player tails: by the
+    # application, or anyone else who can write there), to a directory outside.
+    pytest.param("symlinked-dir", "/sub/victim", id="under-a-symlinked-directory"),
+    # The same at the path itself: a symlink to the outside file (dangling).
+    pytest.param("symlinked-file", "/victim", id="at-a-symlink"),
+    # A path through a file the log created earlier.
+    pytest.param("recorded-file", "/sub/victim", id="through-a-recorded-file"),
+]
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize(("obstacle", "path"), _THROUGH)
+async def test_a_path_through_a_symlink_or_a_file_fails_playback_and_writes_nothing_outside(
+    recovery_broker: BrokerHarness,
+    recovery_stub: pb_grpc.JournalStub,
+    tmp_path: Path,
+    kind: str,
+    obstacle: str,
+    path: str,
+) -> None:
+    from broker.protocol.validate import quote
+
+    broker, stub = recovery_broker, recovery_stub
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    log = await new_log(broker)
+    # "/sub", a file, recorded first: the escaping ops follow it.
+    first = ("/sub",) if obstacle == "recorded-file" else ()
+    content, hints = _escape_ops(kind, path, log, first)
+    await append(stub, log, content)
+    target = tmp_path / "played"
+    async with AppendService(stub) as service:
+        player = Player()
+        playing = asyncio.ensure_future(player.play(hints, target, lambda: stub, service))
+        await asyncio.wait_for(player.tailing.wait(), 30)  # Every op is staged: none is live.
+        if obstacle == "symlinked-dir":
+            (target / "sub").symlink_to(outside, target_is_directory=True)
+        elif obstacle == "symlinked-file":
+            (target / "victim").symlink_to(outside / "victim")
+        player.finish_at_write_head()
+        with pytest.raises(PlaybackError) as failed:
+            await asyncio.wait_for(playing, 30)
+    message = str(failed.value)
+    assert quote(path) in message and "\n" not in message, message
+    assert list(outside.iterdir()) == []
+    assert not target.exists()
+
+
+async def test_rooted_paths_and_property_contents_stay_inside_the_directory(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """A path is rooted at the played directory: "/tmp/x/victim" (an absolute path, as a
+    recorder never writes one) is the file tmp/x/victim in it. A property's content, an
+    outside path, is a regular file's content, never followed as a link."""
+    broker, stub = recovery_broker, recovery_stub
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    log = await new_log(broker)
+    rooted = f"{outside}/victim"
+    w = LogWriter()
+    w.op(1, **create(rooted))
+    w.op(1, **write(1, 0, 5))
+    w.op(1, property=rpb.Property(path="/LINK", content=str(outside / "victim")))
+    await append(stub, log, framed(w.ops, {2: b"inner"}))
+    target = tmp_path / "played"
+    async with AppendService(stub) as service:
+        player = Player()
+        player.finish_at_write_head()
+        await player.play(rpb.FSMHints(log=log), target, lambda: stub, service)
+    assert list(outside.iterdir()) == []
+    assert (target / rooted.lstrip("/")).read_bytes() == b"inner"
+    assert not (target / "LINK").is_symlink()
+    assert (target / "LINK").read_text() == str(outside / "victim")

@@ -8,6 +8,13 @@ without its header). The FSM applies an operation only if both match, so only a 
 history is applied, and a log that forked (two recorders at once) is read along one branch: the
 one its hints name, by author, segment by segment.
 
+Paths are rooted at the recorder's directory ("/db", "/sub/000001.sst"), in one clean spelling:
+a path of any other (empty, "." or ".." segments, NUL, the player's staging `.fnodes`) is refused
+by `apply` and by the FSM's hints with `UnsafePath`, as no recorder writes one. Upstream joins
+paths to the directory as they come; shards are a tenant boundary here, and a log or hints that
+could climb out of the directory would let whoever writes them write files anywhere the consumer
+can.
+
 Files are *fnodes*: a file across its links, renames and unlinks, identified by the sequence
 number of the operation that created it. The FSM tracks which fnodes are live, their links, and
 the segments of log holding their operations, from which `build_hints` makes the hints a later
@@ -25,6 +32,7 @@ import google_crc32c
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb
+from broker.protocol.validate import quote
 from consumer.recoverylog.segments import Segment, SegmentSet
 
 __all__ = [
@@ -32,12 +40,14 @@ __all__ = [
     "FSM",
     "Applied",
     "FSMError",
+    "UnsafePath",
     "author_fence",
     "checksum_extend",
     "decode_header",
     "encode_frame",
     "live_log_segments",
     "new_author",
+    "recorded_path_problem",
 ]
 
 FRAME_MAGIC = b"\x66\x33\x93\x36"
@@ -90,6 +100,40 @@ def author_fence(author: int) -> pb.LabelSet:
     """The journal register that fences a log to `author` (upstream's `Author.Fence`: label
     `author`, the author in base 32 as Go's strconv.FormatUint writes it)."""
     return pb.LabelSet(labels=[pb.Label(name="author", value=_base32(author))])
+
+
+# The player stages files in this directory of the played one: no recorded path may name it.
+STAGING = ".fnodes"
+
+
+def recorded_path_problem(path: str) -> str:
+    """What is wrong with `path` as the path of a recorded file or property ("" if nothing):
+    it must be rooted at the directory ("/" then names, a leading "/" optional as Go's
+    `filepath.Join` takes either), each name non-empty, neither "." nor "..", without NUL,
+    and not the player's staging."""
+    if "\x00" in path:
+        return "holds a NUL character"
+    names = path.removeprefix("/").split("/")
+    if names == [""]:
+        return "names the directory itself, not a file in it"
+    if any(name == ".." for name in names):
+        return "has a '..' segment (paths are rooted at the shard's directory and never leave it)"
+    if any(name in ("", ".") for name in names):
+        return "is not a clean path (an empty or '.' segment)"
+    if names[0] == STAGING:
+        return f"is under {STAGING}/, the player's own staging"
+    return ""
+
+
+class UnsafePath(ValueError):
+    """A recorded or hinted path that could name a file outside the directory, or that no
+    recorder writes: the log or hints cannot be used (unlike FSMError, it is not skipped)."""
+
+
+def _check_path(path: str, what: str) -> None:
+    problem = recorded_path_problem(path)
+    if problem:
+        raise UnsafePath(f"{what} path {quote(path)} {problem}")
 
 
 class FSMError(Exception):
@@ -169,6 +213,8 @@ class FSM:
         self.next_seq_no = 1
         self.next_checksum = 0
         self.last_log = hints.log
+        for prop in hints.properties:
+            _check_path(prop.path, "hinted property")
         self.properties: dict[str, str] = {p.path: p.content for p in hints.properties}
         self.live_nodes: dict[int, FnodeState] = {}
         self.links: dict[str, int] = {}
@@ -183,13 +229,18 @@ class FSM:
 
     def apply(self, op: rpb.RecordedOp, body: bytes) -> Applied:
         """Step by `op` (whose protobuf bytes are `body`), with its meta-fields `log`,
-        `first_offset` and `last_offset` set; FSMError if it does not apply."""
+        `first_offset` and `last_offset` set; FSMError if it does not apply, UnsafePath if it
+        is in sequence but names a path outside the directory (nothing changed either way)."""
         if self.hinted_segments and self.hinted_segments[0].author != op.author:
             raise NotHintedAuthor(f"author {op.author} is not the next hinted author")
         if op.seq_no != self.next_seq_no:
             raise WrongSeqNo(f"seq_no {op.seq_no}, expected {self.next_seq_no}")
         if op.checksum != self.next_checksum:
             raise ChecksumMismatch(f"checksum {op.checksum}, expected {self.next_checksum}")
+        # Before any state changes: the op would be applied, so its path must be one we write.
+        for kind in ("create", "link", "unlink", "property"):
+            if op.HasField(kind):
+                _check_path(getattr(op, kind).path, f"recorded {kind}")
 
         outcome = Applied.APPLIED
         if op.HasField("create"):

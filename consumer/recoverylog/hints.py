@@ -10,9 +10,16 @@ import json
 from typing import Any
 
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.protocol.validate import ValidationError, at_field, validate_journal_name
+from broker.protocol.validate import ValidationError, at_field, quote, validate_journal_name
+from consumer.recoverylog.fsm import recorded_path_problem
 
-__all__ = ["decode_hints", "encode_hints", "pick_first_hints", "validate_hints"]
+__all__ = [
+    "decode_hints",
+    "encode_hints",
+    "pick_first_hints",
+    "recorded_path_problem",
+    "validate_hints",
+]
 
 _SEGMENT_FIELDS = (
     "author",
@@ -130,7 +137,14 @@ def _number(document: dict[str, Any], key: str, where: str, bounds: tuple[int, i
 def validate_hints(hints: rpb.FSMHints, *, field: str = "hints") -> None:
     """Upstream's rules: every segment has an author, a positive first sequence number, offsets
     and sequence numbers in order, and a valid log (its own, or else the hints' log, which it
-    must not repeat)."""
+    must not repeat); and, stricter than upstream, every property's path is one a recorder
+    writes, rooted at the shard's directory and never leaving it (`recorded_path_problem`)."""
+    for i, prop in enumerate(hints.properties):
+        problem = recorded_path_problem(prop.path)
+        if problem:
+            raise ValidationError(
+                at_field(field, f"properties[{i}].path"), prop.path, f"{quote(prop.path)} {problem}"
+            )
     for i, node in enumerate(hints.live_nodes):
         for j, segment in enumerate(node.segments):
             here = at_field(field, f"live_nodes[{i}].segments[{j}]")

@@ -21,6 +21,13 @@ emptying the directory) is done by a worker thread, in order, in batches, one ba
 the next is decoded, so a large playback never stalls the other shards of the process. A
 cancelled playback waits for the thread to finish before the directory is removed.
 
+Nothing is written outside the directory (a shard's directory is a tenant's, and its log and
+hints are written by whoever holds the shard): the FSM refuses paths that are not rooted in it and
+cleanly spelled, and files are made live relative to it, opening each directory on the way from
+the one above without following a symlink, so no entry on disk leads a path out either. A path
+that would fails playback naming it. Files and directories made are private to the consumer's
+user (0600, 0700), as fragments are.
+
 Bytes between frames that are not a frame (a stray append to the log) are read past to the next
 frame's marker, with a warning naming where and how many, as upstream's player does. Any
 inconsistency it cannot skip (a frame whose body is not an operation, a hinted segment that is
@@ -33,10 +40,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -46,12 +54,15 @@ from broker.client.append_service import AppendService, Registers
 from broker.client.reader import Chunk, read_retrying
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
+from broker.protocol.validate import quote
 from consumer.recoverylog.fsm import (
     FRAME_MAGIC,
     FSM,
     HEADER,
+    STAGING,
     Applied,
     FSMError,
+    UnsafePath,
     author_fence,
     decode_header,
     encode_frame,
@@ -62,7 +73,7 @@ __all__ = ["FNODE_STAGING", "PlaybackError", "Player"]
 
 log = logging.getLogger(__name__)
 
-FNODE_STAGING = ".fnodes"
+FNODE_STAGING = STAGING
 
 
 class PlaybackError(Exception):
@@ -194,6 +205,44 @@ _BATCH_BYTES = 1 << 20
 
 _CREATE, _WRITE, _REMOVE = range(3)
 
+# Opens that never follow a symlink at the name opened (O_EXCL: nor create through one).
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _parent_of(root: int, path: str) -> Iterator[tuple[int, str]]:
+    """The directory (an open descriptor) that holds `path` of the played directory `root`,
+    and the name in it, its directories made as needed: each is opened from the one above
+    it without following a symlink, so whatever is on disk (a symlink, a file where a
+    directory should be) cannot lead the path out; PlaybackError naming the path if one is
+    not a directory. The path's spelling was checked by the FSM already."""
+    *directories, name = path.removeprefix("/").split("/")
+    fd = os.dup(root)
+    try:
+        for directory in directories:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700, dir_fd=fd)
+            try:
+                child = os.open(directory, _DIRECTORY, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise PlaybackError(
+                    f"recorded path {quote(path)}: {quote(directory)} is not a directory (a "
+                    "symlink or a file): refusing to follow it out of the shard's directory"
+                ) from None
+            os.close(fd)
+            fd = child
+        try:
+            yield fd, name
+        except FileExistsError:
+            raise PlaybackError(
+                f"recorded path {quote(path)} exists already (a file, a directory or a symlink)"
+            ) from None
+    finally:
+        os.close(fd)
+
 
 class _StagedFiles:
     """The files of one playback, changed only by a worker thread. The loop queues what applied
@@ -279,28 +328,38 @@ class _StagedFiles:
                 f.seek(offset)
                 f.write(data)
             elif what == _CREATE:
-                files[fnode] = open(self._staged(fnode), "xb")  # noqa: SIM115 (closed at make-live or remove)
+                # Private to the consumer's user, as fragments are: a shard's files are a tenant's.
+                fd = os.open(self._staged(fnode), _NEW_FILE, 0o600)
+                files[fnode] = os.fdopen(fd, "wb")  # Closed at make-live or remove.
             else:
                 files.pop(fnode).close()
                 os.unlink(self._staged(fnode))
 
     def _make_live(self, live: list[tuple[int, list[str]]], properties: dict[str, str]) -> None:
         files = self._files
-        for fnode, links in live:
-            files.pop(fnode).close()
-            for path in links:
-                target = self.directory / path.lstrip("/")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.link(self._staged(fnode), target)
-            os.unlink(self._staged(fnode))
-        if files:
-            raise PlaybackError(f"staged files the FSM does not know: {sorted(files)}")
-        (self.directory / FNODE_STAGING).rmdir()
-        for path, content in properties.items():
-            target = self.directory / path.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "x") as out:
-                out.write(content)
+        root = os.open(self.directory, _DIRECTORY)
+        try:
+            staging = os.open(FNODE_STAGING, _DIRECTORY, dir_fd=root)
+            try:
+                for fnode, links in live:
+                    files.pop(fnode).close()
+                    for path in links:
+                        with _parent_of(root, path) as (parent, name):
+                            os.link(str(fnode), name, src_dir_fd=staging, dst_dir_fd=parent,
+                                    follow_symlinks=False)  # fmt: skip
+                    os.unlink(str(fnode), dir_fd=staging)
+            finally:
+                os.close(staging)
+            if files:
+                raise PlaybackError(f"staged files the FSM does not know: {sorted(files)}")
+            os.rmdir(FNODE_STAGING, dir_fd=root)
+            for path, content in properties.items():
+                with _parent_of(root, path) as (parent, name):
+                    fd = os.open(name, _NEW_FILE, 0o600, dir_fd=parent)
+                    with os.fdopen(fd, "w", encoding="utf-8") as out:
+                        out.write(content)
+        finally:
+            os.close(root)
 
     def _remove(self) -> None:
         for f in self._files.values():
@@ -496,6 +555,8 @@ async def _play_operation(
 
     try:
         outcome: Applied | None = fsm.apply(op, body)
+    except UnsafePath as exc:
+        raise PlaybackError(f"{reader.log}@{first}: {exc}") from None
     except FSMError as exc:
         outcome = None
         log.debug("recovery log %s@%d: skipped op %d: %s", reader.log, first, op.seq_no, exc)
