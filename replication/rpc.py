@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from broker.client.journals import dial
 from replication import location_pb2 as lpb
@@ -42,6 +44,7 @@ __all__ = [
     "clock_of",
     "key_message",
     "key_of_message",
+    "named_locations",
     "status_document",
     "topology_of_status",
 ]
@@ -109,6 +112,38 @@ def change_of_message(message: lpb.Change, what: str = "change") -> Change:
 def _named(what: str, *names: str) -> None:
     if not all(names):
         raise ValueError(f"{what}: a connection names its source and target locations")
+
+
+# The string fields of the service's requests that are not locations' names: a replication
+# filter's text (an event selector over the log it filters).
+NOT_NAMES = frozenset({"filter"})
+
+
+def named_locations(request: Message) -> list[str]:
+    """Every location a Location request names, each once, in order: every string field and
+    string map key set, at any depth, except a filter's text (NOT_NAMES). Found from the
+    message's own fields, not a list of them, so that a field added to the proto is a name
+    unless declared otherwise: authorization fails closed on it."""
+    out: dict[str, None] = {}
+    _collect_names(request, out)
+    return list(out)
+
+
+def _collect_names(message: Message, out: dict[str, None]) -> None:
+    for f, value in message.ListFields():
+        if f.name in NOT_NAMES:
+            continue
+        if f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
+            if f.message_type.fields_by_name["key"].type == FieldDescriptor.TYPE_STRING:
+                out.update(dict.fromkeys(k for k in value if k))
+            if f.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+                for item in value.values():
+                    _collect_names(item, out)
+        elif f.type == FieldDescriptor.TYPE_MESSAGE:
+            for item in value if f.is_repeated else [value]:
+                _collect_names(item, out)
+        elif f.type == FieldDescriptor.TYPE_STRING:
+            out.update(dict.fromkeys(v for v in (value if f.is_repeated else [value]) if v))
 
 
 def key_message(key: OpKey) -> lpb.ChangeKey:

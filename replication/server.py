@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -70,6 +71,7 @@ from replication.rpc import (
     clock_message,
     clock_of,
     key_message,
+    named_locations,
     topology_of_status,
 )
 from replication.system import change_document, passes, system_payload
@@ -95,6 +97,8 @@ __all__ = [
 log = logging.getLogger("replication")
 
 _RETRY = 0.5  # Seconds between attempts of a connection that waits or fails.
+# Seconds a call waits for another location's journal to be listed, to authorize naming it.
+_AUTHORIZE_LISTING = 5.0
 _LOOKUP_EVERY = 5.0  # Seconds a connection goes on with its source's registry entry.
 
 
@@ -152,6 +156,10 @@ class LocationConfig:
 
 # The most events one Read reply carries, whatever its `limit` (the rest comes with the next).
 MAX_READ_EVENTS = 10_000
+
+# The claims of the Location service call being served (unrestricted outside one): what the
+# registry's names in an answer are filtered by.
+_CALLER: contextvars.ContextVar[auth.Claims] = contextvars.ContextVar("caller", default=auth.UNRESTRICTED)  # fmt: skip
 
 
 def batch_of(source: str, reply: lpb.ReadResponse) -> LineBatch:
@@ -493,6 +501,13 @@ class LocationServer:
                 "filter would drop them)"
             )
         if not self.clock_ok:
+            shown = await self._shown(self.unheard)  # The caller's: none hidden from it.
+            if shown != self.unheard:
+                raise RuleViolation(
+                    f"location {self.name} has not heard from every registered location since "
+                    "it started: one of them may hold a time of its that its clock has not "
+                    "reached (an operator starts them, retires them, or trusts its clock)"
+                )
             names = ", ".join(self.unheard) or "the registered locations"
             raise RuleViolation(
                 f"location {self.name} has not heard from {names} since it started: one of "
@@ -648,11 +663,14 @@ class LocationServer:
             client = self._peers[entry.endpoint] = LocationClient(entry.name, entry.endpoint)
         return client
 
-    def _broker(self, address: str) -> Any:
+    def _journals(self, address: str) -> JournalsClient:
         client = self._brokers.get(address)
         if client is None:
             client = self._brokers[address] = JournalsClient(address)
-        stub = client.stub
+        return client
+
+    def _broker(self, address: str) -> Any:
+        stub = self._journals(address).stub
         return lambda: stub
 
     # ---- the Location service ----------------------------------------------------------------------
@@ -704,6 +722,20 @@ class LocationServer:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: not a {name} request: {exc}"
                 )
+            if not claims.unrestricted:
+                try:
+                    refusal = await self._refusal(claims, name, request)
+                except aetcd.exceptions.ClientError as exc:
+                    refusal = (
+                        grpc.StatusCode.UNAVAILABLE,
+                        (
+                            f"location {self.name}: cannot read the registry to authorize the "
+                            f"locations this call reaches: {str(exc).splitlines()[0]}"
+                        ),
+                    )
+                if refusal is not None:
+                    await context.abort(*refusal)
+            caller = _CALLER.set(claims)
             try:
                 return await method(request)
             except RuleViolation as exc:
@@ -726,9 +758,68 @@ class LocationServer:
                 self.failure = _writer_failure(self.name, exc)
                 self._failed.set()
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.failure)
+            finally:
+                _CALLER.reset(caller)
             raise AssertionError("unreachable")
 
         return handle
+
+    async def _refusal(
+        self, claims: auth.Claims, method: str, request: Any
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Why a restricted caller may not make this call beyond this location (None: it may).
+        Every location the request names must be one whose log journal the caller's claims
+        select, as this location's must: one it cannot be shown to select (hidden, unknown,
+        its brokers unreachable) does not exist for it, the answer being the one a location
+        gives for itself. Delete asks its neighbours' vectors (its rule's refusal names them),
+        so they must be selected too. Recover asks every registered location and may reset
+        their progress: refused unless all are selected, in a line that names none of them."""
+        names = named_locations(request)
+        if method == "Delete":
+            names += self._neighbour_names()
+        if not names and method != "Recover":
+            return None  # Most calls (Read, Emit, Status) name none: no registry read.
+        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        if method == "Recover":
+            for entry in known.values():
+                if not await self._selects(claims, entry):
+                    return grpc.StatusCode.PERMISSION_DENIED, (
+                        f"location {self.name}: recover asks every registered location and may "
+                        "reset their progress; this token does not select all their logs (use "
+                        "one that does)"
+                    )
+            return None
+        for name in names:
+            entry = known.get(name)
+            if entry is None or not await self._selects(claims, entry):
+                return grpc.StatusCode.NOT_FOUND, f"no location {name}"
+        return None
+
+    async def _selects(self, claims: auth.Claims, entry: registry.LocationEntry) -> bool:
+        """Whether `claims` select the log journal of location `entry`, its labels as its
+        brokers list it now. False when that cannot be shown (the journal is not listed, or
+        its brokers do not answer): an authorization fails closed."""
+        if claims.unrestricted:
+            return True
+        if entry.name == self.name:
+            return claims.sees_journal(self.log_spec)
+        try:
+            async with asyncio.timeout(_AUTHORIZE_LISTING):
+                found = await journal_listed(self._journals(entry.broker), entry.journal)
+        except Exception as exc:  # Any failure to list it: not shown to be selected.
+            log.info("%s: cannot list %s's journal %s to authorize a call: %s", self.name, entry.name, entry.journal, str(exc).split("\n")[0])  # fmt: skip
+            return False
+        return found is not None and claims.sees_journal(found.spec)
+
+    async def _shown(self, names: list[str]) -> list[str]:
+        """Of these registered locations' names (the registry's, not this log's), those the
+        caller of the call being served may see: a list in an answer (those not heard from)
+        names no location hidden from it."""
+        claims = _CALLER.get()
+        if claims.unrestricted or not names:
+            return names
+        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        return [n for n in names if n in known and await self._selects(claims, known[n])]
 
     async def status(self, request: lpb.StatusRequest) -> lpb.StatusResponse:
         assert self.log is not None and self._reader is not None
@@ -748,8 +839,8 @@ class LocationServer:
             connections=[c.message(lg.progress.get(s, 0)) for s, c in sorted(self.connections.items())],
             history=[lpb.KeyedChange(key=key_message(k), change=change_message(c)) for k, c in view.keyed()],
             retired=sorted(view.retired), lost=self.lost, prunable_before=prunable,
-            clock_ok=self.clock_ok, unheard=self.unheard, journal_created=lg.created,
-            recovering=self._recovery_left(),
+            clock_ok=self.clock_ok, unheard=await self._shown(self.unheard),
+            journal_created=lg.created, recovering=self._recovery_left(),
         )  # fmt: skip
 
     async def emit(self, request: lpb.EmitRequest) -> lpb.EmitResponse:
@@ -896,15 +987,18 @@ class LocationServer:
             raise RuleViolation(self.lost)
         strangers = sorted(set(without) - set(self.unheard))
         if strangers and not self.clock_ok:
+            shown = await self._shown(self.unheard)
             raise ValueError(
                 f"without {', '.join(strangers)}: only a location not heard from can be left "
-                f"out (not heard from: {', '.join(self.unheard) or 'none'})"
+                f"out (not heard from: {', '.join(shown) or 'none'})"
             )
         self._waived |= set(without)
         await self._clock_round()
         if self.clock_ok and without:
             log.warning("%s: emitting without having heard from %s (the operator's decision)", self.name, ", ".join(without))  # fmt: skip
-        return lpb.TrustClockResponse(clock_ok=self.clock_ok, unheard=self.unheard)
+        return lpb.TrustClockResponse(
+            clock_ok=self.clock_ok, unheard=await self._shown(self.unheard)
+        )
 
     async def join(self, request: lpb.JoinRequest) -> lpb.JoinResponse:
         """Only new events from `sources`: this location's CVV and DVV raised to the least
