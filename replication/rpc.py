@@ -133,13 +133,14 @@ def _collect_names(message: Message, out: dict[str, None]) -> None:
     for f, value in message.ListFields():
         if f.name in NOT_NAMES:
             continue
-        if f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:
-            if f.message_type.fields_by_name["key"].type == FieldDescriptor.TYPE_STRING:
+        entry = f.message_type if f.type == FieldDescriptor.TYPE_MESSAGE else None
+        if entry is not None and entry.GetOptions().map_entry:
+            if entry.fields_by_name["key"].type == FieldDescriptor.TYPE_STRING:
                 out.update(dict.fromkeys(k for k in value if k))
-            if f.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+            if entry.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
                 for item in value.values():
                     _collect_names(item, out)
-        elif f.type == FieldDescriptor.TYPE_MESSAGE:
+        elif entry is not None:
             for item in value if f.is_repeated else [value]:
                 _collect_names(item, out)
         elif f.type == FieldDescriptor.TYPE_STRING:

@@ -790,8 +790,8 @@ class LocationServer:
                     )
             return None
         for name in names:
-            entry = known.get(name)
-            if entry is None or not await self._selects(claims, entry):
+            named = known.get(name)
+            if named is None or not await self._selects(claims, named):
                 return grpc.StatusCode.NOT_FOUND, f"no location {name}"
         return None
 
