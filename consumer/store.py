@@ -10,7 +10,7 @@ number in the file, checked under a lock.
 `JSONFileStore` keeps a JSON document (`state`, any JSON-encodable value the application
 changes in place) in `{root}/{shard id}/state.json`, replaced by an atomic rename at each commit;
 `committed` is the state as last committed (None until restored), for queries that must not see
-a transaction in progress.
+a transaction in progress. Its files are the consumer's user's only (0600), as fragments are.
 Until recovery logs carry it between processes, the root must be shared by the processes that
 may host the shard (one machine, as `gazctl dev` runs them). File I/O runs on a thread.
 """
@@ -63,6 +63,8 @@ class Store(Protocol):
 
 _STATE = "state.json"
 _LOCK = ".lock"
+# A shard's state is its tenant's: readable by the consumer's user only, as fragments are.
+_MODE = 0o600
 
 
 class JSONFileStore:
@@ -121,7 +123,8 @@ class JSONFileStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / _LOCK, "a+b") as lock:
+        fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _MODE)
+        with os.fdopen(fd, "r+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -147,7 +150,11 @@ class JSONFileStore:
     def _write(self, document: dict[str, Any]) -> None:
         path = self.directory / _STATE
         temporary = path.with_name(f".{_STATE}.{os.getpid()}.tmp")
-        with open(temporary, "wb") as out:
+        # Created afresh (a leftover of a crashed writer is replaced), private from the start:
+        # it becomes the state file by the rename, mode included.
+        temporary.unlink(missing_ok=True)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _MODE)
+        with os.fdopen(fd, "wb") as out:
             out.write(json.dumps(document, separators=(",", ":")).encode())
             out.flush()
             os.fsync(out.fileno())
