@@ -17,7 +17,9 @@ import grpc
 from google.protobuf import duration_pb2
 
 from broker.fragment.content import describe
-from broker.fragment.stores import StoreError, check_store_url
+from broker.fragment.stores import HEALTH_CHECK_PATH, StoreError, check_store_url
+from broker.fragment.stores.base import JOURNAL_HEALTH_DIR
+from broker.fragment.stores.paths import StoreGuard, canonical_store_url
 from broker.protocol import protocol_pb2 as pb
 from broker.resolver import ResolveError
 from plumbing.auth import Claims, signature_ttl
@@ -168,26 +170,43 @@ async def serve_store_health(
     ctx: BrokerContext,
     req: pb.FragmentStoreHealthRequest,
     context: Any,
-    visible_stores: Callable[[], set[str]] | None = None,
+    visible_paths: Callable[[str], list[StoreGuard]] | None = None,
 ) -> pb.FragmentStoreHealthResponse:
     """Check a store as the persister uses it (writing, and with `check_delete` removing, probe
-    objects with the broker's own credentials). `visible_stores`, for a caller whose token has
-    a selector: the stores named by journals it can see, the only ones it may have checked."""
+    objects with the broker's own credentials). `visible_paths`, for a caller whose token has a
+    selector: the fragment paths in a (canonical) store of the journals it can see. Such a
+    caller may check only those stores, and its probes go under the first of those paths (a
+    directory listings skip), never at the store's root, which may be other journals' paths."""
     try:
         check_store_url(req.fragment_store)
+        url = canonical_store_url(req.fragment_store)
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if visible_stores is not None and req.fragment_store not in visible_stores():
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"not authorized to {req.fragment_store}: no journal your token selects names it",
-        )
+        raise AssertionError("unreachable") from None
     prefix = req.check_delete_prefix if req.check_delete else None
     if prefix and not prefix.endswith("/"):
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"check_delete_prefix {prefix!r} must end in '/' (or be empty for the store's root)",
         )
+    probe_dir = HEALTH_CHECK_PATH.rpartition("/")[0] + "/"
+    if visible_paths is not None:
+        paths = visible_paths(url)
+        if not paths:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"not authorized to {req.fragment_store}: no journal your token selects names it",
+            )
+        probe_dir = f"{paths[0].journal}/{JOURNAL_HEALTH_DIR}/"
+        if prefix is not None:
+            if not prefix:
+                prefix = probe_dir  # The store's root is not the caller's: its own path is.
+            elif not any(prefix.startswith(p.journal + "/") for p in paths):
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"not authorized to {req.fragment_store}: check_delete_prefix {prefix!r} is "
+                    "not under a journal your token selects",
+                )
     response = pb.FragmentStoreHealthResponse(status=pb.OK, header=ctx.unrouted_header())
     if ctx.persister is None:
         response.status = pb.FRAGMENT_STORE_UNHEALTHY
@@ -195,7 +214,7 @@ async def serve_store_health(
         return response
     try:
         async with asyncio.timeout(HEALTH_CHECK_TIMEOUT):
-            await asyncio.to_thread(_check, ctx, req.fragment_store, prefix)
+            await asyncio.to_thread(_check, ctx, url, prefix, probe_dir)
     except TimeoutError:
         response.status = pb.FRAGMENT_STORE_UNHEALTHY
         response.store_health_error = f"no answer within {HEALTH_CHECK_TIMEOUT:.0f}s"
@@ -205,6 +224,6 @@ async def serve_store_health(
     return response
 
 
-def _check(ctx: BrokerContext, url: str, prefix: str | None) -> None:
+def _check(ctx: BrokerContext, url: str, prefix: str | None, probe_dir: str) -> None:
     assert ctx.persister is not None
-    ctx.persister.store(url).health_check(prefix)
+    ctx.persister.store(url).health_check(prefix, probe_dir=probe_dir)

@@ -25,6 +25,16 @@ from broker.client.journals import PLACEMENT
 from broker.context import BrokerContext
 from broker.flow_control import RateLimiter
 from broker.fragment.persister import Persister, check_spec_supported
+from broker.fragment.stores.paths import (
+    FragmentPath,
+    PathError,
+    PathIndex,
+    PathIndexCache,
+    StoreGuard,
+    canonical_store_url,
+    fragment_path,
+    overlap,
+)
 from broker.fragments_api import serve_list_fragments, serve_store_health
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels, validate, wire
@@ -91,6 +101,11 @@ class JournalService(pb_grpc.JournalServicer):
         self.pulse_interval = pulse_interval
         self.idle_pipeline_release = idle_pipeline_release
         self.persister = persister
+        # Every journal's fragment path, for Apply's check that none is another's, and for the
+        # persister's, which keeps to each journal's own path at runtime.
+        self.paths = PathIndexCache(self._journals)
+        if persister is not None and persister.paths is None:
+            persister.paths = self.paths
         self._pulse_slots = asyncio.Semaphore(PULSES_IN_FLIGHT)
         # Holes in journals this broker leads: when each was first seen (None once reported).
         self._holes: dict[str, dict[tuple[int, int], float | None]] = {}
@@ -398,6 +413,11 @@ class JournalService(pb_grpc.JournalServicer):
                     check_spec_supported(change.upsert)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            paths = _fragment_paths(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from None
 
         keys: list[bytes] = []
         ops: list[object] = []
@@ -416,12 +436,17 @@ class JournalService(pb_grpc.JournalServicer):
                 raise auth.Unauthenticated(f"not authorized to {names[index]}")
 
         expected = [change.expect_mod_revision for change in request.changes]
+        check = None if claims.unrestricted else check_replaced
         try:
-            result = await etcdx.txn_guarded(
-                self.etcd, keys, expected, ops, None if claims.unrestricted else check_replaced
-            )
+            if paths:
+                result = await self._txn_with_paths(keys, expected, ops, check, paths, claims)
+            else:
+                result = await etcdx.txn_guarded(self.etcd, keys, expected, ops, check)
         except auth.Unauthenticated as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise AssertionError("unreachable") from None
+        except PathError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("unreachable") from None
         except etcdx.TxnTooLarge:
             changes = len(request.changes)
@@ -435,6 +460,77 @@ class JournalService(pb_grpc.JournalServicer):
             await self.ks.wait_for_revision(result.revision)
         response.header.etcd.revision = result.revision
         return response
+
+    def _journals(self) -> tuple[int, list[tuple[str, pb.JournalSpec, int]]]:
+        """The keyspace's revision and its journals (name, spec, create revision) at it."""
+        out = []
+        for kv in self.ks.prefixed(self.root + aks.ITEMS):
+            item = kv.decoded
+            if isinstance(item, aks.Item) and isinstance(item.spec, pb.JournalSpec):
+                out.append((item.id, item.spec, kv.create_revision))
+        return self.ks.revision, out
+
+    def _check_paths(
+        self, index: PathIndex, paths: list[tuple[str, str, FragmentPath]], changed: set[str],
+        claims: auth.Claims,
+    ) -> None:  # fmt: skip
+        """Raise PathError if a path of `paths` (journal, store, path: the request's upserts)
+        meets that of a journal the caller sees in `index` (less the journals the request
+        changes), or auth.Unauthenticated, as for any journal it may not change, if it meets
+        only those of journals it cannot see."""
+        hidden = ""
+        for name, url, path in paths:
+            for claim in index.overlapping(path, exclude=changed):
+                kv = self.ks.get(aks.item_key(self.root, claim.journal))
+                spec = kv.decoded.spec if kv is not None else None  # type: ignore[attr-defined]
+                if isinstance(spec, pb.JournalSpec) and claims.sees_journal(spec):
+                    raise PathError(
+                        f"journal {name}: its fragment path {validate.quote(path.key)} in {url} "
+                        f"meets journal {claim.journal}'s {validate.quote(claim.key)}: no "
+                        "journal's fragments may be another's (give it another store, prefix "
+                        "or name)"
+                    )
+                hidden = hidden or name
+        if hidden:
+            raise auth.Unauthenticated(f"not authorized to {hidden}")
+
+    async def _txn_with_paths(
+        self,
+        keys: list[bytes],
+        expected: list[int],
+        ops: list[object],
+        check: Any,
+        paths: list[tuple[str, str, FragmentPath]],
+        claims: auth.Claims,
+    ) -> etcdx.TxnResult:
+        """As etcdx.txn_guarded, and checking `paths` against every journal's as the keyspace
+        holds them at its revision R; the transaction also compares that no journal changed
+        after R (a concurrent Apply's new path would otherwise pass both checks). When one did,
+        the keyspace catches up and the check runs again."""
+        items = (self.root + aks.ITEMS).encode()
+        items_end = items[:-1] + bytes([items[-1] + 1])
+        changed = {key.decode()[len(self.root + aks.ITEMS) :] for key in keys}
+        result = etcdx.TxnResult(False, self.ks.revision, 0, 0, 0)
+        for _ in range(etcdx.GUARDED_ATTEMPTS):
+            revision, index = self.paths.index()
+            self._check_paths(index, paths, changed, claims)
+            current, read_at = await etcdx.get_current(self.etcd, keys)
+            if check is not None:
+                for at, now in enumerate(current):
+                    if now.value is not None:
+                        check(at, now.value)
+            if any(e not in (-1, now.mod_revision) for e, now in zip(expected, current, strict=True)):  # fmt: skip
+                return etcdx.TxnResult(False, read_at, 0, 0, 0)
+            compare = [
+                transactions.Mod(key) == now.mod_revision
+                for key, now in zip(keys, current, strict=True)
+            ]
+            compare.append(transactions.Mod(items, range_end=items_end) < revision + 1)
+            result = await etcdx.txn(self.etcd, compare, ops)
+            if result.succeeded:
+                return result
+            await self.ks.wait_for_revision(result.revision)
+        return result
 
     async def Read(
         self, request: pb.ReadRequest, context: Context
@@ -474,12 +570,47 @@ class JournalService(pb_grpc.JournalServicer):
         # own credentials, so it takes APPLY, and a token with a selector may check only the
         # stores of journals it can see.
         claims = await auth.verify_or_abort(self.verifier, context, auth.APPLY)
-        visible = None if claims.unrestricted else (lambda: self._stores_seen_by(claims))
+        visible = None if claims.unrestricted else (lambda url: self._paths_seen_by(claims, url))
         return await serve_store_health(self.ctx, request, context, visible)
 
-    def _stores_seen_by(self, claims: auth.Claims) -> set[str]:
+    def _paths_seen_by(self, claims: auth.Claims, url: str) -> list[StoreGuard]:
+        """The paths in store `url` (canonical) of the journals `claims` see, by journal name;
+        only those that are their journal's own."""
         journals, _ = self.snapshot(pb.LabelSelector(), claims)
-        return {store for j in journals for store in j.spec.fragment.stores}
+        _, index = self.paths.index()
+        guards = [index.guard(j.spec.name, url) for j in journals if url in j.spec.fragment.stores]
+        return [g for g in guards if not g.error]
+
+
+def _fragment_paths(request: pb.ApplyRequest) -> list[tuple[str, str, FragmentPath]]:
+    """The fragment paths of the request's upserts (journal, store, path), raising ValueError
+    (one line naming the journal) for a store URL that is not canonical, a journal whose
+    fragments would have no path of their own, or two upserts whose paths meet."""
+    out: list[tuple[str, str, FragmentPath]] = []
+    for change in request.changes:
+        if not change.HasField("upsert"):
+            continue
+        spec = change.upsert
+        for at, url in enumerate(spec.fragment.stores):
+            try:
+                canonical = canonical_store_url(url)
+            except ValueError as exc:
+                raise ValueError(f"journal {spec.name}: fragment.stores[{at}]: {exc}") from None
+            if canonical != url:
+                raise ValueError(
+                    f"journal {spec.name}: fragment.stores[{at}]: fragment store "
+                    f"{validate.quote(url)} is not canonical (write {validate.quote(canonical)})"
+                )
+            path = fragment_path(spec.name, url)
+            for name, other_url, other in out:
+                if name != spec.name and overlap(path, other):
+                    raise PathError(
+                        f"journal {spec.name}: its fragment path {validate.quote(path.key)} in "
+                        f"{url} meets journal {name}'s {validate.quote(other.key)} in {other_url}: "
+                        "no journal's fragments may be another's"
+                    )
+            out.append((spec.name, url, path))
+    return out
 
 
 def _counted(operation: str, handler: Any) -> Any:

@@ -89,7 +89,19 @@ def new_decoder(
 
 
 def broker_decoder(root: str) -> Callable[[str, bytes], object]:
-    return new_decoder(root, pb.JournalSpec, pb.BrokerSpec, pb.Route)
+    from broker.fragment.stores.paths import canonical_spec_stores
+
+    decode = new_decoder(root, pb.JournalSpec, pb.BrokerSpec, pb.Route)
+
+    def canonical(key: str, raw: bytes) -> object:
+        # Specs that reached etcd other than through our Apply (older brokers, hand-written)
+        # may spell a store many ways: brokers use its one canonical spelling.
+        out = decode(key, raw)
+        if isinstance(out, Item) and isinstance(out.spec, pb.JournalSpec):
+            canonical_spec_stores(out.spec)
+        return out
+
+    return canonical
 
 
 class _DecodedKV(Protocol):

@@ -26,7 +26,8 @@ from broker.fragment.fragments import content_name, content_path
 from broker.fragment.index import Index
 from broker.fragment.postfix import PostfixTemplate, compile_template, validate_template
 from broker.fragment.spool import CompletedFragment
-from broker.fragment.stores import FragmentStore, check_store_url, open_store
+from broker.fragment.stores import FragmentStore, StoreError, check_store_url, open_store
+from broker.fragment.stores.paths import PathIndexCache, StoreGuard
 from broker.protocol import protocol_pb2 as pb
 from plumbing import metrics
 from plumbing.backoff import Backoff
@@ -122,6 +123,15 @@ class Persister:
         self._stopping = asyncio.Event()
         self.persisted = 0  # Fragments this broker wrote to a store.
         self.bytes_persisted = 0
+        # Every journal's fragment path (set by the journal service): each journal's fragments
+        # are listed and persisted only within its own. None: no such check (tools, tests).
+        self.paths: PathIndexCache | None = None
+
+    def guards(self, journal: str, spec: pb.JournalSpec) -> list[StoreGuard | None]:
+        """The guard of each of `spec`'s stores, or None each without `paths` (on the loop)."""
+        if self.paths is None:
+            return [None] * len(spec.fragment.stores)
+        return list(self.paths.guards(journal, spec))
 
     def store(self, url: str) -> FragmentStore:
         return open_store(url, file_root=self.file_root)
@@ -152,8 +162,9 @@ class Persister:
                 if spec is None or not spec.fragment.stores:
                     return  # No stores: the journal works, but never persists (as upstream).
                 try:
+                    guard = self.guards(completed.fragment.journal, spec)[0]
                     fragment = await asyncio.get_running_loop().run_in_executor(
-                        _PERSISTERS, self._persist_blocking, spec, completed
+                        _PERSISTERS, self._persist_blocking, spec, completed, guard
                     )
                 except Exception as exc:
                     if self._stopping.is_set():
@@ -181,7 +192,9 @@ class Persister:
         finally:
             completed.close()
 
-    def _persist_blocking(self, spec: pb.JournalSpec, completed: CompletedFragment) -> pb.Fragment:
+    def _persist_blocking(
+        self, spec: pb.JournalSpec, completed: CompletedFragment, guard: StoreGuard | None = None
+    ) -> pb.Fragment:
         fragment = completed.fragment
         url = spec.fragment.stores[0]
         store = self.store(url)
@@ -192,6 +205,8 @@ class Persister:
             registers=completed.registers,
         )
         path = content_path(fragment.journal, postfix, content_name(fragment))
+        if guard is not None and (problem := guard.key_problem(store.key(path))):
+            raise StoreError(problem)  # Never written where another journal's fragments are.
         with _store_operation(url, "exists"):
             exists = store.exists(path)
         if not exists:
@@ -216,12 +231,22 @@ class Persister:
 
     # ---- listing ------------------------------------------------------------------------------
 
-    def list_blocking(self, journal: str, spec: pb.JournalSpec) -> list[pb.Fragment]:
-        """Every fragment of `journal` in every store of its spec (blocking)."""
+    def list_blocking(
+        self,
+        journal: str,
+        spec: pb.JournalSpec,
+        guards: list[StoreGuard | None] | None = None,
+    ) -> list[pb.Fragment]:
+        """Every fragment of `journal` in every store of its spec (blocking). With `guards`
+        (`self.guards`), a store whose path is not the journal's own fails the listing, and
+        objects under other journals' paths nested in its own are left out."""
         out: list[pb.Fragment] = []
-        for url in spec.fragment.stores:
+        for url, guard in zip(spec.fragment.stores, guards or [None] * len(spec.fragment.stores), strict=True):  # fmt: skip
+            if guard is not None and guard.error:
+                raise StoreError(guard.error)
             with _store_operation(url, "list"):
-                out.extend(self.store(url).list_fragments(journal))
+                excluded = guard.excluded if guard is not None else ()
+                out.extend(self.store(url).list_fragments(journal, excluded=excluded))
         return out
 
     async def refresh_loop(self, replica: JournalReplica) -> None:
@@ -246,7 +271,11 @@ class Persister:
                     listed = await self._first_listing(replica, spec)
                 else:
                     listed = await loop.run_in_executor(
-                        _LISTERS, self.list_blocking, replica.journal, spec
+                        _LISTERS,
+                        self.list_blocking,
+                        replica.journal,
+                        spec,
+                        self.guards(replica.journal, spec),
                     )
             except Exception as exc:
                 delay = min(backoff.next_delay(), interval)
@@ -285,7 +314,10 @@ class Persister:
                             "listing again beside it", replica.journal, now - min(calls.values()),
                         )  # fmt: skip
                     spec = replica.spec or spec
-                    call = loop.run_in_executor(_LISTERS, self.list_blocking, replica.journal, spec)
+                    guards = self.guards(replica.journal, spec)
+                    call = loop.run_in_executor(
+                        _LISTERS, self.list_blocking, replica.journal, spec, guards
+                    )
                     calls[call] = now
                 await first_of(*calls, timeout=FIRST_LISTING_PATIENCE)
                 error: BaseException | None = None

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -45,6 +45,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK_PATH = ".test/health-check"
+# Where a health check asked with a selector puts its probes: under the fragment path of a journal
+# the caller sees, in a directory no postfix or journal name can spell ('~' is outside their
+# alphabet), which listings of the journal skip.
+JOURNAL_HEALTH_DIR = ".gazette~health"
 HEALTH_CHECK_CONTENT = b"health-check\n"
 DELETE_PROBE_NAME = ".gazette-delete-probe"
 # Temporary files of in-progress file:// puts (upstream's naming too); listings skip them.
@@ -476,14 +480,23 @@ class FragmentStore(ABC):
         with self._errors("list", key):
             yield from rest
 
-    def list_fragments(self, journal: str) -> builtins.list[pb.Fragment]:
+    def list_fragments(
+        self, journal: str, *, excluded: Sequence[str] = ()
+    ) -> builtins.list[pb.Fragment]:
         """Fragments of `journal` in this store, ordered on (begin, end, path_postfix).
 
         Each has backing_store = this store's URL, mod_time in unix seconds, and the path_postfix
-        it is stored under. Objects whose names are not fragments' are logged and skipped.
+        it is stored under. Objects whose names are not fragments' are logged and skipped; so,
+        silently, are health-check probes under the journal's path, and objects whose keys begin
+        with one of `excluded` (other journals' paths nested in this one's).
         """
         found: builtins.list[pb.Fragment] = []
+        listed = self.key(journal + "/")
         for obj in self.list(journal + "/"):
+            if obj.path.startswith(JOURNAL_HEALTH_DIR + "/") or (
+                excluded and (listed + obj.path).startswith(tuple(excluded))
+            ):
+                continue
             try:
                 fragment = parse_relative_path(journal, obj.path)
             except ValidationError as err:
@@ -514,10 +527,13 @@ class FragmentStore(ABC):
         with self._errors("remove", key):
             self._remove(key)
 
-    def health_check(self, check_delete_prefix: str | None = None) -> None:
+    def health_check(
+        self, check_delete_prefix: str | None = None, *, probe_dir: str = ".test/"
+    ) -> None:
         """Check the operations brokers rely on, as upstream: put `.test/health-check`, get and
         compare it, list `.test/`, sign a GET URL and fetch it (when http or https). With
         `check_delete_prefix`, also put and remove a probe object under that prefix.
+        `probe_dir` (journal-relative, ending in '/') puts the probe elsewhere than `.test/`.
         Raises StoreError (one line) naming the failed step."""
         from broker.fragment.stores.urls import read_url
 
@@ -528,14 +544,15 @@ class FragmentStore(ABC):
             )
 
         content = HEALTH_CHECK_CONTENT
+        probe = probe_dir + HEALTH_CHECK_PATH.rpartition("/")[2]
         # put() returns False when an earlier check left the object; the request still had to
         # pass authorization to be refused on its precondition, so write access is checked.
         try:
-            self.put(HEALTH_CHECK_PATH, io.BytesIO(content), len(content))
+            self.put(probe, io.BytesIO(content), len(content))
         except StoreError as err:
             raise failed("PUT", err) from None
         try:
-            got = self.get(HEALTH_CHECK_PATH)
+            got = self.get(probe)
         except StoreError as err:
             raise failed("GET", err) from None
         if got != content:
@@ -543,13 +560,13 @@ class FragmentStore(ABC):
                 f"health check of {self.url} failed at GET: content {got[:40]!r} is not {content!r}"
             )
         try:
-            listed = [obj.path for obj in self.list(".test/")]
+            listed = [obj.path for obj in self.list(probe_dir)]
         except StoreError as err:
             raise failed("LIST", err) from None
         if "health-check" not in listed:
             raise StoreError(f"health check of {self.url} failed at LIST: health-check not found")
         try:
-            signed = self.sign_get(HEALTH_CHECK_PATH, timedelta(minutes=5))
+            signed = self.sign_get(probe, timedelta(minutes=5))
         except StoreError as err:
             raise failed("SignGet", err) from None
         if signed.startswith(("http://", "https://")):
