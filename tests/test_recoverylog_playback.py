@@ -11,7 +11,7 @@ import os
 import shutil
 import threading
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -687,3 +687,10 @@ async def test_rooted_paths_and_property_contents_stay_inside_the_directory(
     assert (target / rooted.lstrip("/")).read_bytes() == b"inner"
     assert not (target / "LINK").is_symlink()
     assert (target / "LINK").read_text() == str(outside / "victim")
+    # Private to the consumer's user, as fragments are: a shard's files are its tenant's.
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [target, *target.rglob("*")]}
+    assert modes == {
+        **{name: "0o700" for name in ["played", *PurePosixPath(rooted).parent.parts[1:]]},
+        "victim": "0o600",
+        "LINK": "0o600",
+    }, modes

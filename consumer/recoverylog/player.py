@@ -318,7 +318,8 @@ class _StagedFiles:
 
     def _reset(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
-        (self.directory / FNODE_STAGING).mkdir(parents=True)
+        self.directory.mkdir(0o700, parents=True, exist_ok=True)
+        (self.directory / FNODE_STAGING).mkdir(0o700)
 
     def _apply(self, batch: list[tuple[int, int, int, bytes]]) -> None:
         files = self._files
