@@ -343,13 +343,15 @@ async def test_escape_a_legitimate_recorded_store_still_plays_back_on_another_co
     second = await cluster.group.start(RecordedApp(), local_dir=str(tmp_path / "consumer-1"))
     await cluster.group.stop(first)  # Hands the shard to the second, which plays the log.
     await cluster.until_status("s-kept", cpb.ReplicaStatus.PRIMARY, second.config.id)
-    replica = second.replicas["s-kept"]
-    assert replica.store is not None
+    from consumer.store_sqlite import SQLiteStore
+
+    store = second.replicas["s-kept"].store
+    assert isinstance(store, SQLiteStore)
 
     def rows(db: Any) -> list[str]:
         return [row[0] for row in db.execute("SELECT k FROM kept ORDER BY k")]
 
-    assert await replica.store.run(rows) == [f"k{i}" for i in range(5)]
+    assert await store.run(rows) == [f"k{i}" for i in range(5)]
     assert (tmp_path / "consumer-1" / "s-kept").is_dir()
     cluster.nothing_outside()
 
