@@ -206,7 +206,10 @@ SPELLINGS = [
     ("file:///tenant-y/.//./", "file:///tenant-y/"),
     ("file:///tenant-y/?", "file:///tenant-y/"),
     ("file:///?find=team-x/&replace=tenant-y/", "file:///?find=team-x%2F&replace=tenant-y%2F"),
-    ("file:///?replace=tenant-y%2F&find=team-x%2F", "file:///?find=team-x%2F&replace=tenant-y%2F"),
+    (
+        "file:///?find=zz&find=team-x%2F&replace=tenant-y%2F",
+        "file:///?find=team-x%2F&replace=tenant-y%2F",
+    ),
     ("file:///?FIND=team-x%2F&Replace=tenant-y%2F", "file:///?find=team-x%2F&replace=tenant-y%2F"),
     ("file:///tenant-y/?find=", "file:///tenant-y/"),
 ]

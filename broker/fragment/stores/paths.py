@@ -30,7 +30,12 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote, quote_plus, unquote, unquote_to_bytes, urlsplit
 
-from broker.fragment.stores.base import JOURNAL_HEALTH_DIR, StoreURLError, parse_store_url
+from broker.fragment.stores.base import (
+    JOURNAL_HEALTH_DIR,
+    StoreURLError,
+    _parse_query,
+    parse_store_url,
+)
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import quote as show
 
@@ -65,8 +70,10 @@ def canonical_store_url(url: str) -> str:
     """The one spelling of fragment store `url`: scheme lowercased; no user info, fragment or
     empty query; the bucket with its escapes decoded; the path with its escapes decoded and '.',
     '..' and empty segments resolved, each segment escaped once (RFC 3986), ending in exactly one
-    '/'; query arguments under their canonical names, empty ones dropped, sorted, each value
-    escaped as Go's url.QueryEscape does (upstream's url.Values.Encode).
+    '/'; query arguments under their canonical names, once each (the last value, as upstream),
+    empty ones dropped, each value escaped as Go's url.QueryEscape does. Arguments stay in the
+    order written: their order changes nothing a store does (and upstream's own examples put
+    `profile` before `endpoint`), while every other difference could name another location.
 
     Raises StoreURLError (one line naming the URL) for an unusable URL, a path that climbs above
     the store's root with '..', or one whose escapes decode to something no key can hold.
@@ -97,7 +104,10 @@ def canonical_store_url(url: str) -> str:
             continue
         segments.append(segment)
     canonical_path = "/" + "".join(quote(s, safe=_SEGMENT_SAFE) + "/" for s in segments)
-    query = "&".join(f"{name}={quote_plus(value, safe='')}" for name, value in parsed.args if value)
+    args = _parse_query(parts.query, parsed.scheme, url)  # In the order written: see above.
+    query = "&".join(
+        f"{name}={quote_plus(value, safe='')}" for name, value in args.items() if value
+    )
     return f"{parsed.scheme}://{host}{canonical_path}" + (f"?{query}" if query else "")
 
 
