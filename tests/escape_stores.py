@@ -32,6 +32,7 @@ __all__ = [
     "stores_broker",
     "test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal",
     "test_a_journal_cannot_name_another_journals_fragments",
+    "test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_fragments",
     "test_non_canonical_store_spellings_are_refused_naming_the_canonical_form",
     "test_path_postfix_templates_cannot_climb_out_of_their_journal",
 ]
@@ -291,3 +292,23 @@ async def test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal
     # The probes are not fragments of `mine`: its reads find nothing.
     assert await read_routed(stores_broker.stub, "mine", x) == (pb.OFFSET_NOT_YET_AVAILABLE, b"")
     await victim_unharmed(stores_broker, stores_broker.files())
+
+
+async def test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_fragments(
+    stores_broker: Cluster, etcd: object, etcd_prefix: str
+) -> None:
+    """Defence in depth, for specs that reached etcd other than through Apply (etcd is the root
+    of trust; an older broker's Apply): the younger of two journals sharing a path is neither
+    listed nor persisted there, whatever its store's spelling."""
+    alias = journal_spec("secret", "x", "file:///./tenant-y/")
+    await etcd.put(f"{etcd_prefix}/items/secret".encode(), alias.SerializeToString())  # type: ignore[attr-defined]
+    x = md(auth.ALL, team("x"))
+    status, content = await read_routed(stores_broker.stub, "secret", x)
+    assert SECRET not in content and FIRST not in content, (status, content)
+    # Brokers use the canonical spelling of what they read.
+    sel = pb.LabelSelector()
+    sel.include.labels.add(name="name", value="secret")
+    listed = [j async for r in stores_broker.stub.List(pb.ListRequest(selector=sel), metadata=admin()) for j in r.journals]  # fmt: skip
+    assert [list(j.spec.fragment.stores) for j in listed] == [["file:///tenant-y/"]]
+    before = stores_broker.files()
+    await victim_unharmed(stores_broker, before)
