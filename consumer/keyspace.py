@@ -1,7 +1,8 @@
 """The shard keyspace in etcd, laid out as upstream's (the allocator's layout, with consumer
 values): `{root}/items/{shard id}` a ShardSpec, `{root}/members/{zone}#{suffix}` a ConsumerSpec
 under the process's lease, `{root}/assign/{shard id}#{zone}#{suffix}#{slot}` a ReplicaStatus
-(IDLE is empty bytes; slot 0 is the primary). Values are validated as they are decoded, and a
+(IDLE is empty bytes; slot 0 is the primary), and `{root}/hints/...` the shards' hints (mirrored
+as the bare `HINT` marker: they are read from etcd where needed). Values are validated as they are decoded, and a
 spec whose own id (or process id) differs from its key's is refused, as upstream's decoder does:
 the key is the source of truth, and the two must never diverge.
 
@@ -22,19 +23,26 @@ from consumer.protocol import (
     DEFAULT_MAX_HOT_STANDBYS,
     cpb,
     desired_replication,
+    hint_root,
     validate_consumer_spec,
     validate_replica_status,
     validate_shard_spec,
 )
 
-__all__ = ["consumer_decoder", "consumer_rules", "replica_status", "shard_is_consistent"]
+__all__ = ["HINT", "consumer_decoder", "consumer_rules", "replica_status", "shard_is_consistent"]
+
+# What a hint key under the consumer's root decodes to: nothing in the mirror reads hints.
+HINT = "hint"
 
 
 def consumer_decoder(root: str) -> Callable[[str, bytes], object]:
     """A keyspace value decoder for the shard layout under `root` (see the module's doc)."""
     inner = aks.new_decoder(root, cpb.ShardSpec, cpb.ConsumerSpec, cpb.ReplicaStatus)
+    hints = hint_root(root) + "/"
 
     def decode(key: str, raw: bytes) -> object:
+        if key.startswith(hints):
+            return HINT  # Not "outside the layout": the shards' own hint keys.
         decoded = inner(key, raw)
         if isinstance(decoded, Item):
             spec = decoded.spec

@@ -1,7 +1,7 @@
 """The consumer protocol: upstream's `consumer` messages (ShardSpec, ConsumerSpec, ReplicaStatus,
 Checkpoint, the Shard service), generated from `broker/protocol/consumer.proto`, and the rules
 about them that upstream keeps beside its messages: validation, a shard's desired replication, its
-recovery log and hint keys, how replica statuses reduce, and the union, intersection and
+recovery log, hint root and hint keys, how replica statuses reduce, and the union, intersection and
 subtraction of specs that shardspace YAML hoists and pushes down with.
 
 Validation errors are `broker.protocol.validate.ValidationError`s naming the field's path
@@ -33,10 +33,12 @@ __all__ = [
     "DEFAULT_MAX_HOT_STANDBYS",
     "ERROR_TEXT_LIMIT",
     "ID_LABEL",
+    "MAX_HINT_BACKUPS",
     "cpb",
     "desired_replication",
     "hint_backup_keys",
     "hint_primary_key",
+    "hint_root",
     "intersect_shard_specs",
     "recovery_log",
     "reduce_status",
@@ -57,6 +59,10 @@ _TRUNCATED = " ...[truncated]"
 # broker.protocol.labels.shard_meta_labels; a spec may not carry it itself.
 ID_LABEL = broker_labels.META_ID
 
+# A shard keeps at most this many backups of its hints: each is an etcd key read at every
+# recovery and written at every hand-off, so an unbounded count is work (and keys) on demand.
+MAX_HINT_BACKUPS = 16
+
 _CODES = frozenset(cpb.ReplicaStatus.Code.values())
 
 
@@ -68,6 +74,13 @@ def recovery_log(spec: cpb.ShardSpec) -> str:
     if not spec.recovery_log_prefix:
         return ""
     return f"{spec.recovery_log_prefix}/{spec.id}"
+
+
+def hint_root(consumer_root: str) -> str:
+    """The hint prefix of every shard of the consumers under the etcd prefix `consumer_root`:
+    the application's own subtree, so that one shard's hint keys are never another's (ids may
+    hold '/': prefix /h/a with id b would be prefix /h with id a/b) nor anything else's."""
+    return f"{consumer_root}/hints"
 
 
 def hint_primary_key(spec: cpb.ShardSpec) -> str:
@@ -95,8 +108,12 @@ def _is_absolute_clean_path(path: str) -> bool:
     return path.startswith("/") and clean_path(path) == path
 
 
-def validate_shard_spec(spec: cpb.ShardSpec, *, field: str = "") -> None:
-    """Upstream's rules for a ShardSpec, in upstream's order; the first broken one raises."""
+def validate_shard_spec(
+    spec: cpb.ShardSpec, *, field: str = "", hint_prefix_optional: bool = False
+) -> None:
+    """Upstream's rules for a ShardSpec, in upstream's order; the first broken one raises.
+    `hint_prefix_optional`: a spec to be applied, whose empty hint prefix Apply fills in with
+    the consumer's hint root (a stored spec always names its own)."""
     validate_shard_id(spec.id, field=at_field(field, "id"))
     if spec.recovery_log_prefix:
         try:
@@ -112,12 +129,14 @@ def validate_shard_spec(spec: cpb.ShardSpec, *, field: str = "") -> None:
             f"{show(spec.hint_prefix)} is set, but recovery_log_prefix is empty "
             "(hints are kept only for shards with a recovery log)",
         )
-    if spec.recovery_log_prefix and not _is_absolute_clean_path(spec.hint_prefix):
+    filled_in = hint_prefix_optional and not spec.hint_prefix
+    if spec.recovery_log_prefix and not filled_in and not _is_absolute_clean_path(spec.hint_prefix):
         raise ValidationError(
             at_field(field, "hint_prefix"),
             spec.hint_prefix,
             f"{show(spec.hint_prefix)} is not an absolute, clean path "
-            "(a shard with a recovery log needs one, such as /gazette/hints)",
+            "(a shard with a recovery log needs one: leave it empty for the consumer's own, "
+            "<its etcd prefix>/hints)",
         )
     if spec.hint_backups < 0:
         raise ValidationError(

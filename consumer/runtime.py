@@ -53,9 +53,11 @@ from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, trunc
 from consumer.recovery import HINTS_INTERVAL, Playback, fetch_hints, rotate_hints, store_hints
 from consumer.shard_api import (
     HintsError,
+    JournalsUnavailable,
     NotAuthorized,
     ShardState,
     apply_shards,
+    broker_journals,
     get_hints,
     in_route_order,
     list_shards,
@@ -192,7 +194,10 @@ class Consumer:
             config.peer_tls, auth.authorizer_of(config.auth_keys, flag="--consumer.auth-keys")
         )
         self.ks = KeySpace(self.root, consumer_decoder(self.root), apply_delay=config.watch_delay)
-        self.state = ShardState(self.etcd, self.ks, self.root, self.process_id)
+        # A restricted caller's Apply names journals the brokers must show are its own: asked
+        # with this process's own broker credentials.
+        journals = broker_journals(config.broker_address, config.broker_credentials)
+        self.state = ShardState(self.etcd, self.ks, self.root, self.process_id, journals)
         self.router = Router(config.broker_address, dialer=Dialer(config.broker_credentials))
         self.server: grpc.aio.Server | None = None
         self.http: HTTPServers | None = None
@@ -843,6 +848,8 @@ class _ShardServicer(cpb_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except HintsError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except JournalsUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PrimaryUnreachable as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

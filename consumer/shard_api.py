@@ -8,18 +8,27 @@ backup hints read from etcd, each validated and naming the shard's recovery log)
 Stat needs the running shards, and lives with the consumer runtime. Each function takes a
 `ShardState` (what it reads and writes) and raises `ValidationError` for a malformed request,
 which the servicer answers INVALID_ARGUMENT.
+
+Stricter than upstream, for every caller: an upserted shard's hints live under the consumer's
+hint root (`<etcd prefix>/hints`, filled in when `hint_prefix` is empty), or where the spec it
+replaces already kept them; at most MAX_HINT_BACKUPS backups; `primary_hints` only for a shard
+with a recovery log, and for that log. For a restricted caller, the shard's recovery log, its
+sources and the logs its `primary_hints` name must be journals its claims select, as the
+brokers list them to the consumer (an absent one is refused as a hidden one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aetcd
+import grpc
 from aetcd import transactions
 
 from broker.allocator import keyspace as aks
+from broker.client.journals import BrokerUnavailable, JournalsClient
 from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
@@ -27,25 +36,34 @@ from broker.protocol import recorded_op_pb2 as rpb
 from broker.protocol.validate import (
     ValidationError,
     at_field,
+    show,
     validate_label_selector,
     validate_shard_id,
 )
 from consumer.keyspace import replica_status
 from consumer.protocol import (
+    MAX_HINT_BACKUPS,
     cpb,
     hint_backup_keys,
     hint_primary_key,
+    hint_root,
     recovery_log,
     validate_shard_spec,
 )
 from consumer.recoverylog.hints import decode_hints, encode_hints, validate_hints
 from plumbing import auth
 from plumbing import etcd as etcdx
+from plumbing.credentials import Credentials
 
 __all__ = [
     "HintsError",
+    "JournalLookup",
+    "JournalNotAuthorized",
+    "JournalsUnavailable",
+    "NotAuthorized",
     "ShardState",
     "apply_shards",
+    "broker_journals",
     "get_hints",
     "in_route_order",
     "list_shards",
@@ -59,15 +77,60 @@ class HintsError(Exception):
     """Stored hints that cannot be used (undecodable, invalid, or for another log)."""
 
 
+class JournalsUnavailable(Exception):
+    """The brokers could not say which journals exist: answered UNAVAILABLE (an Apply that
+    needs to know is refused, never accepted)."""
+
+
+# The specs of the named journals that exist, as the brokers list them to this consumer (with
+# its own credentials); raises JournalsUnavailable when they cannot be asked.
+JournalLookup = Callable[[Sequence[str]], Awaitable[dict[str, pb.JournalSpec]]]
+
+# How long an Apply waits for the brokers to list the journals it names.
+LOOKUP_TIMEOUT = 10.0
+
+
+def broker_journals(address: str, credentials: Credentials | None = None) -> JournalLookup:
+    """A JournalLookup through the broker at `address`: a List of each name (the brokers answer
+    one name from their index)."""
+
+    async def lookup(names: Sequence[str]) -> dict[str, pb.JournalSpec]:
+        found: dict[str, pb.JournalSpec] = {}
+        try:
+            async with JournalsClient(
+                address, timeout=LOOKUP_TIMEOUT, credentials=credentials
+            ) as client:
+                for name in names:
+                    selector = labels.selector(labels.label_set((labels.META_NAME, name)))
+                    snapshot = await client.list(selector)
+                    found.update((j.spec.name, j.spec) for j in snapshot.journals)
+        except (BrokerUnavailable, grpc.aio.AioRpcError, RuntimeError, ValueError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            first = (detail or type(exc).__name__).splitlines()[0]
+            raise JournalsUnavailable(
+                f"cannot ask the brokers which journals this shard names ({first}): try again"
+            ) from None
+        return {name: found[name] for name in names if name in found}
+
+    return lookup
+
+
 @dataclass(frozen=True)
 class ShardState:
     """What the keyspace RPCs use: etcd, the mirror of the consumer's keyspace under `root`,
-    and this process's id for response headers."""
+    this process's id for response headers, and how to look journals up at the brokers
+    (needed to apply shards for a restricted caller; without it such an Apply is refused
+    UNAVAILABLE)."""
 
     etcd: aetcd.Client
     ks: KeySpace
     root: str
     process_id: pb.ProcessSpec.ID
+    journals: JournalLookup | None = None
+
+    @property
+    def hint_root(self) -> str:
+        return hint_root(self.root)
 
     def unrouted_header(self) -> pb.Header:
         h = self.ks.header
@@ -118,6 +181,18 @@ class NotAuthorized(Exception):
         super().__init__(f"not authorized to {shard_id}")
 
 
+class JournalNotAuthorized(NotAuthorized):
+    """A shard naming a journal its restricted caller's claims do not select, or one that does
+    not exist: the same refusal for both, so that it reveals nothing."""
+
+    def __init__(self, shard_id: str, journal: str) -> None:
+        Exception.__init__(
+            self,
+            f"shard {shard_id}: journal {journal} is not one this token may read; create it "
+            "first, labelled so the token selects it",
+        )
+
+
 def _authorize_id(claims: auth.Claims, shard_id: str) -> None:
     """Deletes and unassignments are authorized on the shard's `id` alone (as upstream)."""
     if not claims.sees_labels(labels.label_set((labels.META_ID, shard_id))):
@@ -164,7 +239,9 @@ def validate_apply_request(request: cpb.ApplyRequest) -> None:
     """Upstream's rules for each change: exactly one of upsert and delete; an upsert's spec valid,
     its revision >= 0 or -1, its hints valid; a delete's id valid, its revision > 0 or -1, and no
     hints. A shard changed twice in one request is refused too (etcd would refuse the
-    transaction)."""
+    transaction). Ours too: an upsert's `hint_prefix` may be left empty (Apply fills it in),
+    it keeps at most MAX_HINT_BACKUPS backups, and its `primary_hints` need a recovery log and
+    must be for it (they are written to the shard's hint key, and name the log it plays)."""
     seen: dict[str, int] = {}
     for index, change in enumerate(request.changes):
         here = f"changes[{index}]"
@@ -175,7 +252,15 @@ def validate_apply_request(request: cpb.ApplyRequest) -> None:
             raise ValidationError(here, "", "neither upsert nor delete is set (expected one)")
         revision = change.expect_mod_revision
         if upsert:
-            validate_shard_spec(change.upsert, field=at_field(here, "upsert"))
+            spec = change.upsert
+            validate_shard_spec(spec, field=at_field(here, "upsert"), hint_prefix_optional=True)
+            if spec.hint_backups > MAX_HINT_BACKUPS:
+                raise ValidationError(
+                    at_field(here, "upsert.hint_backups"),
+                    spec.hint_backups,
+                    f"{spec.hint_backups} is more than {MAX_HINT_BACKUPS} (a shard keeps at most "
+                    f"{MAX_HINT_BACKUPS} backups of its hints)",
+                )
             if revision < -1:
                 raise ValidationError(
                     at_field(here, "expect_mod_revision"),
@@ -183,8 +268,8 @@ def validate_apply_request(request: cpb.ApplyRequest) -> None:
                     f"{revision} is invalid (expected >= 0, or -1 for no check)",
                 )
             if change.HasField("primary_hints"):
-                validate_hints(change.primary_hints, field=at_field(here, "primary_hints"))
-            shard_id = change.upsert.id
+                _validate_primary_hints(change.primary_hints, spec, at_field(here, "primary_hints"))
+            shard_id = spec.id
         else:
             validate_shard_id(change.delete, field=at_field(here, "delete"))
             if revision <= 0 and revision != -1:
@@ -206,13 +291,129 @@ def validate_apply_request(request: cpb.ApplyRequest) -> None:
         seen[shard_id] = index
 
 
+def _validate_primary_hints(hints: rpb.FSMHints, spec: cpb.ShardSpec, field: str) -> None:
+    log = recovery_log(spec)
+    if not log:
+        # Without a recovery log a shard has no hint prefix: its hint key would be `/<id>.primary`,
+        # wherever in etcd the id spells.
+        raise ValidationError(
+            field, "", f"shard {spec.id} has no recovery log, so it keeps no hints (leave them out)"
+        )
+    validate_hints(hints, field=field)
+    if hints.log != log:
+        raise ValidationError(
+            at_field(field, "log"),
+            hints.log,
+            f"names {hints.log or show(hints.log)}, not the shard's recovery log {log}",
+        )
+
+
+def _with_hint_root(request: cpb.ApplyRequest, root: str) -> cpb.ApplyRequest:
+    """`request` with each upsert that has a recovery log and no hint prefix given the hint
+    root (a copy: the caller's request is left as it is). Stored specs name it explicitly, so
+    that they read the same to upstream's tools."""
+    if not any(
+        c.HasField("upsert") and c.upsert.recovery_log_prefix and not c.upsert.hint_prefix
+        for c in request.changes
+    ):
+        return request
+    out = cpb.ApplyRequest()
+    out.CopyFrom(request)
+    for change in out.changes:
+        spec = change.upsert
+        if change.HasField("upsert") and spec.recovery_log_prefix and not spec.hint_prefix:
+            spec.hint_prefix = root
+    return out
+
+
+def _named_journals(change: cpb.ApplyRequest.Change) -> list[str]:
+    """The journals an upsert makes its shard read or write with the consumer's credentials:
+    its recovery log, its sources (without a `;meta` suffix), and the logs its hints name."""
+    spec = change.upsert
+    names = [source.journal.partition(";")[0] for source in spec.sources]
+    if spec.recovery_log_prefix:
+        names.append(recovery_log(spec))
+    if change.HasField("primary_hints"):
+        names.extend(
+            segment.log
+            for node in change.primary_hints.live_nodes
+            for segment in node.segments
+            if segment.log
+        )
+    return list(dict.fromkeys(names))
+
+
+async def _authorize_journals(
+    state: ShardState, request: cpb.ApplyRequest, claims: auth.Claims
+) -> None:
+    """Every journal the upserts name exists and is selected by the caller's claims, as the
+    brokers list it to this consumer. An absent journal is refused as a hidden one."""
+    wanted = [
+        (change.upsert.id, name)
+        for change in request.changes
+        if change.HasField("upsert")
+        for name in _named_journals(change)
+    ]
+    if not wanted:
+        return
+    if state.journals is None:
+        raise JournalsUnavailable("this consumer cannot ask the brokers which journals exist")
+    found = await state.journals(list(dict.fromkeys(name for _, name in wanted)))
+    for shard_id, name in wanted:
+        journal = found.get(name)
+        if journal is None or not claims.sees_journal(journal):
+            raise JournalNotAuthorized(shard_id, name)
+
+
+def _check_hint_prefixes(
+    state: ShardState, request: cpb.ApplyRequest, claims: auth.Claims, expected: list[int]
+) -> dict[int, str]:
+    """Each upsert keeps its hints under the hint root, or unchanged where the spec it replaces
+    kept them (chosen by whoever created it). Returns those kept so, by change index, with
+    `expected` pinned to the replaced spec's revision where the request did not name one: the
+    transaction then replaces only the spec that was checked."""
+    root = state.hint_root
+    kept: dict[int, str] = {}
+    for index, change in enumerate(request.changes):
+        if not change.HasField("upsert"):
+            continue
+        spec = change.upsert
+        stored = state.spec_of(spec.id)
+        if stored is not None and not auth.sees_shard(claims, stored[0]):
+            # Refused as any unauthorized change, before the hint rule could tell it apart.
+            raise NotAuthorized(spec.id)
+        if not spec.hint_prefix or spec.hint_prefix == root:
+            continue
+        revision = change.expect_mod_revision
+        if stored is None or stored[0].hint_prefix != spec.hint_prefix or revision == 0:
+            raise _not_the_hint_root(index, spec.hint_prefix, root)
+        kept[index] = spec.hint_prefix
+        if revision == -1:
+            # A replacement with no revision check would create the shard anew if it were
+            # deleted meanwhile (etcd has no "exists" compare): pinned to the spec checked, it
+            # fails as a conflict instead (also when the mirror lags, which is rare).
+            expected[index] = stored[1].mod_revision
+    return kept
+
+
+def _not_the_hint_root(index: int, prefix: str, root: str) -> ValidationError:
+    return ValidationError(
+        f"changes[{index}].upsert.hint_prefix",
+        prefix,
+        f"{show(prefix)} is not this consumer's hint root: use {root} (or leave it empty); "
+        "another prefix is kept only unchanged from the spec it replaces",
+    )
+
+
 async def apply_shards(
     state: ShardState, request: cpb.ApplyRequest, claims: auth.Claims = auth.UNRESTRICTED
 ) -> cpb.ApplyResponse:
     """All the changes in one etcd transaction, or none (ETCD_TRANSACTION_FAILED). Upserts
     are authorized on the shard's labels and `id`, deletes on its `id`, and both on the labels
     of the spec they replace: one change the caller may not make refuses them all
-    (NotAuthorized), whatever its expected revision."""
+    (NotAuthorized), whatever its expected revision. Hint prefixes are checked for every
+    caller, and the journals the upserts name for a restricted one (see the module's doc)."""
+    request = _with_hint_root(request, state.hint_root)
     validate_apply_request(request)
     for change in request.changes:
         if change.HasField("upsert"):
@@ -220,6 +421,10 @@ async def apply_shards(
                 raise NotAuthorized(change.upsert.id)
         else:
             _authorize_id(claims, change.delete)
+    expected = [change.expect_mod_revision for change in request.changes]
+    kept = _check_hint_prefixes(state, request, claims, expected)
+    if not claims.unrestricted:
+        await _authorize_journals(state, request, claims)
     keys: list[bytes] = []
     ids: list[str] = []
     ops: list[Any] = []
@@ -237,13 +442,15 @@ async def apply_shards(
             ops.append(transactions.Delete(key))
 
     def check_replaced(index: int, value: bytes) -> None:
+        replaced = cpb.ShardSpec.FromString(value)
         # A shard the caller cannot see is neither replaced nor deleted by it, and is refused as
         # any unauthorized change, before a revision check could reveal it.
-        if not auth.sees_shard(claims, cpb.ShardSpec.FromString(value)):
+        if not auth.sees_shard(claims, replaced):
             raise NotAuthorized(ids[index])
+        if index in kept and replaced.hint_prefix != kept[index]:
+            raise _not_the_hint_root(index, kept[index], state.hint_root)
 
-    expected = [change.expect_mod_revision for change in request.changes]
-    check = None if claims.unrestricted else check_replaced
+    check = None if claims.unrestricted and not kept else check_replaced
     result = await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
     response = cpb.ApplyResponse(status=cpb.OK, header=state.unrouted_header())
     if not result.succeeded:

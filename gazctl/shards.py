@@ -213,7 +213,7 @@ def decode_entries(origin: str, text: str) -> list[sspec.ShardEntry]:
         if entry.delete:
             continue
         try:
-            validate_shard_spec(entry.spec)
+            validate_shard_spec(entry.spec, hint_prefix_optional=True)  # The consumer fills it in.
         except ValidationError as exc:
             where = f" (line {entry.line})" if entry.line else ""
             raise click.ClickException(f"{origin}: shard {entry.spec.id}{where}: {exc}") from None

@@ -436,7 +436,7 @@ async def test_backup_hints_are_those_reached_at_hand_off_and_rotate_only_once_r
     shard = cpb.ShardSpec(
         id="sum-r", sources=[cpb.ShardSpec.Source(journal=INPUT)],
         recovery_log_prefix=log_name.rsplit("/", 1)[0],
-        hint_prefix=f"/gazette-test-hints/{root.rsplit('/', 1)[1]}",
+        hint_prefix=f"{root}/hints",  # The consumer's hint root.
         hint_backups=2, max_txn_duration=duration_pb2.Duration(nanos=200_000_000),
     )  # fmt: skip
     keys = [hint_primary_key(shard), *hint_backup_keys(shard)]

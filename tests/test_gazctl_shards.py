@@ -320,7 +320,7 @@ async def test_recover_plays_a_shards_log_into_a_directory(
     await channel.close()
     shardspace = (
         "shards:\n- id: sum-r\n  sources:\n  - journal: sums/input\n"
-        "  recovery_log_prefix: recovery/logs\n  hint_prefix: /hints\n  hint_backups: 1\n"
+        "  recovery_log_prefix: recovery/logs\n  hint_backups: 1\n"
         "  max_txn_duration: 1s\n"
     )
     assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
@@ -356,10 +356,10 @@ async def test_a_shard_whose_hints_name_another_log_fails_with_the_reason(
         await routed(client, log, 1)
     wrong = rpb.FSMHints(log="recovery/logs/someone-else")
     async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as etcd:
-        await etcd.put(b"/hints-h/sum-h.primary", encode_hints(wrong))
+        await etcd.put(f"{consumer.root}/hints/sum-h.primary".encode(), encode_hints(wrong))
     shardspace = (
         "shards:\n- id: sum-h\n  sources:\n  - journal: sums/input\n"
-        "  recovery_log_prefix: recovery/logs\n  hint_prefix: /hints-h\n  max_txn_duration: 1s\n"
+        "  recovery_log_prefix: recovery/logs\n  max_txn_duration: 1s\n"
     )
     assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
     async with asyncio.timeout(30):

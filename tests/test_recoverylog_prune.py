@@ -205,7 +205,7 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     async with ShardsClient(consumer.endpoint) as shards:
         spec = cpb.ShardSpec(
             id="shard-p", sources=[cpb.ShardSpec.Source(journal="prune/source")],
-            recovery_log_prefix="recovery/logs", hint_prefix="/hints",
+            recovery_log_prefix="recovery/logs",  # Hints under the consumer's hint root.
         )  # fmt: skip
         spec.max_txn_duration.FromSeconds(1)
         await shards.apply([cpb.ApplyRequest.Change(upsert=spec)])

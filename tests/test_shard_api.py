@@ -16,21 +16,22 @@ from broker.keyspace import KeySpace
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb
-from broker.protocol.validate import ValidationError
+from broker.protocol.validate import ValidationError, quote
 from consumer.keyspace import consumer_decoder
 from consumer.protocol import cpb
 from consumer.recoverylog.hints import encode_hints
 from consumer.shard_api import (
     HintsError,
+    JournalsUnavailable,
     ShardState,
     apply_shards,
     get_hints,
     list_shards,
     unassign_shards,
 )
+from plumbing import auth
 
 PID = pb.ProcessSpec.ID(zone="local", suffix="consumer-a")
-HINTS = "/gazette-test-hints"
 
 
 @pytest.fixture
@@ -45,7 +46,6 @@ async def state(etcd: aetcd.Client, etcd_prefix: str) -> AsyncIterator[ShardStat
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
-        await etcd.delete_prefix(HINTS.encode())  # Hints live outside the consumer's root.
 
 
 def spec(shard_id: str, **fields: object) -> cpb.ShardSpec:
@@ -53,7 +53,6 @@ def spec(shard_id: str, **fields: object) -> cpb.ShardSpec:
         id=shard_id,
         sources=[cpb.ShardSpec.Source(journal=f"input/{shard_id}")],
         recovery_log_prefix="recovery/logs",
-        hint_prefix=HINTS,
         hint_backups=2,
         max_txn_duration=duration_pb2.Duration(seconds=1),
     )
@@ -62,6 +61,14 @@ def spec(shard_id: str, **fields: object) -> cpb.ShardSpec:
             getattr(out, name).CopyFrom(value)
         else:
             setattr(out, name, value)
+    return out
+
+
+def rooted(state: ShardState, s: cpb.ShardSpec) -> cpb.ShardSpec:
+    """`s` as stored: its empty hint prefix filled in with the consumer's hint root."""
+    out = cpb.ShardSpec()
+    out.CopyFrom(s)
+    out.hint_prefix = out.hint_prefix or state.hint_root
     return out
 
 
@@ -89,7 +96,7 @@ async def test_apply_creates_and_list_shows_shards_by_selector(state: ShardState
     assert applied.header.process_id == PID
 
     listed = list_shards(state, cpb.ListRequest())  # Read-your-writes: no wait needed.
-    assert [s.spec for s in listed.shards] == [shard_a, shard_b]
+    assert [s.spec for s in listed.shards] == [rooted(state, shard_a), rooted(state, shard_b)]
     for shard in listed.shards:
         assert shard.mod_revision == shard.create_revision == applied.header.etcd.revision
         assert shard.route.primary == -1 and not shard.status
@@ -100,7 +107,7 @@ async def test_apply_creates_and_list_shows_shards_by_selector(state: ShardState
     )
     assert [s.spec.id for s in list_shards(state, by_label).shards] == ["shard-a"]
 
-    stored = await state.etcd.get(f"{HINTS}/shard-a.primary".encode())
+    stored = await state.etcd.get(f"{state.hint_root}/shard-a.primary".encode())
     assert stored is not None and stored.value == encode_hints(hints)
 
 
@@ -235,7 +242,7 @@ async def test_get_hints_reads_primary_and_backups_checked(state: ShardState) ->
     backup = hints_for(log)
     backup.live_nodes[0].segments[0].last_seq_no = 5
     # A backup stored as protobuf (older tooling), the other missing.
-    await state.etcd.put(f"{HINTS}/shard-a.backup.0".encode(), backup.SerializeToString())
+    await state.etcd.put(f"{state.hint_root}/shard-a.backup.0".encode(), backup.SerializeToString())
     got = await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
     assert got.status == cpb.OK
     assert got.primary_hints.hints == hints_for(log)
@@ -245,10 +252,12 @@ async def test_get_hints_reads_primary_and_backups_checked(state: ShardState) ->
     missing = await get_hints(state, cpb.GetHintsRequest(shard="shard-x"))
     assert missing.status == cpb.SHARD_NOT_FOUND
 
-    await state.etcd.put(f"{HINTS}/shard-a.backup.1".encode(), encode_hints(hints_for("a/b/c")))
+    await state.etcd.put(
+        f"{state.hint_root}/shard-a.backup.1".encode(), encode_hints(hints_for("a/b/c"))
+    )
     with pytest.raises(HintsError, match="not the shard's 'recovery/logs/shard-a'"):
         await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
-    await state.etcd.put(f"{HINTS}/shard-a.backup.1".encode(), b'{"log": 7}')
+    await state.etcd.put(f"{state.hint_root}/shard-a.backup.1".encode(), b'{"log": 7}')
     with pytest.raises(HintsError, match=r"backup\.1: hints\.log: expected a JSON str"):
         await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
 
@@ -286,3 +295,110 @@ async def test_unassign_removes_failed_replicas_and_the_primary_unless_only_fail
     with pytest.raises(ValidationError) as caught:
         await unassign_shards(state, cpb.UnassignRequest(shards=["shard-b", "no"]))
     assert caught.value.field == "shards[1]"
+
+
+# ---- hint keys: the consumer's hint root, or unchanged (issue 37) ------------------------------
+
+
+async def test_an_empty_hint_prefix_is_filled_in_and_the_callers_request_left_as_is(
+    state: ShardState,
+) -> None:
+    shard_a = spec("shard-a")
+    assert state.hint_root == state.root + "/hints" and not shard_a.hint_prefix
+    request = cpb.ApplyRequest(changes=[upsert(shard_a, primary_hints=hints_for("recovery/logs/shard-a"))])  # fmt: skip
+    before = request.SerializeToString()
+    assert (await apply_shards(state, request)).status == cpb.OK
+    assert request.SerializeToString() == before
+    (listed,) = list_shards(state, cpb.ListRequest()).shards
+    assert listed.spec.hint_prefix == state.hint_root
+    assert await state.etcd.get(f"{state.hint_root}/shard-a.primary".encode()) is not None
+    # Stored explicitly, it applies again as listed (as `gazctl shards list -o yaml` gives it).
+    again = cpb.ApplyRequest(changes=[upsert(listed.spec, listed.mod_revision)])
+    assert (await apply_shards(state, again)).status == cpb.OK
+
+
+async def test_a_hint_prefix_is_the_hint_root_or_unchanged_from_the_spec_it_replaces(
+    state: ShardState,
+) -> None:
+    """An upstream-era spec (its hints under a prefix its creator chose) stays re-applicable
+    as it stands; no spec moves its hints elsewhere, and none is created with another prefix."""
+    legacy = spec("shard-a", hint_prefix="/gazette-test-legacy-hints")
+    put = await state.etcd.put(
+        aks.item_key(state.root, "shard-a").encode(), legacy.SerializeToString()
+    )
+    await state.ks.wait_for_revision(put.header.revision, timeout=5)
+    for revision in (put.header.revision, -1):
+        replaced = await apply_shards(state, cpb.ApplyRequest(changes=[upsert(legacy, revision)]))
+        assert replaced.status == cpb.OK
+    (listed,) = list_shards(state, cpb.ListRequest()).shards
+    assert listed.spec.hint_prefix == "/gazette-test-legacy-hints"
+
+    moved = spec("shard-a", hint_prefix="/gazette-test-legacy-hints/elsewhere")
+    created = spec("shard-b", hint_prefix="/gazette-test-legacy-hints")
+    for change in (upsert(moved, -1), upsert(created, 0), upsert(created, -1)):
+        with pytest.raises(ValidationError) as caught:
+            await apply_shards(state, cpb.ApplyRequest(changes=[change]))
+        assert caught.value.field == "changes[0].upsert.hint_prefix"
+        assert str(caught.value) == (
+            f"changes[0].upsert.hint_prefix: {quote(change.upsert.hint_prefix)} is not this "
+            f"consumer's hint root: use {state.hint_root} (or leave it empty); another prefix "
+            "is kept only unchanged from the spec it replaces"
+        )
+    assert [s.spec for s in list_shards(state, cpb.ListRequest()).shards] == [listed.spec]
+    # Moving it to the hint root is allowed: the root is every shard's.
+    assert (await apply_shards(state, cpb.ApplyRequest(changes=[upsert(spec("shard-a"), -1)]))).status == cpb.OK  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (
+            upsert(spec("shard-a", hint_backups=17)),
+            "changes[0].upsert.hint_backups",
+            "17 is more than 16 (a shard keeps at most 16 backups of its hints)",
+        ),
+        (
+            upsert(spec("shard-a", recovery_log_prefix=""), primary_hints=rpb.FSMHints()),
+            "changes[0].primary_hints",
+            "shard shard-a has no recovery log, so it keeps no hints (leave them out)",
+        ),
+        (
+            upsert(spec("shard-a"), primary_hints=hints_for("recovery/logs/shard-b")),
+            "changes[0].primary_hints.log",
+            "names recovery/logs/shard-b, not the shard's recovery log recovery/logs/shard-a",
+        ),
+    ],
+)
+async def test_hint_backups_are_bounded_and_primary_hints_are_for_the_shards_own_log(
+    state: ShardState, change: cpb.ApplyRequest.Change, field: str, words: str
+) -> None:
+    with pytest.raises(ValidationError) as caught:
+        await apply_shards(state, cpb.ApplyRequest(changes=[change, upsert(spec("shard-z"))]))
+    assert caught.value.field == field and str(caught.value) == f"{field}: {words}"
+    assert list_shards(state, cpb.ListRequest()).shards == []
+    assert await state.etcd.get(b"/shard-a.primary") is None
+
+
+async def test_a_restricted_apply_that_cannot_look_journals_up_is_refused(
+    state: ShardState,
+) -> None:
+    """Whose journals the sources and log are is the brokers' to say: a consumer that cannot
+    ask them (no lookup here) refuses a restricted caller, and never accepts."""
+    claims = auth.Claims(auth.ALL, pb.LabelSelector(include=labels.label_set(("team", "x"))))
+    mine = spec("shard-a", labels=labels.label_set(("team", "x")))
+    with pytest.raises(JournalsUnavailable):
+        await apply_shards(state, cpb.ApplyRequest(changes=[upsert(mine)]), claims)
+    assert list_shards(state, cpb.ListRequest()).shards == []
+
+
+async def test_hint_keys_under_the_consumer_root_are_mirrored_quietly(
+    state: ShardState, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hint root is inside the consumer's keyspace: its keys are not 'undecodable'."""
+    log = "recovery/logs/shard-a"
+    applied = await apply_shards(
+        state, cpb.ApplyRequest(changes=[upsert(spec("shard-a"), primary_hints=hints_for(log))])
+    )
+    await state.ks.wait_for_revision(applied.header.etcd.revision, timeout=5)
+    assert state.ks.get(f"{state.hint_root}/shard-a.primary") is not None
+    assert "failed to decode" not in caplog.text

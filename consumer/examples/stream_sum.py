@@ -218,7 +218,7 @@ def shard_spec(i: int, prefix: str, standbys: int, store: str) -> cpb.ShardSpec:
     spec.labels.labels.add(name=SUMS_LABEL, value=sums_journal(prefix))
     if store == "sqlite":
         spec.recovery_log_prefix = f"{prefix}/recovery"
-        spec.hint_prefix = "/gazette/hints"
+        # No hint_prefix: the consumer keeps hints under its own root (<etcd prefix>/hints).
         spec.hint_backups = 2
     if store != "json":
         spec.labels.labels.add(name="store", value=store)

@@ -359,7 +359,7 @@ async def _setup(
             spec.labels.labels.add(name="app.gazette.dev/example", value="word-count")
             if store == "sqlite":
                 spec.recovery_log_prefix = recovery_prefix
-                spec.hint_prefix = "/gazette/hints"
+                # No hint_prefix: the consumer keeps hints under its own root (<etcd prefix>/hints).
                 spec.hint_backups = 2
                 spec.labels.labels.add(name="store", value="sqlite")
             changes.append(cpb.ApplyRequest.Change(upsert=spec))

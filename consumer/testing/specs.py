@@ -47,17 +47,15 @@ def shard_spec(
 ) -> cpb.ShardSpec:
     """A ShardSpec reading `sources` (journal names), with transactions of at most
     `max_txn_duration` seconds (short, so that tests see commits soon). A
-    `recovery_log_prefix` (for recorded stores such as SQLite) gets hints under
-    /gazette/hints."""
+    `recovery_log_prefix` (for recorded stores such as SQLite) gets hints under the consumer's
+    hint root (`<its etcd prefix>/hints`: the hint prefix is left empty for Apply to fill in)."""
     spec = cpb.ShardSpec(
         id=shard_id,
         sources=[cpb.ShardSpec.Source(journal=j) for j in sources],
         hot_standbys=hot_standbys,
     )
     spec.max_txn_duration.FromNanoseconds(int(max_txn_duration * 1e9))
-    if recovery_log_prefix:
-        spec.recovery_log_prefix = recovery_log_prefix
-        spec.hint_prefix = "/gazette/hints"
+    spec.recovery_log_prefix = recovery_log_prefix
     spec.labels.labels.extend(pb.Label(name=n, value=v) for n, v in sorted(labels))
     return spec
 
