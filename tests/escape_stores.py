@@ -33,6 +33,7 @@ __all__ = [
     "test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal",
     "test_a_journal_cannot_name_another_journals_fragments",
     "test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_fragments",
+    "test_concurrent_applies_cannot_race_past_each_others_path_check",
     "test_non_canonical_store_spellings_are_refused_naming_the_canonical_form",
     "test_path_postfix_templates_cannot_climb_out_of_their_journal",
 ]
@@ -312,3 +313,28 @@ async def test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_
     assert [list(j.spec.fragment.stores) for j in listed] == [["file:///tenant-y/"]]
     before = stores_broker.files()
     await victim_unharmed(stores_broker, before)
+
+
+async def test_concurrent_applies_cannot_race_past_each_others_path_check(
+    stores_broker: Cluster,
+) -> None:
+    """Applies at once of journals whose paths are one ('tenant-y/race/' by rewrites of their
+    names): each checked against a keyspace without the others, yet at most one is applied."""
+    import asyncio
+
+    async def apply(i: int) -> str:
+        name = f"team-x/race-{i}"
+        store = f"file:///tenant-y/?find=team-x%2Frace-{i}&replace=race"
+        change = pb.ApplyRequest.Change(upsert=journal_spec(name, "x", store), expect_mod_revision=0)  # fmt: skip
+        try:
+            response = await stores_broker.stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())  # fmt: skip
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            return "refused"
+        return pb.Status.Name(response.status)
+
+    outcomes = await asyncio.gather(*(apply(i) for i in range(8)))
+    assert outcomes.count("OK") == 1, outcomes
+    assert set(outcomes) <= {"OK", "refused", "ETCD_TRANSACTION_FAILED"}, outcomes
+    created = [i for i in range(8) if await exists(stores_broker.stub, f"team-x/race-{i}")]
+    assert len(created) == 1
