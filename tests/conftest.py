@@ -3,7 +3,9 @@ test isolated under its own key prefix."""
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -113,7 +115,25 @@ def _xdist_scope(nodeid: str, module_scoped: frozenset[str]) -> str:
     path = nodeid.split("::", 1)[0]
     if path in SPARK_FILES:
         return "spark"
+    if path == "tests/test_tenant_escape.py":
+        # It collects the tests of tests/escape_*.py: those of a module with a module-scoped
+        # fixture stay together (one fixture per worker), the rest spread.
+        name = nodeid.split("::", 2)[1].split("[", 1)[0] if "::" in nodeid else ""
+        return _escape_module_scoped().get(name, nodeid)
     return path if path in module_scoped else nodeid
+
+
+@functools.cache
+def _escape_module_scoped() -> dict[str, str]:
+    """Test function name -> its escape module, for the escape modules with a module-scoped
+    fixture."""
+    out: dict[str, str] = {}
+    for p in Path(__file__).parent.glob("escape_*.py"):
+        text = p.read_text()
+        if 'scope="module"' in text:
+            for name in re.findall(r"^async def (test_\w+)|^def (test_\w+)", text, re.MULTILINE):
+                out[name[0] or name[1]] = f"tests/{p.name}"
+    return out
 
 
 def _module_scoped() -> frozenset[str]:

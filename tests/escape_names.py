@@ -27,6 +27,7 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from consumer.testing import ConsumerGroup, shard_spec
 from plumbing import auth
+from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig
 from tests.test_application_guide import WordTotals
 from tests.test_tenancy import KEYS, SIGNER, admin, md, spec, team
@@ -37,6 +38,7 @@ __all__ = [
     "test_spellings_of_a_hidden_journal_in_the_gateways_path_find_nothing",
     "test_spellings_of_a_hidden_journal_name_find_nothing_in_any_journal_rpc",
     "test_spellings_of_a_hidden_shard_id_find_nothing_in_any_shard_rpc",
+    "test_stats_read_through_names_only_the_shards_own_sources",
 ]
 
 HIDDEN, SEEN, HIDDEN_SHARD = "names/hidden", "names/seen", "names/hidden-shard"
@@ -104,8 +106,11 @@ async def names_world(etcd_server: Any, etcd_prefix: str, tmp_path: Path) -> Asy
         assert (await append_routed(owner, SEEN, b"x's own\n")).status == pb.OK
         await signing.close(None)
         root = f"/gazette-test-names/{uuid.uuid4().hex[:12]}"
-        async with ConsumerGroup(etcd_server, harness.endpoint, root, auth_keys=KEYS) as group:
-            consumer = await group.start(WordTotals(str(tmp_path)), run_allocator=False)
+        credentials = Credentials(auth=auth.authorizer_of(KEYS))  # The consumer's, to brokers.
+        async with ConsumerGroup(
+            etcd_server, harness.endpoint, root, auth_keys=KEYS, broker_credentials=credentials
+        ) as group:
+            consumer = await group.start(WordTotals(str(tmp_path)))
             shard_channel = grpc.aio.insecure_channel(consumer.endpoint.removeprefix("http://"))
             shards = cpb_grpc.ShardStub(shard_channel)  # type: ignore[no-untyped-call]
             hidden = shard_spec(HIDDEN_SHARD, [HIDDEN], labels=[("team", "y")])
@@ -292,3 +297,33 @@ async def test_a_replicate_proposal_cannot_name_a_store_or_postfix_of_its_own(
     after = sorted(p.relative_to(names_world.root) for p in (names_world.root / "y").rglob("*"))
     assert after == before
     assert (await _read_all(journals, HIDDEN, admin()))[1] == SECRET
+
+
+async def test_stats_read_through_names_only_the_shards_own_sources(
+    names_world: NamesWorld,
+) -> None:
+    """Stat's `read_through` names journals the shard must have read through: only its own
+    sources (authorized when the shard was applied). A hidden journal there is refused exactly
+    as a journal that does not exist, and the Stat waits on nothing of it."""
+    x = md(auth.ALL, team("x"))
+    shards = names_world.shards
+    source = spec("names/x-input", "x", "file:///x/")
+    source.labels.labels.insert(0, pb.Label(name="content-type", value="application/x-ndjson"))
+    change = pb.ApplyRequest.Change(upsert=source, expect_mod_revision=0)
+    await names_world.journals.Apply(pb.ApplyRequest(changes=[change]), metadata=x)
+    own = shard_spec("names/x-shard", [source.name], labels=[("team", "x")])
+    create = cpb.ApplyRequest.Change(upsert=own, expect_mod_revision=0)
+    assert (await shards.Apply(cpb.ApplyRequest(changes=[create]), metadata=x)).status == cpb.OK
+    async with asyncio.timeout(30):
+        while (await shards.Stat(cpb.StatRequest(shard=own.id), metadata=x)).status != cpb.OK:
+            await asyncio.sleep(0.05)
+    answers = {}
+    for journal in (HIDDEN, "names/absent", *spellings(HIDDEN)):
+        request = cpb.StatRequest(shard=own.id, read_through={journal: 1})
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await shards.Stat(request, metadata=x)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        answers[journal] = (refused.value.details() or "").replace(journal, "J")
+    assert answers[HIDDEN] == answers["names/absent"], answers
+    served = await shards.Stat(cpb.StatRequest(shard=own.id, read_through={source.name: 0}), metadata=x)  # fmt: skip
+    assert served.status == cpb.OK

@@ -22,7 +22,12 @@ from broker.protocol import consumer_pb2 as cpb
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb
 from replication import location_pb2 as lpb
+from tests.escape_claims import *  # noqa: F403
+from tests.escape_locations import *  # noqa: F403
 from tests.escape_names import *  # noqa: F403
+from tests.escape_playback import *  # noqa: F403
+from tests.escape_shards import *  # noqa: F403
+from tests.escape_stores import *  # noqa: F403
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +77,42 @@ ROWS: tuple[Row, ...] = (
         ("test_a_replicate_proposal_cannot_name_a_store_or_postfix_of_its_own",),
     ),
     Row(
+        "Journal specs: name and fragment stores",
+        ("protocol.JournalSpec.name", "protocol.JournalSpec.Fragment.stores"),
+        "where a journal's fragments live: a store (and its `find`/`replace` rewrite) and the "
+        "journal's path in it",
+        "the spec is authorized as written and as it stands; store URLs must be canonical (the "
+        "refusal names the canonical form; brokers canonicalise what they read from etcd); no "
+        "two journals' fragment paths are equal or nested, checked against every journal in the "
+        "same guarded transaction (a clash with a journal the caller cannot see is refused as "
+        "any unauthorized change); a broker excludes other journals' paths from a listing",
+        (
+            "test_a_journal_cannot_name_another_journals_fragments",
+            "test_non_canonical_store_spellings_are_refused_naming_the_canonical_form",
+            "test_concurrent_applies_cannot_race_past_each_others_path_check",
+            "test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_fragments",
+        ),
+    ),
+    Row(
+        "Path postfix templates",
+        ("protocol.JournalSpec.Fragment.path_postfix_template",),
+        "a directory under the journal's path",
+        "a template that could render '.', '..', an empty segment or an absolute path is "
+        "refused at Apply; a rendered postfix is checked again before a fragment is written",
+        ("test_path_postfix_templates_cannot_climb_out_of_their_journal",),
+    ),
+    Row(
+        "FragmentStoreHealth's store",
+        (
+            "protocol.FragmentStoreHealthRequest.fragment_store",
+            "protocol.FragmentStoreHealthRequest.check_delete_prefix",
+        ),
+        "a store, and probe objects written (and deleted) in it",
+        "takes APPLY; with a selector, only a store a visible journal names, and the probe goes "
+        "inside that journal's own path, never store-wide",
+        ("test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal",),
+    ),
+    Row(
         "Shard ids in requests",
         (
             "consumer.StatRequest.shard",
@@ -83,6 +124,117 @@ ROWS: tuple[Row, ...] = (
         "validated as a shard id, then authorized by the `id` meta-label and the labels of the "
         "spec it names: a hidden shard is SHARD_NOT_FOUND, a change to it UNAUTHENTICATED",
         ("test_spellings_of_a_hidden_shard_id_find_nothing_in_any_shard_rpc",),
+    ),
+    Row(
+        "Hint keys: a shard's id, hint prefix and backups",
+        (
+            "consumer.ShardSpec.id",
+            "consumer.ShardSpec.hint_prefix",
+            "consumer.ShardSpec.hint_backups",
+        ),
+        "etcd keys `<hint_prefix>/<id>.primary` and `.backup.N`",
+        "for every caller, `hint_prefix` is the application's hint root (`<etcd prefix>/hints`, "
+        "filled in when empty) or unchanged from the spec replaced, so every shard's keys are "
+        "distinct and inside the consumer's keyspace; at most 16 backups",
+        (
+            "test_a_hint_prefix_outside_the_consumers_hint_root_is_refused_and_writes_nothing",
+            "test_a_huge_hint_backups_is_refused_in_one_line",
+        ),
+    ),
+    Row(
+        "Recovery logs and sources",
+        ("consumer.ShardSpec.recovery_log_prefix", "consumer.ShardSpec.Source.journal"),
+        "journals the consumer fences and appends to, or reads, with its own credentials",
+        "with a selector, each must exist and be selected by the caller's claims, as the "
+        "consumer lists it at the brokers; an absent and a hidden journal get the same "
+        "refusal; brokers that cannot be asked: UNAVAILABLE, never accepted",
+        (
+            "test_a_hidden_or_absent_recovery_log_or_source_is_refused_identically",
+            "test_an_unreachable_broker_refuses_a_restricted_apply_unavailable",
+        ),
+    ),
+    Row(
+        "Hints given at Apply",
+        (
+            "consumer.ApplyRequest.Change.primary_hints",
+            "recoverylog.FSMHints.log",
+            "recoverylog.Segment.log",
+        ),
+        "the primary hint key, and the logs played back",
+        "only with a recovery log, written to the shard's own key; `log` must be the shard's "
+        "own log; with a selector, the logs of segments are checked as sources are",
+        (
+            "test_hints_without_a_recovery_log_cannot_name_a_key_outside_the_hint_root",
+            "test_primary_hints_cannot_name_a_hidden_log",
+        ),
+    ),
+    Row(
+        "Paths in hints and in the recovery log",
+        (
+            "recoverylog.Property.path",
+            "recoverylog.RecordedOp.Create.path",
+            "recoverylog.RecordedOp.Link.path",
+        ),
+        "files in the shard's directory",
+        "a path must be rooted and cleanly spelled (no '.', '..' or empty segments, no NUL, not "
+        "the staging area): refused at Apply, and a playback meeting one fails the shard in one "
+        "line; files are made live relative to the directory, each directory opened from the "
+        "one above without following symlinks, created exclusively, 0600",
+        (
+            "test_escape_shard_apply_refuses_escaping_primary_hints",
+            "test_escape_escaping_hints_planted_in_etcd_fail_the_shard_and_write_nothing",
+            "test_escape_escaping_ops_in_its_own_recovery_log_fail_the_shard_and_write_nothing",
+        ),
+    ),
+    Row(
+        "Stat's read_through",
+        ("consumer.StatRequest.read_through", "consumer.StatRequest.ReadThroughEntry.key"),
+        "journals the shard must have read through",
+        "each must be a source of the shard (authorized when it was applied); anything else is "
+        "refused alike",
+        ("test_stats_read_through_names_only_the_shards_own_sources",),
+    ),
+    Row(
+        "Location names",
+        (
+            "gazette_py.replication.Change.Connection.source",
+            "gazette_py.replication.Change.Connection.target",
+            "gazette_py.replication.Change.FailOver.previous",
+            "gazette_py.replication.Change.FailOver.source",
+            "gazette_py.replication.Change.FailOver.target",
+            "gazette_py.replication.Change.retired",
+            "gazette_py.replication.ResetProgressRequest.source",
+            "gazette_py.replication.JoinRequest.sources",
+            "gazette_py.replication.TrustClockRequest.without",
+            "gazette_py.replication.ReadRequest.or_emitter",
+            "gazette_py.replication.ReadRequest.cvv",
+            "gazette_py.replication.Clock.TimesEntry.key",
+        ),
+        "other locations (edges of the topology, sources, emitters)",
+        "with a selector, every location a request names must be registered and its log "
+        "journal, as its brokers list it now, selected by the claims; else NOT_FOUND as a "
+        "location that does not exist (fails closed when the journal cannot be listed); Delete "
+        "needs its neighbours selected, Recover every location; names in answers are filtered",
+        (
+            "test_a_location_name_in_any_request_field_is_refused_as_if_it_did_not_exist",
+            "test_a_location_whose_log_cannot_be_listed_is_refused_as_if_it_did_not_exist",
+            "test_recover_is_refused_to_a_token_that_does_not_select_every_location",
+            "test_those_not_heard_from_are_listed_only_as_the_caller_sees_them",
+            "test_a_token_that_selects_both_locations_connects_them",
+        ),
+    ),
+    Row(
+        "Token claims",
+        (),
+        "what a token selects (`sel`) and grants (`cap`), until when (`exp`)",
+        "decoded as upstream's Go does: wrong types refused, keys matched case-insensitively, "
+        "out-of-range times refused in one line; a call without a token (`AA==`) ends after an "
+        "hour",
+        (
+            "test_a_malformed_selector_claim_is_refused_and_lists_nothing",
+            "test_a_selector_claim_in_other_spellings_confines_its_bearer_as_go_reads_it",
+            "test_an_exp_claim_golang_jwt_refuses_is_a_one_line_refusal",
+        ),
     ),
 )
 
@@ -211,6 +363,72 @@ NOT_NAMES: dict[str, str] = {
             "consumer.StatRequest.ReadThroughEntry.value",
         ],
         _SCALAR,
+    ),
+    **dict.fromkeys(
+        [
+            "recoverylog.FSMHints.live_nodes",
+            "recoverylog.FnodeSegments.fnode",
+            "recoverylog.FnodeSegments.segments",
+            "recoverylog.Segment.author",
+            "recoverylog.Segment.first_seq_no",
+            "recoverylog.Segment.first_offset",
+            "recoverylog.Segment.first_checksum",
+            "recoverylog.Segment.last_seq_no",
+            "recoverylog.Segment.last_offset",
+            "recoverylog.FSMHints.properties",
+            "recoverylog.RecordedOp.seq_no",
+            "recoverylog.RecordedOp.checksum",
+            "recoverylog.RecordedOp.author",
+            "recoverylog.RecordedOp.first_offset",
+            "recoverylog.RecordedOp.last_offset",
+            "recoverylog.RecordedOp.create",
+            "recoverylog.RecordedOp.link",
+            "recoverylog.RecordedOp.unlink",
+            "recoverylog.RecordedOp.write",
+            "recoverylog.RecordedOp.property",
+            "recoverylog.RecordedOp.Link.fnode",
+            "recoverylog.RecordedOp.Write.fnode",
+            "recoverylog.RecordedOp.Write.offset",
+            "recoverylog.RecordedOp.Write.length",
+        ],
+        "a number or a container of the recovery log's bookkeeping: fnodes are staged as "
+        "`.fnodes/<n>`, which no recorded path may name",
+    ),
+    "recoverylog.Property.content": (
+        "a property file's content: written as a regular file, never followed as a link"
+    ),
+    "recoverylog.RecordedOp.log": (
+        "set by the player to the journal it read the op from, never taken from the log"
+    ),
+    **dict.fromkeys(
+        [
+            "gazette_py.replication.EmitRequest.payloads",
+            "gazette_py.replication.ReadRequest.after",
+            "gazette_py.replication.ReadRequest.limit",
+            "gazette_py.replication.ReadRequest.wait",
+            "gazette_py.replication.Clock.times",
+            "gazette_py.replication.Clock.TimesEntry.value",
+            "gazette_py.replication.ChangeRequest.change",
+            "gazette_py.replication.Change.connected",
+            "gazette_py.replication.Change.disconnected",
+            "gazette_py.replication.Change.filtered",
+            "gazette_py.replication.Change.failed_over",
+            "gazette_py.replication.ChangeRequest.record",
+            "gazette_py.replication.ChangeRequest.op",
+            "gazette_py.replication.DeleteRequest.through",
+            "gazette_py.replication.ResetProgressRequest.seq",
+        ],
+        _SCALAR + " (or a container whose location names have their own row)",
+    ),
+    **dict.fromkeys(
+        [
+            "gazette_py.replication.ReadRequest.filter",
+            "gazette_py.replication.Change.Connection.filter",
+            "gazette_py.replication.Change.FailOver.filter",
+        ],
+        "a replication filter: it selects among the events of the location's own log, so a "
+        "filter naming a hidden location reads nothing of it "
+        "(test_a_filter_naming_a_hidden_location_reads_nothing_of_it)",
     ),
     "protocol.FragmentsRequest.next_page_token": (
         "an offset to resume from, encoded: it pages within the one journal the request names"
