@@ -103,7 +103,15 @@ class JournalService(pb_grpc.JournalServicer):
         self.persister = persister
         # Every journal's fragment path, for Apply's check that none is another's, and for the
         # persister's, which keeps to each journal's own path at runtime.
-        self.paths = PathIndexCache(self._journals)
+        self.paths = PathIndexCache(self._journals, lambda: self.ks.revision)
+        items = self.root + aks.ITEMS
+        self.ks.add_observer(
+            lambda update: (
+                self.paths.invalidate()
+                if update.reload or any(c.key.startswith(items) for c in update.changes)
+                else None
+            )
+        )
         if persister is not None and persister.paths is None:
             persister.paths = self.paths
         self._pulse_slots = asyncio.Semaphore(PULSES_IN_FLIGHT)

@@ -213,3 +213,45 @@ def test_the_older_of_two_journals_sharing_a_path_keeps_it(tmp_path: Path) -> No
     # A health probe under the journal's path is not one of its fragments.
     store.put("y/secret/.gazette~health/health-check", io.BytesIO(b"h\n"), 2)
     assert len(store.list_fragments("y/secret", excluded=victim.excluded)) == 1
+
+
+async def test_the_brokers_path_index_is_built_again_only_when_a_journal_changes(
+    etcd_server: object, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Listings and persists consult the index at every store operation: rebuilding it at each
+    keyspace revision (every assignment write and pulse) would cost each O(journals)."""
+    from broker.client.routes import append_routed
+    from broker.protocol import protocol_pb2_grpc as pb_grpc
+    from broker.testing import BrokerHarness
+
+    (tmp_path / "x").mkdir()
+
+    def journal(name: str) -> pb.ApplyRequest.Change:
+        spec = pb.JournalSpec(name=name, replication=1)
+        spec.fragment.length = 1 << 20
+        spec.fragment.refresh_interval.seconds = 60
+        spec.fragment.compression_codec = pb.NONE
+        spec.fragment.stores.append("file:///x/")
+        return pb.ApplyRequest.Change(upsert=spec)
+
+    async with BrokerHarness(etcd_server.endpoint, etcd_prefix, file_root=str(tmp_path)) as harness:  # type: ignore[attr-defined]  # fmt: skip
+        import grpc
+
+        service = harness.broker.service
+        assert service is not None
+        async with grpc.aio.insecure_channel(harness.endpoint.removeprefix("http://")) as channel:
+            stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+            await stub.Apply(pb.ApplyRequest(changes=[journal("paths/a")]))
+            built_at, first = service.paths.index()
+            # Appends, members, assignments and pulses move the revision, not the journals.
+            assert (await append_routed(stub, "paths/a", b"one\n")).status == pb.OK
+            async with BrokerHarness(etcd_server.endpoint, etcd_prefix, id="another"):  # type: ignore[attr-defined]  # fmt: skip
+                await service.ks.wait_for_revision(built_at + 1, timeout=30)
+                revision, again = service.paths.index()
+                assert again is first and revision > built_at
+            applied = await stub.Apply(pb.ApplyRequest(changes=[journal("paths/b")]))
+            await service.ks.wait_for_revision(applied.header.etcd.revision)
+            _, rebuilt = service.paths.index()
+            assert rebuilt is not first
+            claims = rebuilt.overlapping(fragment_path("paths/b", "file:///x/"))
+            assert [c.journal for c in claims] == ["paths/b"]

@@ -289,23 +289,33 @@ class PathIndex:
 
 
 class PathIndexCache:
-    """The PathIndex of a keyspace's journals, built again only when its revision moved.
-    `source()` gives the revision and the journals (name, spec, create revision) at it."""
+    """The PathIndex of a keyspace's journals, built again only when a journal changed.
+    `source()` gives the revision and the journals (name, spec, create revision) at it;
+    `revision()` the keyspace's revision now. The keyspace's owner calls `invalidate()` (from a
+    keyspace observer, so in step with the mirror) when a batch touched the journals: the
+    revision moves with every assignment and pulse, and building the index at each of those
+    would cost every listing and persist O(journals)."""
 
     def __init__(
-        self, source: Callable[[], tuple[int, Iterable[tuple[str, pb.JournalSpec, int]]]]
+        self,
+        source: Callable[[], tuple[int, Iterable[tuple[str, pb.JournalSpec, int]]]],
+        revision: Callable[[], int],
     ) -> None:
         self._source = source
-        self._revision = -1
-        self._index = PathIndex()
+        self._revision = revision
+        self._index: PathIndex | None = None
+
+    def invalidate(self) -> None:
+        self._index = None
 
     def index(self) -> tuple[int, PathIndex]:
-        """The revision and index of the keyspace as it is now (call on the event loop)."""
-        revision, journals = self._source()
-        if revision != self._revision:
+        """The revision and index of the keyspace as it is now (call on the event loop): no
+        journal changed between the index's build and that revision."""
+        if self._index is None:
+            revision, journals = self._source()
             self._index = PathIndex.of(journals)
-            self._revision = revision
-        return self._revision, self._index
+            return revision, self._index
+        return self._revision(), self._index
 
     def guards(self, journal: str, spec: pb.JournalSpec) -> Sequence[StoreGuard]:
         """The guard of each store of `spec` (the spec of `journal`), in order."""
