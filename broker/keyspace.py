@@ -176,6 +176,7 @@ class KeySpace:
         apply_delay: float = 0.03,
         max_retry_delay: float = 5.0,
         rpc_timeout: float = 10.0,
+        unmirrored: str = "",
     ) -> None:
         if apply_delay < 0:
             raise ValueError(f"apply_delay must be >= 0 (got {apply_delay})")
@@ -185,6 +186,10 @@ class KeySpace:
         self.rpc_timeout = rpc_timeout
         self.header = EtcdHeader()
         self._decode = decode
+        # Keys under this prefix (inside `prefix`) are left out of the mirror, quietly: values
+        # others read from etcd where they need them (a consumer's shard hints), which would
+        # otherwise be held in memory and wake every observer each time one is written.
+        self._unmirrored = unmirrored
         self._prefix_b = prefix.encode()
         self._end_b = _range_end(self._prefix_b)
         self._kvs: list[KeyValue] = []
@@ -590,6 +595,8 @@ class KeySpace:
         try:
             if key is None:
                 key = raw.key.decode()
+            if self._unmirrored and key.startswith(self._unmirrored):
+                return None
             decoded = self._decode(key, raw.value)
         except Exception as exc:
             log.error(

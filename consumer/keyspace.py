@@ -1,8 +1,8 @@
 """The shard keyspace in etcd, laid out as upstream's (the allocator's layout, with consumer
 values): `{root}/items/{shard id}` a ShardSpec, `{root}/members/{zone}#{suffix}` a ConsumerSpec
 under the process's lease, `{root}/assign/{shard id}#{zone}#{suffix}#{slot}` a ReplicaStatus
-(IDLE is empty bytes; slot 0 is the primary), and `{root}/hints/...` the shards' hints (mirrored
-as the bare `HINT` marker: they are read from etcd where needed). Values are validated as they are decoded, and a
+(IDLE is empty bytes; slot 0 is the primary), and `{root}/hints/...` the shards' hints (not
+mirrored: they are read from etcd where needed). Values are validated as they are decoded, and a
 spec whose own id (or process id) differs from its key's is refused, as upstream's decoder does:
 the key is the source of truth, and the two must never diverge.
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from broker.allocator import Rules
 from broker.allocator import keyspace as aks
 from broker.allocator.keyspace import Assignment, Item, Member
-from broker.keyspace import KeyValue
+from broker.keyspace import KeySpace, KeyValue
 from broker.protocol.validate import ValidationError
 from consumer.protocol import (
     DEFAULT_MAX_HOT_STANDBYS,
@@ -29,20 +29,33 @@ from consumer.protocol import (
     validate_shard_spec,
 )
 
-__all__ = ["HINT", "consumer_decoder", "consumer_rules", "replica_status", "shard_is_consistent"]
+__all__ = [
+    "consumer_decoder",
+    "consumer_rules",
+    "replica_status",
+    "shard_is_consistent",
+    "shard_keyspace",
+]
 
-# What a hint key under the consumer's root decodes to: nothing in the mirror reads hints.
-HINT = "hint"
+
+def shard_keyspace(root: str, *, apply_delay: float = 0.03) -> KeySpace:
+    """The mirror of the shard layout under `root`, without the shards' hints (read from etcd
+    where needed: every shard writes them every few minutes, and in the mirror they would be
+    held in memory and wake reconciliation each time). Its prefix ends in '/', so another
+    application whose prefix extends this one's stays out."""
+    return KeySpace(
+        root + "/",
+        consumer_decoder(root),
+        apply_delay=apply_delay,
+        unmirrored=hint_root(root) + "/",
+    )
 
 
 def consumer_decoder(root: str) -> Callable[[str, bytes], object]:
     """A keyspace value decoder for the shard layout under `root` (see the module's doc)."""
     inner = aks.new_decoder(root, cpb.ShardSpec, cpb.ConsumerSpec, cpb.ReplicaStatus)
-    hints = hint_root(root) + "/"
 
     def decode(key: str, raw: bytes) -> object:
-        if key.startswith(hints):
-            return HINT  # Not "outside the layout": the shards' own hint keys.
         decoded = inner(key, raw)
         if isinstance(decoded, Item):
             spec = decoded.spec

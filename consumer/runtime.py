@@ -40,7 +40,7 @@ from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
 from broker.client.journals import BrokerUnavailable, JournalsClient
 from broker.client.routes import Router
-from broker.keyspace import KeySpace, KeyValue
+from broker.keyspace import KeyValue
 from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
 from broker.message.publisher import Publisher
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
@@ -48,7 +48,7 @@ from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
 from consumer.client import PrimaryUnreachable
-from consumer.keyspace import consumer_decoder, consumer_rules, replica_status
+from consumer.keyspace import consumer_rules, replica_status, shard_keyspace
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, truncate_error
 from consumer.recovery import HINTS_INTERVAL, Playback, fetch_hints, rotate_hints, store_hints
 from consumer.shard_api import (
@@ -193,7 +193,7 @@ class Consumer:
         self.peer_credentials = Credentials(
             config.peer_tls, auth.authorizer_of(config.auth_keys, flag="--consumer.auth-keys")
         )
-        self.ks = KeySpace(self.root, consumer_decoder(self.root), apply_delay=config.watch_delay)
+        self.ks = shard_keyspace(self.root, apply_delay=config.watch_delay)
         # A restricted caller's Apply names journals the brokers must show are its own: asked
         # with this process's own broker credentials.
         journals = broker_journals(config.broker_address, config.broker_credentials)
@@ -251,7 +251,9 @@ class Consumer:
         try:
             await self.etcd.connect()
             await self.ks.load(self.etcd)
-            self.ks.add_observer(lambda _update: self._changed.set())
+            self.ks.add_observer(
+                lambda update: self._changed.set() if update.changes or update.reload else None
+            )
             self._changed.set()  # Assignments we may hold already (a quick restart).
             self._spawn(self.ks.watch(self.etcd), "keyspace watch")
             lease = await self.etcd.lease(max(1, round(self.config.etcd_lease)))

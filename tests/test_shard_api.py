@@ -12,12 +12,11 @@ import pytest
 from google.protobuf import duration_pb2
 
 from broker.allocator import keyspace as aks
-from broker.keyspace import KeySpace
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb
 from broker.protocol.validate import ValidationError, quote
-from consumer.keyspace import consumer_decoder
+from consumer.keyspace import shard_keyspace
 from consumer.protocol import cpb
 from consumer.recoverylog.hints import encode_hints
 from consumer.shard_api import (
@@ -37,7 +36,7 @@ PID = pb.ProcessSpec.ID(zone="local", suffix="consumer-a")
 @pytest.fixture
 async def state(etcd: aetcd.Client, etcd_prefix: str) -> AsyncIterator[ShardState]:
     root = etcd_prefix + "/consumers"
-    ks = KeySpace(root, consumer_decoder(root), apply_delay=0.0)
+    ks = shard_keyspace(root, apply_delay=0.0)
     await ks.load(etcd)
     watch = asyncio.create_task(ks.watch(etcd))
     try:
@@ -391,14 +390,24 @@ async def test_a_restricted_apply_that_cannot_look_journals_up_is_refused(
     assert list_shards(state, cpb.ListRequest()).shards == []
 
 
-async def test_hint_keys_under_the_consumer_root_are_mirrored_quietly(
+async def test_hint_keys_under_the_consumer_root_are_left_out_of_the_mirror_quietly(
     state: ShardState, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The hint root is inside the consumer's keyspace: its keys are not 'undecodable'."""
+    """The hint root is inside the consumer's keyspace, but not in its mirror: hints are read
+    from etcd where needed, so they are neither held in every process's memory nor logged as
+    undecodable, and a batch of hint writes changes nothing observers would wake for."""
     log = "recovery/logs/shard-a"
     applied = await apply_shards(
         state, cpb.ApplyRequest(changes=[upsert(spec("shard-a"), primary_hints=hints_for(log))])
     )
     await state.ks.wait_for_revision(applied.header.etcd.revision, timeout=5)
-    assert state.ks.get(f"{state.hint_root}/shard-a.primary") is not None
+    key = f"{state.hint_root}/shard-a.primary"
+    assert state.ks.get(key) is None and state.ks.prefixed(state.hint_root) == []
+    assert state.ks.get(aks.item_key(state.root, "shard-a")) is not None
+    assert (await state.etcd.get(key.encode())) is not None
+    updates: list[object] = []
+    state.ks.add_observer(updates.append)
+    put = await state.etcd.put(key.encode(), b"{}")
+    await state.ks.wait_for_revision(put.header.revision, timeout=5)
+    assert [u.changes for u in updates] == [()]  # type: ignore[attr-defined]
     assert "failed to decode" not in caplog.text
