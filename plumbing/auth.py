@@ -3,8 +3,10 @@ and a label selector `sel`), sent as `authorization: Bearer <jwt>` gRPC metadata
 
 Servers verify with a KeyedVerifier (`--broker.auth-keys`, `--consumer.auth-keys`): keys are
 base64, separated by whitespace or commas; any key verifies, HS256 and HS384 only, `exp` is
-required, `iat` is checked, with 5 s of leeway. The special key `AA==` admits requests that carry
-no token at all (for rolling authorization out over a running cluster). Every failure is
+required, `iat` and `nbf` are checked, with 5 s of leeway. The claims are decoded as upstream's
+Go decodes them (see decode_claims): a claim it would refuse is refused, one it reads is read the
+same way. The special key `AA==` admits requests that carry no token at all (for rolling
+authorization out over a running cluster), for an hour, as upstream does. Every failure is
 UNAUTHENTICATED, as upstream answers it. What a token's selector does not match does not exist
 for its bearer: the servers treat such journals and shards as not found. A call lasts no longer
 than the token it was admitted with: `CallBounds`, a server interceptor, ends it UNAUTHENTICATED
@@ -22,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import codecs
 import contextlib
 import contextvars
 import functools
 import inspect
+import json
 import math
+import re
 import time
 import warnings
 from collections import OrderedDict
@@ -144,7 +149,8 @@ def signature_ttl(claims: Claims, want: timedelta, now: float | None = None) -> 
     left = claims.exp - (time.time() if now is None else now)
     if left <= 0:
         return None
-    return min(want, timedelta(seconds=left))
+    # (Compared as seconds: a far exp is beyond what a timedelta holds.)
+    return want if left >= want.total_seconds() else timedelta(seconds=left)
 
 
 UNRESTRICTED = Claims(ALL)
@@ -168,39 +174,297 @@ def selector_json(sel: pb.LabelSelector) -> dict[str, Any]:
     return {"include": _label_set_json(sel.include), "exclude": _label_set_json(sel.exclude)}
 
 
-def _label_set_of(doc: Any) -> pb.LabelSet:
-    if doc is None:
-        return pb.LabelSet()
-    if not isinstance(doc, dict):
-        raise Unauthenticated("verifying Authorization: claim 'sel' is not a label selector")
-    out = pb.LabelSet()
-    items = doc.get("labels") or []
-    if not isinstance(items, list):
-        raise Unauthenticated("verifying Authorization: claim 'sel' has labels that are not a list")
-    for item in items:
-        # Each field of its type, as upstream's decoding requires: never coerced (a string
-        # "false" read as a prefix match would widen what the token sees).
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("name", ""), str)
-            or not isinstance(item.get("value", ""), str)
-            or not isinstance(item.get("prefix", False), bool)
-        ):
-            raise Unauthenticated("verifying Authorization: claim 'sel' has a malformed label")
-        out.labels.add(
-            name=item.get("name", ""), value=item.get("value", ""), prefix=item.get("prefix", False)
+# ---- claims as upstream reads them --------------------------------------------------------------
+#
+# Upstream verifies with golang-jwt v5 into its Claims struct, decoded by Go's encoding/json:
+# `cap` a uint32, `sel` a LabelSelector{include, exclude LabelSet{labels []Label{name, value
+# string, prefix bool}}}, and jwt.RegisteredClaims (iss, sub, jti strings; aud a string or a
+# list of them; exp, nbf, iat NumericDates). The payload is decoded here as Go decodes it into
+# those types, rather than as a dict: a value of the wrong type fails the token (an
+# UnmarshalTypeError); a key names its field in any case (bytes.EqualFold); a key given twice
+# is decoded again into what the first one left (structs merge, lists are decoded into their
+# existing elements); null leaves a struct or a string as it was and empties a list; unknown
+# keys are ignored. PyJWT only checks the signature: its dict loses duplicate keys and order.
+
+
+class _JsonNumber(NamedTuple):
+    """A JSON number as written: Go decodes its text by the type it goes into."""
+
+    text: str
+
+
+class _JsonObject(NamedTuple):
+    """A JSON object's pairs, in order, duplicates kept."""
+
+    pairs: list[tuple[str, Any]]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# JSON's number grammar, as Go's isValidNumber checks a json.Number held in a string.
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# A NumericDate's seconds must fit Go's int64 (int64() of a float beyond it is undefined: it
+# wraps or saturates by platform) with room for time.Time's own offset: refused beyond.
+_DATE_LIMIT = 2.0**62
+
+
+def _go_replace(exc: UnicodeError) -> tuple[str, int]:
+    """Go's unquoting: each byte of invalid UTF-8 is one U+FFFD."""
+    assert isinstance(exc, UnicodeDecodeError)
+    return "\ufffd", exc.start + 1
+
+
+codecs.register_error("gazette_go_utf8", _go_replace)
+
+
+_FOLDS = {"\u017f": "S", "\u212a": "K"}
+
+
+def _fold(key: str) -> str:
+    """`key` folded as Go's encoding/json folds keys to find their fields (bytes.EqualFold):
+    ASCII letters to upper case, and the two non-ASCII letters in an ASCII letter's simple
+    fold orbit (U+017F long s, U+212A Kelvin sign) to theirs. Other runes fold to runes that
+    no field name has, so they are left as they are."""
+    if key.isascii():
+        return key.upper()
+    return "".join(c.upper() if c.isascii() else _FOLDS.get(c, c) for c in key)
+
+
+class _ClaimError(Exception):
+    """A claim Go's decoding would not take: `claim` names it, `problem` what is wrong."""
+
+    def __init__(self, claim: str, problem: str) -> None:
+        super().__init__(f"claim '{claim}' {problem}")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, _JsonNumber):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
+
+
+@dataclass
+class _GoLabel:
+    name: str = ""
+    value: str = ""
+    prefix: bool = False
+
+
+@dataclass
+class _GoLabels:
+    """A Go []Label as decoding leaves it: `held` is every element its backing array has held
+    since it was made (Go decodes a list into the elements already there, up to what the array
+    holds, so a longer list decoded after a shorter one finds the older elements again), and
+    `length` the slice's length."""
+
+    held: list[_GoLabel] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class _GoClaims:
+    cap: int = 0
+    include: _GoLabels = field(default_factory=_GoLabels)
+    exclude: _GoLabels = field(default_factory=_GoLabels)
+    exp: float | None = None
+    nbf: float | None = None
+    iat: float | None = None
+
+
+def _fields(value: Any, claim: str, where: str, fields: dict[str, Callable[[Any], None]]) -> None:
+    """Decodes an object into a struct whose fields (by folded JSON name) are `fields`: each
+    pair, in order, into its field; null leaves the struct as it is."""
+    if value is None:
+        return
+    if not isinstance(value, _JsonObject):
+        raise _ClaimError(claim, f"{where}is {_kind(value)}, not an object")
+    # Go prefers a field whose name matches exactly, then one that folds equal: these fields'
+    # folded names are distinct, so the folded name alone finds the same field.
+    for key, item in value.pairs:
+        decode = fields.get(_fold(key))
+        if decode is not None:
+            decode(item)
+
+
+def _string(value: Any, claim: str, where: str, current: str) -> str:
+    if value is None:
+        return current
+    if not isinstance(value, str):
+        raise _ClaimError(claim, f"{where}is {_kind(value)}, not a string")
+    return _SURROGATE.sub("\ufffd", value)  # Go's unquoting: a lone surrogate is U+FFFD.
+
+
+def _bool(value: Any, claim: str, where: str, current: bool) -> bool:
+    if value is None:
+        return current
+    if not isinstance(value, bool):
+        raise _ClaimError(claim, f"{where}is {_kind(value)}, not a boolean")
+    return value
+
+
+def _label(value: Any, where: str, label: _GoLabel) -> None:
+    def name(v: Any) -> None:
+        label.name = _string(v, "sel", f"{where}.name ", label.name)
+
+    def value_(v: Any) -> None:
+        label.value = _string(v, "sel", f"{where}.value ", label.value)
+
+    def prefix(v: Any) -> None:
+        label.prefix = _bool(v, "sel", f"{where}.prefix ", label.prefix)
+
+    _fields(value, "sel", f"{where} ", {"NAME": name, "VALUE": value_, "PREFIX": prefix})
+
+
+def _labels(value: Any, where: str, labels: _GoLabels) -> None:
+    """Decodes a list into a []Label as Go's array decoding does (see _GoLabels)."""
+    if value is None or (isinstance(value, list) and not value):
+        # Null makes the slice nil, and an empty list a new empty one: nothing held is kept.
+        labels.held, labels.length = [], 0
+        return
+    if not isinstance(value, list):
+        raise _ClaimError("sel", f"{where} is {_kind(value)}, not a list of labels")
+    for index, item in enumerate(value):
+        if index == len(labels.held):
+            labels.held.append(_GoLabel())
+        _label(item, f"{where}[{index}]", labels.held[index])
+    labels.length = len(value)
+
+
+def _label_set(value: Any, where: str, labels: _GoLabels) -> None:
+    def decode(v: Any) -> None:
+        _labels(v, f"{where}.labels", labels)
+
+    _fields(value, "sel", f"{where} ", {"LABELS": decode})
+
+
+def _selector(value: Any, claims: _GoClaims) -> None:
+    def include(v: Any) -> None:
+        _label_set(v, "include", claims.include)
+
+    def exclude(v: Any) -> None:
+        _label_set(v, "exclude", claims.exclude)
+
+    _fields(value, "sel", "", {"INCLUDE": include, "EXCLUDE": exclude})
+
+
+def _capability(value: Any, current: int) -> int:
+    """A uint32, as Go's ParseUint(text, 10) and its overflow check take it."""
+    if value is None:
+        return current
+    text = value.text if isinstance(value, _JsonNumber) else None
+    if text is None or not re.fullmatch("[0-9]{1,10}", text) or int(text) > ALL:
+        raise _ClaimError("cap", f"is {_kind(value)}{f' ({text})' if text and len(text) < 30 else ''}, not a capability mask (an integer of 32 bits)")  # fmt: skip
+    return int(text)
+
+
+def _numeric_date(value: Any, claim: str) -> float | None:
+    """golang-jwt's NumericDate: a json.Number (a number, or a string holding one), its
+    Float64, then time.Unix(int64(whole), int64(fraction*1e9)) truncated to the second. Null
+    is no date."""
+    if value is None:
+        return None
+    text = value.text if isinstance(value, _JsonNumber) else value if isinstance(value, str) else None  # fmt: skip
+    if text is None or not _JSON_NUMBER.fullmatch(text):
+        raise _ClaimError(claim, f"is {_kind(value)}, not a number of seconds")
+    seconds = float(text)
+    fraction, whole = math.modf(seconds)  # (Python: fraction first; Go: whole first.)
+    if math.isinf(seconds) or not -_DATE_LIMIT <= whole < _DATE_LIMIT:
+        raise _ClaimError(claim, "is out of range")
+    return float(int(whole) - (1 if int(fraction * 1e9) < 0 else 0))
+
+
+def _audience(value: Any) -> None:
+    """jwt.ClaimStrings: a string, a list of strings, or null (not kept: not checked)."""
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _ClaimError("aud", f"is {_kind(value)}, not a string or a list of strings")
+
+
+def decode_claims(payload: bytes) -> _GoClaims:
+    """The claims of a token's (verified) payload, decoded as upstream's Go decodes them into
+    its Claims struct. Raises Unauthenticated (one line) for what Go would not decode."""
+    try:
+        doc = json.loads(
+            payload.decode("utf-8", errors="gazette_go_utf8"),
+            object_pairs_hook=_JsonObject,
+            parse_int=_JsonNumber,
+            parse_float=_JsonNumber,
+            parse_constant=_refuse_constant,
         )
+    except (ValueError, RecursionError):
+        raise Unauthenticated(
+            "verifying Authorization: token is malformed: could not JSON decode claim"
+        ) from None
+    claims = _GoClaims()
+
+    def cap(v: Any) -> None:
+        claims.cap = _capability(v, claims.cap)
+
+    def sel(v: Any) -> None:
+        _selector(v, claims)
+
+    def string(name: str) -> Callable[[Any], None]:
+        def check(v: Any) -> None:  # Not kept (not checked), but of its type.
+            _string(v, name, "", "")
+
+        return check
+
+    def date(name: str) -> Callable[[Any], None]:
+        return lambda v: setattr(claims, name, _numeric_date(v, name))
+
+    fields: dict[str, Callable[[Any], None]] = {
+        "CAP": cap,
+        "SEL": sel,
+        "ISS": string("iss"),
+        "SUB": string("sub"),
+        "JTI": string("jti"),
+        "AUD": _audience,
+        "EXP": date("exp"),
+        "NBF": date("nbf"),
+        "IAT": date("iat"),
+    }
+    try:
+        if not isinstance(doc, _JsonObject | type(None)):
+            raise _ClaimError("claims", f"are {_kind(doc)}, not an object")
+        _fields(doc, "claims", "", fields)
+    except _ClaimError as exc:
+        raise Unauthenticated(
+            f"verifying Authorization: token is malformed: could not JSON decode claim: {exc}"
+        ) from None
+    return claims
+
+
+def _label_set_of(labels: _GoLabels) -> pb.LabelSet:
+    out = pb.LabelSet()
+    for label in labels.held[: labels.length]:
+        out.labels.add(name=label.name, value=label.value, prefix=label.prefix)
     return out
 
 
-def selector_of(doc: Any) -> pb.LabelSelector:
-    if doc is None:
-        return pb.LabelSelector()
-    if not isinstance(doc, dict):
-        raise Unauthenticated("verifying Authorization: claim 'sel' is not a label selector")
-    return pb.LabelSelector(
-        include=_label_set_of(doc.get("include")), exclude=_label_set_of(doc.get("exclude"))
-    )
+def validate_times(claims: _GoClaims, now: float, leeway: float = LEEWAY) -> float:
+    """golang-jwt's validation with upstream's options (exp required, iat checked, nbf always
+    checked, `leeway` either way): the token's exp, or Unauthenticated."""
+    if claims.exp is None:
+        raise Unauthenticated("verifying Authorization: token is missing required claim: exp claim is required")  # fmt: skip
+    if not now < claims.exp + leeway:
+        raise Unauthenticated("verifying Authorization: token has invalid claims: token is expired")  # fmt: skip
+    if claims.nbf is not None and now < claims.nbf - leeway:
+        raise Unauthenticated("verifying Authorization: token has invalid claims: token is not valid yet")  # fmt: skip
+    if claims.iat is not None and now < claims.iat - leeway:
+        raise Unauthenticated("verifying Authorization: token has invalid claims: token used before issued")  # fmt: skip
+    return claims.exp
 
 
 # ---- keys --------------------------------------------------------------------------------------
@@ -257,6 +521,8 @@ class KeyedVerifier:
 
     # Seconds past a token's `exp` it still verifies, and a call it admitted goes on.
     leeway = LEEWAY
+    # How long a call admitted without a token (`AA==`) lasts: upstream's hour.
+    missing_token_ttl = 3600.0
 
     def __init__(self, keys: list[bytes], allow_missing: bool, *, cache_size: int = 4096) -> None:
         self.keys = keys
@@ -277,7 +543,9 @@ class KeyedVerifier:
                 break
         if header is None:
             if self.allow_missing:
-                return Claims(require)  # No token, no expiry: the call is not bounded.
+                # As upstream's: the capability asked for, over everything, expiring (whole
+                # seconds, as a NumericDate) an hour on, so the call is bounded as any other.
+                return Claims(require, exp=float(math.floor(time.time() + self.missing_token_ttl)))
             raise Unauthenticated("missing or empty Authorization token")
         if not header.startswith("Bearer "):
             raise Unauthenticated("invalid or unsupported Authorization header (expected 'Bearer')")
@@ -295,19 +563,16 @@ class KeyedVerifier:
         return claims
 
     def _decode(self, token: str) -> Claims:
+        # Segments as Go's base64.RawURLEncoding takes them (no padding, no other characters:
+        # PyJWT's decoding would skip what Go refuses).
+        if not _COMPACT_JWS.fullmatch(token):
+            raise Unauthenticated("verifying Authorization: token is malformed")
         last: Exception | None = None
         for key in self.keys:
             try:
+                # The signature only: the claims are decoded and checked below, as upstream's.
                 with _short_keys_allowed():
-                    doc = jwt.decode(
-                        token,
-                        key,
-                        algorithms=ALGORITHMS,
-                        leeway=LEEWAY,
-                        # An `aud` claim (external issuers set one) is not checked, as
-                        # upstream does not check it.
-                        options={"require": ["exp"], "verify_iat": True, "verify_aud": False},
-                    )
+                    verified = jwt.api_jws.decode_complete(token, key, algorithms=ALGORITHMS)
                 break
             except jwt.InvalidSignatureError as exc:
                 last = exc  # Another key may verify it.
@@ -315,10 +580,16 @@ class KeyedVerifier:
                 raise Unauthenticated(f"verifying Authorization: {_jwt_problem(exc)}") from None
         else:
             raise Unauthenticated(f"verifying Authorization: {_jwt_problem(last)}")
-        cap = doc.get("cap", 0)
-        if not isinstance(cap, int) or isinstance(cap, bool) or not 0 <= cap <= ALL:
-            raise Unauthenticated("verifying Authorization: claim 'cap' is not a capability mask")
-        return Claims(cap, selector_of(doc.get("sel")), float(doc["exp"]))
+        claims = decode_claims(verified["payload"])
+        exp = validate_times(claims, time.time(), self.leeway)
+        selector = pb.LabelSelector(
+            include=_label_set_of(claims.include), exclude=_label_set_of(claims.exclude)
+        )
+        return Claims(claims.cap, selector, exp)
+
+
+# A compact JWS: three segments of base64url without padding.
+_COMPACT_JWS = re.compile(r"[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*\.[A-Za-z0-9_-]*")
 
 
 @contextlib.contextmanager
@@ -356,7 +627,8 @@ async def verify_or_abort(
     verifier: Verifier, context: grpc.aio.ServicerContext[Any, Any], require: int
 ) -> Claims:
     """The request's claims, or the RPC aborted UNAUTHENTICATED with upstream's reason. Claims
-    of a token bound the call (see CallBounds) to its `exp` plus the verifier's leeway."""
+    that expire (a token's, or those of no token under `AA==`) bound the call (see CallBounds)
+    to their `exp` plus the verifier's leeway."""
     try:
         claims = verifier.verify(context.invocation_metadata(), require)
     except Unauthenticated as exc:
@@ -530,9 +802,9 @@ def _bounded(handler: Any) -> Any:
 class CallBounds(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Ends every call of a server when the token it was admitted with expires (its `exp`
     plus the verifier's leeway), with UNAUTHENTICATED (EXPIRED_DURING_CALL): its handler is
-    cancelled where it waits, as at any other cancellation, and the call answered. Calls
-    admitted without a token (`AA==`) and servers without keys are not bounded. Each method's
-    wrapped handler is made once."""
+    cancelled where it waits, as at any other cancellation, and the call answered. A call
+    admitted without a token (`AA==`) is bounded by upstream's hour (its claims expire then);
+    servers without keys are not bounded. Each method's wrapped handler is made once."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, tuple[Any, Any]] = {}

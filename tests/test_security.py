@@ -715,7 +715,8 @@ def test_a_spark_replay_reaches_tls_brokers_with_tokens_from_its_executors(
 def test_token_claims_are_read_as_upstream_reads_them() -> None:
     """Differences from upstream's JWT parsing, each a failing test first: an `aud` claim (set
     by external issuers) is accepted; a selector whose values have the wrong type is refused
-    rather than coerced ("prefix": "false" read as a prefix match); an empty authorization
+    rather than coerced ("prefix": "false" read as a prefix match), and a null one read as
+    Go reads it (tests/test_auth_claims.py has the rest); an empty authorization
     header is refused as not Bearer, not taken for a missing token."""
     verifier = auth.KeyedVerifier([KEY1], allow_missing=True)
     now = int(time.time())
@@ -731,10 +732,13 @@ def test_token_claims_are_read_as_upstream_reads_them() -> None:
         {**label, "prefix": "false"},
         {**label, "prefix": 1},
         {**label, "value": 7},
-        {**label, "name": None},
     ):
         with pytest.raises(auth.Unauthenticated, match="claim 'sel'"):
             verifier.verify(bearer(token(sel={"include": {"labels": [bad]}})), auth.LIST)
+    # Null is no value to Go's decoding (the name stays empty): read so, not refused. A label
+    # of no name selects nothing, so the token sees nothing rather than everything.
+    nameless = verifier.verify(bearer(token(sel={"include": {"labels": [{**label, "name": None}]}})), auth.LIST)  # fmt: skip
+    assert [(lb.name, lb.value) for lb in nameless.selector.include.labels] == [("", "a/")]
     with pytest.raises(auth.Unauthenticated, match="claim 'sel'"):
         verifier.verify(bearer(token(sel={"include": {"labels": "name=a/"}})), auth.LIST)
     with pytest.raises(auth.Unauthenticated, match="expected 'Bearer'"):
