@@ -200,6 +200,7 @@ class _JsonObject(NamedTuple):
 
 
 def _refuse_constant(name: str) -> Any:
+    """NaN and Infinity: Python's JSON reads them, Go's does not."""
     raise ValueError(f"{name} is not JSON")
 
 
@@ -256,6 +257,8 @@ def _kind(value: Any) -> str:
 
 @dataclass
 class _GoLabel:
+    """A Go protocol.Label, decoded into in place."""
+
     name: str = ""
     value: str = ""
     prefix: bool = False
@@ -274,6 +277,8 @@ class _GoLabels:
 
 @dataclass
 class _GoClaims:
+    """Upstream's Claims as Go's decoding leaves them (exp, nbf, iat: whole seconds, or none)."""
+
     cap: int = 0
     include: _GoLabels = field(default_factory=_GoLabels)
     exclude: _GoLabels = field(default_factory=_GoLabels)

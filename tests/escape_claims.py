@@ -58,9 +58,9 @@ async def claims_world(etcd_server: Any, etcd_prefix: str, tmp_path: Path, caplo
         signing = auth.authorized_channel(
             grpc.aio.insecure_channel(harness.endpoint.removeprefix("http://")), SIGNER
         )
-        owner = pb_grpc.JournalStub(signing)  # type: ignore[no-untyped-call]
-        assert (await append_routed(owner, THEIRS, SECRET)).status == pb.OK
-        assert (await append_routed(owner, OURS, b"x's own\n")).status == pb.OK
+        writer = pb_grpc.JournalStub(signing)  # type: ignore[no-untyped-call]
+        assert (await append_routed(writer, THEIRS, SECRET)).status == pb.OK
+        assert (await append_routed(writer, OURS, b"x's own\n")).status == pb.OK
         await signing.close(None)
         try:
             yield ClaimsWorld(journals, [])
