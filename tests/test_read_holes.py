@@ -15,6 +15,7 @@ import io
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aetcd
 import pytest
@@ -237,9 +238,11 @@ async def test_a_read_before_the_first_listing_of_the_stores_waits_for_it(
     store_slow = threading.Event()
     listing = Persister.list_blocking
 
-    def slow_listing(self: Persister, journal: str, spec: pb.JournalSpec) -> list[pb.Fragment]:
+    def slow_listing(
+        self: Persister, journal: str, spec: pb.JournalSpec, guards: Any = None
+    ) -> list[pb.Fragment]:
         store_slow.wait(timeout=30)
-        return listing(self, journal, spec)
+        return listing(self, journal, spec, guards)
 
     monkeypatch.setattr(Persister, "list_blocking", slow_listing)
     async with started_brokers(

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aetcd
 import pytest
@@ -134,10 +135,12 @@ async def test_appends_resume_soon_after_a_store_outage_that_failed_the_first_li
     down = True
     listing = Persister.list_blocking
 
-    def list_unless_down(self: Persister, journal: str, spec: pb.JournalSpec) -> list[pb.Fragment]:
+    def list_unless_down(
+        self: Persister, journal: str, spec: pb.JournalSpec, guards: Any = None
+    ) -> list[pb.Fragment]:
         if down:
             raise StoreError("list: the store is unavailable (test)")
-        return listing(self, journal, spec)
+        return listing(self, journal, spec, guards)
 
     monkeypatch.setattr(Persister, "list_blocking", list_unless_down)
     async with started_brokers(
