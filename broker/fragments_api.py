@@ -18,9 +18,10 @@ from google.protobuf import duration_pb2
 
 from broker.fragment.content import describe
 from broker.fragment.stores import HEALTH_CHECK_PATH, StoreError, check_store_url
-from broker.fragment.stores.base import JOURNAL_HEALTH_DIR
-from broker.fragment.stores.paths import StoreGuard, canonical_store_url
+from broker.fragment.stores.base import DELETE_PROBE_NAME, JOURNAL_HEALTH_DIR, parse_store_url
+from broker.fragment.stores.paths import StoreGuard, canonical_store_url, key_problem
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol.validate import quote
 from broker.resolver import ResolveError
 from plumbing.auth import Claims, signature_ttl
 
@@ -184,14 +185,26 @@ async def serve_store_health(
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         raise AssertionError("unreachable") from None
     prefix = req.check_delete_prefix if req.check_delete else None
-    if prefix and not prefix.endswith("/"):
+    if prefix and (problem := key_problem(prefix)):
+        # For every caller: an object store takes a key as written, while a file store would
+        # resolve '..' out of the directory named (and make directories on the way).
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"check_delete_prefix {prefix!r} must end in '/' (or be empty for the store's root)",
+            f"check_delete_prefix {quote(prefix)} {problem}: give a clean key directory "
+            "relative to the store, ending in '/' (or nothing, for the store's root)",
         )
     probe_dir = HEALTH_CHECK_PATH.rpartition("/")[0] + "/"
     if visible_paths is not None:
-        paths = visible_paths(url)
+        # The probes' object keys, after the store's rewrite, must lie inside a visible
+        # journal's own path (a rewrite can send a clean name elsewhere).
+        store_url = parse_store_url(url)
+        probe_name = HEALTH_CHECK_PATH.rpartition("/")[2]
+        paths = [
+            p
+            for p in visible_paths(url)
+            if p.key_problem(store_url.key(f"{p.journal}/{JOURNAL_HEALTH_DIR}/{probe_name}"))
+            is None
+        ]
         if not paths:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -201,11 +214,12 @@ async def serve_store_health(
         if prefix is not None:
             if not prefix:
                 prefix = probe_dir  # The store's root is not the caller's: its own path is.
-            elif not any(prefix.startswith(p.journal + "/") for p in paths):
+            key = store_url.key(prefix + DELETE_PROBE_NAME)
+            if not any(prefix.startswith(p.journal + "/") and p.key_problem(key) is None for p in paths):  # fmt: skip
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED,
-                    f"not authorized to {req.fragment_store}: check_delete_prefix {prefix!r} is "
-                    "not under a journal your token selects",
+                    f"not authorized to {req.fragment_store}: check_delete_prefix {quote(prefix)} "
+                    "is not under a journal your token selects",
                 )
     response = pb.FragmentStoreHealthResponse(status=pb.OK, header=ctx.unrouted_header())
     if ctx.persister is None:

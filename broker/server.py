@@ -27,7 +27,6 @@ from broker.client.dialer import Dialer
 from broker.fragment import spool
 from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
 from broker.gateway import Gateway
-from broker.keyspace import KeySpace
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.service import JournalService, add_journal_service
@@ -148,11 +147,7 @@ class Broker:
         self.config = config
         self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
         self.etcd: aetcd.Client = etcdx.connect(config.etcd_address, tls=config.etcd_tls)
-        self.ks = KeySpace(
-            config.etcd_prefix,
-            aks.broker_decoder(config.etcd_prefix),
-            apply_delay=config.watch_delay,
-        )
+        self.ks = aks.broker_keyspace(config.etcd_prefix, apply_delay=config.watch_delay)
         self.server: grpc.aio.Server | None = None
         self.service: JournalService | None = None
         self._spool_dir: tempfile.TemporaryDirectory[str] | None = None

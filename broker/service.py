@@ -6,6 +6,7 @@ fragments_api); FragmentStoreHealth over the fragment stores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import tempfile
 import time
@@ -24,15 +25,19 @@ from broker.client.dialer import Dialer
 from broker.client.journals import PLACEMENT
 from broker.context import BrokerContext
 from broker.flow_control import RateLimiter
-from broker.fragment.persister import Persister, check_spec_supported
+from broker.fragment.persister import UNCLAIMED_CHECK_TIMEOUT, Persister, check_spec_supported
+from broker.fragment.stores import StoreError
 from broker.fragment.stores.paths import (
     FragmentPath,
     PathError,
     PathIndex,
     PathIndexCache,
     StoreGuard,
+    canonical_spec_stores,
     canonical_store_url,
+    chosen_origin,
     fragment_path,
+    lock_of,
     overlap,
 )
 from broker.fragments_api import serve_list_fragments, serve_store_health
@@ -447,11 +452,14 @@ class JournalService(pb_grpc.JournalServicer):
         check = None if claims.unrestricted else check_replaced
         try:
             if paths:
-                result = await self._txn_with_paths(keys, expected, ops, check, paths, claims)
+                result = await self._txn_with_paths(keys, names, expected, ops, check, paths, claims)  # fmt: skip
             else:
                 result = await etcdx.txn_guarded(self.etcd, keys, expected, ops, check)
         except auth.Unauthenticated as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise AssertionError("unreachable") from None
+        except _Unlisted as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise AssertionError("unreachable") from None
         except PathError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -505,40 +513,91 @@ class JournalService(pb_grpc.JournalServicer):
     async def _txn_with_paths(
         self,
         keys: list[bytes],
+        names: list[str],
         expected: list[int],
         ops: list[object],
         check: Any,
         paths: list[tuple[str, str, FragmentPath]],
         claims: auth.Claims,
     ) -> etcdx.TxnResult:
-        """As etcdx.txn_guarded, and checking `paths` against every journal's as the keyspace
-        holds them at its revision R; the transaction also compares that no journal changed
-        after R (a concurrent Apply's new path would otherwise pass both checks). When one did,
-        the keyspace catches up and the check runs again."""
-        items = (self.root + aks.ITEMS).encode()
-        items_end = items[:-1] + bytes([items[-1] + 1])
-        changed = {key.decode()[len(self.root + aks.ITEMS) :] for key in keys}
+        """As etcdx.txn_guarded, and checking `paths` (journal, store, path: the upserts') against
+        every journal's as the keyspace holds them. Only Applies whose paths could meet contend:
+        each bumps the lock key of every (storage, first key segment) it claims and compares
+        each with the mod revision it read before checking, so an Apply that claimed a meeting
+        path meanwhile fails the compare, and this one reads and checks again (a keyspace-wide
+        compare let any tenant's Applies fail every other's). With a selector, also: a store's
+        endpoint and profile only as the spec replaced has them, and a path new to its journal
+        only where its store holds no object (a deleted or moved journal's fragments)."""
+        locks = sorted({aks.path_lock_key(self.root, *lock_of(p)).encode() for _, _, p in paths})
+        changed = set(names)
+        listed_empty: set[tuple[str, str]] = set()
         result = etcdx.TxnResult(False, self.ks.revision, 0, 0, 0)
         for _ in range(etcdx.GUARDED_ATTEMPTS):
-            revision, index = self.paths.index()
-            self._check_paths(index, paths, changed, claims)
-            current, read_at = await etcdx.get_current(self.etcd, keys)
+            current, read_at = await etcdx.get_current(self.etcd, [*keys, *locks])
+            held = current[: len(keys)]
+            # Every Apply that bumped a lock by then put its journals in the same transaction:
+            # once the keyspace holds that revision, the check below sees their paths.
+            await self.ks.wait_for_revision(max((c.mod_revision for c in current[len(keys) :]), default=0))  # fmt: skip
             if check is not None:
-                for at, now in enumerate(current):
+                for at, now in enumerate(held):
                     if now.value is not None:
                         check(at, now.value)
-            if any(e not in (-1, now.mod_revision) for e, now in zip(expected, current, strict=True)):  # fmt: skip
+            if any(e not in (-1, now.mod_revision) for e, now in zip(expected, held, strict=True)):  # fmt: skip
                 return etcdx.TxnResult(False, read_at, 0, 0, 0)
+            replaced: dict[str, pb.JournalSpec] = {}
+            for name, now in zip(names, held, strict=True):
+                if now.value is not None:
+                    replaced[name] = pb.JournalSpec.FromString(now.value)
+                    canonical_spec_stores(replaced[name])
+            if not claims.unrestricted:
+                _check_origins(paths, replaced)
+            _, index = self.paths.index()
+            self._check_paths(index, paths, changed, claims)
+            if not claims.unrestricted:
+                await self._check_unclaimed(paths, replaced, listed_empty)
             compare = [
                 transactions.Mod(key) == now.mod_revision
-                for key, now in zip(keys, current, strict=True)
+                for key, now in zip([*keys, *locks], current, strict=True)
             ]
-            compare.append(transactions.Mod(items, range_end=items_end) < revision + 1)
-            result = await etcdx.txn(self.etcd, compare, ops)
+            bumps = [transactions.Put(lock, b"") for lock in locks]
+            result = await etcdx.txn(self.etcd, compare, [*ops, *bumps])
             if result.succeeded:
                 return result
-            await self.ks.wait_for_revision(result.revision)
         return result
+
+    async def _check_unclaimed(
+        self,
+        paths: list[tuple[str, str, FragmentPath]],
+        replaced: dict[str, pb.JournalSpec],
+        listed_empty: set[tuple[str, str]],
+    ) -> None:
+        """Raise auth.Unauthenticated, as for any journal the caller may not change, if a path
+        of `paths` that the journal's replaced spec does not claim already holds objects in its
+        store: fragments a deleted or moved journal left there, which no token with a selector
+        may take as its own. A store that cannot be listed raises _Unlisted (never accepted).
+        `listed_empty` remembers paths found empty, across attempts."""
+        for name, url, path in paths:
+            if (name, url) in listed_empty:
+                continue
+            before = replaced.get(name)
+            if before is not None and path in _claimed_paths(name, before):
+                continue
+            if self.persister is None:
+                raise _Unlisted(
+                    f"journal {name}: cannot check that its fragment path in {url} holds no "
+                    "other journal's fragments: this broker has no fragment stores"
+                )
+            try:
+                held = await self.persister.holds_objects(name, url)
+            except (StoreError, OSError, ValueError, TimeoutError) as exc:
+                reason = str(exc) or f"no answer within {UNCLAIMED_CHECK_TIMEOUT:.0f}s"
+                raise _Unlisted(
+                    f"journal {name}: cannot check that its fragment path in {url} holds no "
+                    f"other journal's fragments ({reason}); try again"
+                ) from None
+            if held:
+                raise auth.Unauthenticated(f"not authorized to {name}")
+            listed_empty.add((name, url))
 
     async def Read(
         self, request: pb.ReadRequest, context: Context
@@ -588,6 +647,45 @@ class JournalService(pb_grpc.JournalServicer):
         _, index = self.paths.index()
         guards = [index.guard(j.spec.name, url) for j in journals if url in j.spec.fragment.stores]
         return [g for g in guards if not g.error]
+
+
+class _Unlisted(Exception):
+    """A store could not say whether a journal's new fragment path holds objects (one line)."""
+
+
+def _claimed_paths(journal: str, spec: pb.JournalSpec) -> set[FragmentPath]:
+    """The fragment paths `spec` (of `journal`) claims, less the stores that claim none."""
+    out = set()
+    for url in spec.fragment.stores:
+        with contextlib.suppress(ValueError):
+            out.add(fragment_path(journal, url))
+    return out
+
+
+def _check_origins(
+    paths: list[tuple[str, str, FragmentPath]], replaced: dict[str, pb.JournalSpec]
+) -> None:
+    """For a caller with a selector: raise auth.Unauthenticated (one line naming the journal
+    and store) for a store that sets an `endpoint` or `profile` unless the spec it replaces has
+    a store of the same scheme, bucket, endpoint and profile, chosen by whoever created it (an
+    operator). A tenant's own choice would send requests signed with the broker's credentials
+    wherever it likes, or pick which of them sign."""
+    seen: dict[str, int] = {}
+    for name, url, _ in paths:
+        at = seen[name] = seen.get(name, -1) + 1  # Its index in the spec's stores.
+        origin = chosen_origin(url)
+        if origin is None:
+            continue
+        before = replaced.get(name)
+        allowed = set()
+        for other in before.fragment.stores if before is not None else ():
+            with contextlib.suppress(ValueError):
+                allowed.add(chosen_origin(other))
+        if origin not in allowed:
+            raise auth.Unauthenticated(
+                f"journal {name}: fragment.stores[{at}]: a token with a selector cannot choose "
+                "the store's endpoint or profile (an operator sets them)"
+            )
 
 
 def _fragment_paths(request: pb.ApplyRequest) -> list[tuple[str, str, FragmentPath]]:

@@ -11,9 +11,12 @@ Collected by tests/test_tenant_escape.py; run alone with
 
 from __future__ import annotations
 
+import asyncio
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -26,16 +29,28 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from plumbing import auth
 from tests.fragments_testing import put_fragment
+from tests.store_servers import S3Server
 from tests.test_tenancy import KEYS, admin, md, team
 
 __all__ = [
+    "left_behind",
     "stores_broker",
     "test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal",
     "test_a_journal_cannot_name_another_journals_fragments",
+    "test_a_restricted_token_cannot_choose_a_stores_endpoint_or_profile",
+    "test_a_restricted_token_cannot_claim_fragments_a_journal_left_behind",
     "test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_fragments",
+    "test_a_store_that_cannot_be_listed_refuses_a_restricted_apply_unavailable",
+    "test_an_endpoints_trailing_slash_is_not_canonical",
+    "test_an_operators_endpoint_and_profile_stay_usable_by_a_restricted_token",
+    "test_an_s3_endpoint_that_is_not_a_bare_origin_is_refused_for_every_caller",
+    "test_another_tenants_apply_flood_does_not_fail_a_tenants_applies",
+    "test_check_delete_prefix_is_a_clean_key_directory_for_every_caller",
+    "test_check_delete_prefix_lies_inside_a_visible_journal_after_the_stores_rewrite",
     "test_concurrent_applies_cannot_race_past_each_others_path_check",
     "test_non_canonical_store_spellings_are_refused_naming_the_canonical_form",
     "test_path_postfix_templates_cannot_climb_out_of_their_journal",
+    "test_the_operator_may_create_a_journal_over_fragments_left_behind",
 ]
 
 VICTIM = "tenant-y/secret"
@@ -70,6 +85,7 @@ def journal_spec(name: str, owner: str, store: str, postfix: str = "") -> pb.Jou
 class Cluster:
     stub: pb_grpc.JournalStub
     root: Path
+    harness: BrokerHarness
 
     def files(self) -> set[str]:
         return {str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file()}
@@ -95,7 +111,7 @@ async def stores_broker(etcd_server: object, etcd_prefix: str, tmp_path: Path) -
         await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
         # Its first append rolls its write head forward to the end of what its store holds.
         await append_routed(stub, VICTIM, FIRST, offset=len(SECRET), metadata=admin())
-        yield Cluster(stub, root)
+        yield Cluster(stub, root, harness)
         await channel.close(None)
 
 
@@ -320,7 +336,6 @@ async def test_concurrent_applies_cannot_race_past_each_others_path_check(
 ) -> None:
     """Applies at once of journals whose paths are one ('tenant-y/race/' by rewrites of their
     names): each checked against a keyspace without the others, yet at most one is applied."""
-    import asyncio
 
     async def apply(i: int) -> str:
         name = f"team-x/race-{i}"
@@ -338,3 +353,335 @@ async def test_concurrent_applies_cannot_race_past_each_others_path_check(
     assert set(outcomes) <= {"OK", "refused", "ETCD_TRANSACTION_FAILED"}, outcomes
     created = [i for i in range(8) if await exists(stores_broker.stub, f"team-x/race-{i}")]
     assert len(created) == 1
+
+
+# --- S3 endpoints and profiles (review finding 1) ----------------------------------------------------
+
+
+def s3_url(bucket: str, endpoint: str = "", prefix: str = "", profile: str = "") -> str:
+    """An s3:// store URL spelled canonically: `endpoint` and `profile` are written as given."""
+    args = [f"endpoint={urllib.parse.quote(endpoint, safe='')}"] if endpoint else []
+    args += [f"profile={profile}"] if profile else []
+    return f"s3://{bucket}/{prefix}?" + "&".join([*args, "region=us-east-1"])
+
+
+# Endpoints that are not a bare origin `http(s)://host[:port]`: each refused for every caller,
+# the operator included. With a path, boto's path-style request for bucket B goes to
+# ENDPOINT/PATH/B/KEY: another bucket's keys (the reviewer's attack).
+NOT_ORIGINS = [
+    "{moto}/SHARED",
+    "{moto}/SHARED/",
+    "{moto}/%2E%2E/SHARED",
+    "{moto}?x=1",
+    "{moto}/?x=1",
+    "{moto}#frag",
+    "http://user:pw@127.0.0.1:9",
+    "ftp://127.0.0.1:9",
+    "127.0.0.1:9",
+    "http://",
+    "http:///SHARED",
+    "http://127.0.0.1:notaport",
+]
+
+
+@pytest.mark.parametrize("endpoint", NOT_ORIGINS)
+@pytest.mark.parametrize("who", ["operator", X])
+async def test_an_s3_endpoint_that_is_not_a_bare_origin_is_refused_for_every_caller(
+    stores_broker: Cluster, s3_server: S3Server, endpoint: str, who: str
+) -> None:
+    shared = s3_server.create_bucket()
+    put_fragment(open_store(s3_url(shared, s3_server.endpoint)), "y/secret", 0, SECRET)
+    endpoint = endpoint.format(moto=s3_server.endpoint).replace("SHARED", shared)
+    store = s3_url("y", endpoint)
+    token = admin() if who == "operator" else md(auth.ALL, team("x"))
+    err = await attempt(stores_broker, journal_spec("secret", "x", store), token)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    details = err.details() or ""
+    assert details.startswith("journal secret: fragment.stores[0]: "), details
+    assert "endpoint" in details and "\n" not in details, details
+    assert not await exists(stores_broker.stub, "secret")
+    # Nothing was written beside the victim's fragment.
+    client: Any = s3_server.client()
+    try:
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=shared).get("Contents", [])]
+    finally:
+        client.close()
+    assert len(keys) == 1 and keys[0].startswith("y/secret/"), keys
+
+
+async def test_an_endpoints_trailing_slash_is_not_canonical(stores_broker: Cluster) -> None:
+    store = "s3://b/?endpoint=http%3A%2F%2F127.0.0.1%3A9%2F&region=us-east-1"
+    err = await attempt(stores_broker, journal_spec("secret", "x", store), admin())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert err.details() == (
+        f'journal secret: fragment.stores[0]: fragment store "{store}" is not canonical (write '
+        '"s3://b/?endpoint=http%3A%2F%2F127.0.0.1%3A9&region=us-east-1")'
+    )
+
+
+# Stores a restricted token names for a journal of its own: each chooses where the broker sends
+# requests signed with its credentials (SSRF), or which of its credentials sign them, or (a
+# bucket-named virtual host) another bucket than the one the path index sees.
+CHOSEN = [
+    ("{shared}", "{moto}", ""),
+    ("{mine}", "{moto}", ""),
+    ("{mine}", "http://{shared}.s3.amazonaws.com", ""),
+    ("y", "http://127.0.0.1:1", ""),
+    ("{mine}", "", "gazette-test"),
+    ("{mine}", "{moto}", "gazette-test"),
+]
+
+
+@pytest.mark.parametrize(("bucket", "endpoint", "profile"), CHOSEN)
+async def test_a_restricted_token_cannot_choose_a_stores_endpoint_or_profile(
+    stores_broker: Cluster, s3_server: S3Server, bucket: str, endpoint: str, profile: str
+) -> None:
+    shared, mine = s3_server.create_bucket(), s3_server.create_bucket()
+    put_fragment(open_store(s3_url(shared, s3_server.endpoint)), "secret", 0, SECRET)
+    fill = {"shared": shared, "mine": mine, "moto": s3_server.endpoint}
+    store = s3_url(bucket.format(**fill), endpoint.format(**fill), profile=profile)
+    err = await attempt(stores_broker, journal_spec("secret", "x", store), md(auth.ALL, team("x")))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    assert err.details() == (
+        "journal secret: fragment.stores[0]: a token with a selector cannot choose the store's "
+        "endpoint or profile (an operator sets them)"
+    )
+    assert not await exists(stores_broker.stub, "secret")
+
+
+async def test_an_operators_endpoint_and_profile_stay_usable_by_a_restricted_token(
+    stores_broker: Cluster, s3_server: S3Server
+) -> None:
+    """The operator created the journal with its store's endpoint: its tenant may re-apply it,
+    move it within that bucket and endpoint, but not change the endpoint or the bucket."""
+    bucket, other = s3_server.create_bucket(), s3_server.create_bucket()
+    x = md(auth.ALL, team("x"))
+    ops = s3_url(bucket, s3_server.endpoint)
+    change = pb.ApplyRequest.Change(upsert=journal_spec("ops-j", "x", ops))
+    await stores_broker.stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+    for store in (ops, s3_url(bucket, s3_server.endpoint, prefix="moved/")):
+        change = pb.ApplyRequest.Change(upsert=journal_spec("ops-j", "x", store), expect_mod_revision=-1)  # fmt: skip
+        response = await stores_broker.stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x)
+        assert response.status == pb.OK
+    for store in (
+        s3_url(bucket, "http://127.0.0.1:1", prefix="moved/"),
+        s3_url(other, s3_server.endpoint, prefix="moved/"),
+        s3_url(bucket, s3_server.endpoint, prefix="moved/", profile="gazette-test"),
+    ):
+        change = pb.ApplyRequest.Change(upsert=journal_spec("ops-j", "x", store), expect_mod_revision=-1)  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stores_broker.stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+        assert "cannot choose the store's endpoint or profile" in (info.value.details() or "")
+
+
+# --- Fragments a journal left behind (review finding 2) ---------------------------------------------
+
+
+# (attacker's journal, its store, whose token): each names the path of fragments left in the
+# store by a journal that was deleted ('tenant-y/gone-j/', 'deep/down/j/') or moved ('y/logs/' in
+# file:///old/).
+LEFT_BEHIND = [
+    ("gone-j", "file:///tenant-y/", X),
+    ("gone", "file:///tenant-y/?find=gone%2F&replace=gone-j%2F", X),
+    ("team-x/steal", "file:///?find=team-x%2Fsteal&replace=tenant-y%2Fgone-j", PREFIX),
+    ("deep", "file:///", X),  # Contains the deleted journal's path.
+    ("team-x/deep", "file:///?find=team-x%2F", PREFIX),
+    ("logs", "file:///old/y/", X),  # The moved journal's old path.
+    ("team-x/logs", "file:///old/?find=team-x%2F&replace=y%2F", PREFIX),
+]
+
+
+@pytest.fixture
+async def left_behind(stores_broker: Cluster) -> Cluster:
+    """`stores_broker`, where journals `tenant-y/gone-j` and `deep/down/j` (team=y) persisted
+    fragments and were deleted, and `y/logs` moved from file:///old/ to file:///new/ (by its
+    own team=y token)."""
+    root, stub = stores_broker.root, stores_broker.stub
+    (root / "old").mkdir()
+    (root / "new").mkdir()
+    for name in ("tenant-y/gone-j", "deep/down/j"):
+        put_fragment(open_store("file:///", file_root=root), name, 0, SECRET)
+        change = pb.ApplyRequest.Change(upsert=journal_spec(name, "y", "file:///"))
+        await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+        change = pb.ApplyRequest.Change(delete=name, expect_mod_revision=-1)
+        await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+    put_fragment(open_store("file:///old/", file_root=root), "y/logs", 0, SECRET)
+    change = pb.ApplyRequest.Change(upsert=journal_spec("y/logs", "y", "file:///old/"))
+    await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+    change = pb.ApplyRequest.Change(upsert=journal_spec("y/logs", "y", "file:///new/"), expect_mod_revision=-1)  # fmt: skip
+    await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=md(auth.ALL, team("y")))
+    return stores_broker
+
+
+@pytest.mark.parametrize(("name", "store", "who"), LEFT_BEHIND)
+async def test_a_restricted_token_cannot_claim_fragments_a_journal_left_behind(
+    left_behind: Cluster, name: str, store: str, who: str
+) -> None:
+    before = left_behind.files()
+    err = await attempt(left_behind, journal_spec(name, "x", store), token_of(who))
+    # Refused exactly as any unauthorized change: the caller learns only that it may not.
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    assert err.details() == f"not authorized to {name}"
+    assert not await exists(left_behind.stub, name)
+    await victim_unharmed(left_behind, before)
+
+
+async def test_the_operator_may_create_a_journal_over_fragments_left_behind(
+    left_behind: Cluster,
+) -> None:
+    """Upstream's flow of re-creating a deleted journal over its fragments stays the
+    operator's; and a tenant re-applying its own journal, whose path holds its own fragments,
+    is not refused."""
+    stub = left_behind.stub
+    change = pb.ApplyRequest.Change(upsert=journal_spec("tenant-y/gone-j", "y", "file:///"), expect_mod_revision=0)  # fmt: skip
+    assert (await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())).status == pb.OK
+    status, content = await read_routed(stub, "tenant-y/gone-j", admin())
+    assert content == SECRET, (status, content)
+    y = md(auth.ALL, team("y"))
+    spec = journal_spec("tenant-y/gone-j", "y", "file:///")
+    spec.labels.labels.add(name="version", value="2")
+    change = pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=-1)
+    assert (await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=y)).status == pb.OK
+
+
+async def test_a_store_that_cannot_be_listed_refuses_a_restricted_apply_unavailable(
+    stores_broker: Cluster, s3_server: S3Server
+) -> None:
+    bucket = s3_server.create_bucket()
+    x = md(auth.ALL, team("x"))
+    change = pb.ApplyRequest.Change(upsert=journal_spec("ops-j", "x", s3_url(bucket, s3_server.endpoint)))  # fmt: skip
+    await stores_broker.stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+    client: Any = s3_server.client()
+    try:
+        client.delete_bucket(Bucket=bucket)
+    finally:
+        client.close()
+    moved = journal_spec("ops-j", "x", s3_url(bucket, s3_server.endpoint, prefix="moved/"))
+    change = pb.ApplyRequest.Change(upsert=moved, expect_mod_revision=-1)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stores_broker.stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+    assert "\n" not in (info.value.details() or "")
+    listed = [j async for r in stores_broker.stub.List(pb.ListRequest(selector=team("x")), metadata=admin()) for j in r.journals]  # fmt: skip
+    assert [list(j.spec.fragment.stores) for j in listed] == [[s3_url(bucket, s3_server.endpoint)]]
+
+
+# --- FragmentStoreHealth's check_delete_prefix (review finding 3) -----------------------------------
+
+# Prefixes that are not a clean relative key directory: refused for every caller.
+UNCLEAN_PREFIXES = [
+    "mine/../tenant-y/secret/",
+    "mine/../tenant-z/new/",
+    "mine/a/../../tenant-y/secret/",
+    "../tenant-y/secret/",
+    "mine/./",
+    "./mine/",
+    "mine//",
+    "/mine/",
+    "/tenant-y/secret/",
+    "mine/\x7f/",
+    "mine/\n/",
+    "mine/..",
+    "..",
+    "mine/../",
+]
+
+
+@pytest.mark.parametrize("prefix", UNCLEAN_PREFIXES)
+@pytest.mark.parametrize("who", ["operator", X])
+async def test_check_delete_prefix_is_a_clean_key_directory_for_every_caller(
+    stores_broker: Cluster, prefix: str, who: str
+) -> None:
+    stub, root = stores_broker.stub, stores_broker.root
+    x = md(auth.ALL, team("x"))
+    change = pb.ApplyRequest.Change(upsert=journal_spec("mine", "x", "file:///"))
+    await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x)
+    # A victim's object named as the probe is: a put finds it, and the remove deletes it.
+    victim_object = root / "tenant-y" / "secret" / ".gazette-delete-probe"
+    victim_object.write_bytes(b"victim's object\n")
+    before = stores_broker.files()
+    request = pb.FragmentStoreHealthRequest(
+        fragment_store="file:///", check_delete=True, check_delete_prefix=prefix
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.FragmentStoreHealth(request, metadata=admin() if who == "operator" else x)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    details = info.value.details() or ""
+    assert details.startswith("check_delete_prefix ") and "\n" not in details, details
+    assert victim_object.read_bytes() == b"victim's object\n"
+    assert stores_broker.files() == before
+    assert not (root / "tenant-z").exists()
+
+
+async def test_check_delete_prefix_lies_inside_a_visible_journal_after_the_stores_rewrite(
+    stores_broker: Cluster,
+) -> None:
+    """A clean prefix under the caller's journal's name, which the store's rewrite sends
+    elsewhere ('rw-j/zz/' to 'x/rw-j/../../tenant-y/secret/'): refused to the token, and the store
+    itself never resolves a key with '..' for the operator either."""
+    stub, root = stores_broker.stub, stores_broker.root
+    x = md(auth.ALL, team("x"))
+    store = "file:///x/?find=zz&replace=..%2F..%2Ftenant-y%2Fsecret"
+    change = pb.ApplyRequest.Change(upsert=journal_spec("rw-j", "x", store))
+    assert (await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x)).status == pb.OK
+    victim_object = root / "tenant-y" / "secret" / ".gazette-delete-probe"
+    victim_object.write_bytes(b"victim's object\n")
+    before = stores_broker.files()
+    request = pb.FragmentStoreHealthRequest(
+        fragment_store=store, check_delete=True, check_delete_prefix="rw-j/zz/"
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.FragmentStoreHealth(request, metadata=x)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+    response = await stub.FragmentStoreHealth(request, metadata=admin())
+    assert response.status == pb.FRAGMENT_STORE_UNHEALTHY, response
+    assert "'..'" in response.store_health_error, response
+    assert victim_object.read_bytes() == b"victim's object\n"
+    assert {f for f in stores_broker.files() - before if not f.startswith("x/.test/")} == set()
+    # Inside the journal's path, the probe goes and comes.
+    request.check_delete_prefix = "rw-j/sub/"
+    assert (await stub.FragmentStoreHealth(request, metadata=x)).status == pb.OK
+    assert not (root / "x" / "rw-j" / "sub" / ".gazette-delete-probe").exists()
+
+
+# --- Applies of other tenants do not contend (review finding 4) -------------------------------------
+
+
+async def test_another_tenants_apply_flood_does_not_fail_a_tenants_applies(
+    stores_broker: Cluster,
+) -> None:
+    """Tenant x re-applies its journals in a loop, without stores and with stores in its own
+    directory; tenant y's Applies of new journals with a store in another directory, with no
+    expected revision, all succeed meanwhile (they share no path lock with x's)."""
+    stub, root = stores_broker.stub, stores_broker.root
+    (root / "y").mkdir()
+    stop = asyncio.Event()
+    x = md(auth.ALL, team("x"))
+    applied = [0, 0]
+
+    async def flood(i: int) -> None:
+        spec = journal_spec(f"x-flood-{i}", "x", "file:///x/" if i % 2 else "")
+        while not stop.is_set():
+            change = pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=-1)
+            await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x)
+            applied[i % 2] += 1
+
+    floods = [asyncio.create_task(flood(i)) for i in range(6)]
+    y = md(auth.ALL, team("y"))
+    outcomes = []
+    try:
+        # The flood is under way, both kinds, before y applies.
+        async with asyncio.timeout(30):
+            while min(applied) < 5:
+                await asyncio.sleep(0.05)
+        for i in range(10):
+            change = pb.ApplyRequest.Change(upsert=journal_spec(f"y/new-{i}", "y", "file:///y/"), expect_mod_revision=-1)  # fmt: skip
+            response = await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=y)
+            outcomes.append(pb.Status.Name(response.status))
+        during = applied[:]
+    finally:
+        stop.set()
+        await asyncio.gather(*floods)
+    assert outcomes == ["OK"] * 10, outcomes
+    assert min(during) > 5, during  # The flood went on meanwhile.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -255,3 +256,119 @@ async def test_the_brokers_path_index_is_built_again_only_when_a_journal_changes
             assert rebuilt is not first
             claims = rebuilt.overlapping(fragment_path("paths/b", "file:///x/"))
             assert [c.journal for c in claims] == ["paths/b"]
+
+
+# --- S3 endpoints (review finding 1) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "canonical"),
+    [
+        ("http://127.0.0.1:9", "http://127.0.0.1:9"),
+        ("http://127.0.0.1:9/", "http://127.0.0.1:9"),
+        ("HTTPS://S3.Example.COM/", "https://s3.example.com"),
+        ("http://[::1]:9000", "http://[::1]:9000"),
+    ],
+)
+def test_an_endpoint_is_a_bare_origin_in_one_spelling(endpoint: str, canonical: str) -> None:
+    url = f"s3://b/?endpoint={quote(endpoint, safe='')}&region=r"
+    assert canonical_store_url(url) == f"s3://b/?endpoint={quote(canonical, safe='')}&region=r"
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://127.0.0.1:9/SHARED",
+        "http://127.0.0.1:9//",
+        "http://127.0.0.1:9/?x=1",
+        "http://127.0.0.1:9#f",
+        "http://user@127.0.0.1:9",
+        "http://127.0.0.1:9/%2E%2E",
+        "ftp://127.0.0.1:9",
+        "127.0.0.1:9",
+        "http://",
+        "http://127.0.0.1:99999",
+        "http://a b",
+    ],
+)
+def test_an_endpoint_that_is_not_a_bare_origin_is_refused_in_one_line(endpoint: str) -> None:
+    url = f"s3://b/?endpoint={quote(endpoint, safe='')}&region=r"
+    for parse in (parse_store_url, canonical_store_url):
+        with pytest.raises(StoreURLError) as info:
+            parse(url)
+        message = str(info.value)
+        assert "its endpoint" in message and "bare origin" in message and "\n" not in message
+
+
+# --- The file store's keys (review finding 3) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["a/../b", "a/./b", "..", "a/..", "./a", "a/../../b/"])
+def test_the_file_store_never_resolves_a_key_through_dot_segments(tmp_path: Path, key: str) -> None:
+    from broker.fragment.stores import StoreError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").write_bytes(b"outside\n")
+    store = open_store("file:///", file_root=tmp_path)
+    for operation in (
+        lambda: store.put(key + "/p", io.BytesIO(b"p\n"), 2),
+        lambda: store.get(key),
+        lambda: store.remove(key),
+        lambda: list(store.list(key + "/")),
+    ):
+        with pytest.raises(StoreError, match=r"'\.' or '\.\.' segment"):
+            operation()
+    assert (tmp_path / "b").read_bytes() == b"outside\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+# --- Path locks (review finding 4) -----------------------------------------------------------------
+
+
+def test_applies_share_a_path_lock_exactly_when_their_paths_could_meet() -> None:
+    from broker.allocator.keyspace import path_lock_key
+    from broker.fragment.stores.paths import lock_of
+
+    journals = ["a", "a/b", "ab", "b/c", "x%2Fy", "x/y"]
+    stores = ["file:///", "file:///a/", "s3://a/?region=r", "gs://a/", "s3://a.b/?region=r"]
+    paths = [fragment_path(j, s) for j in journals for s in stores]
+    for p in paths:
+        for q in paths:
+            same_lock = path_lock_key("/r", *lock_of(p)) == path_lock_key("/r", *lock_of(q))
+            if overlap(p, q):
+                assert same_lock, (p, q)
+            assert same_lock == (lock_of(p) == lock_of(q)), (p, q)
+    # Each part escaped whole: one '/' between storage and segment, whatever they hold.
+    assert all(path_lock_key("/r", *lock_of(p)).removeprefix("/r/paths/").count("/") == 1 for p in paths)  # fmt: skip
+
+
+async def test_path_locks_are_left_out_of_the_brokers_mirror_quietly(
+    etcd_server: object,
+    etcd: Any,
+    etcd_prefix: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import grpc
+
+    from broker.allocator.keyspace import PATHS
+    from broker.protocol import protocol_pb2_grpc as pb_grpc
+    from broker.testing import BrokerHarness
+
+    (tmp_path / "x").mkdir()
+    async with BrokerHarness(etcd_server.endpoint, etcd_prefix, file_root=str(tmp_path)) as harness:  # type: ignore[attr-defined]  # fmt: skip
+        service = harness.broker.service
+        assert service is not None
+        async with grpc.aio.insecure_channel(harness.endpoint.removeprefix("http://")) as channel:
+            stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+            spec = pb.JournalSpec(name="locks/a", replication=1)
+            spec.fragment.length = 1 << 20
+            spec.fragment.refresh_interval.seconds = 60
+            spec.fragment.compression_codec = pb.NONE
+            spec.fragment.stores.append("file:///x/")
+            applied = await stub.Apply(pb.ApplyRequest(changes=[pb.ApplyRequest.Change(upsert=spec)]))  # fmt: skip
+        await service.ks.wait_for_revision(applied.header.etcd.revision)
+        held = [kv.key.decode() for kv in await etcd.get_prefix((etcd_prefix + PATHS).encode())]
+        assert held == [f"{etcd_prefix}{PATHS}file/x"]
+        assert not [kv for kv in service.ks.prefixed(etcd_prefix + PATHS)]
+        assert not [r for r in caplog.records if "failed to decode" in r.getMessage()]

@@ -3,13 +3,18 @@
 Under a root prefix: `items/{id}` holds a spec, `members/{zone}#{suffix}` a member spec written
 under the member's lease, and `assign/{item}#{zone}#{suffix}#{slot}` an assignment (slot 0 is the
 primary). `#` separates because every token alphabet excludes it.
+
+Brokers also keep `paths/{storage}/{segment}` (escaped), empty keys which journal Applies bump to
+serialize only those that could claim meeting fragment paths (see `path_lock_key`); they are not
+mirrored (`broker_keyspace`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import quote
 
 from google.protobuf.message import Message
 
@@ -18,7 +23,11 @@ from broker.protocol import protocol_pb2 as pb
 ITEMS = "/items/"
 MEMBERS = "/members/"
 ASSIGNMENTS = "/assign/"
+PATHS = "/paths/"
 SEP = "#"
+
+if TYPE_CHECKING:
+    from broker.keyspace import KeySpace
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,23 @@ def member_key(root: str, zone: str, suffix: str) -> str:
 
 def assignment_key(root: str, item_id: str, zone: str, suffix: str, slot: int) -> str:
     return f"{root}{ASSIGNMENTS}{item_id}{SEP}{zone}{SEP}{suffix}{SEP}{slot}"
+
+
+def path_lock_key(root: str, storage: str, segment: str) -> str:
+    """The etcd key an Apply bumps (and compares) for the fragment paths it claims in `storage`
+    whose key directory begins with `segment`: two paths that meet (equal or nested) share both,
+    so Applies that could race past each other's path check contend on it, and others never.
+    Each part is escaped whole, so no storage or segment spells another's key."""
+    return f"{root}{PATHS}{quote(storage, safe='')}/{quote(segment, safe='')}"
+
+
+def broker_keyspace(root: str, *, apply_delay: float = 0.03) -> KeySpace:
+    """The brokers' mirror of the journal layout under `root`, without the path lock keys
+    (bumped at Applies; nothing reads them from the mirror, and the decoder knows no layout for
+    them)."""
+    from broker.keyspace import KeySpace
+
+    return KeySpace(root, broker_decoder(root), apply_delay=apply_delay, unmirrored=root + PATHS)
 
 
 def new_decoder(

@@ -66,6 +66,9 @@ def store_backoff(maximum: float = STORE_RETRY_MAX) -> Backoff:
     return Backoff(initial=0.1, factor=2.0, maximum=maximum)
 
 
+# How long an Apply waits for a store to say whether a journal's new path holds objects.
+UNCLAIMED_CHECK_TIMEOUT = 30.0
+
 # How long a stopping broker keeps trying to persist what it still holds (its spools' content,
 # the open fragments included: see Replica.shutdown), and how soon it tries again meanwhile.
 FINAL_ATTEMPT_TIMEOUT = 30.0
@@ -159,6 +162,14 @@ class Persister:
             backoff = store_backoff()
             while True:
                 spec = replica.spec
+                if self.paths is not None:
+                    # As upstream, the journal's spec as it stands: a stopped replica's may be
+                    # stale, and a deleted journal's last fragment is dropped, not written
+                    # into a path its deletion freed (which another journal may now claim).
+                    spec = self.paths.spec(completed.fragment.journal)
+                    if spec is None:
+                        log.info("dropping %r: its journal was deleted", completed)
+                        return
                 if spec is None or not spec.fragment.stores:
                     return  # No stores: the journal works, but never persists (as upstream).
                 try:
@@ -230,6 +241,18 @@ class Persister:
         return fragment
 
     # ---- listing ------------------------------------------------------------------------------
+
+    async def holds_objects(self, journal: str, url: str) -> bool:
+        """Whether store `url` holds any object under `journal`'s fragment path (listed with
+        the broker's own credentials, as fragments are, stopping at the first). Raises
+        StoreError (or TimeoutError after UNCLAIMED_CHECK_TIMEOUT) when it cannot say."""
+
+        def first() -> bool:
+            with _store_operation(url, "list"):
+                return next(iter(self.store(url).list(journal + "/")), None) is not None
+
+        async with asyncio.timeout(UNCLAIMED_CHECK_TIMEOUT):
+            return await asyncio.get_running_loop().run_in_executor(_LISTERS, first)
 
     def list_blocking(
         self,

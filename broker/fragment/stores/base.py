@@ -206,6 +206,14 @@ def parse_store_url(url: str) -> StoreURL:
             "by gazette-py yet (use azure:// with AZURE_ACCOUNT_NAME and AZURE_ACCOUNT_KEY)"
         )
     args = _parse_query(parts.query, scheme, url)
+    if args.get("endpoint"):
+        problem = endpoint_problem(args["endpoint"])
+        if problem is not None:
+            raise StoreURLError(
+                f"{_quoted(url)} is not a valid fragment store: its endpoint "
+                f"{_quoted(args['endpoint'])} {problem} (write a bare origin: "
+                "http://host[:port] or https://host[:port])"
+            )
     path = unquote(parts.path)
     return StoreURL(
         url=url,
@@ -218,15 +226,47 @@ def parse_store_url(url: str) -> StoreURL:
     )
 
 
+_ORIGIN_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why an s3:// store's `endpoint` is not a bare origin `http(s)://host[:port]` (None if it
+    is; a trailing '/' is allowed, and canonical_store_url drops it). boto sends a path-style
+    request for bucket B, key K to ENDPOINT/B/K: a path in the endpoint would make that another
+    bucket's key, and a query, fragment or user info would change what is signed and sent."""
+    if any(char in endpoint for char in "?#@\\%") or any(ord(c) <= 0x20 or ord(c) == 0x7F for c in endpoint):  # fmt: skip
+        return "has a query, fragment, user info, escape or control character"
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return "is not an http:// or https:// URL"
+    host, slash, path = rest.partition("/")
+    if path or (slash and not host):
+        return "has a path"
+    hostname, colon, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+    if not colon:
+        hostname = host
+    elif not port.isdigit() or not 0 < int(port) < 65536:
+        return f"has no valid port ({port!r})"
+    if not hostname or not _ORIGIN_HOST.fullmatch(hostname):
+        return "has no valid host"
+    return None
+
+
 def check_store_url(url: str) -> None:
     """Raise StoreURLError (one line naming the URL and the problem) if `url` is unusable."""
     parse_store_url(url)
 
 
 def resolve_under(root: Path, relative: str, *, what: str) -> Path:
-    """`root / relative`, refusing (StoreError) a path that escapes `root`."""
+    """`root / relative`, refusing (StoreError) a path that escapes `root`, and one with a '.'
+    or '..' segment: an object store would take such a key as written, so resolving it would
+    make it name another object (a probe or fragment of another journal's path)."""
     if "\x00" in relative:
         raise StoreError(f"{what}: {relative!r} contains a NUL character")
+    if any(segment in (".", "..") for segment in relative.split("/")):
+        raise StoreError(
+            f"{what}: key {relative!r} has a '.' or '..' segment; no key is resolved through one"
+        )
     base = os.path.normpath(os.path.abspath(root))
     full = os.path.normpath(os.path.join(base, relative.lstrip("/")))
     if full != base and not full.startswith(base.rstrip(os.sep) + os.sep):

@@ -48,8 +48,10 @@ __all__ = [
     "StoreGuard",
     "canonical_spec_stores",
     "canonical_store_url",
+    "chosen_origin",
     "fragment_path",
     "key_problem",
+    "lock_of",
     "overlap",
 ]
 
@@ -105,6 +107,10 @@ def canonical_store_url(url: str) -> str:
         segments.append(segment)
     canonical_path = "/" + "".join(quote(s, safe=_SEGMENT_SAFE) + "/" for s in segments)
     args = _parse_query(parts.query, parsed.scheme, url)  # In the order written: see above.
+    if args.get("endpoint"):
+        # A bare origin (parse_store_url checked it): one spelling, without its trailing '/'.
+        origin_scheme, _, origin = args["endpoint"].partition("://")
+        args["endpoint"] = f"{origin_scheme.lower()}://{origin.rstrip('/').lower()}"
     query = "&".join(
         f"{name}={quote_plus(value, safe='')}" for name, value in args.items() if value
     )
@@ -175,6 +181,23 @@ def fragment_path(journal: str, url: str) -> FragmentPath:
     return FragmentPath(storage, key)
 
 
+def lock_of(path: FragmentPath) -> tuple[str, str]:
+    """What two Applies whose paths could meet (equal or nested) share: the storage and the
+    first segment of the key directory (fragment_path refuses the store's whole root)."""
+    return path.storage, path.key.partition("/")[0]
+
+
+def chosen_origin(url: str) -> tuple[str, str, str, str] | None:
+    """(scheme, bucket, endpoint, profile) of canonical store `url` when it sets an `endpoint`
+    or a `profile`, else None: what decides where the broker sends requests signed with its
+    credentials, and which of them sign."""
+    parsed = parse_store_url(url)
+    endpoint, profile = parsed.arg("endpoint"), parsed.arg("profile")
+    if not endpoint and not profile:
+        return None
+    return parsed.scheme, unquote(parsed.bucket).lower(), endpoint, profile
+
+
 def overlap(a: FragmentPath, b: FragmentPath) -> bool:
     """Whether fragment paths `a` and `b` are equal or one lies inside the other."""
     return a.storage == b.storage and (a.key.startswith(b.key) or b.key.startswith(a.key))
@@ -227,6 +250,7 @@ class PathIndex:
     _claims: dict[str, dict[str, list[_Claim]]] = field(default_factory=dict)
     _sorted: dict[str, list[str]] = field(default_factory=dict)
     _revisions: dict[str, int] = field(default_factory=dict)
+    _specs: dict[str, pb.JournalSpec] = field(default_factory=dict)
 
     @classmethod
     def of(cls, journals: Iterable[tuple[str, pb.JournalSpec, int]]) -> PathIndex:
@@ -235,6 +259,7 @@ class PathIndex:
         index = cls()
         for name, spec, revision in journals:
             index._revisions[name] = revision
+            index._specs[name] = spec
             for url in spec.fragment.stores:
                 try:
                     path = fragment_path(name, url)
@@ -245,6 +270,10 @@ class PathIndex:
         for storage, keys in index._claims.items():
             index._sorted[storage] = sorted(keys)
         return index
+
+    def spec(self, journal: str) -> pb.JournalSpec | None:
+        """The spec of `journal`, or None when the index has no such journal (deleted)."""
+        return self._specs.get(journal)
 
     def overlapping(self, path: FragmentPath, exclude: Container[str] = ()) -> list[_Claim]:
         """Claims of journals (other than those in `exclude`) whose path is equal to `path`,
@@ -316,6 +345,10 @@ class PathIndexCache:
             self._index = PathIndex.of(journals)
             return revision, self._index
         return self._revision(), self._index
+
+    def spec(self, journal: str) -> pb.JournalSpec | None:
+        """The current spec of `journal`, None once it is deleted (call on the event loop)."""
+        return self.index()[1].spec(journal)
 
     def guards(self, journal: str, spec: pb.JournalSpec) -> Sequence[StoreGuard]:
         """The guard of each store of `spec` (the spec of `journal`), in order."""
