@@ -85,12 +85,21 @@ ROWS: tuple[Row, ...] = (
         "refusal names the canonical form; brokers canonicalise what they read from etcd); no "
         "two journals' fragment paths are equal or nested, checked against every journal in the "
         "same guarded transaction (a clash with a journal the caller cannot see is refused as "
-        "any unauthorized change); a broker excludes other journals' paths from a listing",
+        "any unauthorized change), under lock keys only Applies whose paths could meet share; "
+        "an s3 `endpoint` is a bare origin, and with a selector `endpoint` and `profile` are "
+        "only as the spec replaced has them; with a selector, a path new to the journal must "
+        "hold no object (fragments a deleted or moved journal left behind); a broker excludes "
+        "other journals' paths from a listing",
         (
             "test_a_journal_cannot_name_another_journals_fragments",
             "test_non_canonical_store_spellings_are_refused_naming_the_canonical_form",
             "test_concurrent_applies_cannot_race_past_each_others_path_check",
             "test_a_spec_written_to_etcd_directly_does_not_reach_an_older_journals_fragments",
+            "test_an_s3_endpoint_that_is_not_a_bare_origin_is_refused_for_every_caller",
+            "test_a_restricted_token_cannot_choose_a_stores_endpoint_or_profile",
+            "test_a_restricted_token_cannot_claim_fragments_a_journal_left_behind",
+            "test_a_store_that_cannot_be_listed_refuses_a_restricted_apply_unavailable",
+            "test_another_tenants_apply_flood_does_not_fail_a_tenants_applies",
         ),
     ),
     Row(
@@ -108,9 +117,14 @@ ROWS: tuple[Row, ...] = (
             "protocol.FragmentStoreHealthRequest.check_delete_prefix",
         ),
         "a store, and probe objects written (and deleted) in it",
-        "takes APPLY; with a selector, only a store a visible journal names, and the probe goes "
-        "inside that journal's own path, never store-wide",
-        ("test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal",),
+        "takes APPLY; the delete prefix is a clean relative key directory; with a selector, "
+        "only a store a visible journal names, and every probe's key, after the store's "
+        "rewrite, lies inside that journal's own path, never store-wide",
+        (
+            "test_a_health_probe_of_a_shared_store_stays_inside_the_callers_journal",
+            "test_check_delete_prefix_is_a_clean_key_directory_for_every_caller",
+            "test_check_delete_prefix_lies_inside_a_visible_journal_after_the_stores_rewrite",
+        ),
     ),
     Row(
         "Shard ids in requests",
