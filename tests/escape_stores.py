@@ -565,6 +565,9 @@ async def test_a_store_that_cannot_be_listed_refuses_a_restricted_apply_unavaila
     assert "\n" not in (info.value.details() or "")
     listed = [j async for r in stores_broker.stub.List(pb.ListRequest(selector=team("x")), metadata=admin()) for j in r.journals]  # fmt: skip
     assert [list(j.spec.fragment.stores) for j in listed] == [[s3_url(bucket, s3_server.endpoint)]]
+    # Its bucket is gone: deleted, the journal does not hold the broker's stop on its store.
+    gone = pb.ApplyRequest.Change(delete="ops-j", expect_mod_revision=-1)
+    await stores_broker.stub.Apply(pb.ApplyRequest(changes=[gone]), metadata=admin())
 
 
 # --- FragmentStoreHealth's check_delete_prefix (review finding 3) -----------------------------------
