@@ -20,13 +20,14 @@ then holds B's events. Collected through tests/test_tenant_escape.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,16 @@ def _target(net: Network, name: str) -> str:
     return net.endpoints[name].removeprefix("http://")
 
 
+@contextlib.asynccontextmanager
+async def _stubs_of_a_and_b(net: Network) -> AsyncIterator[tuple[Any, Any]]:
+    """Location stubs of A and B, their channels closed after."""
+    async with (
+        grpc.aio.insecure_channel(_target(net, "A")) as ca,
+        grpc.aio.insecure_channel(_target(net, "B")) as cb,
+    ):
+        yield lpb_grpc.LocationStub(ca), lpb_grpc.LocationStub(cb)  # type: ignore[no-untyped-call]
+
+
 async def _clock_ok(stub: Any) -> None:
     """Until the location may emit (it has heard from every registered location)."""
 
@@ -339,12 +350,7 @@ async def test_a_location_name_in_any_request_field_is_refused_as_if_it_did_not_
 ) -> None:
     net = location_network
     token = md(auth.ALL, ATTACKERS[attacker])
-    async with (
-        grpc.aio.insecure_channel(_target(net, "A")) as ca,
-        grpc.aio.insecure_channel(_target(net, "B")) as cb,
-    ):
-        a = lpb_grpc.LocationStub(ca)  # type: ignore[no-untyped-call]
-        b = lpb_grpc.LocationStub(cb)  # type: ignore[no-untyped-call]
+    async with _stubs_of_a_and_b(net) as (a, b):
         # The token does not see B: B itself says so.
         unseen = await _refused(b.Status(lpb.StatusRequest(), metadata=token, timeout=10))
         assert (unseen.code(), unseen.details()) == (grpc.StatusCode.NOT_FOUND, "no location B")
@@ -365,12 +371,7 @@ async def test_a_filter_naming_a_hidden_location_reads_nothing_of_it(
     returns nothing of B's, and the same answer as one naming a location nobody registered."""
     net = location_network
     token = md(auth.ALL, ATTACKERS[attacker])
-    async with (
-        grpc.aio.insecure_channel(_target(net, "A")) as ca,
-        grpc.aio.insecure_channel(_target(net, "B")) as cb,
-    ):
-        a = lpb_grpc.LocationStub(ca)  # type: ignore[no-untyped-call]
-        b = lpb_grpc.LocationStub(cb)  # type: ignore[no-untyped-call]
+    async with _stubs_of_a_and_b(net) as (a, b):
         answers = []
         for name in ("B", "Z"):
             read = await a.Read(lpb.ReadRequest(filter=f"emitter={name}"), metadata=token, timeout=10)  # fmt: skip
@@ -393,12 +394,7 @@ async def test_recover_is_refused_to_a_token_that_does_not_select_every_location
     names none of them (neither B, nor D whose process is down)."""
     net = location_network
     token = md(auth.ALL, ATTACKERS[attacker])
-    async with (
-        grpc.aio.insecure_channel(_target(net, "A")) as ca,
-        grpc.aio.insecure_channel(_target(net, "B")) as cb,
-    ):
-        a = lpb_grpc.LocationStub(ca)  # type: ignore[no-untyped-call]
-        b = lpb_grpc.LocationStub(cb)  # type: ignore[no-untyped-call]
+    async with _stubs_of_a_and_b(net) as (a, b):
         refused = await _refused(a.Recover(lpb.RecoverRequest(), metadata=token, timeout=30))
         assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused
         details = refused.details() or ""
@@ -481,12 +477,7 @@ def test_a_token_that_selects_both_locations_connects_them(
         both.include.labels.add(name="team", value="x")
         both.include.labels.add(name="team", value="y")
         token = md(auth.ALL, both)
-        async with (
-            grpc.aio.insecure_channel(_target(net, "A")) as ca,
-            grpc.aio.insecure_channel(_target(net, "B")) as cb,
-        ):
-            a = lpb_grpc.LocationStub(ca)  # type: ignore[no-untyped-call]
-            b = lpb_grpc.LocationStub(cb)  # type: ignore[no-untyped-call]
+        async with _stubs_of_a_and_b(net) as (a, b):
             for stub in (a, b):
                 await _clock_ok(stub)
             payload = json.dumps({"secret": SECRET}).encode()
