@@ -15,6 +15,15 @@ replaces already kept them; at most MAX_HINT_BACKUPS backups; `primary_hints` on
 with a recovery log, and for that log. For a restricted caller, the shard's recovery log, its
 sources and the logs its `primary_hints` name must be journals its claims select, as the
 brokers list them to the consumer (an absent one is refused as a hidden one).
+
+A Shard delete leaves the shard's hints in etcd (as upstream: re-applying the deleted shard
+recovers its state from them). So a restricted caller may not CREATE a shard while any of its hint
+keys (the primary's and MAX_HINT_BACKUPS backups', whatever the new spec's `hint_backups`) exists:
+the transaction that creates it compares each key absent, and the create is refused as any
+unauthorized change ("not authorized to <id>"). The consequence: a tenant cannot re-create its own
+deleted shard over its old hints; an operator (an unrestricted caller, not checked) can, or can
+delete the hints first. GetHints names the log of hints for another log only to an unrestricted
+caller.
 """
 
 from __future__ import annotations
@@ -451,7 +460,15 @@ async def apply_shards(
             raise _not_the_hint_root(index, kept[index], state.hint_root)
 
     check = None if claims.unrestricted and not kept else check_replaced
-    result = await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
+    if claims.unrestricted:
+        result = await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
+    else:
+        creatable = {
+            index: [key.encode() for key in _every_hint_key(change.upsert)]
+            for index, change in enumerate(request.changes)
+            if change.HasField("upsert") and expected[index] in (0, -1)
+        }
+        result = await _txn_creating(state, keys, ids, expected, ops, check_replaced, creatable)
     response = cpb.ApplyResponse(status=cpb.OK, header=state.unrouted_header())
     if not result.succeeded:
         response.status = cpb.ETCD_TRANSACTION_FAILED
@@ -459,6 +476,62 @@ async def apply_shards(
         await state.ks.wait_for_revision(result.revision)  # Read-your-writes for List.
     response.header.etcd.revision = result.revision
     return response
+
+
+def _every_hint_key(spec: cpb.ShardSpec) -> list[str]:
+    """The keys any shard of this id and hint prefix may have hints at, whatever its
+    `hint_backups`."""
+    widest = cpb.ShardSpec()
+    widest.CopyFrom(spec)
+    widest.hint_backups = MAX_HINT_BACKUPS
+    return [hint_primary_key(widest), *hint_backup_keys(widest)]
+
+
+async def _txn_creating(
+    state: ShardState,
+    keys: Sequence[bytes],
+    ids: Sequence[str],
+    expected: Sequence[int],
+    ops: Sequence[Any],
+    check: Callable[[int, bytes], None],
+    creatable: dict[int, list[bytes]],
+) -> etcdx.TxnResult:
+    """`etcdx.txn_guarded` for a restricted caller: also, each change in `creatable` that would
+    create its shard (its key absent where read) is refused NotAuthorized if any of its hint
+    keys exists, and the transaction compares them absent (so hints written meanwhile, e.g. by a
+    stopping primary of a deleted shard, fail it and are read again)."""
+    hint_keys = [key for index in sorted(creatable) for key in creatable[index]]
+    if not hint_keys:
+        return await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
+    result = etcdx.TxnResult(False, 0, 0, 0, 0)
+    for _ in range(etcdx.GUARDED_ATTEMPTS):
+        read, revision = await etcdx.get_current(state.etcd, [*keys, *hint_keys])
+        current, hints = read[: len(keys)], read[len(keys) :]
+        for index, now in enumerate(current):
+            if now.value is not None:
+                check(index, now.value)
+        if any(e not in (-1, now.mod_revision) for e, now in zip(expected, current, strict=True)):
+            # A revision conflict first: only a change that would create is checked for hints.
+            return etcdx.TxnResult(False, revision, 0, 0, 0)
+        compare = [
+            transactions.Mod(key) == now.mod_revision
+            for key, now in zip(keys, current, strict=True)
+        ]
+        offset = 0
+        for index in sorted(creatable):
+            mine = creatable[index]
+            left = hints[offset : offset + len(mine)]
+            offset += len(mine)
+            if current[index].value is not None:
+                continue  # A replacement keeps the shard's hints (they are its own).
+            if any(h.value is not None for h in left):
+                # Refused as any unauthorized change: it tells nothing of whose hints they are.
+                raise NotAuthorized(ids[index])
+            compare.extend(transactions.Version(key) == 0 for key in mine)
+        result = await etcdx.txn(state.etcd, compare, ops)
+        if result.succeeded:
+            return result
+    return result
 
 
 # ---- GetHints ----------------------------------------------------------------------------------
@@ -479,14 +552,16 @@ async def get_hints(
     keys = [hint_primary_key(spec), *hint_backup_keys(spec)]
     values = await etcdx.get_many(state.etcd, [key.encode() for key in keys])  # One revision.
     for index, (key, value) in enumerate(zip(keys, values, strict=True)):
-        hints = _checked_hints(key, value, log)
+        hints = _checked_hints(key, value, log, claims.unrestricted)
         slot = response.primary_hints if index == 0 else response.backup_hints.add()
         if hints is not None:
             slot.hints.CopyFrom(hints)
     return response
 
 
-def _checked_hints(key: str, raw: bytes | None, log: str) -> rpb.FSMHints | None:
+def _checked_hints(key: str, raw: bytes | None, log: str, precise: bool) -> rpb.FSMHints | None:
+    """The hints stored at `key`, if any, checked to be for `log`; `precise`: the refusal may
+    name the log they are for (an unrestricted caller's; another's may be hidden from it)."""
     if raw is None:
         return None
     try:
@@ -495,6 +570,8 @@ def _checked_hints(key: str, raw: bytes | None, log: str) -> rpb.FSMHints | None
     except (ValueError, ValidationError) as exc:
         raise HintsError(f"hints at {key}: {exc}") from None
     if hints.log != log:
+        if not precise:
+            raise HintsError(f"hints at {key} are for another log")
         raise HintsError(f"hints at {key} are for log {hints.log!r}, not the shard's {log!r}")
     return hints
 

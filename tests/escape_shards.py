@@ -38,7 +38,10 @@ __all__ = [
     "test_a_hidden_or_absent_recovery_log_or_source_is_refused_identically",
     "test_a_hint_prefix_outside_the_consumers_hint_root_is_refused_and_writes_nothing",
     "test_a_huge_hint_backups_is_refused_in_one_line",
+    "test_an_operator_recreates_a_deleted_shard_over_its_hints_and_a_tenant_after_they_go",
     "test_an_unreachable_broker_refuses_a_restricted_apply_unavailable",
+    "test_hints_a_deleted_shard_left_behind_are_not_read_by_whoever_recreates_its_id",
+    "test_hints_a_deleted_shard_left_behind_do_not_reveal_its_log_to_whoever_recreates_its_id",
     "test_hints_without_a_recovery_log_cannot_name_a_key_outside_the_hint_root",
     "test_primary_hints_cannot_name_a_hidden_log",
     "test_the_tenants_own_shard_with_the_hint_root_and_its_own_journals_is_applied",
@@ -188,14 +191,15 @@ async def refusal(call: Any) -> grpc.aio.AioRpcError:
     return info.value
 
 
-async def unchanged(world: ShardsWorld, *created: str) -> None:
+async def unchanged(world: ShardsWorld, *created: str, deleted: tuple[str, ...] = ()) -> None:
     """The victims' hint keys hold what was planted; nothing was written for the attacker
-    outside the hint root, and its own shard is as it was."""
+    outside the hint root, and its own shard is as it was (`deleted`: victims the operator
+    deleted)."""
     for key, value in world.victim_keys.items():
         assert await value_at(world.etcd, key) == value, key
     listed = await world.shards.List(cpb.ListRequest(), metadata=admin())
     by_id = {s.spec.id: s.spec for s in listed.shards}
-    assert set(by_id) == {VICTIM, VICTIM_ROOTED, OWN, *created}, sorted(by_id)
+    assert set(by_id) == {VICTIM, VICTIM_ROOTED, OWN, *created} - set(deleted), sorted(by_id)
     assert by_id[OWN].hint_prefix == world.hint_root
     # Nothing planted in the brokers' keyspace or the consumer's.
     own = tuple(f"{world.hint_root}/{shard_id}.".encode() for shard_id in created)
@@ -467,3 +471,127 @@ async def test_an_unreachable_broker_refuses_a_restricted_apply_unavailable(
 
 
 _ = SIGNER  # Re-exported helpers are imported from tests.test_tenancy as the brief asks.
+
+
+# --- Hints a deleted shard left behind ------------------------------------------------------------
+# A Shard delete leaves the shard's hint keys in etcd (as upstream: re-applying the shard recovers
+# its state from them). A restricted caller creating a shard of that id would read them, or learn
+# the log they name: the create is refused as any unauthorized change while any is there.
+
+LEFTOVER_KEYS = ["primary", "backup.0", "backup.15"]
+
+
+async def _delete_victim_rooted(world: ShardsWorld, leftover: str) -> str:
+    """The operator deletes y-rooted; its hints stay, at the `leftover` key (the primary key is
+    planted at setup; a backup is planted here in its place). Returns the log they name."""
+    log = f"{LOGS_Y}/{VICTIM_ROOTED}"
+    await world.shards.Apply(
+        apply(cpb.ApplyRequest.Change(delete=VICTIM_ROOTED, expect_mod_revision=-1)),
+        metadata=admin(),
+    )
+    if leftover != "primary":
+        await world.etcd.delete(f"{world.hint_root}/{VICTIM_ROOTED}.primary".encode())
+        key = f"{world.hint_root}/{VICTIM_ROOTED}.{leftover}"
+        await world.etcd.put(key.encode(), encode_hints(victim_hints(log)))
+        world.victim_keys = {key: encode_hints(victim_hints(log))}
+    for key, value in world.victim_keys.items():
+        assert await value_at(world.etcd, key) == value, key
+    return log
+
+
+async def _refused_as_unauthorized(world: ShardsWorld, change: cpb.ApplyRequest.Change) -> None:
+    error = await refusal(world.shards.Apply(apply(change), metadata=x_token()))
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
+    assert error.details() == f"not authorized to {VICTIM_ROOTED}", error.details()
+    # Not created: no GetHints, nothing listed, the hints as they were.
+    got = await world.shards.GetHints(cpb.GetHintsRequest(shard=VICTIM_ROOTED), metadata=x_token())  # fmt: skip
+    assert got.status == cpb.SHARD_NOT_FOUND and not got.HasField("primary_hints"), got
+    listed = await world.shards.List(cpb.ListRequest(), metadata=admin())
+    assert VICTIM_ROOTED not in {s.spec.id for s in listed.shards}
+    for key, value in world.victim_keys.items():
+        assert await value_at(world.etcd, key) == value, key
+
+
+@pytest.mark.parametrize("leftover", LEFTOVER_KEYS)
+@pytest.mark.parametrize("backups", [0, 1, 16])
+@pytest.mark.parametrize("revision", [0, -1])
+async def test_hints_a_deleted_shard_left_behind_are_not_read_by_whoever_recreates_its_id(
+    shards_world: ShardsWorld, leftover: str, backups: int, revision: int
+) -> None:
+    """Team x re-creates the deleted y-rooted's recovery log as its own journal and a shard of
+    that id naming it (whatever its hint_backups, with or without a revision check, with or
+    without hints of its own): refused "not authorized to y-rooted", nothing created, and y's
+    hints are neither read nor overwritten."""
+    world = shards_world
+    log = await _delete_victim_rooted(world, leftover)
+    change = pb.ApplyRequest.Change(delete=log, expect_mod_revision=-1)
+    await world.journals.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+    change = pb.ApplyRequest.Change(upsert=log_journal(log, "x"), expect_mod_revision=0)
+    await world.journals.Apply(pb.ApplyRequest(changes=[change]), metadata=x_token())
+    mine = shard_spec(VICTIM_ROOTED, [INPUT_X], labels=[("team", "x")])
+    mine.recovery_log_prefix, mine.disable, mine.hint_backups = LOGS_Y, True, backups
+    await _refused_as_unauthorized(
+        world, cpb.ApplyRequest.Change(upsert=mine, expect_mod_revision=revision)
+    )
+    # Nor with hints of its own, which would overwrite y's primary key.
+    change = cpb.ApplyRequest.Change(upsert=mine, expect_mod_revision=revision, primary_hints=planted(log))  # fmt: skip
+    await _refused_as_unauthorized(world, change)
+    # Nor alongside a change x may make: nothing of the request is applied.
+    own = shard_spec("x-new", [INPUT_X], labels=[("team", "x")])
+    own.recovery_log_prefix, own.disable = LOGS_X, True
+    both = apply(cpb.ApplyRequest.Change(upsert=own), cpb.ApplyRequest.Change(upsert=mine, expect_mod_revision=revision))  # fmt: skip
+    error = await refusal(world.shards.Apply(both, metadata=x_token()))
+    assert error.details() == f"not authorized to {VICTIM_ROOTED}", error.details()
+    await unchanged(world, deleted=(VICTIM_ROOTED,))
+
+
+@pytest.mark.parametrize("leftover", LEFTOVER_KEYS)
+async def test_hints_a_deleted_shard_left_behind_do_not_reveal_its_log_to_whoever_recreates_its_id(
+    shards_world: ShardsWorld, leftover: str
+) -> None:
+    """y keeps its recovery log; x creates a shard of the deleted id naming a log of its own:
+    refused as any unauthorized change (so GetHints never gets to name y's hidden log)."""
+    world = shards_world
+    await _delete_victim_rooted(world, leftover)
+    own_log = f"esc-x/other/{VICTIM_ROOTED}"
+    change = pb.ApplyRequest.Change(upsert=log_journal(own_log, "x"), expect_mod_revision=0)
+    await world.journals.Apply(pb.ApplyRequest(changes=[change]), metadata=x_token())
+    mine = shard_spec(VICTIM_ROOTED, [INPUT_X], labels=[("team", "x")])
+    mine.recovery_log_prefix, mine.disable = "esc-x/other", True
+    await _refused_as_unauthorized(world, cpb.ApplyRequest.Change(upsert=mine, expect_mod_revision=0))  # fmt: skip
+    # The refusal is the one an existing hidden shard gets: it tells neither apart.
+    hidden = shard_spec(VICTIM, [INPUT_X], labels=[("team", "x")])
+    hidden.recovery_log_prefix, hidden.disable = "esc-x/other", True
+    error = await refusal(world.shards.Apply(apply(cpb.ApplyRequest.Change(upsert=hidden)), metadata=x_token()))  # fmt: skip
+    assert (error.code(), error.details()) == (grpc.StatusCode.UNAUTHENTICATED, f"not authorized to {VICTIM}")  # fmt: skip
+    await unchanged(world, deleted=(VICTIM_ROOTED,))
+
+
+async def test_an_operator_recreates_a_deleted_shard_over_its_hints_and_a_tenant_after_they_go(
+    shards_world: ShardsWorld,
+) -> None:
+    """Unrestricted callers are not checked: the operator re-creates y-rooted and it recovers
+    from the hints it left. Once the operator deletes the shard and its hints, the id is free
+    for a tenant to create."""
+    world = shards_world
+    log = await _delete_victim_rooted(world, "primary")
+    rooted = shard_spec(VICTIM_ROOTED, [INPUT_Y], labels=[("team", "y")])
+    rooted.recovery_log_prefix, rooted.disable, rooted.hint_backups = LOGS_Y, True, 1
+    change = cpb.ApplyRequest.Change(upsert=rooted, expect_mod_revision=0)
+    assert (await world.shards.Apply(apply(change), metadata=admin())).status == cpb.OK
+    got = await world.shards.GetHints(cpb.GetHintsRequest(shard=VICTIM_ROOTED), metadata=admin())
+    assert got.primary_hints.hints == victim_hints(log)
+    # Deleted again, with its hints and its log: now team x may take the id.
+    change = cpb.ApplyRequest.Change(delete=VICTIM_ROOTED, expect_mod_revision=-1)
+    await world.shards.Apply(apply(change), metadata=admin())
+    await world.etcd.delete_prefix(f"{world.hint_root}/{VICTIM_ROOTED}.".encode())
+    change = pb.ApplyRequest.Change(delete=log, expect_mod_revision=-1)
+    await world.journals.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
+    change = pb.ApplyRequest.Change(upsert=log_journal(log, "x"), expect_mod_revision=0)
+    await world.journals.Apply(pb.ApplyRequest(changes=[change]), metadata=x_token())
+    mine = shard_spec(VICTIM_ROOTED, [INPUT_X], labels=[("team", "x")])
+    mine.recovery_log_prefix, mine.disable = LOGS_Y, True
+    change = cpb.ApplyRequest.Change(upsert=mine, expect_mod_revision=0)
+    assert (await world.shards.Apply(apply(change), metadata=x_token())).status == cpb.OK
+    got = await world.shards.GetHints(cpb.GetHintsRequest(shard=VICTIM_ROOTED), metadata=x_token())  # fmt: skip
+    assert got.status == cpb.OK and not got.primary_hints.HasField("hints"), got

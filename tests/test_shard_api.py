@@ -411,3 +411,22 @@ async def test_hint_keys_under_the_consumer_root_are_left_out_of_the_mirror_quie
     await state.ks.wait_for_revision(put.header.revision, timeout=5)
     assert [u.changes for u in updates] == [()]  # type: ignore[attr-defined]
     assert "failed to decode" not in caplog.text
+
+
+async def test_get_hints_for_another_log_do_not_name_it_to_a_restricted_caller(
+    state: ShardState,
+) -> None:
+    """Hints at a shard's key that are for another log (left there by whatever shard had its id
+    before) are refused to every caller; only an unrestricted one is told which log they name,
+    which may be one a restricted caller cannot see."""
+    claims = auth.Claims(auth.ALL, pb.LabelSelector(include=labels.label_set(("team", "x"))))
+    mine = spec("shard-a", labels=labels.label_set(("team", "x")))
+    applied = await apply_shards(state, cpb.ApplyRequest(changes=[upsert(mine)]))
+    await state.ks.wait_for_revision(applied.header.etcd.revision, timeout=5)
+    key = f"{state.hint_root}/shard-a.backup.1"
+    await state.etcd.put(key.encode(), encode_hints(hints_for("hidden/logs/shard-a")))
+    with pytest.raises(HintsError) as caught:
+        await get_hints(state, cpb.GetHintsRequest(shard="shard-a"), claims)
+    assert str(caught.value) == f"hints at {key} are for another log"
+    with pytest.raises(HintsError, match="for log 'hidden/logs/shard-a', not the shard's"):
+        await get_hints(state, cpb.GetHintsRequest(shard="shard-a"))
