@@ -25,6 +25,7 @@ from replication import location_pb2 as lpb
 from tests.escape_claims import *  # noqa: F403
 from tests.escape_locations import *  # noqa: F403
 from tests.escape_names import *  # noqa: F403
+from tests.escape_persist import *  # noqa: F403
 from tests.escape_playback import *  # noqa: F403
 from tests.escape_shards import *  # noqa: F403
 from tests.escape_stores import *  # noqa: F403
@@ -89,7 +90,8 @@ ROWS: tuple[Row, ...] = (
         "an s3 `endpoint` is a bare origin, and with a selector `endpoint` and `profile` are "
         "only as the spec replaced has them; with a selector, a path new to the journal must "
         "hold no object (fragments a deleted or moved journal left behind); a broker excludes "
-        "other journals' paths from a listing",
+        "other journals' paths from a listing, and persists a fragment only by the spec of the "
+        "journal that wrote it (not one created under its name since)",
         (
             "test_a_journal_cannot_name_another_journals_fragments",
             "test_non_canonical_store_spellings_are_refused_naming_the_canonical_form",
@@ -100,6 +102,7 @@ ROWS: tuple[Row, ...] = (
             "test_a_restricted_token_cannot_claim_fragments_a_journal_left_behind",
             "test_a_store_that_cannot_be_listed_refuses_a_restricted_apply_unavailable",
             "test_another_tenants_apply_flood_does_not_fail_a_tenants_applies",
+            "test_a_deleted_journals_last_fragment_is_never_persisted_by_a_journal_created_in_its_name",
         ),
     ),
     Row(

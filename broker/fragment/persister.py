@@ -102,6 +102,9 @@ class JournalReplica(Protocol):
 
     journal: str
     spec: pb.JournalSpec | None
+    # The create revision of the journal's item this replica serves (0: unknown): a journal
+    # deleted and created again under its name is another journal.
+    create_revision: int
     stopped: bool
     index: Index
 
@@ -165,8 +168,10 @@ class Persister:
                 if self.paths is not None:
                     # As upstream, the journal's spec as it stands: a stopped replica's may be
                     # stale, and a deleted journal's last fragment is dropped, not written
-                    # into a path its deletion freed (which another journal may now claim).
-                    spec = self.paths.spec(completed.fragment.journal)
+                    # into a path its deletion freed (which another journal may now claim),
+                    # nor by the spec of a journal created under its name since: that one may
+                    # be another tenant's, with its own stores.
+                    spec = self.paths.spec(completed.fragment.journal, replica.create_revision)
                     if spec is None:
                         log.info("dropping %r: its journal was deleted", completed)
                         return

@@ -271,8 +271,12 @@ class PathIndex:
             index._sorted[storage] = sorted(keys)
         return index
 
-    def spec(self, journal: str) -> pb.JournalSpec | None:
-        """The spec of `journal`, or None when the index has no such journal (deleted)."""
+    def spec(self, journal: str, create_revision: int = 0) -> pb.JournalSpec | None:
+        """The spec of `journal`, or None when the index has no such journal (deleted), or,
+        given the `create_revision` of the journal one knows, when that one was deleted and the
+        name created again since (another journal, perhaps another tenant's)."""
+        if create_revision and self._revisions.get(journal) != create_revision:
+            return None
         return self._specs.get(journal)
 
     def overlapping(self, path: FragmentPath, exclude: Container[str] = ()) -> list[_Claim]:
@@ -346,9 +350,10 @@ class PathIndexCache:
             return revision, self._index
         return self._revision(), self._index
 
-    def spec(self, journal: str) -> pb.JournalSpec | None:
-        """The current spec of `journal`, None once it is deleted (call on the event loop)."""
-        return self.index()[1].spec(journal)
+    def spec(self, journal: str, create_revision: int = 0) -> pb.JournalSpec | None:
+        """The current spec of `journal`, None once it is deleted, or once it was created again
+        after the journal of `create_revision` (call on the event loop)."""
+        return self.index()[1].spec(journal, create_revision)
 
     def guards(self, journal: str, spec: pb.JournalSpec) -> Sequence[StoreGuard]:
         """The guard of each store of `spec` (the spec of `journal`), in order."""
