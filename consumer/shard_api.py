@@ -23,7 +23,7 @@ the transaction that creates it compares each key absent, and the create is refu
 unauthorized change ("not authorized to <id>"). The consequence: a tenant cannot re-create its own
 deleted shard over its old hints; an operator (an unrestricted caller, not checked) can, or can
 delete the hints first. GetHints names the log of hints for another log only to an unrestricted
-caller.
+caller. A shard without a recovery log keeps no hints: GetHints reads none for it.
 """
 
 from __future__ import annotations
@@ -480,7 +480,10 @@ async def apply_shards(
 
 def _every_hint_key(spec: cpb.ShardSpec) -> list[str]:
     """The keys any shard of this id and hint prefix may have hints at, whatever its
-    `hint_backups`."""
+    `hint_backups`; none without a recovery log (such a shard keeps no hints: its keys would
+    be `/<id>.primary`, anywhere in etcd, and checking them would probe those)."""
+    if not recovery_log(spec):
+        return []
     widest = cpb.ShardSpec()
     widest.CopyFrom(spec)
     widest.hint_backups = MAX_HINT_BACKUPS
@@ -550,7 +553,11 @@ async def get_hints(
     spec, _ = found
     log = recovery_log(spec)
     keys = [hint_primary_key(spec), *hint_backup_keys(spec)]
-    values = await etcdx.get_many(state.etcd, [key.encode() for key in keys])  # One revision.
+    if log:
+        values = await etcdx.get_many(state.etcd, [key.encode() for key in keys])  # One revision.
+    else:
+        # No recovery log, no hints: its keys would be `/<id>.primary`, anywhere in etcd.
+        values = [None] * len(keys)
     for index, (key, value) in enumerate(zip(keys, values, strict=True)):
         hints = _checked_hints(key, value, log, claims.unrestricted)
         slot = response.primary_hints if index == 0 else response.backup_hints.add()

@@ -38,6 +38,7 @@ __all__ = [
     "test_a_hidden_or_absent_recovery_log_or_source_is_refused_identically",
     "test_a_hint_prefix_outside_the_consumers_hint_root_is_refused_and_writes_nothing",
     "test_a_huge_hint_backups_is_refused_in_one_line",
+    "test_a_shard_without_a_recovery_log_probes_no_key_its_id_spells",
     "test_an_operator_recreates_a_deleted_shard_over_its_hints_and_a_tenant_after_they_go",
     "test_an_unreachable_broker_refuses_a_restricted_apply_unavailable",
     "test_hints_a_deleted_shard_left_behind_are_not_read_by_whoever_recreates_its_id",
@@ -595,3 +596,24 @@ async def test_an_operator_recreates_a_deleted_shard_over_its_hints_and_a_tenant
     assert (await world.shards.Apply(apply(change), metadata=x_token())).status == cpb.OK
     got = await world.shards.GetHints(cpb.GetHintsRequest(shard=VICTIM_ROOTED), metadata=x_token())  # fmt: skip
     assert got.status == cpb.OK and not got.primary_hints.HasField("hints"), got
+
+
+@pytest.mark.parametrize("spelled", ["victim's key", "absent key"])
+async def test_a_shard_without_a_recovery_log_probes_no_key_its_id_spells(
+    shards_world: ShardsWorld, spelled: str
+) -> None:
+    """A shard without a recovery log keeps no hints: its hint keys would be `/<id>.primary`
+    and so on, anywhere in etcd. Creating one whose id spells the victim's upstream-era hint
+    key (or an absent key) is answered alike, and its GetHints reads nothing there."""
+    world = shards_world
+    shard_id = world.legacy.removeprefix("/") + (
+        "/team-y/shard1" if spelled == "victim's key" else "/team-y/nothing"
+    )
+    upsert = shard_spec(shard_id, [INPUT_X], labels=[("team", "x")])
+    upsert.disable = True
+    change = cpb.ApplyRequest.Change(upsert=upsert, expect_mod_revision=0)
+    assert (await world.shards.Apply(apply(change), metadata=x_token())).status == cpb.OK
+    got = await world.shards.GetHints(cpb.GetHintsRequest(shard=shard_id), metadata=x_token())
+    assert got.status == cpb.OK and not got.primary_hints.HasField("hints"), got
+    assert all(not b.HasField("hints") for b in got.backup_hints), got
+    await unchanged(world, shard_id)
