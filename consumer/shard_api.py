@@ -464,9 +464,11 @@ async def apply_shards(
         result = await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
     else:
         creatable = {
-            index: [key.encode() for key in _every_hint_key(change.upsert)]
+            index: hint_keys
             for index, change in enumerate(request.changes)
-            if change.HasField("upsert") and expected[index] in (0, -1)
+            if change.HasField("upsert")
+            and expected[index] in (0, -1)
+            and (hint_keys := _hint_keys(change.upsert)) is not None
         }
         result = await _txn_creating(state, keys, ids, expected, ops, check_replaced, creatable)
     response = cpb.ApplyResponse(status=cpb.OK, header=state.unrouted_header())
@@ -478,16 +480,46 @@ async def apply_shards(
     return response
 
 
-def _every_hint_key(spec: cpb.ShardSpec) -> list[str]:
-    """The keys any shard of this id and hint prefix may have hints at, whatever its
-    `hint_backups`; none without a recovery log (such a shard keeps no hints: its keys would
-    be `/<id>.primary`, anywhere in etcd, and checking them would probe those)."""
+@dataclass(frozen=True)
+class _HintKeys:
+    """The keys any shard of one id and hint prefix may have hints at: its primary's, and its
+    backups' (`<prefix>/<id>.backup.N`, N < MAX_HINT_BACKUPS), read and compared as one range
+    of every key starting `<prefix>/<id>.backup.`, not one a key (etcd takes 128 operations in
+    a transaction)."""
+
+    primary: bytes
+    backups: frozenset[bytes]
+
+    @property
+    def backup_range(self) -> tuple[bytes, bytes]:
+        start = next(iter(self.backups)).rpartition(b".")[0] + b"."
+        return start, start[:-1] + b"/"  # '/' follows '.': past every key that starts so.
+
+    def compares(self) -> list[Any]:
+        """That none of them exists. The range also holds the keys of an id extending this
+        one's with `.backup.` (`ID.backup.x`): where such a shard has hints, the transaction
+        fails and is read again (ETCD_TRANSACTION_FAILED in the end), telling no more than a
+        revision conflict; the refusal itself is decided on these keys exactly."""
+        start, end = self.backup_range
+        return [
+            transactions.Version(self.primary) == 0,
+            transactions.Version(start, range_end=end) == 0,
+        ]
+
+
+def _hint_keys(spec: cpb.ShardSpec) -> _HintKeys | None:
+    """The hint keys of `spec`'s id and prefix, whatever its `hint_backups`; None without a
+    recovery log (such a shard keeps no hints: its keys would be `/<id>.primary`, anywhere in
+    etcd, and checking them would probe those)."""
     if not recovery_log(spec):
-        return []
+        return None
     widest = cpb.ShardSpec()
     widest.CopyFrom(spec)
     widest.hint_backups = MAX_HINT_BACKUPS
-    return [hint_primary_key(widest), *hint_backup_keys(widest)]
+    return _HintKeys(
+        hint_primary_key(widest).encode(),
+        frozenset(key.encode() for key in hint_backup_keys(widest)),
+    )
 
 
 async def _txn_creating(
@@ -497,19 +529,23 @@ async def _txn_creating(
     expected: Sequence[int],
     ops: Sequence[Any],
     check: Callable[[int, bytes], None],
-    creatable: dict[int, list[bytes]],
+    creatable: dict[int, _HintKeys],
 ) -> etcdx.TxnResult:
     """`etcdx.txn_guarded` for a restricted caller: also, each change in `creatable` that would
     create its shard (its key absent where read) is refused NotAuthorized if any of its hint
     keys exists, and the transaction compares them absent (so hints written meanwhile, e.g. by a
     stopping primary of a deleted shard, fail it and are read again)."""
-    hint_keys = [key for index in sorted(creatable) for key in creatable[index]]
-    if not hint_keys:
+    if not creatable:
         return await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
+    order = sorted(creatable)
+    primaries = [creatable[index].primary for index in order]
+    ranges = [creatable[index].backup_range for index in order]
     result = etcdx.TxnResult(False, 0, 0, 0, 0)
     for _ in range(etcdx.GUARDED_ATTEMPTS):
-        read, revision = await etcdx.get_current(state.etcd, [*keys, *hint_keys])
-        current, hints = read[: len(keys)], read[len(keys) :]
+        read, held, revision = await etcdx.get_current_and_ranges(
+            state.etcd, [*keys, *primaries], ranges
+        )
+        current, primary_now = read[: len(keys)], read[len(keys) :]
         for index, now in enumerate(current):
             if now.value is not None:
                 check(index, now.value)
@@ -520,17 +556,14 @@ async def _txn_creating(
             transactions.Mod(key) == now.mod_revision
             for key, now in zip(keys, current, strict=True)
         ]
-        offset = 0
-        for index in sorted(creatable):
-            mine = creatable[index]
-            left = hints[offset : offset + len(mine)]
-            offset += len(mine)
+        for at, index in enumerate(order):
             if current[index].value is not None:
                 continue  # A replacement keeps the shard's hints (they are its own).
-            if any(h.value is not None for h in left):
+            hint_keys = creatable[index]
+            if primary_now[at].value is not None or hint_keys.backups.intersection(held[at]):
                 # Refused as any unauthorized change: it tells nothing of whose hints they are.
                 raise NotAuthorized(ids[index])
-            compare.extend(transactions.Version(key) == 0 for key in mine)
+            compare.extend(hint_keys.compares())
         result = await etcdx.txn(state.etcd, compare, ops)
         if result.succeeded:
             return result

@@ -173,10 +173,27 @@ class Current:
 async def get_current(client: aetcd.Client, keys: Sequence[bytes]) -> tuple[list[Current], int]:
     """What `keys` hold, read in one etcd transaction, and the revision it was read at: for a
     change guarded on what it replaces (`Mod(key) == current.mod_revision`)."""
+    current, _, revision = await get_current_and_ranges(client, keys, ())
+    return current, revision
+
+
+async def get_current_and_ranges(
+    client: aetcd.Client, keys: Sequence[bytes], ranges: Sequence[tuple[bytes, bytes]]
+) -> tuple[list[Current], list[list[bytes]], int]:
+    """As `get_current`, and in the same transaction (one revision) the keys present in each
+    range [start, end) of `ranges` (keys only: one read a range, not one a key)."""
     await client.connect()
     request = rpc.TxnRequest(
         compare=[],
-        success=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key)) for key in keys],
+        success=[
+            *(rpc.RequestOp(request_range=rpc.RangeRequest(key=key)) for key in keys),
+            *(
+                rpc.RequestOp(
+                    request_range=rpc.RangeRequest(key=start, range_end=end, keys_only=True)
+                )
+                for start, end in ranges
+            ),
+        ],
         failure=[],
     )
     try:
@@ -185,16 +202,17 @@ async def get_current(client: aetcd.Client, keys: Sequence[bytes]) -> tuple[list
         )
     except rpc.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and TOO_MANY_OPS in (exc.details() or ""):
-            raise TxnTooLarge(len(keys)) from None
+            raise TxnTooLarge(len(keys) + len(ranges)) from None
         aetcd.exceptions._handle_exception(exc)
         raise
     current = []
-    for op in response.responses:
+    for op in response.responses[: len(keys)]:
         kvs = op.response_range.kvs
         current.append(
             Current(bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else Current(None, 0)
         )
-    return current, int(response.header.revision)
+    held = [[bytes(kv.key) for kv in op.response_range.kvs] for op in response.responses[len(keys) :]]  # fmt: skip
+    return current, held, int(response.header.revision)
 
 
 async def get_many(client: aetcd.Client, keys: Sequence[bytes]) -> list[bytes | None]:
