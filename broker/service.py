@@ -468,6 +468,9 @@ class JournalService(pb_grpc.JournalServicer):
             changes = len(request.changes)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, etcdx.too_many_changes(changes))
             raise AssertionError("unreachable") from None
+        except etcdx.UNREACHABLE as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, etcdx.unreachable_message(exc))
+            raise AssertionError("unreachable") from None
         response = pb.ApplyResponse(status=pb.OK, header=self.unrouted_header())
         if not result.succeeded:
             response.status = pb.ETCD_TRANSACTION_FAILED

@@ -852,6 +852,8 @@ class _ShardServicer(cpb_grpc.ShardServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except JournalsUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except etcdx.UNREACHABLE as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, etcdx.unreachable_message(exc))
         except PrimaryUnreachable as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

@@ -112,6 +112,17 @@ def put_keeping_lease(key: bytes, value: bytes) -> Any:
 TOO_MANY_OPS = "too many operations in txn request"
 
 
+# etcd errors of a connection that failed or timed out (etcd down, refusing connections, or
+# unreachable): a request that needed etcd is answered UNAVAILABLE, to be tried again.
+UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
+
+
+def unreachable_message(exc: BaseException) -> str:
+    """One line for a client whose request met an UNREACHABLE error."""
+    first = (str(exc) or type(exc).__name__).splitlines()[0]
+    return f"etcd is unreachable ({first}): try again"
+
+
 class TxnTooLarge(Exception):
     """etcd refused a transaction for holding more operations than its `--max-txn-ops` allows:
     nothing of it was applied."""

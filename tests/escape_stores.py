@@ -12,6 +12,7 @@ Collected by tests/test_tenant_escape.py; run alone with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "test_an_operators_endpoint_and_profile_stay_usable_by_a_restricted_token",
     "test_an_s3_endpoint_that_is_not_a_bare_origin_is_refused_for_every_caller",
     "test_another_tenants_apply_flood_does_not_fail_a_tenants_applies",
+    "test_applies_whose_client_leaves_at_any_point_leave_nothing_half_done",
     "test_check_delete_prefix_is_a_clean_key_directory_for_every_caller",
     "test_check_delete_prefix_lies_inside_a_visible_journal_after_the_stores_rewrite",
     "test_concurrent_applies_cannot_race_past_each_others_path_check",
@@ -688,3 +690,35 @@ async def test_another_tenants_apply_flood_does_not_fail_a_tenants_applies(
         await asyncio.gather(*floods)
     assert outcomes == ["OK"] * 10, outcomes
     assert min(during) > 5, during  # The flood went on meanwhile.
+
+
+# --- A client that leaves mid-Apply ---------------------------------------------------------------
+
+
+async def test_applies_whose_client_leaves_at_any_point_leave_nothing_half_done(
+    stores_broker: Cluster,
+) -> None:
+    """60 concurrent Applies whose deadlines (1 to 20 ms) end them while they read the path locks,
+    list the store or commit: afterwards each journal is there whole or not at all, nothing holds
+    a lock, and the next Applies of both tenants succeed at once."""
+    stub, root = stores_broker.stub, stores_broker.root
+    (root / "y").mkdir()
+    x, y = md(auth.ALL, team("x")), md(auth.ALL, team("y"))
+    wanted = {f"c-{i}": journal_spec(f"c-{i}", "x", "file:///x/") for i in range(60)}
+
+    async def leave_early(i: int) -> None:
+        change = pb.ApplyRequest.Change(upsert=wanted[f"c-{i}"], expect_mod_revision=0)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=x, timeout=0.001 * (i % 20 + 1))  # fmt: skip
+
+    await asyncio.gather(*(leave_early(i) for i in range(60)))
+    listed = [j async for r in stub.List(pb.ListRequest(selector=team("x")), metadata=admin()) for j in r.journals]  # fmt: skip
+    for journal in listed:
+        if journal.spec.name in wanted:
+            assert journal.spec == wanted[journal.spec.name], journal.spec
+    async with asyncio.timeout(20):
+        for name, owner, token in (("y/after", "y", y), ("x-after", "x", x)):
+            change = pb.ApplyRequest.Change(upsert=journal_spec(name, owner, f"file:///{owner}/"), expect_mod_revision=0)  # fmt: skip
+            assert (
+                await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=token)
+            ).status == pb.OK

@@ -305,3 +305,42 @@ def test_a_refresh_failure_is_described_even_when_its_text_is_empty() -> None:
         == "etcd unreachable"
     )
     assert describe_refresh_failure(None, 2.0) == "no answer"
+
+
+async def test_an_apply_while_etcd_refuses_connections_is_unavailable_in_one_line(
+    own_etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """etcd refusing connections (down, not paused): a Journal Apply, with stores and without,
+    is answered UNAVAILABLE in one line naming etcd, never UNKNOWN with an exception's name;
+    nothing is applied, and once etcd is back the same Apply goes through."""
+    import grpc
+
+    from broker.protocol import protocol_pb2_grpc as pb_grpc
+    from broker.testing import BrokerHarness
+
+    (tmp_path / "fragments").mkdir()
+    harness = BrokerHarness(own_etcd.endpoint, "/refused", file_root=str(tmp_path))
+    async with (
+        harness,
+        grpc.aio.insecure_channel(harness.endpoint.removeprefix("http://")) as channel,
+    ):
+        stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        with_stores = journal_spec("refused/with-stores")
+        without = pb.JournalSpec()
+        without.CopyFrom(with_stores)
+        without.name = "refused/without"
+        del without.fragment.stores[:]
+        kill_etcd(own_etcd)
+        for spec in (with_stores, without):
+            change = pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=0)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Apply(pb.ApplyRequest(changes=[change]), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            details = refused.value.details() or ""
+            assert "etcd" in details and "\n" not in details, details
+        own_etcd.start()
+        for spec in (with_stores, without):
+            change = pb.ApplyRequest.Change(upsert=spec, expect_mod_revision=0)
+            async with asyncio.timeout(30):
+                applied = await stub.Apply(pb.ApplyRequest(changes=[change]))
+            assert applied.status == pb.OK

@@ -152,10 +152,16 @@ ROWS: tuple[Row, ...] = (
         "etcd keys `<hint_prefix>/<id>.primary` and `.backup.N`",
         "for every caller, `hint_prefix` is the application's hint root (`<etcd prefix>/hints`, "
         "filled in when empty) or unchanged from the spec replaced, so every shard's keys are "
-        "distinct and inside the consumer's keyspace; at most 16 backups",
+        "distinct and inside the consumer's keyspace; at most 16 backups; a shard without a "
+        "recovery log has no hint keys; with a selector, a shard is not created while hints a "
+        "deleted shard of its id left behind remain (compared absent in the create's "
+        "transaction; refused as any unauthorized change), and GetHints names no other log",
         (
             "test_a_hint_prefix_outside_the_consumers_hint_root_is_refused_and_writes_nothing",
             "test_a_huge_hint_backups_is_refused_in_one_line",
+            "test_hints_a_deleted_shard_left_behind_are_not_read_by_whoever_recreates_its_id",
+            "test_hints_a_deleted_shard_left_behind_do_not_reveal_its_log_to_whoever_recreates_its_id",
+            "test_a_shard_without_a_recovery_log_probes_no_key_its_id_spells",
         ),
     ),
     Row(
