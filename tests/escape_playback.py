@@ -259,9 +259,15 @@ async def test_escape_escaping_hints_planted_in_etcd_fail_the_shard_and_write_no
     log = await cluster.new_log("s-etcd")
     spec = cluster.shard("s-etcd")
     hints = rpb.FSMHints(log=log, properties=[rpb.Property(path=path, content=PAYLOAD)])
+    # Created disabled, then its hints replaced in etcd, then enabled: a tenant creates no shard
+    # over hints already there (a deleted shard's), but a running shard's can be rewritten.
+    spec.disable = True
+    created = cpb.ApplyRequest.Change(upsert=spec, expect_mod_revision=0)
+    assert (await _apply(cluster, created)).status == cpb.OK
     await cluster.etcd.put(hint_primary_key(spec).encode(), encode_hints(hints))
-    change = cpb.ApplyRequest.Change(upsert=spec, expect_mod_revision=0)
-    assert (await _apply(cluster, change)).status == cpb.OK
+    spec.disable = False
+    enabled = cpb.ApplyRequest.Change(upsert=spec, expect_mod_revision=-1)
+    assert (await _apply(cluster, enabled)).status == cpb.OK
     status = await _failed(cluster, "s-etcd")
     assert quote(path) in status.errors[0], status.errors
     cluster.nothing_outside()
