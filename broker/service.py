@@ -500,9 +500,8 @@ class JournalService(pb_grpc.JournalServicer):
         hidden = ""
         for name, url, path in paths:
             for claim in index.overlapping(path, exclude=changed):
-                kv = self.ks.get(aks.item_key(self.root, claim.journal))
-                spec = kv.decoded.spec if kv is not None else None  # type: ignore[attr-defined]
-                if isinstance(spec, pb.JournalSpec) and claims.sees_journal(spec):
+                spec = index.spec(claim.journal)  # The index holds the spec it was built of.
+                if spec is not None and claims.sees_journal(spec):
                     raise PathError(
                         f"journal {name}: its fragment path {validate.quote(path.key)} in {url} "
                         f"meets journal {claim.journal}'s {validate.quote(claim.key)}: no "
