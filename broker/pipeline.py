@@ -32,6 +32,10 @@ EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # (missing from grpc-s
 
 SHUTDOWN_TIMEOUT = 10.0
 
+# The most content one Replicate message carries: well under the 4 MiB a peer's gRPC server
+# takes by default (`--broker.max-grpc-recv-size`), with room for the message's own fields.
+MAX_CONTENT_MESSAGE = 1 << 20
+
 # A pipeline's Replicate streams are authorized by a token of the primary's own, REPLICATE over
 # its journal alone, living TOKEN_TTL seconds; a peer ends a stream when its token expires, so a
 # pipeline is rebuilt (a new one, with a fresh token, synchronized before any append uses it)
@@ -118,11 +122,27 @@ class Pipeline:
         await self._scatter(encode, lambda: self.spool.apply(request, primary=True))
 
     async def scatter_content(self, content: bytes, content_delta: int) -> None:
-        """`scatter` of a content chunk, encoded once for every peer without building a
-        message (the chunk is the bulk of what a pipeline carries)."""
-        encoded = wire.replicate_content(content, content_delta)
+        """`scatter` of content, in messages of at most MAX_CONTENT_MESSAGE bytes of it, each
+        encoded once for every peer without building a message (content is the bulk of what a
+        pipeline carries). A group commit's content is up to 256 appends' together: as one
+        message it would exceed what a peer takes (gRPC's 4 MiB by default), and the peer
+        would end its stream."""
+        at = 0
+        while True:
+            piece = (
+                content
+                if len(content) <= MAX_CONTENT_MESSAGE
+                else content[at : at + MAX_CONTENT_MESSAGE]
+            )
+            await self._scatter_piece(piece, content_delta + at)
+            at += len(piece)
+            if at >= len(content):
+                return
+
+    async def _scatter_piece(self, piece: bytes, content_delta: int) -> None:
+        encoded = wire.replicate_content(piece, content_delta)
         await self._scatter(
-            lambda _: encoded, lambda: self.spool.apply_content(content, content_delta)
+            lambda _: encoded, lambda: self.spool.apply_content(piece, content_delta)
         )
 
     async def _scatter(

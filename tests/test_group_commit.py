@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 
 import aetcd
+import grpc
 import pytest
 
 from broker.client.appender import append
 from broker.fragment.fragments import digest_of
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
+from broker.replica import Replica
 from broker.testing import BrokerHarness
 from plumbing import metrics
 from tests.journals_testing import journal_spec, set_journal, started_brokers
@@ -137,3 +140,126 @@ async def test_a_group_whose_write_fails_commits_none_of_its_appends(
         assert after.commit.end == len(content)
         for h in brokers[1:]:
             assert await read_all(h, "group/torn") == content
+
+
+# ---- hostile workloads (issue 38) -------------------------------------------------------------
+
+
+def replica_of(h: BrokerHarness, journal: str) -> Replica:
+    return h.broker.service.resolver.replicas[journal]  # type: ignore[index,no-any-return]
+
+
+def waiting(replica: Replica) -> int:
+    """How many appends read whole wait for the replica's pipeline (or for adoption)."""
+    return len(replica.group_waiting)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def hold_pipeline(h: BrokerHarness, journal: str) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
+    """A streamed append too large to be read whole (1 MiB: the broker's flow policing then
+    allows it 17 s of waiting for us), which holds the journal's pipeline until it is committed
+    (`commit_held`) or cancelled."""
+    call = stub(h).Append()
+    await call.write(pb.AppendRequest(journal=journal))
+    await call.write(pb.AppendRequest(content=b"h" * (1 << 20)))
+    await until(replica_of(h, journal).pipeline_queue.empty)
+    return call
+
+
+async def commit_held(call: grpc.aio.StreamStreamCall) -> pb.AppendResponse:  # type: ignore[type-arg]
+    await call.write(pb.AppendRequest())
+    await call.done_writing()
+    response: pb.AppendResponse = await call
+    assert response.status == pb.OK, response
+    return response
+
+
+async def assert_replicas_agree(
+    brokers: list[BrokerHarness], journal: str, committed: list[tuple[int, bytes]], end: int
+) -> None:
+    """Every replica serves exactly the committed content (by its spans), and nothing else,
+    and every replica's write head is at `end`."""
+    expected = b"".join(content for _, content in sorted(committed))
+    at = 0
+    for begin, content in sorted(committed):
+        assert begin == at, f"a hole or an overlap at {at}: next committed span begins at {begin}"
+        at += len(content)
+    assert at == end
+    for h in brokers:
+        assert replica_of(h, journal).index.end_offset() == end, h.broker.id
+        served = await read_all(h, journal)
+        assert len(served) == len(expected), (h.broker.id, len(served), len(expected))
+        assert served == expected, h.broker.id
+
+
+async def test_a_group_larger_than_a_peer_takes_in_one_message_commits_whole(
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client
+) -> None:
+    """A slow round (a large append holding the pipeline) lets 99 appends of 60 KiB gather: the
+    next group's content is about 6 MB, past the 4 MiB a peer takes in one message. Every one
+    of them commits, and every replica serves the same content."""
+    journal = "group/large"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
+        await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+        primary = brokers[0]
+        first = await append(stub(primary), journal, b"first\n")
+        held = await hold_pipeline(primary, journal)
+        payloads = [bytes([65 + i % 26]) * (60 * 1024 - 1) + b"\n" for i in range(99)]
+        writers = [
+            asyncio.ensure_future(append(stub(primary), journal, p, check=False)) for p in payloads
+        ]
+        await until(lambda: waiting(replica_of(primary, journal)) == len(payloads))
+        holder = await commit_held(held)
+        answers = await asyncio.gather(*writers, return_exceptions=True)
+        committed = [(first.commit.begin, b"first\n"), (holder.commit.begin, b"h" * (1 << 20))]
+        committed += [
+            (a.commit.begin, payloads[i])
+            for i, a in enumerate(answers)
+            if isinstance(a, pb.AppendResponse) and a.status == pb.OK
+        ]
+        failed = [a for a in answers if not isinstance(a, pb.AppendResponse)]
+        # Whatever failed left nothing behind: the next append follows the committed content.
+        after = await append(stub(primary), journal, b"after\n")
+        committed.append((after.commit.begin, b"after\n"))
+        await assert_replicas_agree(brokers, journal, committed, after.commit.end)
+        assert not failed, f"{len(failed)} of {len(payloads)} failed, first: {failed[0]!r}"
+
+
+async def test_many_writers_under_a_rate_limit_each_commit_once(
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client
+) -> None:
+    """100 writers, each making 3 appends of 60 KiB (one-message and streamed forms), to a
+    journal with a `max_append_rate`: the pipeline is held while the limit delays a group, so
+    the next one gathers nearly every writer (about 6 MB). Every append commits once, and every
+    replica serves exactly what was committed."""
+    journal = "group/rated"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
+        spec = journal_spec(journal, length=1 << 24)
+        spec.max_append_rate = 4 << 20
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        primary = brokers[0]
+        rounds_before = commits()
+
+        async def writer(w: int) -> list[tuple[int, bytes]]:
+            done = []
+            for k in range(3):
+                payload = f"{w:03d}.{k} ".encode() * (60 * 1024 // 6)
+                answer = await append(
+                    stub(primary), journal, payload if w % 2 else [payload], timeout=120
+                )
+                done.append((answer.commit.begin, payload))
+            return done
+
+        results = await asyncio.gather(*(writer(w) for w in range(100)), return_exceptions=True)
+        failed = [r for r in results if not isinstance(r, list)]
+        committed = [span for r in results if isinstance(r, list) for span in r]
+        after = await append(stub(primary), journal, b"after\n")
+        committed.append((after.commit.begin, b"after\n"))
+        await assert_replicas_agree(brokers, journal, committed, after.commit.end)
+        assert not failed, f"{len(failed)} of 100 writers failed, first: {failed[0]!r}"
+        assert (commits() - rounds_before) / 3 < 300 / 2  # Grouped.
