@@ -380,8 +380,14 @@ async def proxy_append(
                 forwarded_commit = forwarded_commit or not request.content
             else:
                 await call.done_writing()
-        except asyncio.InvalidStateError:
-            pass  # As above, between the check and the write: its answer is what we relay.
+        except (grpc.aio.AioRpcError, grpc.aio.InternalError, asyncio.InvalidStateError):
+            # A write (or the half-close) failed: the primary answered already and reads no
+            # more, or the stream to it broke. gRPC's client marks such a write INTERNAL
+            # ("Internal error from Core") at once, and replaces that with the status the
+            # primary sent when it arrives: the call's own outcome, awaited below, is what we
+            # relay, never the failed write's (which hid a suspension that was applied, and
+            # turned a REGISTER_MISMATCH into UNAVAILABLE).
+            pass
         response: pb.AppendResponse = await call
         return response
     except grpc.aio.AioRpcError as exc:
