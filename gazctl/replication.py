@@ -22,10 +22,10 @@ from gazctl import render
 from gazctl.journals import file_root_option
 from plumbing import config as cfg
 from plumbing import etcd as etcdx
+from replication import commands, registry
 from replication import location_pb2 as lpb
-from replication import registry
 from replication.rpc import Document, LocationClient, LocationError, status_document
-from replication.system import change_document, topology_of_documents
+from replication.system import topology_of_documents
 from replication.topology import (
     Change,
     Connected,
@@ -33,6 +33,7 @@ from replication.topology import (
     FailedOver,
     Filtered,
     Retired,
+    RuleViolation,
     Topology,
 )
 from replication.vclock import VectorClock
@@ -174,27 +175,41 @@ class Network:
         """Location `name`'s Status, as `status --format json` prints it."""
         return status_document(await self.ask(name, lambda c: c.status()))
 
-    async def change(self, change: Change, at: Sequence[str]) -> None:
-        """Check `change` at every location of `at`, then record it at each as one command: in
-        the order etcd gives it among all topology changes."""
-        await self.changes([(change, at)])
-
-    async def changes(
+    async def command(
         self,
-        changes: Sequence[tuple[Change, Sequence[str]]],
-        before_recording: Callable[[], Coroutine[Any, Any, None]] | None = None,
-    ) -> None:
-        """Check every change at each of its locations first, and record them only once all
-        passed (a refusal records none of them); `before_recording` runs in between."""
-        for change, at in changes:
-            for name in at:
-                await self._change(name, change)
-        if before_recording is not None:
-            await before_recording()
-        for change, at in changes:
-            op = await registry.issue_op(self.etcd, self.prefix, change_document(change))
-            for name in at:
-                await self._change(name, change, record=True, op=op)
+        plan: Callable[[Topology], Sequence[Change]],
+        names: Sequence[str],
+        live: bool = True,
+    ) -> commands.Command:
+        """One topology command, all or nothing: `plan(view)` gives its changes on etcd's whole
+        history; they are checked there, then (with `live`) at each location they involve,
+        which must be running (may it record them now; a fail-over's cached CVV), and recorded
+        in one etcd transaction. Then each location they involve is told to record them; one
+        that cannot now records them once it can (it follows etcd's history), so that is said,
+        not refused. A refusal is one line, and then nothing was recorded anywhere."""
+        await self.entries(*names)
+
+        async def live_check(changes: Sequence[Change]) -> None:
+            if live:
+                for change in changes:
+                    for name in _involved(change):
+                        await self._change(name, change)
+
+        try:
+            done = await commands.command(self.etcd, self.prefix, plan, live_check)
+        except (RuleViolation, ValueError) as exc:
+            raise UserError(str(exc)) from None
+        except aetcd.exceptions.ClientError as exc:
+            raise UserError(f"cannot read or record the topology's history in etcd: {exc}") from None  # fmt: skip
+        if done.recorded:
+            last = done.recorded[-1][0]
+            told = {n for _, c in done.recorded for n in _names(c)}
+            for name in sorted(told):
+                try:
+                    await self._change(name, done.recorded[-1][1], record=True, op=last)
+                except UserError as exc:
+                    click.echo(f"{name}: records it once it can ({exc.message})")
+        return done
 
     async def _change(self, name: str, change: Change, record: bool = False, op: int = 0) -> None:
         client = await self.client(name)
@@ -202,6 +217,25 @@ class Network:
             await client.change(change, record=record, op=op)
         except LocationError as exc:
             raise UserError(str(exc)) from None
+
+
+def _names(change: Change) -> list[str]:
+    if isinstance(change, Retired):
+        return [change.location]
+    if isinstance(change, FailedOver):
+        return [change.previous, change.source, change.target]
+    return [change.source, change.target]
+
+
+def _involved(change: Change) -> list[str]:
+    """The locations whose live state a change needs (and which are told of it first)."""
+    if isinstance(change, Retired):
+        return []
+    if isinstance(change, FailedOver):
+        return [change.target, change.source, change.previous]
+    if isinstance(change, Disconnected):
+        return []  # Always allowed: its ends record it when they can.
+    return [change.target, change.source]
 
 
 def _vector(clock: Mapping[str, int] | None) -> str:
@@ -334,45 +368,57 @@ def connect_cmd(
     it waiting); --new-events-only makes that hold at once, for a location that does not need
     what SOURCE deleted."""
 
+    async def join(net: Network) -> None:
+        # Only once etcd recorded the connection: a refused connect changes nothing.
+        # Repeated on a connection made already (a gazctl that died before its join).
+        if new_only:
+            try:
+                reply = await net.ask(target, lambda c: c.join([source]))
+            except UserError as exc:
+                raise UserError(
+                    f"{source} -> {target} is connected, but {target} did not join for new "
+                    f"events ({exc.message}): run this command again"
+                ) from None
+            click.echo(f"{target}: joined for new events (CVV {_vector(reply.cvv.times)})")
+
     async def go() -> None:
         async with Network(opts) as net:
-
-            async def join() -> None:
-                # Only once every check passed: a refused connect changes nothing.
-                if new_only:
-                    reply = await net.ask(target, lambda c: c.join([source]))
-                    click.echo(f"{target}: joined for new events (CVV {_vector(reply.cvv.times)})")
-
             if previous:
                 if both:
                     raise UserError("--fail-over-from switches one connection: leave out --both")
                 change = FailedOver(previous, source, target, filter_)
-                await net.changes([(change, [target, source, previous])], join)
-                click.echo(f"{target}: failed over from {previous} to {source}")
+                done = await net.command(lambda _view: [change], [previous, source, target])
+                if done.recorded:
+                    click.echo(f"{target}: failed over from {previous} to {source}")
+                else:
+                    click.echo(f"{target}: failed over from {previous} to {source} already")
+                await join(net)
                 return
             pairs = [(source, target)] + ([(target, source)] if both else [])
-            changes: list[tuple[Change, Sequence[str]]] = []
-            said = []
-            for s, t in pairs:
-                current = await _current(net, t)
-                if (s, t) in current and current[(s, t)] == filter_:
-                    said.append(f"{s} -> {t}: connected already")
-                elif (s, t) in current:
-                    changes.append((Filtered(s, t, filter_), [t, s]))
-                    said.append(f"{s} -> {t}: filter changed to {filter_ or '(none)'}")
-                else:
-                    changes.append((Connected(s, t, filter_), [t, s]))
-                    said.append(f"{s} -> {t}: connected" + (f" (filter {filter_})" if filter_ else ""))  # fmt: skip
-            # Both directions are checked before either is recorded: both or neither.
-            await net.changes(changes, join)
+            said: list[str] = []
+
+            def plan(view: Topology) -> list[Change]:
+                # Planned on etcd's view, as checked: planned again if the command is retried.
+                said.clear()
+                changes: list[Change] = []
+                for s, t in pairs:
+                    if view.current.get((s, t)) == filter_:
+                        said.append(f"{s} -> {t}: connected already")
+                    elif (s, t) in view.current:
+                        changes.append(Filtered(s, t, filter_))
+                        said.append(f"{s} -> {t}: filter changed to {filter_ or '(none)'}")
+                    else:
+                        changes.append(Connected(s, t, filter_))
+                        said.append(f"{s} -> {t}: connected" + (f" (filter {filter_})" if filter_ else ""))  # fmt: skip
+                return changes
+
+            # Both directions are checked and recorded in one transaction: both or neither.
+            await net.command(plan, [source, target])
             for line in said:
                 click.echo(line)
+            await join(net)
 
     run(go())
-
-
-async def _current(net: Network, at: str) -> dict[tuple[str, str], str]:
-    return _view(await net.status(at)).current
 
 
 def _view(status: Document) -> Topology:
@@ -390,7 +436,9 @@ def disconnect_cmd(source: str, target: str, both: bool, **opts: Any) -> None:
     async def go() -> None:
         async with Network(opts) as net:
             pairs = [(source, target)] + ([(target, source)] if both else [])
-            await net.changes([(Disconnected(s, t), [t, s]) for s, t in pairs])  # Both or neither.
+            # Always allowed (a way out of any topology), so checked on etcd's history only;
+            # both directions in one transaction: both or neither.
+            await net.command(lambda _view: [Disconnected(s, t) for s, t in pairs], [source, target])  # fmt: skip
             for s, t in pairs:
                 click.echo(f"{s} -> {t}: disconnected")
 
@@ -402,25 +450,12 @@ def disconnect_cmd(source: str, target: str, both: bool, **opts: Any) -> None:
 @replication_options
 def retire_cmd(name: str, **opts: Any) -> None:
     """Retire a location for good: it leaves the topology (its connections end) and takes no
-    new ones. Recorded at every running location whose view knows it."""
+    new ones. Recorded in etcd's topology history, which every location follows."""
 
     async def go() -> None:
         async with Network(opts) as net:
-            await net.entries(name)
-            at, already = [], []
-            for entry in (await net.locations()).values():
-                if entry.endpoint:
-                    view = _view(await net.status(entry.name))
-                    if entry.name == name or name in view.locations:
-                        at.append(entry.name)
-                        already.append(name in view.retired)
-            if at and all(already):
-                click.echo(f"{name}: retired already")
-                return
-            if not at:
-                raise UserError(f"location {name}: no running location knows it, nothing to record")  # fmt: skip
-            await net.change(Retired(name), at=at)
-            click.echo(f"{name}: retired (recorded at {', '.join(at)})")
+            done = await net.command(lambda _view: [Retired(name)], [name])
+            click.echo(f"{name}: retired" if done.recorded else f"{name}: retired already")
 
     run(go())
 
@@ -823,10 +858,15 @@ def topology_cmd(at: str, fmt: str, check: bool, **opts: Any) -> None:  # fmt: s
 
 
 def _check_views(opts: dict[str, Any]) -> None:
-    """`topology --check`: every running location's view against the union of them all."""
+    """`topology --check`: every running location's view against etcd's history (the
+    authoritative one) and against each other's."""
 
-    async def go() -> tuple[dict[str, Topology], list[str]]:
+    async def go() -> tuple[Topology, dict[str, Topology], list[str]]:
         async with Network(opts) as net:
+            try:
+                history = await commands.read_history(net.etcd, net.prefix)
+            except (ValueError, aetcd.exceptions.ClientError) as exc:
+                raise UserError(f"cannot read the topology's history in etcd: {exc}") from None
             views, down = {}, []
             for entry in (await net.locations()).values():
                 status = await _status_if_serving(net, entry.name)
@@ -834,32 +874,45 @@ def _check_views(opts: dict[str, Any]) -> None:
                     down.append(entry.name)
                 else:
                     views[entry.name] = _view(status)
-            return views, down
+            return history.view(), views, down
 
-    views, down = run(go())
+    etcd_view, views, down = run(go())
     if not views:
         raise UserError("no location is running: there is no view to compare")
-    retired = set().union(*(v.retired for v in views.values()))
-    down = [n for n in down if n not in retired]
-    every = {kc for v in views.values() for kc in v.keyed()}
-    lacking = {n: sorted(every - set(v.keyed()), key=lambda kc: kc[0]) for n, v in views.items()}
+    retired = etcd_view.retired.union(*(v.retired for v in views.values()))
     for name in down:
-        click.echo(f"{name}: not running (its view is not compared)")
-    if not any(lacking.values()):
-        click.echo(f"{len(views)} locations hold the same view ({len(every)} changes): {', '.join(sorted(views))}")  # fmt: skip
+        if name not in retired:
+            click.echo(f"{name}: not running (its view is not compared)")
+    for name in sorted(set(views) & retired):
+        # It records etcd's history through its own retirement, and nothing after.
+        click.echo(f"{name}: retired (its view is not compared)")
+        del views[name]
+    authoritative = set(etcd_view.keyed())
+    every = authoritative.union(*(set(v.keyed()) for v in views.values()))
+    unknown = sorted(every - authoritative, key=lambda kc: kc[0])
+    lacking = {n: sorted(every - set(v.keyed()), key=lambda kc: kc[0]) for n, v in views.items()}
+    if not unknown and not any(lacking.values()):
+        click.echo(f"{len(views)} locations hold etcd's view ({len(authoritative)} changes): {', '.join(sorted(views))}")  # fmt: skip
         return
     for name, missing in sorted(lacking.items()):
         if missing:
             click.echo(f"{name} lacks {len(missing)} of {len(every)} changes:")
             for key, change in missing:
-                order = f"op {key[0]}" if key[0] else f"{key[2]}:{key[3]}"
-                click.echo(f"  [{order}] {describe(change)}")
+                click.echo(f"  [{_order(key)}] {describe(change)}")
         else:
             click.echo(f"{name}: holds every change ({len(every)})")
+    if unknown:
+        click.echo(f"etcd's history lacks {len(unknown)} changes that locations hold (recorded without it):")  # fmt: skip
+        for key, change in unknown:
+            click.echo(f"  [{_order(key)}] {describe(change)}")
     raise UserError(
-        "the views differ: a change replicates to a location with the system events of its "
-        "connections; one that stays missing names a connection that does not reach it"
+        "the views differ: a location records etcd's history once it may emit (see `status`); "
+        "a change etcd lacks was recorded by an older gazctl, and stays in the logs that hold it"
     )
+
+
+def _order(key: tuple[int, int, str, int]) -> str:
+    return f"op {key[0]}" if key[0] else f"{key[2]}:{key[3]}"
 
 
 def describe(change: Change) -> str:

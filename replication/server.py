@@ -53,11 +53,12 @@ from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from plumbing import auth
 from plumbing import etcd as etcdx
+from plumbing.backoff import Backoff
 from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import first_of
 from plumbing.tls import ServerTLS
+from replication import commands, registry
 from replication import location_pb2 as lpb
-from replication import registry
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
 from replication.journals import journal_listed
@@ -74,10 +75,10 @@ from replication.rpc import (
     named_locations,
     topology_of_status,
 )
-from replication.system import change_document, passes, system_payload
+from replication.system import passes, system_payload
 from replication.topology import (
+    Change,
     Connected,
-    Disconnected,
     FailedOver,
     Filtered,
     Retired,
@@ -242,6 +243,8 @@ class LocationServer:
         # Event recovery under way: each source it recovers its own events from, and the
         # sequence number (the source's last at Recover) its connection must read through.
         self._recovering: dict[str, int] = {}
+        self._sync_lock = asyncio.Lock()  # One round at a time records etcd's history.
+        self._disagreed: set[int] = set()  # Ops its log holds otherwise than etcd (warned).
         # Its log as a standby folded it (a location host's): `run` folds only the rest.
         self.folded: JournalEventLog | None = None
 
@@ -296,6 +299,7 @@ class LocationServer:
                     tasks.create_task(self._watch_clock(), name="clock check"),
                     tasks.create_task(self._watch_journal(), name="journal check"),
                     tasks.create_task(self._run_connections(), name="connections"),
+                    tasks.create_task(self._follow_topology(), name="topology history"),
                 ]
                 if ready is not None:
                     ready.set()
@@ -890,67 +894,100 @@ class LocationServer:
         )  # fmt: skip
 
     async def change(self, request: lpb.ChangeRequest) -> lpb.ChangeResponse:
-        """Check a topology change against this location's view (and, with `record`, store it
-        as a system event here)."""
+        """A topology change. Without `record`: the live checks of this location (may it record
+        a system event now; for the target of a fail-over, the cached CVV of the old source),
+        which change nothing; the rules are checked on etcd's whole history by the command. With
+        `record` and the `op` etcd recorded it at: this location records what etcd's history
+        holds and its log lacks (refused if etcd does not hold `op`). With `record` and no `op`:
+        the whole command here (checked on etcd's history, recorded there, then here)."""
         assert self.log is not None
         change = change_of_message(request.change)
         if request.op < 0:
-            raise ValueError(f"op {request.op}: a command's order is an etcd revision")
-        op = request.op or None  # The command's order, issued by etcd (None: issued here).
-        op_key = command_key(op) if op is not None else None
-        view = self.log.topology
-        unrecorded = lpb.ChangeResponse(change=request.change, recorded=False)
-        if op_key is not None and op_key in view.changes:
-            # This command is recorded here already (it arrived by replication from the other end).
-            return unrecorded
-        if isinstance(change, Retired):
-            names = [change.location]
-        elif isinstance(change, FailedOver):
-            names = [change.previous, change.source, change.target]
-        else:
-            names = [change.source, change.target]
-        entries = await registry.lookup(self._etcd_client(), self.config.prefix, *names)
-        key = None if isinstance(change, Retired) else (change.source, change.target)
-        if isinstance(change, Retired):
-            in_effect = change.location in view.retired
-        elif isinstance(change, FailedOver):
-            new = (change.source, change.target)
-            in_effect = view.current.get(new) == change.filter and (change.previous, change.target) not in view.current  # fmt: skip
-        elif isinstance(change, Disconnected):
-            in_effect = key not in view.current and key in view.ever
-        else:
-            in_effect = key in view.current and view.current[key] == change.filter
-        if in_effect and op_key is None:
-            return unrecorded  # In effect here already: nothing to record.
-        if in_effect:
-            pass  # The command was checked where it was made; here it only keeps its order.
-        elif isinstance(change, FailedOver):
-            parse_filter(change.filter)
-            view.check_fail_over(change.previous, change.source, change.target, change.filter)
-            if change.target == self.name:  # The rule of the cached CVV, checked here.
-                check_fail_over(self.log, change.previous, await self._vectors(entries[1]))
-        elif isinstance(change, Connected):
+            raise ValueError(f"op {request.op}: a command's order is a number of etcd's history")
+        if isinstance(change, Connected | Filtered | FailedOver):
             parse_filter(change.filter)  # FilterError (a ValueError) if it does not parse.
-            if key in view.current:
+        if not request.record:
+            await self._live_check(change)
+            return lpb.ChangeResponse(change=request.change, recorded=False)
+        if request.op:
+            recorded = await self._sync_topology(request.op)
+            return lpb.ChangeResponse(change=request.change, recorded=recorded)
+        await registry.lookup(self._etcd_client(), self.config.prefix, *_names(change))
+
+        async def live_check(changes: Any) -> None:
+            for each in changes:
+                await self._live_check(each)
+
+        done = await commands.command(self._etcd_client(), self.config.prefix, lambda _v: [change], live_check)  # fmt: skip
+        if done.recorded:
+            await self._sync_topology(done.recorded[-1][0])
+        return lpb.ChangeResponse(change=request.change, recorded=bool(done.recorded))
+
+    async def _live_check(self, change: Change) -> None:
+        """What only this location knows, checked for `change` (RuleViolation if it fails)."""
+        assert self.log is not None
+        await self._check_may_emit()  # It records the change as an event of its own.
+        if isinstance(change, FailedOver) and change.target == self.name:
+            # The rule of the cached CVV: the new source has seen what the old one sent here.
+            entry = (await registry.lookup(self._etcd_client(), self.config.prefix, change.source))[0]  # fmt: skip
+            check_fail_over(self.log, change.previous, await self._vectors(entry))
+
+    async def _sync_topology(self, require: int = 0) -> bool:
+        """Record, as system events of this location, every change of etcd's history its log
+        lacks, in op order (through its own retirement; a retired location records nothing
+        more). Whether it recorded any. RuleViolation if it may not emit now (it records them
+        once it may), or if etcd's history does not hold `require`."""
+        assert self.log is not None
+        async with self._sync_lock:
+            history = await commands.read_history(self._etcd_client(), self.config.prefix)
+            if require and all(op != require for op, _ in history.changes):
                 raise RuleViolation(
-                    f"{change.source} -> {change.target} is connected already, with another "
-                    "filter (a filter change is a Filtered change)"
+                    f"op {require} is not in etcd's topology history under {self.config.prefix}: "
+                    "only a change recorded there is recorded here"
                 )
-            view.check_connect(change.source, change.target, change.filter)
-        elif isinstance(change, Filtered):
-            parse_filter(change.filter)
-            if key not in view.current:
-                raise RuleViolation(f"{change.source} -> {change.target} is not connected")
-            view.check_filter(change.source, change.target, change.filter)
-        elif isinstance(change, Disconnected) and key not in view.current:
-            raise RuleViolation(f"{change.source} -> {change.target} is not connected")
-        if request.record:
-            await self._check_may_emit()  # A system event is an event of its own, at its time.
-            if op is None:
-                op = await registry.issue_op(self._etcd_client(), self.config.prefix, change_document(change))  # fmt: skip
-            await self.log.emit([system_payload(change, op)])
+            view = self.log.topology
+            missing = []
+            for op, change in history.changes:
+                held = view.changes.get(command_key(op))
+                if held is None:
+                    missing.append((op, change))
+                elif held != change and op not in self._disagreed:
+                    # Its log's record of that op stays (events are never rewritten): `topology
+                    # --check` names it. Said once.
+                    self._disagreed.add(op)
+                    log.warning("%s: its log holds %s at op %d, etcd's history %s", self.name, held, op, change)  # fmt: skip
+            if not missing or self.name in view.retired:
+                return False
+            await self._check_may_emit()
+            payloads = []
+            for op, change in missing:
+                payloads.append(system_payload(change, op))
+                if isinstance(change, Retired) and change.location == self.name:
+                    break
+            await self.log.emit(payloads)
             self._topology_changed.set()
-        return lpb.ChangeResponse(change=request.change, recorded=request.record)
+            return True
+
+    async def _follow_topology(self) -> None:
+        """Read etcd's topology history when the process starts and whenever its head moves
+        (polled every _RETRY seconds), and record what the log lacks; a round that fails (etcd
+        away, this location may not emit yet) is tried again after the one backoff."""
+        assert self.log is not None
+        etcd = self._etcd_client()
+        head = commands.head_key(self.config.prefix)
+        synced = -1  # The head's mod revision as of the last round that recorded everything.
+        backoff = Backoff(initial=_RETRY, maximum=5.0)
+        while True:
+            try:
+                current, _ = await etcdx.get_current(etcd, [head])
+                if current[0].mod_revision != synced:
+                    await self._sync_topology()
+                    synced = current[0].mod_revision
+                backoff.reset()
+                await asyncio.sleep(_RETRY)
+            except (RuleViolation, ValueError, aetcd.exceptions.ClientError, AppendError, LocationError) as exc:  # fmt: skip
+                log.info("%s: recording etcd's topology history: %s", self.name, str(exc).split("\n")[0])  # fmt: skip
+                await backoff.sleep()
 
     async def _vectors(self, entry: registry.LocationEntry, timeout: float | None = None) -> _Neighbour:  # fmt: skip
         """A location's CVV, DVV and status, asked of its process (LocationError if it is down:
@@ -1092,6 +1129,15 @@ class LocationServer:
         return lpb.RecoverResponse(
             survivors=survivors, local_time=lg.local_time, not_recovered_from=skipped
         )
+
+
+def _names(change: Change) -> list[str]:
+    """The locations a change names."""
+    if isinstance(change, Retired):
+        return [change.location]
+    if isinstance(change, FailedOver):
+        return [change.previous, change.source, change.target]
+    return [change.source, change.target]
 
 
 def _json_object(data: bytes, what: str) -> dict[str, Any]:

@@ -430,3 +430,82 @@ class Topology:
                         "connections from one unfiltered group to another are redundant and "
                         "filter alike, over the topology's history"
                     )
+
+    # ---- a command against the whole history -------------------------------------------------------
+
+    def check_change(self, change: Change) -> bool:
+        """Whether `change`, made next, is allowed on this view (the whole history's: etcd's),
+        RuleViolation naming the rule if not. False when it is in effect already (nothing to
+        record). A view that already breaks a rule (a change recorded before commands were
+        checked whole) is repaired, not frozen: a disconnection or a retirement is always
+        allowed, and another change is allowed if it breaks no rule that the view does not
+        break already (`violations`)."""
+        if isinstance(change, Retired):
+            return change.location not in self.retired
+        key = (change.source, change.target)
+        if isinstance(change, Disconnected):
+            if key not in self.current:
+                raise RuleViolation(f"{change.source} -> {change.target} is not connected")
+            return True
+        if isinstance(change, FailedOver):
+            if self.current.get(key) == change.filter and (change.previous, change.target) not in self.current:  # fmt: skip
+                return False
+            check = lambda: self.check_fail_over(  # noqa: E731
+                change.previous, change.source, change.target, change.filter
+            )
+        elif isinstance(change, Connected):
+            if self.current.get(key) == change.filter:
+                return False
+            if key in self.current:
+                raise RuleViolation(
+                    f"{change.source} -> {change.target} is connected already, with another "
+                    "filter (a filter change is a Filtered change)"
+                )
+            check = lambda: self.check_connect(change.source, change.target, change.filter)  # noqa: E731
+        else:
+            if key not in self.current:
+                raise RuleViolation(f"{change.source} -> {change.target} is not connected")
+            if self.current[key] == change.filter:
+                return False
+            check = lambda: self.check_filter(change.source, change.target, change.filter)  # noqa: E731
+        try:
+            check()
+        except RuleViolation:
+            before = self.violations()
+            if not before or not self._with(change).violations() <= before:
+                raise
+            self.check_location(*key)  # A retired location takes no connection, ever.
+        return True
+
+    def violations(self) -> set[tuple[str, str, str]]:
+        """Every way this view breaks the rules `_check` enforces, each named by the rule and a
+        connection (so that a change can be told to make things no worse): a filtered link
+        inside an unfiltered group ("cycle"), a filtered link between groups that closes a
+        cycle of groups ("tree"), a connection between two groups that filters otherwise than
+        another one between them did ("filters")."""
+        out: set[tuple[str, str, str]] = set()
+        groups = self.groups()
+        between: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        for a, b in self._filtered_links():
+            if groups[a] == groups[b]:
+                out.add(("cycle", a, b))
+            else:
+                ends = (min(groups[a]), min(groups[b]))
+                between.setdefault((min(ends), max(ends)), set()).add((a, b))
+        for edge, links in between.items():
+            neighbours: dict[str, set[str]] = collections.defaultdict(set)
+            for x, y in between:
+                if (x, y) != edge:
+                    neighbours[x].add(y)
+                    neighbours[y].add(x)
+            if _path(neighbours, *edge) is not None:
+                out.update(("tree", a, b) for a, b in links)
+        buckets: dict[tuple[frozenset[str], frozenset[str]], list[tuple[str, str]]] = {}
+        for s, t in self.ever:
+            if s in self.retired or t in self.retired or groups.get(s) == groups.get(t):
+                continue
+            buckets.setdefault((groups[s], groups[t]), []).append((s, t))
+        for connections in buckets.values():
+            if len({f for c in connections for f in self.filters_ever.get(c, ())}) > 1:
+                out.update(("filters", s, t) for s, t in connections)
+        return out

@@ -1,0 +1,173 @@
+"""Operator commands over a network of location processes, checked against the whole topology
+history and recorded all or nothing (issue 38, items 7 to 9): a command is checked against etcd's
+history, not an endpoint's partial view; a refused one changes nothing anywhere (no record at
+one end, no join); a change etcd recorded reaches every location, even when the gazctl that made
+it died before telling them; and a network that already holds a change the rules forbid can be
+repaired with gazctl."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from broker.testing import EtcdServer
+from replication.journals import apply_location_journals
+from tests.conftest import BrokerProcess
+from tests.replication_testing import LocationProcesses
+
+
+def wait_until(predicate: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def refused(locations: LocationProcesses, *args: str) -> str:
+    """The one line of a refused command (exit 1, no traceback)."""
+    result = locations.gazctl(*args)
+    assert result.code == 1, (args, result.out, result.err)
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    return lines[0]
+
+
+def history(locations: LocationProcesses, name: str) -> list[Any]:
+    return list(locations.status(name)["history"])
+
+
+def connections(locations: LocationProcesses, name: str) -> list[str]:
+    return [c["source"] for c in locations.status(name)["connections"]]
+
+
+def test_a_filtered_cycle_is_refused_although_no_endpoint_sees_it(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """Issue 38, item 7: A and C only send, so neither learns of B <-> D by replication; the
+    filtered A -> C closes the cycle A - B - D - C - A all the same, and is refused, with
+    nothing recorded anywhere."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("connect", "C", "D")
+    locations.ok("connect", "B", "D", "--both")
+    for name in "ABCD":  # Each records etcd's history, A and C too.
+        wait_until(lambda n=name: len(history(locations, n)) == 4, f"{name} holds the four changes")  # fmt: skip
+    before = {n: history(locations, n) for n in "ABCD"}
+    line = refused(locations, "connect", "A", "C", "--filter", "kind=x")
+    assert "A -> C" in line and "cycle" in line, line
+    assert {n: history(locations, n) for n in "ABCD"} == before
+    assert connections(locations, "C") == []
+    # Unfiltered, it is one more link of the unfiltered group: accepted.
+    locations.ok("connect", "A", "C")
+    wait_until(lambda: connections(locations, "C") == ["A"], "C reads A")
+
+
+def test_a_refused_connect_changes_nothing_at_either_end(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """Issue 38, items 8 and 9: C stopped and A restarted, A has not heard from C. `connect A D`
+    is refused in one line naming C, and D records nothing (no connection, no change in its
+    history); with --new-events-only, D's CVV and DVV stay as they were although A deleted
+    events. Once C answers, the same command is accepted, and D joins."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
+    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
+    locations.ok("delete", "A", "--through", "3")
+    dvv_a = locations.status("A")["dvv"]
+    assert dvv_a.get("A", 0) >= 2, dvv_a
+    locations.stop("C")
+    locations.stop("A")
+    locations.start("A", location_broker.address)
+    before = locations.status("D")
+    for extra in ([], ["--new-events-only"]):
+        line = refused(locations, "connect", "A", "D", *extra)
+        assert "A has not heard from C" in line, line
+        after = locations.status("D")
+        assert after["history"] == before["history"]
+        assert after["connections"] == []
+        assert (after["cvv"], after["dvv"]) == (before["cvv"], before["dvv"])
+    # Nothing to repair: `disconnect` finds no connection, and no view differs.
+    assert "A -> D is not connected" in refused(locations, "disconnect", "A", "D")
+    locations.start("C", location_broker.address)
+    wait_until(lambda: locations.status("A")["clock"] == "ok", "A heard from C")
+    out = locations.ok("connect", "A", "D", "--new-events-only")
+    assert "D: joined for new events" in out
+    assert locations.status("D")["dvv"].get("A", 0) >= dvv_a["A"]
+    wait_until(lambda: connections(locations, "D") == ["A"], "D reads A")
+    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "the views agree")
+
+
+def test_a_change_etcd_recorded_reaches_every_location_though_gazctl_died(
+    location_broker: BrokerProcess, locations: LocationProcesses, etcd_server: EtcdServer
+) -> None:
+    """A command recorded in etcd's history and delivered to no location (its gazctl died right
+    after the record) still takes effect: each location reads etcd's history, B at once, C when
+    it starts again; `topology --check` then finds every view equal to etcd's."""
+    from replication import commands
+    from replication.topology import Connected
+
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "ABC":
+        locations.start(name, location_broker.address)
+    locations.stop("C")
+
+    async def record_only() -> None:
+        etcd = commands.connect_etcd(etcd_server.endpoint)
+        try:
+            recorded = await commands.command(etcd, locations.prefix, lambda view: [Connected("A", "B"), Connected("B", "C")])  # fmt: skip
+            assert [c for _, c in recorded.recorded] == [Connected("A", "B"), Connected("B", "C")]
+        finally:
+            await etcd.close()
+
+    asyncio.run(record_only())
+    wait_until(lambda: connections(locations, "B") == ["A"], "B reads A")
+    wait_until(lambda: len(history(locations, "A")) == 2, "A holds both changes")
+    locations.ok("emit", "A", '{"n": 1}')
+    locations.start("C", location_broker.address)
+    wait_until(lambda: connections(locations, "C") == ["B"], "C reads B")
+    wait_until(lambda: any(e["payload"].get("n") == 1 for e in locations.events("C")), "C holds A's event")  # fmt: skip
+    out = locations.ok("topology", "--check")
+    assert "3 locations hold etcd's view (2 changes)" in out, out
+
+
+def test_a_network_that_holds_a_forbidden_change_is_repaired_with_gazctl(
+    location_broker: BrokerProcess, locations: LocationProcesses, etcd_server: EtcdServer
+) -> None:
+    """Issue 38, item 7's way out: the history already holds the filtered A -> C that closes
+    the cycle A - B - D - C - A (recorded before commands were checked whole). Commands that
+    do not make it worse are accepted (B -> A and D -> C add no link, A -> C's disconnection
+    none), one that does is refused; every location learns the history."""
+    from replication import commands
+    from replication.topology import Connected
+
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("connect", "C", "D")
+    locations.ok("connect", "B", "D", "--both")
+
+    async def forbidden() -> None:
+        etcd = commands.connect_etcd(etcd_server.endpoint)
+        try:
+            history = await commands.read_history(etcd, locations.prefix)
+            assert await commands.record(etcd, locations.prefix, history, [Connected("A", "C", "kind=x")])  # fmt: skip
+        finally:
+            await etcd.close()
+
+    asyncio.run(forbidden())
+    wait_until(lambda: connections(locations, "C") == ["A"], "C reads A, filtered")
+    locations.ok("connect", "B", "A")
+    locations.ok("connect", "D", "C")
+    line = refused(locations, "connect", "A", "D", "--filter", "kind=x")
+    assert "A -> D" in line and "cycle" in line, line
+    locations.ok("disconnect", "A", "C")
+    wait_until(lambda: connections(locations, "C") == ["D"], "C reads D only")
+    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's")
