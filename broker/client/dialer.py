@@ -99,6 +99,10 @@ class Dialer:
     def __init__(self, credentials: Credentials | None = None) -> None:
         self.credentials = credentials or default_credentials("broker")
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # One Journal stub per endpoint: what a stub learns of its broker (that it refuses the
+        # one-message append form, `JournalStub.whole_appends`) holds for every later call to
+        # that endpoint, though a router asks for a stub at each call.
+        self._stubs: dict[str, pb_grpc.JournalStub] = {}
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         """The channel to `endpoint`; BrokerAddressError if it is not one to dial."""
@@ -124,9 +128,13 @@ class Dialer:
             return _RefusedChannel(str(exc))
 
     def journal_stub(self, endpoint: str) -> pb_grpc.JournalStub:
-        """A Journal stub for `endpoint`; if the endpoint is not one to dial, its calls fail
-        with EndpointRefused (FAILED_PRECONDITION), having sent nothing."""
-        return JournalStub(self._channel_or_refused(endpoint))
+        """The Journal stub of `endpoint` (the same one at each call); if the endpoint is not
+        one to dial, its calls fail with EndpointRefused (FAILED_PRECONDITION), having sent
+        nothing."""
+        stub = self._stubs.get(endpoint)
+        if stub is None:
+            stub = self._stubs[endpoint] = JournalStub(self._channel_or_refused(endpoint))
+        return stub
 
     def journal_token(
         self, capability: int, journal: str, ttl: float, *, fresh_for: float | None = None
@@ -151,5 +159,6 @@ class Dialer:
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
+        self._stubs = {}
         for channel in channels.values():
             await channel.close(None)
