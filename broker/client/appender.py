@@ -23,8 +23,10 @@ class AppendError(RuntimeError):
     def __init__(self, journal: str, response: pb.AppendResponse, why: str = "") -> None:
         self.response = response
         self.status = response.status
-        # Why, where the broker said (a refusal for want of brokers: see PLACEMENT).
-        self.why = why
+        # Why, where the broker said (a refusal for want of brokers: see PLACEMENT; the store
+        # and its failed health check, for FRAGMENT_STORE_UNHEALTHY).
+        self.why = why or response.store_health_error
+        why = self.why
         said = (
             f"{pb.Status.Name(response.status)}: {why}" if why else pb.Status.Name(response.status)
         )
@@ -48,20 +50,24 @@ async def _send(
     content: bytes | Iterable[bytes] | AsyncIterable[bytes],
     chunk_size: int,
     sent: list[bool],
+    written: list[int],
 ) -> None:
     write = call.write  # type: ignore[attr-defined]
     await write(first)
     if isinstance(content, bytes | bytearray | memoryview):
         for chunk in _chunks(bytes(content), chunk_size):
             await write(pb.AppendRequest(content=chunk))
+            written[0] += len(chunk)
     elif isinstance(content, AsyncIterable):
         async for piece in content:
             for chunk in _chunks(piece, chunk_size):
                 await write(pb.AppendRequest(content=chunk))
+                written[0] += len(chunk)
     else:
         for piece in content:
             for chunk in _chunks(piece, chunk_size):
                 await write(pb.AppendRequest(content=chunk))
+                written[0] += len(chunk)
     sent.append(True)  # From here the append may commit: its outcome is the broker's to say.
     await write(pb.AppendRequest())  # Commit.
     await call.done_writing()  # type: ignore[attr-defined]
@@ -113,17 +119,19 @@ async def append(
         first.content = b""  # Refused as a form this broker does not know: streamed instead.
     call = stub.Append(timeout=timeout, metadata=metadata)
     sent: list[bool] = []
+    written = [0]  # Content bytes sent.
     try:
         # A write fails when the broker already answered (a refusal before the content, or an
         # abort): its answer, or its error, is the call's outcome, awaited just below.
         # (grpc.aio raises InvalidStateError for a write after the call finished.)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            await _send(call, first, content, chunk_size, sent)
+            await _send(call, first, content, chunk_size, sent, written)
         response: pb.AppendResponse = await call
     except grpc.aio.AioRpcError as exc:
         call.cancel()
         # The commit was on its way when the call failed: the append may have landed.
         exc.commit_sent = bool(sent)  # type: ignore[attr-defined]
+        exc.repeatable = _repeatable(written[0], first)  # type: ignore[attr-defined]
         raise
     except BaseException:
         call.cancel()  # Without its commit chunk, the append rolls back everywhere.
@@ -157,11 +165,24 @@ async def _append_whole(
         call.cancel()
         # The commit went with the content, unless the call never left this process.
         exc.commit_sent = not _never_sent(exc)  # type: ignore[attr-defined]
+        exc.repeatable = _repeatable(len(first.content), first)  # type: ignore[attr-defined]
         raise
     except BaseException:
         call.cancel()
         raise
     return call, response
+
+
+def _repeatable(content: int, first: pb.AppendRequest) -> bool:
+    """Whether an append may be sent again even though its commit may have landed: it wrote
+    nothing (no content, no register change), so landing twice is landing once. A zero-byte
+    append only checks registers, resumes or suspends the journal (`gazctl journals suspend`),
+    or resets its head at an offset (`reset-head`): repeated, it finds that done already."""
+    return (
+        content == 0
+        and not first.HasField("union_registers")
+        and not first.HasField("subtract_registers")
+    )
 
 
 def _never_sent(exc: grpc.aio.AioRpcError) -> bool:

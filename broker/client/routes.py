@@ -65,14 +65,20 @@ def transient_reason(exc: BaseException) -> str | None:
     """Why a call failed, if the same call can succeed a moment later: a refusal while the
     journal's route forms or moves, or a broker that could not be reached. None for anything
     else, and for an append whose commit was already sent (it may have landed: sending it again
-    could store it twice)."""
+    could store it twice), unless it writes nothing (a zero-byte append, `repeatable`)."""
     if isinstance(exc, AppendError | ReadError):
         return pb.Status.Name(exc.status) if exc.status in RETRYABLE else None
     if isinstance(exc, grpc.aio.AioRpcError):
-        if not is_transient(exc) or (getattr(exc, "commit_sent", False) and not _not_appended(exc)):
+        if not is_transient(exc) or (uncertain(exc) and not getattr(exc, "repeatable", False)):
             return None
         return exc.code().name
     return None
+
+
+def uncertain(exc: grpc.aio.AioRpcError) -> bool:
+    """An append that failed after its commit was sent, with no proxy's word that it never
+    reached the primary: it may have landed, or not (its outcome is unknown)."""
+    return bool(getattr(exc, "commit_sent", False)) and not _not_appended(exc)
 
 
 def _not_appended(exc: grpc.aio.AioRpcError) -> bool:
