@@ -1,27 +1,35 @@
 """The fault campaign's history checker, on hand-made histories: a clean one passes, and each
 broken promise (a lost acknowledgement, a duplicate, two contents at one offset, a read that goes
 back or jumps, uncommitted bytes read, a register check ignored, a read-committed duplicate, an
-aborted message delivered, a journal that never recovers) is caught."""
+aborted message delivered, a journal that never recovers, an append committed after its client
+left, a record its retry wrote twice, a message too large for peers, replicas apart) is caught."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.uuid import Flags, build
-from tests.faults.checker import CommittedReader, Tape, check
+from tests.faults.checker import LEAVE_MARGIN, CommittedReader, Tape, check
 from tests.faults.history import (
     CHECKED,
+    CROWD,
     FAIL,
+    HELD,
     INFO,
+    LEFT,
     OK,
     PROBE,
+    RETRY,
     TAKEOVER,
     TORN,
     AppendOp,
     Delivery,
+    Fault,
+    HeadSample,
     History,
     Observation,
     Publish,
@@ -337,3 +345,122 @@ def test_a_history_survives_json() -> None:
     again = History.from_json(json.loads(json.dumps(h.to_json())))
     assert again.to_json() == h.to_json()
     assert check(again).ok
+
+
+# ---- clients that give up, crowds and replicas' heads ----------------------------------------
+
+R = "rate/leave"
+HELD_RECORD = b"H held 0 " + b"." * 190 + b"\n"
+GONE = b"L l0.0 0 " + b"." * 20 + b"\n"  # Gave up after its commit was sent (in doubt).
+TORN_AWAY = b"L l0.1 0 " + b"." * 30 + b"\n"  # Cancelled before its commit (never committed).
+
+
+def leave_history() -> History:
+    """A held append takes the pipeline at 1.0 and sends its commit at 4.0, committed at
+    [0, 200); two clients give up behind it at 2.0 (one in doubt, one before its commit) and
+    their retries through AppendService are acknowledged after it."""
+    h = History(scenario="leavers", seed=3, raw_journals=[R], round_journals=[R], cycles=1)
+    h.workload_began, h.workload_ended, h.healed = 0.0, 10.0, 10.0
+    held = acked(R, "held", HELD_RECORD, 0, 4.2)
+    held.kind, held.invoked, held.committing = HELD, 1.0, 4.0
+    gone = AppendOp(R, "l0.0", GONE, LEFT, 1.3, 2.0, INFO, error="DEADLINE_EXCEEDED", left=2.0)
+    away = AppendOp(R, "l0.1", TORN_AWAY, LEFT, 1.3, 2.0, FAIL, error="left", left=2.0)
+    retry_gone = acked(R, "l0.0", GONE, 200, 4.3)
+    retry_away = acked(R, "l0.1", TORN_AWAY, 200 + len(GONE), 4.3)
+    retry_gone.kind = retry_away.kind = RETRY
+    retry_gone.invoked = retry_away.invoked = 2.0
+    h.appends += [held, gone, away, retry_gone, retry_away]
+    content = HELD_RECORD + GONE + TORN_AWAY
+    h.observations.append(Observation("read", R, 0, content, 11.0))
+    h.appends.append(AppendOp(R, "probe", b"", PROBE, 10.5, 10.6, OK, len(content), len(content)))
+    return h
+
+
+def with_content(h: History, content: bytes) -> History:
+    h.observations[0] = Observation("read", R, 0, content, 11.0)
+    h.appends[-1].begin = h.appends[-1].end = len(content)
+    return h
+
+
+def test_clients_that_gave_up_and_retried_are_counted_once() -> None:
+    report = check(leave_history())
+    assert report.ok, report.summary()
+    assert (report.acked_appends, report.duplicated, report.left_landed) == (3, 0, 0)
+    # Appended in rounds: the pauses between them are not unavailability.
+    assert report.longest_unavailability == 0.0
+
+
+def test_an_append_committed_after_its_client_left() -> None:
+    # The in-doubt attempt is committed after the held append, whose commit was sent 2 s after
+    # the client left: it was proposed after a broker knew the client had gone.
+    h = with_content(leave_history(), HELD_RECORD + GONE + TORN_AWAY + GONE)
+    assert "left-committed" in kinds(h)
+    # Proposed before the held append (so, in time, before its client left): allowed, once.
+    h = leave_history()
+    h.appends[0].begin, h.appends[0].end = len(GONE), len(GONE) + len(HELD_RECORD)
+    for retry in h.appends[3:5]:
+        retry.begin, retry.end = retry.begin + len(GONE), retry.end + len(GONE)
+    h = with_content(h, GONE + HELD_RECORD + GONE + TORN_AWAY)
+    report = check(h)
+    assert report.ok, report.summary()
+    assert report.left_landed == 1
+
+
+def test_a_late_commit_is_no_proof_when_a_broker_was_paused_or_cut_off() -> None:
+    h = with_content(leave_history(), HELD_RECORD + GONE + TORN_AWAY + GONE)
+    h.faults.append(Fault("SIGSTOP", "broker-1", 1.5, 2.5))
+    assert check(h).ok, check(h).summary()
+    # Nor when the commit was sent within the margin of the leaving.
+    h = with_content(leave_history(), HELD_RECORD + GONE + TORN_AWAY + GONE)
+    h.appends[0].committing = 2.0 + LEAVE_MARGIN / 2
+    assert check(h).ok, check(h).summary()
+
+
+def test_a_record_given_up_before_its_commit_is_never_in_the_journal() -> None:
+    # Cancelled before its commit: rolled back, only its retry may be there.
+    h = with_content(leave_history(), HELD_RECORD + GONE + TORN_AWAY + TORN_AWAY)
+    assert "duplicated" in kinds(h)
+    # ... and with its retry refused, not at all.
+    h = leave_history()
+    h.appends[4].outcome, h.appends[4].error = FAIL, "REGISTER_MISMATCH"
+    assert "refused-present" in kinds(h)
+
+
+def test_a_retry_sent_twice_is_a_duplicate() -> None:
+    # The in-doubt attempt's copy is accounted for once; a third copy is AppendService's
+    # retry sent again after its commit.
+    h = with_content(leave_history(), HELD_RECORD + GONE + TORN_AWAY + GONE + GONE)
+    report = check(h)
+    assert report.duplicated == 1 and "duplicated" in kinds(h)
+
+
+def test_a_message_too_large_for_the_peers() -> None:
+    h = leave_history()
+    h.appends.append(
+        AppendOp(
+            R, "k0.1", b"K k0.1 0 x\n", CROWD, 5.0, 6.0, INFO,
+            error="ABORTED: append failed: Received message larger than max (6021125 vs. 4194304)",
+        )
+    )  # fmt: skip
+    assert kinds(h) == {"oversized"}
+
+
+def test_replicas_at_different_write_heads_after_a_quiet_crowd() -> None:
+    h = leave_history()
+    h.head_samples.append(HeadSample(R, 5.0, 8.0, {"broker-0": 239, "broker-1": 239}))
+    assert check(h).ok
+    h.head_samples.append(HeadSample(R, 5.0, 8.0, {"broker-0": 6144006, "broker-1": 122886}))
+    assert kinds(h) == {"replica-heads"}
+    # A fault meanwhile may leave an append in doubt, and replicas apart until the next.
+    h.faults.append(Fault("SIGKILL", "broker-2", 6.0, 7.0))
+    assert check(h).ok
+
+
+def test_a_history_with_clients_that_gave_up_survives_gzipped_json(tmp_path: Path) -> None:
+    h = leave_history()
+    h.head_samples.append(HeadSample(R, 5.0, 8.0, {"broker-0": 239}))
+    h.save(tmp_path / "history.json.gz")
+    assert (tmp_path / "history.json.gz").read_bytes()[:2] == b"\x1f\x8b"
+    again = History.load(tmp_path / "history.json.gz")
+    assert again.to_json() == h.to_json()
+    assert again.appends[1].left == 2.0 and again.appends[0].committing == 4.0

@@ -19,8 +19,9 @@ from tests.faults.scenarios import SCENARIOS, run_scenario
 async def test_a_short_fault_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     seed = int(os.environ.get("GAZETTE_FAULT_SEED") or secrets.randbelow(1 << 31))
     history, report, _ = await run_scenario(
-        SCENARIOS[name], seed, tmp_path, cycles=2, namespaces=False, say=lambda _: None
-    )
+        SCENARIOS[name], seed, tmp_path, cycles=2, namespaces=False, say=lambda _: None,
+        crowd=(8, 16),
+    )  # fmt: skip
     replay = f"python -m tests.faults --scenario {name} --seed {seed}"
     assert report.ok, f"{report.summary()}\nreplay: {replay}"
     assert history.cycles == 2, history.notes
@@ -36,7 +37,7 @@ async def test_a_fault_scenario_keeps_every_promise_with_tls_and_authorization(
     seed = int(os.environ.get("GAZETTE_FAULT_SEED") or secrets.randbelow(1 << 31))
     _, report, _ = await run_scenario(
         SCENARIOS["sigkill"], seed, tmp_path, cycles=2, namespaces=False, say=lambda _: None,
-        tls=True, auth=True,
+        tls=True, auth=True, crowd=(8, 16),
     )  # fmt: skip
     replay = f"python -m tests.faults --scenario sigkill --seed {seed} --tls --auth"
     assert report.ok, f"{report.summary()}\nreplay: {replay}"

@@ -3,7 +3,7 @@
     python -m tests.faults                          # every scenario, a fresh seed
     python -m tests.faults --seed 1234              # every scenario under seed 1234
     python -m tests.faults --scenario sigstop --seed 1234   # replay one scenario of that run
-    python -m tests.faults --check history.json     # check a saved history again
+    python -m tests.faults --check history.json.gz  # check a saved history again
 
 Each scenario prints its seed and the command that replays it; the campaign ends with the table
 of docs/reliability.md (`--table FILE` writes it) and exits 1 if the checker found a violation.
@@ -36,7 +36,7 @@ from tests.faults.consumer_checker import Report as ConsumerReport
 from tests.faults.consumer_checker import check as check_consumers
 from tests.faults.consumer_harness import EVIDENCE
 from tests.faults.consumer_scenarios import CONSUMER_SCENARIOS, run_consumer_scenario
-from tests.faults.history import History
+from tests.faults.history import History, read_json_bytes
 from tests.faults.network import namespaces_unavailable
 from tests.faults.replication_checker import ReplicationHistory
 from tests.faults.replication_checker import Report as ReplicationReport
@@ -206,7 +206,7 @@ async def campaign(args: argparse.Namespace) -> int:
                 f"  logs in {workdir}; replay: python -m tests.faults --scenario {name} --seed {seed}"
             )
             continue
-        history.save(workdir / "history.json")
+        history.save(workdir / "history.json.gz")
         rows.append((report, wall))
         print("  " + report.summary().replace("\n", "\n  "))
         if not report.ok:
@@ -216,7 +216,7 @@ async def campaign(args: argparse.Namespace) -> int:
         elif not args.keep:
             # Keep the history (the table's evidence), not the logs, spools and stores.
             for child in workdir.iterdir():
-                if child.name != "history.json":
+                if child.name != "history.json.gz":
                     if child.is_dir():
                         shutil.rmtree(child, ignore_errors=True)
                     else:
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         # Readers report frames torn by a reset-head's new epoch; the checker judges them.
         logging.getLogger("broker.message").setLevel(logging.CRITICAL)
     if args.check:
-        document = json.loads(Path(args.check).read_text())
+        document = json.loads(read_json_bytes(Path(args.check)))
         if "sums" in document:  # A consumer scenario's history.
             consumers = check_consumers(ConsumerHistory.load(Path(args.check)))
             print(consumers.summary())

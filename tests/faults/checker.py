@@ -17,6 +17,17 @@ it finds every way the run broke the broker's promises.
   one (`rc-aborted`) nor one the journal does not hold committed (`rc-vanished`); every
   acknowledged committed message is delivered exactly once (`lost`).
 * Once the faults healed, every journal took an append again (`unavailable-after-heal`).
+* An append whose client gave up (a deadline, a cancelled call) and that the broker had not
+  proposed by then is never committed (`left-committed`): upstream aborts it as it would take
+  the pipeline. The proof that it was proposed after its client left is an append acknowledged
+  before it in the journal whose commit was sent more than `LEAVE_MARGIN` after the client
+  left, with no pause or partition in between that could have kept the news from the broker.
+  A record written again through AppendService after its client left may be in the journal a
+  second time only then (the first attempt proposed in time, its acknowledgement lost).
+* No append fails because a broker built a message its peers refuse (`oversized`: every
+  message of the workload is far below gRPC's 4 MiB).
+* Once a crowd's appends have all returned, with no fault meanwhile, every replica of its
+  journal is at the same write head (`replica-heads`).
 
 The canonical content of a journal is what a read through a broker returned after the run,
 completed by what replicas and stores held that the read did not reach. An
@@ -40,6 +51,7 @@ from broker.message.sequencer import Envelope, Sequencer
 from tests.faults.history import (
     CHECKED,
     FAIL,
+    INFO,
     OK,
     PROBE,
     TAKEOVER,
@@ -53,6 +65,13 @@ from tests.faults.history import (
 _RING = 1 << 18
 # Violations of one kind and journal listed in full before the rest are only counted.
 _LISTED = 5
+# Seconds within which a broker learns that a client left (its call cancelled, its deadline
+# passed), when no broker is paused or cut off: an append whose commit was sent later than this
+# after a client left reached a broker that knew it.
+LEAVE_MARGIN = 1.0
+# Faults that may keep a broker from learning in time that a client left: a paused broker
+# (a proxy, or the primary) reads both later, in any order; a partition delays the cancel.
+_DELAYING = ("SIGSTOP", "partition")
 
 
 @dataclass(frozen=True)
@@ -82,6 +101,9 @@ class Report:
     # Holes left where every replica was lost: (journal, offset where content resumes).
     holes: list[tuple[str, int]] = field(default_factory=list)
     unavailable_journal: str = ""
+    # Copies of records whose client gave up on an attempt, in the journal apart from an
+    # acknowledgement of them (the attempt was proposed before its client left: allowed).
+    left_landed: int = 0
     violations: list[Violation] = field(default_factory=list)
     _counted: Counter[tuple[str, str]] = field(default_factory=Counter, repr=False)
 
@@ -111,6 +133,11 @@ class Report:
             + (f", {self.lost_to_reset} lost with every replica" if self.lost_to_reset else "")
             + (f", {self.unreadable} bytes unreadable through brokers" if self.unreadable else "")
             + (f", holes (content resumes at) {self.holes}" if self.holes else "")
+            + (
+                f", {self.left_landed} given up but proposed before their client left"
+                if self.left_landed
+                else ""
+            )
         ]
         lines += [f"  VIOLATION {v}" for v in self.violations]
         return "\n".join(lines)
@@ -279,6 +306,8 @@ def check(history: History) -> Report:
     _check_reads(history, canonical, epochs, report)
     _check_messages(history, canonical, epochs, report)
     _check_recovered(history, report)
+    _check_oversized(history, report)
+    _check_replica_heads(history, report)
     _measure_unavailability(history, report)
     report.conflicts = report.count("conflict")
     return report
@@ -342,21 +371,27 @@ def _check_raw_journal(
     history: History, journal: str, tape: Tape, epochs: _Epochs, report: Report
 ) -> None:
     ops = [op for op in history.appends if op.journal == journal]
-    by_payload: dict[bytes, AppendOp] = {op.payload: op for op in ops if op.payload}
+    # A record is one client's: its attempts are its append and, once its client left, the
+    # same record written again (through AppendService).
+    attempts: dict[bytes, list[AppendOp]] = defaultdict(list)
+    for op in ops:
+        if op.payload:
+            attempts[op.payload].append(op)
     positions: dict[bytes, list[int]] = defaultdict(list)
     resets = sorted(epochs.boundaries())
     owner: str | None = None
     next_reset = 0
     for offset, record in _records(tape, journal, epochs, report):
         positions[record].append(offset)
-        op = by_payload.get(record)
+        tries = attempts.get(record)
         while next_reset < len(resets) and offset >= resets[next_reset]:
             owner = None  # Registers went with every replica's spool.
             next_reset += 1
-        if op is None:
+        if tries is None:
             report.add("unexpected", journal, f"no client appended {record[:60]!r} (at {offset})")
             continue
-        if op.outcome == FAIL:
+        op = tries[0]
+        if all(t.outcome == FAIL for t in tries):
             report.add(
                 "refused-present",
                 journal,
@@ -375,9 +410,16 @@ def _check_raw_journal(
                 )
 
     for record, where in positions.items():
-        if len(where) > 1:
-            report.duplicated += len(where) - 1
+        tries = attempts.get(record, [])
+        acked_at = {t.begin for t in tries if t.outcome == OK}
+        # Each attempt accounts for one copy at most: an acknowledged one for the copy at its
+        # offsets, one in doubt for a copy anywhere, a refused one for none.
+        allowed = max(1, len(acked_at & set(where)) + sum(t.outcome == INFO for t in tries))
+        if len(where) > allowed:
+            report.duplicated += len(where) - allowed
             report.add("duplicated", journal, f"{record[:60]!r} is at offsets {where}")
+        if any(t.left >= 0 and t.outcome != OK for t in tries):
+            report.left_landed += sum(w not in acked_at for w in where)
 
     for op in ops:
         if op.outcome != OK or not op.payload:
@@ -408,6 +450,56 @@ def _check_raw_journal(
             + f"; the journal holds {_excerpt(tape.get(op.begin, min(op.end, len(tape))) or b'', 0)} there",
         )
     _check_acks_do_not_overlap(history, journal, epochs, report)
+    if not epochs.discontinuous():
+        _check_left(history, ops, attempts, positions, report)
+
+
+def _delayed(history: History, begin: float, end: float) -> bool:
+    """Whether a fault that may delay a broker's news of a client leaving overlapped
+    [begin, end]."""
+    return any(
+        f.kind in _DELAYING and f.begin <= end and (f.end < 0 or f.end >= begin)
+        for f in history.faults
+    )
+
+
+def _check_left(
+    history: History,
+    ops: list[AppendOp],
+    attempts: dict[bytes, list[AppendOp]],
+    positions: dict[bytes, list[int]],
+    report: Report,
+) -> None:
+    """`left-committed`: a copy of a record whose only attempt in doubt is one its client gave
+    up on (so the copy is that attempt's), found after an append whose commit was sent
+    LEAVE_MARGIN past the leaving: offsets are given in the order of proposals, so that attempt
+    was proposed after a broker knew its client had gone."""
+    acks = sorted(
+        (op for op in ops if op.outcome == OK and op.end > op.begin), key=lambda op: op.end
+    )
+    for record, where in positions.items():
+        tries = attempts.get(record, [])
+        doubtful = [t for t in tries if t.outcome == INFO]
+        if len(doubtful) != 1 or doubtful[0].left < 0:
+            continue
+        gone = doubtful[0]
+        acked_at = {t.begin for t in tries if t.outcome == OK}
+        for at in where:
+            if at in acked_at:
+                continue
+            for ack in acks:
+                if ack.end > at:
+                    break
+                sent = ack.commit_sent_at
+                if sent >= gone.left + LEAVE_MARGIN and not _delayed(history, gone.left, sent):
+                    report.add(
+                        "left-committed",
+                        gone.journal,
+                        f"{gone.client}'s append ({gone.error or 'given up'} at "
+                        f"{gone.left:.3f}s) is at {at}, after {ack.client}'s {ack.kind} append "
+                        f"at [{ack.begin}, {ack.end}) whose commit was sent at {sent:.3f}s",
+                    )
+                    break
 
 
 def _check_acks_do_not_overlap(
@@ -565,12 +657,42 @@ def _check_recovered(history: History, report: Report) -> None:
             )
 
 
+def _check_oversized(history: History, report: Report) -> None:
+    failed = [(op.journal, op.client, op.error) for op in history.appends]
+    failed += [(p.journal, p.id, p.error) for p in history.publishes]
+    for journal, client, error in failed:
+        if "larger than max" in error:
+            report.add(
+                "oversized",
+                journal,
+                f"{client}'s append failed on a message a broker built too large: {error}",
+            )
+
+
+def _check_replica_heads(history: History, report: Report) -> None:
+    for sample in history.head_samples:
+        if len(set(sample.heads.values())) <= 1:
+            continue
+        if any(
+            f.begin <= sample.at and (f.end < 0 or f.end >= sample.since) for f in history.faults
+        ):
+            continue  # An append in doubt may leave replicas apart until the next one.
+        report.add(
+            "replica-heads",
+            sample.journal,
+            f"every append since {sample.since:.3f}s returned, no fault meanwhile, and at "
+            f"{sample.at:.3f}s the replicas' write heads differ: {sample.heads}",
+        )
+
+
 def _measure_unavailability(history: History, report: Report) -> None:
     """The longest time a journal could not take appends while clients were appending to it
     (faults and recovery included: reported, not asserted): for raw journals, the longest
     stretch without an acknowledged append; for message journals, the longest a published
     message waited for its batch to be acknowledged (or for its publisher to give up)."""
     for journal in history.raw_journals:
+        if journal in history.round_journals:
+            continue  # Appended to in rounds, with pauses between them.
         times = sorted(
             op.completed
             for op in history.appends

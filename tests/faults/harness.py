@@ -133,6 +133,10 @@ class ClusterConfig:
     # Namespaces beyond the brokers' (indices from `brokers` on), for processes of the caller's
     # own (the consumer campaign's consumers), on the same bridge and cut the same way.
     extra_nodes: int = 0
+    # Journals given a `max_append_rate` (bytes/s): their fragments are larger (`rate_fragment`
+    # bytes), since their crowds append up to 64 KiB a record.
+    append_rates: dict[str, int] = field(default_factory=dict)
+    rate_fragment: int = 1 << 20
 
 
 @dataclass
@@ -520,6 +524,9 @@ class Cluster:
         spec = pb.JournalSpec(name=name, replication=replication)
         spec.labels.labels.append(pb.Label(name="content-type", value=CONTENT_TYPE))
         spec.fragment.length = self.config.fragment_length
+        if name in self.config.append_rates:
+            spec.max_append_rate = self.config.append_rates[name]
+            spec.fragment.length = self.config.rate_fragment
         spec.fragment.compression_codec = pb.GZIP
         spec.fragment.stores.append(self.store_url)
         spec.fragment.refresh_interval.seconds = 1
@@ -555,6 +562,33 @@ class Cluster:
         if route is None or route.primary < 0:
             return None
         return int(route.members[route.primary].suffix.removeprefix("broker-"))
+
+    async def replica_heads(self, journal: str) -> dict[str, int]:
+        """The write head each current member of `journal`'s route reports, read without
+        proxying (its own index); a member that does not answer is left out."""
+        route = (await self.routes()).get(journal)
+        if route is None:
+            return {}
+        heads: dict[str, int] = {}
+        addresses = {slot.id: slot.address for slot in self.brokers}
+        for member in route.members:
+            endpoint = addresses.get(member.suffix)
+            if endpoint is None:
+                continue
+            request = pb.ReadRequest(
+                journal=journal, offset=-1, block=False, metadata_only=True, do_not_proxy=True
+            )
+            call = self.dialer.journal_stub(endpoint).Read(request, timeout=3)
+            try:
+                async for response in call:
+                    if response.status in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE):
+                        heads[member.suffix] = int(response.write_head)
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                call.cancel()
+        return heads
 
     async def wait_replicated(self, journals: list[str], timeout: float) -> bool:
         """Wait until every journal has three members, a primary, and only running brokers."""

@@ -10,6 +10,7 @@ call failed or timed out after the request may have reached the broker)."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -21,7 +22,11 @@ OK, FAIL, INFO = "ok", "fail", "info"
 # Kinds of raw appends. `takeover` sets the register `owner` to its client (and removes the
 # other owners); `checked` appends only while `owner` is its client; `torn` streams part of its
 # content and then abandons the call, which must roll back on every replica; `probe` is a
-# zero-byte append after the faults healed; `reset` is the operator's `reset-head`.
+# zero-byte append after the faults healed; `reset` is the operator's `reset-head`. `crowd` is
+# one of many concurrent small appends (1 to 64 KiB) to a rate-limited journal; `left` is a
+# small append whose client gave up (a deadline, or a cancelled stream) while a `held` append
+# (streamed, larger than what brokers group) held the journal's pipeline; `retry` is the same
+# record written again through AppendService once its client had left.
 PLAIN, TAKEOVER, CHECKED, TORN, PROBE, RESET = (
     "plain",
     "takeover",
@@ -30,6 +35,7 @@ PLAIN, TAKEOVER, CHECKED, TORN, PROBE, RESET = (
     "probe",
     "reset",
 )
+CROWD, LEFT, HELD, RETRY = "crowd", "left", "held", "retry"
 
 
 @dataclass
@@ -47,6 +53,17 @@ class AppendOp:
     begin: int = -1  # The acknowledged span, when ok.
     end: int = -1
     error: str = ""
+    # When its commit was sent (a lower bound on when the broker had all of it; -1: when it
+    # was invoked): a held append sends its commit long after its first content.
+    committing: float = -1.0
+    # When its client gave up on it (a deadline, a cancelled call; -1: it did not): from then
+    # on a broker that has not proposed it must not (upstream aborts it as it acquires the
+    # pipeline), so it is in the journal only if it was proposed before.
+    left: float = -1.0
+
+    @property
+    def commit_sent_at(self) -> float:
+        return self.invoked if self.committing < 0 else self.committing
 
 
 @dataclass
@@ -136,6 +153,18 @@ class SpoolsRenewed:
 
 
 @dataclass
+class HeadSample:
+    """The write head each replica of `journal` reported (`heads`: broker id to offset), read
+    without proxying at time `at`, once every append the workload made to the journal since
+    `since` had returned and nothing else was appending to it."""
+
+    journal: str
+    since: float
+    at: float
+    heads: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class Fault:
     kind: str
     target: str
@@ -172,6 +201,7 @@ _LISTS: dict[str, type[Any]] = {
     "resets": ResetHead,
     "spools_renewed": SpoolsRenewed,
     "faults": Fault,
+    "head_samples": HeadSample,
 }
 
 
@@ -182,6 +212,9 @@ class History:
     raw_journals: list[str] = field(default_factory=list)
     message_journals: list[str] = field(default_factory=list)
     register_journal: str = ""  # Where `takeover` and `checked` appends go.
+    # Raw journals whose appends come in rounds (crowds, held appends and leavers), not
+    # steadily: no unavailability is measured on them.
+    round_journals: list[str] = field(default_factory=list)
     cycles: int = 0
     workload_began: float = 0.0
     workload_ended: float = 0.0
@@ -195,6 +228,7 @@ class History:
     resets: list[ResetHead] = field(default_factory=list)
     spools_renewed: list[SpoolsRenewed] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
+    head_samples: list[HeadSample] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _t0: float = field(default_factory=time.monotonic, repr=False)
 
@@ -226,8 +260,16 @@ class History:
         return history
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json()))
+        """As JSON; gzipped when `path` ends in `.gz` (the crowds' records are large)."""
+        data = json.dumps(self.to_json()).encode()
+        path.write_bytes(gzip.compress(data, 6) if path.suffix == ".gz" else data)
 
     @classmethod
     def load(cls, path: Path) -> History:
-        return cls.from_json(json.loads(path.read_text()))
+        return cls.from_json(json.loads(read_json_bytes(path)))
+
+
+def read_json_bytes(path: Path) -> bytes:
+    """A saved history's JSON, gzipped or not."""
+    data = path.read_bytes()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data

@@ -23,7 +23,11 @@ from tests.faults.history import History
 from tests.faults.network import ETCD, namespaces_unavailable
 from tests.faults.workload import Workload
 
-RAW_JOURNALS = [f"faults/raw/{i}" for i in range(4)]
+# Rate-limited journals: one for the crowds (many small appends at once), one for the held
+# appends and the clients that give up behind them.
+CROWD_JOURNAL, LEAVE_JOURNAL = "faults/rate/crowd", "faults/rate/leave"
+APPEND_RATE = 2 << 20  # max_append_rate of both, bytes/s.
+RAW_JOURNALS = [f"faults/raw/{i}" for i in range(4)] + [CROWD_JOURNAL, LEAVE_JOURNAL]
 MESSAGE_JOURNALS = ["faults/msg/0", "faults/msg/1"]
 JOURNALS = RAW_JOURNALS + MESSAGE_JOURNALS
 # Time kept at the end of a scenario's budget for healing, probing, collecting and stopping.
@@ -250,6 +254,12 @@ async def sigterm_all(ctx: Context) -> None:
     await ctx.hold(1.0, 2.0)
 
 
+async def quiet(ctx: Context) -> None:
+    """No fault: the workload alone for a while (the crowds' groups and the leavers behind a
+    held pipeline, where nothing excuses a difference between replicas)."""
+    await ctx.hold(4.0, 6.0)
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -271,6 +281,7 @@ async def _mixed(ctx: Context) -> None:
 SCENARIOS = {
     s.name: s
     for s in [
+        Scenario("quiet", quiet, 8, "no fault: the workload alone, 4-6 s a cycle"),
         Scenario("sigkill", sigkill, 12, "SIGKILL a broker (usually a primary), restart it"),
         Scenario("sigstop", sigstop, 10, "SIGSTOP a primary 0.3-5 s, SIGCONT (zombie if past its lease)"),
         Scenario("sigterm", sigterm, 10, "SIGTERM a broker (graceful), restart it"),
@@ -326,8 +337,10 @@ async def run_scenario(
     say: Callable[[str], None] = print,
     tls: bool = False,
     auth: bool = False,
+    crowd: tuple[int, int] = (32, 100),
 ) -> tuple[History, Report, float]:
-    """Run `scenario` under `seed` in `workdir`; its history, report and wall time."""
+    """Run `scenario` under `seed` in `workdir`; its history, report and wall time. `crowd`:
+    how many clients each of the crowds' waves has at once (least, most)."""
     began = time.monotonic()
     rng = random.Random(f"{seed}/{scenario.name}")
     history = History(scenario=scenario.name, seed=seed)
@@ -353,6 +366,7 @@ async def run_scenario(
         namespaces=namespaces,
         tls=tls,
         auth=auth,
+        append_rates={CROWD_JOURNAL: APPEND_RATE, LEAVE_JOURNAL: APPEND_RATE},
     )
     cluster = Cluster(config, history, rng=random.Random(f"{seed}/{scenario.name}/cluster"))
     async with cluster:
@@ -367,6 +381,9 @@ async def run_scenario(
             raw_journals=RAW_JOURNALS,
             message_journals=MESSAGE_JOURNALS,
             register_journal=RAW_JOURNALS[0],
+            crowd_journal=CROWD_JOURNAL,
+            leave_journal=LEAVE_JOURNAL,
+            crowd=crowd,
         )
         workload.start()
         try:

@@ -7,10 +7,20 @@
 * a torn appender that streams part of a record and abandons the call, which must roll back;
 * publishers of messages through AppendService: committed ones, and transactions that commit
   or abort across two journals;
-* tailing readers of every journal, raw; on the message journals also read-committed.
+* tailing readers of every journal, raw; on the message journals also read-committed;
+* crowds on a journal with `max_append_rate`: waves of 32 to 100 clients at once, each making
+  one to three appends of 1 to 64 KiB (what brokers commit in groups), after which every replica
+  of the journal is asked its write head (they must agree: nothing else appends to it);
+* rounds of leavers on another rate-limited journal: a held append (streamed, larger than what
+  brokers group) takes the journal's pipeline and holds it for seconds before its commit, and
+  meanwhile small appends give up (a short deadline; a streamed call cancelled after its
+  commit, as an upstream Go client's; or cancelled before it) and are written again through
+  AppendService.
 
-Clients retry nothing themselves (AppendService excepted, as applications use it): a record
-whose append failed is never sent again, so any record twice in a journal is a broker's doing.
+Clients retry nothing themselves (AppendService excepted, as applications use it, and the
+leavers' records, which go once more through it): any other record twice in a journal is a
+broker's doing, and a leaver's record is in the journal once, at its retry's offsets, unless its
+first attempt was proposed before its client left.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ import contextlib
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar, cast
+
+import grpc
 
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError, append
@@ -32,13 +44,18 @@ from tests.faults.checker import CommittedReader, message_id
 from tests.faults.harness import CONTENT_TYPE, Cluster, describe
 from tests.faults.history import (
     CHECKED,
+    CROWD,
     FAIL,
+    HELD,
     INFO,
+    LEFT,
     OK,
+    RETRY,
     TAKEOVER,
     TORN,
     AppendOp,
     Delivery,
+    HeadSample,
     History,
     Publish,
     ReadChunk,
@@ -50,6 +67,14 @@ T = TypeVar("T")
 APPEND_TIMEOUT = 5.0  # A paused or partitioned broker holds a call: give up on it (info).
 READ_IDLE = 4.0  # A tailing read with nothing new for this long is re-opened elsewhere.
 SETTLE_TIMEOUT = 15.0  # How long a publisher waits for its batch or commit.
+CROWD_TIMEOUT = 15.0  # A crowd's append waits its turn behind groups of 6 MiB at 2 MiB/s.
+# Brokers read an append whole, and may commit it in a group, below this size (WHOLE_APPEND).
+SMALL = 64 << 10
+# How long a held append holds the pipeline, and the largest patience of a leaver, which
+# starts 0.3 s after it: every leaver has given up at least 1 s (the checker's margin) before
+# the held append sends its commit.
+HOLD = (2.4, 3.0)
+PATIENCE = (0.1, 0.6)
 
 
 async def settle(awaitable: Awaitable[T], timeout: float) -> T:
@@ -78,6 +103,9 @@ class Workload:
         publishers: int = 2,
         torn: bool = True,
         pace: float = 0.03,
+        crowd_journal: str = "",
+        leave_journal: str = "",
+        crowd: tuple[int, int] = (32, 100),
     ) -> None:
         self.cluster = cluster
         self.history = history
@@ -88,12 +116,16 @@ class Workload:
         self.publishers = publishers
         self.torn = torn
         self.pace = pace  # Mean pause between one client's operations.
+        self.crowd_journal = crowd_journal
+        self.leave_journal = leave_journal
+        self.crowd = crowd  # How many clients a crowd's wave has at once (least, most).
         self.stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []  # Writers: they finish what they began.
         self._readers: list[asyncio.Task[None]] = []
         history.raw_journals = list(raw_journals)
         history.message_journals = list(message_journals)
         history.register_journal = register_journal
+        history.round_journals = [j for j in (crowd_journal, leave_journal) if j]
 
     def _rng(self, name: str) -> random.Random:
         return random.Random(f"{self.seed}/{name}")
@@ -106,18 +138,26 @@ class Workload:
 
     def start(self) -> None:
         spawn = self._spawn
-        for i, journal in enumerate(self.raw_journals):
+        rounds = self.history.round_journals
+        steady = [j for j in self.raw_journals if j not in rounds]
+        for i, journal in enumerate(steady):
             spawn(self._appender(f"w{i}", journal), f"appender w{i}")
             spawn(self._tail(f"reader-{i}", journal, committed=False), f"reader {i}", True)
         if self.register_journal:
             for name, other in (("reg-a", "reg-b"), ("reg-b", "reg-a")):
                 spawn(self._register_writer(name, other), name)
         if self.torn:
-            spawn(self._torn_appender("torn", self.raw_journals[-1]), "torn")
+            spawn(self._torn_appender("torn", steady[-1]), "torn")
         for i in range(self.publishers):
             spawn(self._publisher(f"pub{i}"), f"publisher {i}")
         for i, journal in enumerate(self.message_journals):
             spawn(self._tail(f"rc-{i}", journal, committed=True), f"committed reader {i}", True)
+        if self.crowd_journal:
+            spawn(self._crowds(self.crowd_journal), "crowds")
+            spawn(self._tail("reader-crowd", self.crowd_journal, committed=False), "reader crowd", True)  # fmt: skip
+        if self.leave_journal:
+            spawn(self._leavers(self.leave_journal), "leavers")
+            spawn(self._tail("reader-leave", self.leave_journal, committed=False), "reader leave", True)  # fmt: skip
         self.history.workload_began = self.history.now()
 
     def _spawn(self, coro: Any, name: str, reader: bool = False) -> None:
@@ -148,10 +188,12 @@ class Workload:
         self.history.appends.append(op)
         return op
 
-    async def _append(self, op: AppendOp, rng: random.Random, **options: Any) -> None:
+    async def _append(
+        self, op: AppendOp, rng: random.Random, timeout: float = APPEND_TIMEOUT, **options: Any
+    ) -> None:
         try:
             response = await append(
-                self._stub(rng), op.journal, op.payload, timeout=APPEND_TIMEOUT, **options
+                self._stub(rng), op.journal, op.payload, timeout=timeout, **options
             )
         except AppendError as exc:
             op.outcome, op.error = FAIL, pb.Status.Name(exc.status)
@@ -160,6 +202,8 @@ class Workload:
             raise
         except Exception as exc:
             op.outcome, op.error = INFO, describe(exc)
+            if _deadline(exc):
+                op.left = self.history.now()  # The client gave up: see AppendOp.left.
         else:
             op.outcome, op.begin, op.end = OK, response.commit.begin, response.commit.end
         finally:
@@ -233,6 +277,189 @@ class Workload:
                 op.outcome, op.error = INFO, f"committed without its commit chunk?! {response}"
             op.completed = self.history.now()
             await asyncio.sleep(rng.uniform(0.1, 0.5))
+
+    # ---- crowds and leavers on rate-limited journals ---------------------------------------
+
+    @staticmethod
+    def _sized(rng: random.Random, client: str, kind: str, seq: int, size: int) -> bytes:
+        """A unique record of exactly `size` bytes (one line)."""
+        head = f"{kind} {client} {seq} {rng.getrandbits(48):012x} ".encode()
+        return head + b"." * max(0, size - len(head) - 1) + b"\n"
+
+    @staticmethod
+    def _small_size(rng: random.Random) -> int:
+        """1 to 64 KiB, mostly large: a hundred at once make groups past 4 MiB."""
+        if rng.random() < 0.75:
+            return rng.randrange(48 << 10, SMALL)
+        return rng.randrange(1 << 10, SMALL)
+
+    async def _crowds(self, journal: str) -> None:
+        """Waves of many clients at once, each making one to three small appends (to brokers
+        picked at random); once a wave's appends have all returned, each replica's write head."""
+        rng = self._rng("crowds")
+        low, high = self.crowd
+        wave = 0
+        while not self.stopping.is_set():
+            n = high if rng.random() < 0.5 else rng.randint(low, high)
+            since = self.history.now()
+            await asyncio.gather(
+                *(self._crowd_client(journal, f"k{wave}.{i}", wave) for i in range(n))
+            )
+            await self._sample_heads(journal, since)
+            wave += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), rng.uniform(2.0, 5.0))
+
+    async def _crowd_client(self, journal: str, client: str, wave: int) -> None:
+        # Up to three appends one after the other: the clients of a group are answered
+        # together, and come back together for the next one.
+        rng = self._rng(f"crowd/{client}")
+        for seq in range(rng.randint(1, 3)):
+            payload = self._sized(rng, client, "K", seq, self._small_size(rng))
+            op = self._record(AppendOp(journal, client, payload, CROWD))
+            await self._append(op, rng, timeout=CROWD_TIMEOUT)
+
+    async def _sample_heads(self, journal: str, since: float) -> None:
+        """Every replica's write head, asked again (up to three times, 0.4 s apart) while
+        they differ; recorded when they agree, or when they differ the same way throughout
+        (a commit still in flight moves them)."""
+        first: dict[str, int] | None = None
+        heads: dict[str, int] = {}
+        for attempt in range(3):
+            try:
+                heads = await asyncio.wait_for(self.cluster.replica_heads(journal), 10)
+            except Exception as exc:
+                self.history.note(f"write heads of {journal}: {describe(exc)}")
+                return
+            if len(heads) < 2 or len(set(heads.values())) == 1:
+                break
+            first = heads if first is None else first
+            if attempt < 2:
+                await asyncio.sleep(0.4)
+        if first is not None and heads != first:
+            self.history.note(f"write heads of {journal} moved: {first} then {heads}")
+            return
+        self.history.head_samples.append(HeadSample(journal, since, self.history.now(), heads))
+
+    async def _leavers(self, journal: str) -> None:
+        rng = self._rng("leavers")
+        cluster = self.cluster
+        service = AppendService(
+            lambda _journal: cluster.dialer.journal_stub(rng.choice(cluster.addresses())),
+            max_retry_delay=0.5,
+        )
+        round_ = 0
+        try:
+            while not self.stopping.is_set():
+                await self._leave_round(journal, round_, service)
+                round_ += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), rng.uniform(0.5, 2.0))
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(service.close(), 5)
+
+    async def _leave_round(self, journal: str, round_: int, service: AppendService) -> None:
+        """A held append takes the pipeline; small appends arrive behind it and give up; then
+        the held one commits, and the leavers write their records again through AppendService."""
+        rng = self._rng(f"leave/{round_}")
+        hold = rng.uniform(*HOLD)
+        # Streamed, and past what brokers read whole: it takes the pipeline with its first
+        # content and keeps it until its commit (well above --broker.min-append-rate).
+        payload = self._sized(rng, "held", "H", round_, rng.randrange(160 << 10, 200 << 10))
+        held = self._record(AppendOp(journal, "held", payload, HELD))
+
+        async def content() -> AsyncIterator[bytes]:
+            yield payload[:-1]
+            await asyncio.sleep(hold)
+            held.committing = self.history.now()
+            yield payload[-1:]
+
+        async def hold_pipeline() -> None:
+            try:
+                response = await append(
+                    self._stub(rng), journal, content(), timeout=hold + APPEND_TIMEOUT
+                )
+            except AppendError as exc:
+                held.outcome, held.error = FAIL, pb.Status.Name(exc.status)
+            except Exception as exc:
+                held.outcome, held.error = INFO, describe(exc)
+            else:
+                held.outcome, held.begin, held.end = OK, response.commit.begin, response.commit.end
+            held.completed = self.history.now()
+
+        holding = asyncio.ensure_future(hold_pipeline())
+        try:
+            await asyncio.sleep(0.3)
+            await asyncio.gather(
+                *(
+                    self._leaver(journal, f"l{round_}.{i}", service)
+                    for i in range(rng.randint(3, 8))
+                )
+            )
+        finally:
+            await holding
+
+    async def _leaver(self, journal: str, client: str, service: AppendService) -> None:
+        rng = self._rng(f"leaver/{client}")
+        payload = self._sized(rng, client, "L", 0, self._small_size(rng))
+        op = self._record(AppendOp(journal, client, payload, LEFT))
+        patience = rng.uniform(*PATIENCE)
+        how = rng.choice(["deadline", "cancel", "cancel-uncommitted"])
+        if how == "deadline":
+            # The one-message form, as our clients send a small append.
+            await self._append(op, rng, timeout=patience)
+        else:
+            await self._cancelled(op, rng, patience, commit=how == "cancel")
+        op.completed = self.history.now()
+        if op.outcome == OK:
+            return
+        retry = self._record(AppendOp(journal, client, payload, RETRY))
+        try:
+            span = await settle(await service.write(journal, payload), SETTLE_TIMEOUT)
+        except AppendError as exc:
+            retry.outcome, retry.error = FAIL, pb.Status.Name(exc.status)
+        except Exception as exc:
+            retry.outcome, retry.error = INFO, describe(exc)
+        else:
+            retry.outcome, retry.begin, retry.end = OK, span.begin, span.end
+        retry.completed = self.history.now()
+
+    async def _cancelled(
+        self, op: AppendOp, rng: random.Random, patience: float, *, commit: bool
+    ) -> None:
+        """The streamed form, as an upstream Go client sends a small append, cancelled after
+        `patience`: once its commit is sent (`commit`: the append is in doubt, and must be
+        aborted unless the broker proposed it already), or before (it must roll back)."""
+        sent: list[bool] = []
+        never = asyncio.Event()
+
+        async def content() -> AsyncIterator[bytes]:
+            yield op.payload
+            if not commit:
+                await never.wait()
+            sent.append(True)  # From here the commit may go: the outcome is in doubt.
+
+        call = asyncio.ensure_future(append(self._stub(rng), op.journal, content()))
+        done, _ = await asyncio.wait({call}, timeout=patience)
+        if not done:
+            call.cancel()
+            with contextlib.suppress(BaseException):
+                await call
+            op.left = self.history.now()
+            if sent:
+                op.outcome, op.error = INFO, "left: cancelled after its commit was sent"
+            else:
+                op.outcome, op.error = FAIL, "left: cancelled before its commit"
+            return
+        try:
+            response = call.result()
+        except AppendError as exc:
+            op.outcome, op.error = FAIL, pb.Status.Name(exc.status)
+        except Exception as exc:
+            op.outcome, op.error = INFO, describe(exc)
+        else:
+            op.outcome, op.begin, op.end = OK, response.commit.begin, response.commit.end
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -345,3 +572,7 @@ class Workload:
 
 class _Abandoned(Exception):
     pass
+
+
+def _deadline(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
