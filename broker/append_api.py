@@ -152,6 +152,11 @@ class ClientStream:
             yield request
 
     async def receive(self) -> Chunk:
+        if self.gone.is_set():
+            # What was read ahead is not handed out once the client left: a one-message append
+            # (read whole at once) that waited for the pipeline meanwhile is rolled back, as a
+            # streamed one is at its next read.
+            return Chunk(None, ClientError("client went away; rolled back"))
         if self._ahead:
             return self._ahead.popleft()
         return await self._receive()
@@ -228,6 +233,7 @@ async def serve_append(
     whole, first.content = first.content, b""
     fsm = AppendFSM(ctx, first, claims=claims)
     stream = ClientStream(iterator, ctx.min_append_rate)
+    fsm.client_gone = stream.gone
 
     async def run() -> None:
         if whole:

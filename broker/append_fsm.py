@@ -135,6 +135,10 @@ class AppendFSM:
         # (`settled`: resolved once its outcome is set). `group`: what a leader adopted, each
         # with the span it is given.
         self.whole: bytes | None = None
+        # Set when the client left (its RPC was cancelled, or its deadline passed): an append
+        # waiting for the pipeline stops waiting, and none is proposed once it is set (as
+        # upstream's onAcquirePipeline watches the RPC's context).
+        self.client_gone: asyncio.Event | None = None
         self.adopted = False
         self.settled: asyncio.Future[None] | None = None
         # Whether this append counted itself in its replica's `pipeline_uses` (once per append,
@@ -269,23 +273,25 @@ class AppendFSM:
         commit it with its own (group commit): it then ends as that one settles it."""
         replica = self._res.replica
         assert replica is not None
+        settled = self.settled = asyncio.get_running_loop().create_future()
         if self.whole is not None:
-            settled = self.settled = asyncio.get_running_loop().create_future()
             replica.group_waiting.append(self)
-            try:
-                take, _ = await first_of(self._take(replica.pipeline_queue), settled)
-            finally:
-                with contextlib.suppress(ValueError):
-                    replica.group_waiting.remove(self)
-            if self.adopted:
-                if take.done() and not take.cancelled() and take.result()[0]:
-                    replica.pipeline_queue.put_nowait(take.result()[1])  # Not ours to use.
-                await settled
-                return
-            self.settled = None
-            taken, pln = take.result()
-        else:
-            taken, pln = await self._take(replica.pipeline_queue)
+        gone = () if self.client_gone is None else (self.client_gone.wait(),)
+        try:
+            take, *_ = await first_of(self._take(replica.pipeline_queue), settled, *gone)
+        finally:
+            with contextlib.suppress(ValueError):
+                replica.group_waiting.remove(self)
+        if self.adopted:
+            if take.done() and not take.cancelled() and take.result()[0]:
+                replica.pipeline_queue.put_nowait(take.result()[1])  # Not ours to use.
+            await settled
+            return
+        self.settled = None
+        if not take.done() or take.cancelled():
+            self._fail(error=ClientError("client went away; rolled back"))
+            return
+        taken, pln = take.result()
         if taken:
             self.pln, self.pln_return = pln, replica.pipeline_queue
         if not taken or self._res.invalidated.is_set():
@@ -423,6 +429,18 @@ class AppendFSM:
                 )
             )
             return
+        persister = self.ctx.persister
+        if False and persister is not None and spec.fragment.stores and not self.flush_and_suspend:
+            # As upstream: refused while the journal's first store fails its health checks. (An
+            # exit flush adds nothing: it waits for the store itself, and suspends an empty one.)
+            problem = await persister.health.await_healthy(spec.fragment.stores[0], res.invalidated)
+            if res.invalidated.is_set():
+                self.state = State.RESOLVE
+                return
+            if problem:
+                self.store_health_error = problem
+                self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
+                return
         if not index.first_refresh.is_set():
             # Only once the stores were listed is the index's end offset known.
             await wait_any(index.first_refresh, res.invalidated, timeout=FIRST_REFRESH_TIMEOUT)
@@ -744,6 +762,7 @@ class AppendFSM:
                 break
             if (
                 waiting.resolved is not None
+                and not (waiting.client_gone is not None and waiting.client_gone.is_set())
                 and waiting.resolved.replica is replica
                 and route_equivalent(waiting.resolved.route, res.route)
                 and waiting.settled is not None
@@ -758,10 +777,22 @@ class AppendFSM:
         registers = pb.LabelSet()
         registers.CopyFrom(self.registers)
         contents: list[bytes] = []
+        replica.append_limiter.set_rate(spec.max_append_rate)
+        total = sum(len(member.whole or b"") for member in members)
+        delayed = await replica.append_limiter.take(total)
+        delayed = await self.ctx.append_limiter.take(total) or delayed
+        self.delayed_chunks += int(delayed)
         for index, member in enumerate(members):
             content = member.whole
             assert content is not None
             req = member.req
+            if member.client_gone is not None and member.client_gone.is_set():
+                # Its client left while it waited (for the pipeline, or for the rate limit):
+                # it is not proposed, as upstream does not propose an append whose RPC ended.
+                member._fail(error=ClientError("client went away; rolled back"))
+                if member is not self:
+                    member._settle()
+                continue
             if member is not self:
                 member.resolved = res
                 check = req.check_registers if req.HasField("check_registers") else None
@@ -801,12 +832,7 @@ class AppendFSM:
                 self.group[index - 1] = (member, span)  # Adopted in the order of `members`.
         self.client_commit = True
         if contents:
-            content = b"".join(contents)
-            replica.append_limiter.set_rate(spec.max_append_rate)
-            delayed = await replica.append_limiter.take(len(content))
-            delayed = await self.ctx.append_limiter.take(len(content)) or delayed
-            self.delayed_chunks += int(delayed)
-            await pln.scatter_content(content, 0)
+            await pln.scatter_content(b"".join(contents), 0)
         committing = pln.send_err() is None and bool(contents)
         if committing:
             proposal = pln.spool.next_proposal()

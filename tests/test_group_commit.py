@@ -160,13 +160,16 @@ async def until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
             await asyncio.sleep(0.02)
 
 
+HELD = b"h" * (2 << 20)
+
+
 async def hold_pipeline(h: BrokerHarness, journal: str) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
-    """A streamed append too large to be read whole (1 MiB: the broker's flow policing then
-    allows it 17 s of waiting for us), which holds the journal's pipeline until it is committed
+    """A streamed append too large to be read whole (2 MiB: the broker's flow policing then
+    allows it 33 s of waiting for us), which holds the journal's pipeline until it is committed
     (`commit_held`) or cancelled."""
     call = stub(h).Append()
     await call.write(pb.AppendRequest(journal=journal))
-    await call.write(pb.AppendRequest(content=b"h" * (1 << 20)))
+    await call.write(pb.AppendRequest(content=HELD))
     await until(replica_of(h, journal).pipeline_queue.empty)
     return call
 
@@ -216,7 +219,7 @@ async def test_a_group_larger_than_a_peer_takes_in_one_message_commits_whole(
         await until(lambda: waiting(replica_of(primary, journal)) == len(payloads))
         holder = await commit_held(held)
         answers = await asyncio.gather(*writers, return_exceptions=True)
-        committed = [(first.commit.begin, b"first\n"), (holder.commit.begin, b"h" * (1 << 20))]
+        committed = [(first.commit.begin, b"first\n"), (holder.commit.begin, HELD)]
         committed += [
             (a.commit.begin, payloads[i])
             for i, a in enumerate(answers)
@@ -263,3 +266,160 @@ async def test_many_writers_under_a_rate_limit_each_commit_once(
         await assert_replicas_agree(brokers, journal, committed, after.commit.end)
         assert not failed, f"{len(failed)} of 100 writers failed, first: {failed[0]!r}"
         assert (commits() - rounds_before) / 3 < 300 / 2  # Grouped.
+
+
+# ---- appends whose client left while they waited for the pipeline ---------------------------
+
+
+async def gone_one_message(h: BrokerHarness, journal: str, payload: bytes) -> None:
+    """A one-message append whose client times out while it waits for the pipeline."""
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await append(stub(h), journal, payload, timeout=1.0)
+    assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def gone_streamed(h: BrokerHarness, journal: str, payload: bytes) -> None:
+    """A streamed append (parameters, content, the empty commit, then the end of the stream, as
+    upstream's Go client sends it) whose client cancels while it waits for the pipeline."""
+    call = stub(h).Append()
+    await call.write(pb.AppendRequest(journal=journal))
+    for at in range(0, len(payload), 32 * 1024):
+        await call.write(pb.AppendRequest(content=payload[at : at + 32 * 1024]))
+    await call.write(pb.AppendRequest())
+    await call.done_writing()
+    replica = replica_of(h, journal)
+    if len(payload) < 64 * 1024:
+        await until(lambda: waiting(replica) == 1)
+    call.cancel()
+
+
+async def assert_left(replica: Replica, timeout: float = 10.0) -> None:
+    try:
+        await until(lambda: waiting(replica) == 0, timeout=timeout)
+    except TimeoutError:
+        raise AssertionError("the append whose client left still waits for the pipeline") from None
+
+
+LEAVE = {"one message timed out": gone_one_message, "streamed cancelled": gone_streamed}
+
+
+@pytest.mark.parametrize("size", [100, 100 * 1024], ids=["small", "100KiB"])
+@pytest.mark.parametrize("leave", LEAVE)
+async def test_an_append_whose_client_left_while_it_waited_for_the_pipeline_is_not_committed(
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client, leave: str, size: int
+) -> None:
+    """Upstream aborts an append whose client is gone once it has the pipeline: it is never
+    proposed. A small one is read whole before it waits (so no read of the client tells that
+    it left), a 100 KiB one is not (the client's departure fails its next read)."""
+    journal = "group/left"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
+        await set_journal(etcd, etcd_prefix, journal_spec(journal), [("local", i) for i in IDS])
+        primary = brokers[0]
+        first = await append(stub(primary), journal, b"first\n")
+        held = await hold_pipeline(primary, journal)
+        gone = b"gone " * (size // 5)
+        await LEAVE[leave](primary, journal, gone)
+        if size < 64 * 1024:
+            await assert_left(replica_of(primary, journal))
+        holder = await commit_held(held)
+        after = await append(stub(primary), journal, b"after\n")
+        committed = [
+            (first.commit.begin, b"first\n"),
+            (holder.commit.begin, HELD),
+            (after.commit.begin, b"after\n"),
+        ]
+        await assert_replicas_agree(brokers, journal, committed, after.commit.end)
+
+
+async def test_appends_whose_clients_leave_while_their_group_waits_for_the_rate_limit_are_not_committed(
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client
+) -> None:
+    """The append holding the pipeline adopts those waiting, then waits for the journal's rate
+    limit (a second for every KiB here) before it sends their content: clients that time out
+    meanwhile (0.3 s), the holder's own among them, are not proposed; the others commit."""
+    journal = "group/rated-left"
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
+        spec = journal_spec(journal)
+        spec.max_append_rate = 1024
+        await set_journal(etcd, etcd_prefix, spec, [("local", i) for i in IDS])
+        primary = brokers[0]
+        first = await append(stub(primary), journal, b"f" * 2048)  # Spends the rate's burst.
+
+        async def leaver(i: int) -> None:
+            payload = f"left {i} ".encode() * 100
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await append(stub(primary), journal, payload if i % 2 else [payload], timeout=0.3)
+            assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        leavers = [asyncio.ensure_future(leaver(i)) for i in range(4)]
+        await until(lambda: waiting(replica_of(primary, journal)) >= 1)  # The first holds it.
+        payloads = [f"stays {i} ".encode() * 100 for i in range(3)]
+        answers = await asyncio.gather(*(append(stub(primary), journal, p) for p in payloads))
+        await asyncio.gather(*leavers)
+        committed = [(first.commit.begin, b"f" * 2048)]
+        committed += [(a.commit.begin, p) for a, p in zip(answers, payloads, strict=True)]
+        await assert_replicas_agree(brokers, journal, committed, max(a.commit.end for a in answers))
+
+
+def marked(i: int, size: int) -> bytes:
+    """A payload that names itself: `#<i>:<size>|` then filler, `size` bytes in all."""
+    head = f"#{i:05d}:{size:06d}|".encode()
+    return head + b"." * (size - len(head))
+
+
+def parse_marked(content: bytes) -> list[tuple[int, int, int]]:
+    """The (begin, end, i) of each payload `marked` wrote, in the order they lie."""
+    out, at = [], 0
+    while at < len(content):
+        i, size = int(content[at + 1 : at + 6]), int(content[at + 7 : at + 13])
+        out.append((at, at + size, i))
+        at += size
+    return out
+
+
+async def test_writers_whose_clients_leave_at_random_points_commit_each_append_at_most_once(
+    etcd_server: object, etcd_prefix: str, etcd: aetcd.Client
+) -> None:
+    """80 writers of 1 to 64 KiB appends (one message and streamed), a third of them with
+    deadlines of a few milliseconds to half a second, so that clients leave while their append
+    is read, waits for the pipeline, is adopted, or is being acknowledged. Every append
+    answered OK is read back once where its answer says; one that failed is there at most
+    once (its outcome was unknown once its commit was sent); every replica serves the same."""
+    import random
+
+    journal = "group/random-left"
+    rng = random.Random(38)
+    async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as brokers:  # type: ignore[attr-defined]
+        await set_journal(
+            etcd, etcd_prefix, journal_spec(journal, length=1 << 24), [("local", i) for i in IDS]
+        )
+        primary = brokers[0]
+        plan = [
+            (i, rng.randint(16, 64 * 1024), rng.uniform(0.005, 0.5) if i % 3 == 0 else None)
+            for i in range(240)
+        ]
+
+        async def writer(w: int) -> list[tuple[int, pb.AppendResponse | BaseException]]:
+            out: list[tuple[int, pb.AppendResponse | BaseException]] = []
+            for i, size, timeout in plan[w::80]:
+                payload = marked(i, size)
+                content = payload if i % 2 else [payload[: size // 2], payload[size // 2 :]]
+                try:
+                    out.append((i, await append(stub(primary), journal, content, timeout=timeout)))
+                except grpc.aio.AioRpcError as exc:
+                    assert timeout is not None, exc
+                    out.append((i, exc))
+            return out
+
+        results = [r for rs in await asyncio.gather(*(writer(w) for w in range(80))) for r in rs]
+        end = (await append(stub(primary), journal, marked(99999, 20))).commit.begin
+        content = await read_all(primary, journal, end=end)
+        spans = parse_marked(content)
+        found = {i: (begin, end) for begin, end, i in spans}
+        assert len(found) == len(spans), "an append was written twice"
+        for i, result in results:
+            if isinstance(result, pb.AppendResponse):
+                assert found[i] == (result.commit.begin, result.commit.end), i
+        for h in brokers[1:]:
+            assert replica_of(h, journal).index.end_offset() == end + 20
+            assert await read_all(h, journal, end=end) == content
