@@ -137,11 +137,15 @@ async def _append_mapped(
     elif mapping == "rendezvous":
         route = maps.rendezvous_mapping(bytes, lambda: partitions)
     counts: dict[str, int] = {}
+    # Each batch's outcome, and the journal and number of records it holds.
+    batches: dict[asyncio.Future[int], tuple[str, int]] = {}
     dialer = Dialer()
     stub = dialer.journal_stub(opts["broker_address"])
     loop = asyncio.get_running_loop()
     try:
-        async with AppendService(stub, max_wait=opts["wait"]) as service:
+        # Raw records carry no UUIDs to de-duplicate them by: a batch whose commit may have
+        # landed is never sent again (its outcome is unknown, and said so).
+        async with AppendService(stub, max_wait=opts["wait"], at_least_once=False) as service:
             number = 0
             while True:
                 key_line = b""
@@ -177,14 +181,44 @@ async def _append_mapped(
                                 f"input line {number - 1}: the partition key is not base64"
                             ) from None
                     journal = route(key).journal
-                await service.write(journal, record)
-                counts[journal] = counts.get(journal, 0) + 1
+                pending = await service.write(journal, record)
+                held = batches.get(pending.batch, (journal, 0))[1]
+                batches[pending.batch] = (journal, held + 1)
             await service.flush()
-    except AppendError as exc:
-        raise click.ClickException(f"{exc}{_waited(exc, opts)}") from None
     finally:
         await dialer.close()
+    failed: list[tuple[str, BaseException]] = []
+    for batch, (journal, count) in batches.items():
+        error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
+        if error is None:
+            counts[journal] = counts.get(journal, 0) + count
+        else:
+            failed.append((journal, error))
+    if failed:
+        journal, error = failed[0]
+        raise click.ClickException(_mapped_failure(journal, error, len(failed), counts, opts))
     return counts
+
+
+def _mapped_failure(
+    journal: str, error: BaseException, batches: int, counts: dict[str, int], opts: dict[str, Any]
+) -> str:
+    """One line for `append --mapping` whose batches failed: the first failure, what to do
+    about it, and the records that were appended."""
+    from broker.client.append_service import AppendOutcomeUnknown
+
+    if isinstance(error, AppendOutcomeUnknown):
+        said = f"{error}: read {error.journal} to check before appending them again"
+    elif isinstance(error, grpc.aio.AioRpcError):
+        detail = (error.details() or "").split("\n")[0]
+        said = f"append to {journal}: {error.code().name}: {detail}{_waited(error, opts)}"
+    elif isinstance(error, AppendError):
+        said = f"{error}{_waited(error, opts)}"
+    else:
+        said = f"append to {journal}: {error or type(error).__name__}"
+    more = f" ({batches} batches failed)" if batches > 1 else ""
+    done = ", ".join(f"{n} to {j}" for j, n in sorted(counts.items())) or "none"
+    return f"{said}{more}; records appended: {done}"
 
 
 @journals.command("append")
@@ -216,6 +250,10 @@ def append_cmd(
     matches (a partitioned topic): each record is a line, preceded by its partition-key line for
     modulo and rendezvous, or its journal-name line for direct. Records mapped to one journal keep
     their order.
+
+    Each record is appended at most once: an append whose answer is lost after its commit was
+    sent (the broker died, the connection dropped) is not sent again, and the command says
+    which journal to read to learn whether it landed.
     """
     from gazctl.cli import run
 

@@ -7,8 +7,13 @@ as one Append RPC per batch, in order: while one batch is in flight, the next ac
 writer that never has to wait gives the loop a turn every `YIELD_EVERY` bytes, so the senders
 keep sending while it writes. Each write
 returns a `PendingSpan`, awaited for the record's own span once its batch commits. Writers wait when a
-journal has too much pending (back-pressure); transient failures are retried, so a record is
-appended at least once and, once acknowledged, exactly where its PendingSpan says.
+journal has too much pending (back-pressure); transient failures are retried, and a record, once
+acknowledged, is exactly where its PendingSpan says. A batch whose call failed after its commit
+was sent may have landed: by default (`at_least_once`, as upstream's AppendService) it is sent
+again, so its records are appended at least once, which suits messages (readers de-duplicate them
+by UUID) and recovery logs. Writers of raw records pass `at_least_once=False`: such a batch is
+never sent again, and its records fail with AppendOutcomeUnknown (`gazctl journals append
+--mapping` does so).
 
 A write may carry `Registers` (check, union, subtract): it goes in order with the others, in a
 batch of writes with the same registers (upstream's appends with equal requests); a
@@ -37,7 +42,7 @@ from typing import IO, Any, NamedTuple
 import grpc
 
 from broker.client.appender import AppendError, append
-from broker.client.routes import RETRYABLE, Router, is_transient
+from broker.client.routes import RETRYABLE, Router, is_transient, uncertain
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from plumbing.backoff import Backoff
@@ -278,6 +283,23 @@ class ServiceClosed(RuntimeError):
     """A write to an AppendService that is closing or closed: nothing was queued."""
 
 
+class AppendOutcomeUnknown(RuntimeError):
+    """A batch whose call failed after its commit was sent (the connection dropped, the broker
+    died): it may have landed, or not. It is not sent again, as that could append its records
+    twice; read the journal to learn which. Its `__cause__` is the call's failure."""
+
+    def __init__(self, journal: str, size: int, count: int, cause: grpc.aio.AioRpcError) -> None:
+        detail = (cause.details() or "").split("\n")[0]
+        super().__init__(
+            f"append to {journal}: the call failed after its commit was sent "
+            f"({cause.code().name}: {detail}): its {count} record(s), {size} bytes, may have "
+            "been appended or not, so they were not sent again"
+        )
+        self.journal = journal
+        self.size = size
+        self.count = count
+
+
 class DependencyFailed(RuntimeError):
     """A `write_after` record not appended, because its dependency failed or was cancelled."""
 
@@ -436,6 +458,16 @@ class _Journal:
                 if not is_transient(exc):
                     self._fail(batch, exc)
                     return
+                if (
+                    uncertain(exc)
+                    and not getattr(exc, "repeatable", False)
+                    and not self.service.at_least_once
+                ):
+                    # Its commit may have landed: sent again, its records could land twice.
+                    unknown = AppendOutcomeUnknown(self.name, batch.size, batch.count, exc)
+                    unknown.__cause__ = exc
+                    self._fail(batch, unknown)
+                    return
                 error = exc
             except _BatchFileError as exc:
                 self._fail(batch, exc.__cause__ or exc)
@@ -505,6 +537,7 @@ class AppendService:
         max_memory: int = 64 << 20,
         max_retry_delay: float = 2.0,
         max_wait: float | None = None,
+        at_least_once: bool = True,
     ) -> None:
         self.router = stub_for if isinstance(stub_for, Router) else None
         if isinstance(stub_for, Router):
@@ -520,6 +553,10 @@ class AppendService:
         # Seconds a batch waits through transient failures before it fails with the last one
         # (None: for as long as it takes, as upstream's AppendService does).
         self.max_wait = max_wait
+        # Whether a batch whose commit may have landed is sent again (its records may then be
+        # appended twice: for records de-duplicated downstream, messages by their UUIDs), or
+        # fails with AppendOutcomeUnknown (raw records: each is appended at most once).
+        self.at_least_once = at_least_once
         self.closing = False
         self.disk = _DiskThread(max_memory)
         self.appends = 0  # Append RPCs committed: records / appends is the batching factor.
