@@ -102,7 +102,8 @@ class Report:
     holes: list[tuple[str, int]] = field(default_factory=list)
     unavailable_journal: str = ""
     # Copies of records whose client gave up on an attempt, in the journal apart from an
-    # acknowledgement of them (the attempt was proposed before its client left: allowed).
+    # acknowledgement of them: allowed if the attempt was proposed before its client left
+    # (else a `left-committed` violation as well).
     left_landed: int = 0
     violations: list[Violation] = field(default_factory=list)
     _counted: Counter[tuple[str, str]] = field(default_factory=Counter, repr=False)
@@ -134,7 +135,7 @@ class Report:
             + (f", {self.unreadable} bytes unreadable through brokers" if self.unreadable else "")
             + (f", holes (content resumes at) {self.holes}" if self.holes else "")
             + (
-                f", {self.left_landed} given up but proposed before their client left"
+                f", {self.left_landed} appends given up on in the journal"
                 if self.left_landed
                 else ""
             )

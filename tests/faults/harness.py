@@ -768,7 +768,7 @@ class Cluster:
             try:
                 stub = self.dialer.journal_stub(self.any_address())
                 request = pb.ReadRequest(journal=journal, offset=0, block=False)
-                async with asyncio.timeout(15):
+                async with asyncio.timeout(60):  # The crowds' journal holds tens of MiB.
                     async for r in stub.Read(request):
                         if r.status == pb.OFFSET_NOT_YET_AVAILABLE:
                             break
@@ -791,7 +791,7 @@ class Cluster:
         observed: list[Observation] = []
         source = f"replica:{slot.id}"
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(40):
                 fragments: list[pb.Fragment] = []
                 token = 0
                 while True:
