@@ -114,13 +114,19 @@ async def rotate_hints(
     """Shift the backups down one and put `recovered` in the first (upstream's
     storeRecoveredHints): the hints of the state playback reached at hand-off, stored once the
     store opened and restored its checkpoint from it, so that a later disaster can go back to a
-    state known to open. The backups are read in one transaction."""
+    state known to open. The backups are read in one transaction. Done again (a retry whose
+    first attempt committed and lost its reply, etcd killed meanwhile), it changes nothing: the
+    first backup holds these very hints already (each hand-off's are its own, by its author)."""
     keys = hint_backup_keys(spec)
     if not keys:
         return True
-    values = await etcdx.get_many(etcd, [key.encode() for key in keys[:-1]])
-    puts = [transactions.Put(keys[0].encode(), encode_hints(recovered))]
-    for key, value in zip(keys[1:], values, strict=True):
+    values = await etcdx.get_many(etcd, [key.encode() for key in keys])
+    encoded = encode_hints(recovered)
+    if values[0] == encoded:
+        rotated = await etcdx.txn(etcd, _guard(assignment), [])
+        return bool(rotated.succeeded)
+    puts = [transactions.Put(keys[0].encode(), encoded)]
+    for key, value in zip(keys[1:], values[:-1], strict=True):
         if value is not None:
             puts.append(transactions.Put(key.encode(), value))
     result = await etcdx.txn(etcd, _guard(assignment), puts)

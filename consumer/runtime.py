@@ -80,13 +80,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# etcd's errors that a moment cures (no leader, a connection reset, a deadline): a shard's
-# status and hints are written through them.
-ETCD_TRANSIENT = (
-    aetcd.exceptions.ConnectionFailedError,
-    aetcd.exceptions.ConnectionTimeoutError,
-    aetcd.exceptions.InternalError,
-)
+# etcd's errors that a moment cures (refused connections of an etcd restarting, no leader, a
+# connection reset, a deadline): every etcd call on a replica's way to PRIMARY or STANDBY is
+# made through them (`Consumer._through_etcd`), so that a shard fails only for its own errors.
+ETCD_TRANSIENT = (*etcdx.UNREACHABLE, aetcd.exceptions.InternalError)
 
 
 class LeaseLost(RuntimeError):
@@ -554,10 +551,14 @@ class Consumer:
                 log.warning("shard %s: writing its status %s: etcd unavailable (%s): trying again", replica.shard_id, code, exc)  # fmt: skip
                 await backoff.sleep()
                 continue
+            await self.ks.wait_for_revision(result.revision)
             if result.succeeded:
-                await self.ks.wait_for_revision(result.revision)
                 replica.assignment = self.ks.get(kv.key) or kv
-            return
+                return
+            # The mirror was behind etcd: a write of ours whose reply was lost (etcd killed
+            # after it committed), or one the watch had not delivered yet after etcd's restart.
+            # Compared again once the mirror caught up (it then shows what we wrote, or the
+            # assignment gone), rather than leaving the status unwritten.
 
     async def _through_etcd(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         """`call`, tried again (the project's backoff) while etcd is unavailable: a shard
@@ -721,9 +722,12 @@ class Consumer:
     ) -> Playback:
         """Play the shard's log from its hints into the replica's directory (BACKFILL)."""
         playback = Playback(spec, self._replica_dir(replica.shard_id))
-        playback.start(
-            await fetch_hints(self.state, spec), lambda: self.router.stub_for(""), service
+        # A killed etcd refuses at once (aetcd does not wait as Go's clientv3 does): one
+        # refused read must not fail the shard until an operator unassigns it.
+        hints = await self._through_etcd(
+            f"shard {spec.id}: reading its hints", lambda: fetch_hints(self.state, spec)
         )
+        playback.start(hints, lambda: self.router.stub_for(""), service)
         replica.playback = playback
         await self._set_status(
             replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.BACKFILL), assignment
