@@ -135,6 +135,29 @@ def test_a_failed_shard_is_excused_only_with_a_reason_and_a_fault_of_its_own(
     assert report.failed_excused == int(excused)
 
 
+def test_a_shard_failed_for_an_etcd_error_is_never_excused() -> None:
+    """Issue 38: etcd's faults are no shard's own. In a scenario where PostgreSQL restarts
+    (its shards' own fault) and etcd is killed, a shard FAILED for a refused etcd call is a
+    violation, where one FAILED for PostgreSQL's error is excused."""
+    h = clean()
+    h.own_faults = ["postgres-restart"]
+    h.faults = [
+        FaultRecord("postgres-restart", "postgres", 4.0, 5.0),
+        FaultRecord("etcd-kill", "etcd", 6.0, 6.8),
+    ]
+    refused = (
+        "ConnectionFailedError: failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:10.0.0.2:2379: Failed to connect to remote host: Connection refused"
+    )
+    h.failures.append(ShardStatus("s-0", "summer-1", "FAILED", [refused], 7.0))
+    h.failures.append(ShardStatus("s-1", "summer-2", "FAILED", ["ConnectionRefusedError"], 5.0))
+    report = check(h)
+    assert [v.kind for v in report.violations] == ["failed-shard"], report.summary()
+    assert "an etcd error" in report.violations[0].detail
+    assert "s-0" in report.violations[0].detail
+    assert report.failed_excused == 1
+
+
 def test_a_chunk_out_of_sequence_in_a_summers_log_is_a_violation() -> None:
     h = clean()
     h.log_problems.append("summer-0.1.log: OutOfSequence: stream a: chunk 3 after chunk 1")

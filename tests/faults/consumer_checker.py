@@ -16,7 +16,9 @@ the faults healed, and the FAILED statuses met while healing. The checker judges
 * `zombie-commit`: a shard's committed sums go back to an earlier instance of its store (a lower
   fence, or an earlier restore): a commit of an instance accepted after its successor's;
 * `failed-shard`: a shard FAILED after healing, or while healing, unless its status says why and
-  the fault was its own (a fault of its store that the scenario names: `own_faults`);
+  the fault was its own (a fault of its store that the scenario names: `own_faults`); a shard
+  FAILED for an etcd error is never excused (etcd's faults are no shard's own: a replica waits
+  out etcd's restart);
 * `out-of-sequence`: a summer's log says a chunk came out of sequence (its shard failed for it).
 """
 
@@ -29,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 OK, FAIL, INFO = "ok", "fail", "info"
+
+# What a replica's error says when etcd failed it (aetcd's errors for a refused or timed-out
+# call, or etcd named): never a shard's own fault.
+ETCD_ERRORS = ("ConnectionFailedError", "ConnectionTimeoutError", "etcd")
 
 
 @dataclass
@@ -276,10 +282,13 @@ def check(history: ConsumerHistory) -> Report:
         if status.code != "FAILED":
             continue
         reason = "; ".join(status.errors)
-        if own_struck and reason:
+        for_etcd = any(words in reason for words in ETCD_ERRORS)
+        if own_struck and reason and not for_etcd:
             report.failed_excused += 1
             continue
         why = f"its status says {reason!r}" if reason else "its status says nothing"
+        if for_etcd:
+            why += ", an etcd error (no shard's own fault)"
         when = "while the faults healed" if status in history.failures else "after healing"
         own_note = (
             f" (its own faults in this scenario: {sorted(own)})"

@@ -64,6 +64,9 @@ EVIDENCE = {
     "fenced": "FencedOut",
     "stray bytes read past": "are not a frame",
     "standby take-overs": "takes over the log it tails",
+    # A replica's hints read that met etcd down and was tried again (issue 38): the etcd kills
+    # struck a replica as it started.
+    "hints reads retried": "reading its hints: etcd unavailable",
 }
 
 
@@ -355,6 +358,16 @@ class ConsumerHarness:
 
     async def start_consumer(self, slot: ConsumerSlot) -> None:
         await self._start(slot)
+
+    async def stopped(self, slot: ConsumerSlot, timeout: float) -> None:
+        """Until the consumer's process exited (one stopping gracefully drains first); SIGKILL
+        by its pid after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while slot.running() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if slot.running():
+            self.history.note(f"{slot.id} still running {timeout:g}s after its stop: SIGKILL")
+            self.signal(slot, signal.SIGKILL)
 
     async def _supervise(self) -> None:
         restarts: dict[int, asyncio.Task[None]] = {}

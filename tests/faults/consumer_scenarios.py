@@ -114,6 +114,48 @@ async def etcd_restart(ctx: Context) -> None:
     await ctx.hold(1.5, 3.0)
 
 
+async def _kill_etcd(ctx: Context, when: str) -> None:
+    """SIGKILL etcd (it refuses connections at once: aetcd raises, it does not wait) and start
+    it again on its data 0.2-1.5 s later; half the time killed once more 0.2-1 s after it is
+    back. Started in a thread: waiting for its health must not hold the workload up."""
+    kills = 2 if ctx.rng.random() < 0.5 else 1
+    for n in range(kills):
+        down = ctx.rng.uniform(0.2, 1.5)
+        fault = ctx.harness.fault("etcd-kill", "etcd", f"{when}, down {down:.1f}s")
+        ctx.harness.cluster.stop_etcd()
+        await asyncio.sleep(down)
+        await asyncio.to_thread(ctx.harness.cluster.start_etcd)
+        ctx.harness.heal(fault)
+        if n + 1 < kills:
+            await ctx.hold(0.2, 1.0)
+
+
+async def etcd_kill_handoff(ctx: Context) -> None:
+    """etcd SIGKILLed while shards start, hand off and promote standbys (issue 38). A summer
+    hosting a primary stops: SIGTERM (it hands its shards off: standbys promoted at once, new
+    standbys started elsewhere from the hints) or SIGKILL (its lease lapses, then the same);
+    etcd is killed as that happens, and started again. The summer starts again once etcd
+    serves, and half the time etcd is killed again as the replicas assigned to it start. A
+    replica must wait out etcd's restart, never end FAILED for it."""
+    slot = await ctx.victim(primary_bias=1.0)
+    graceful = ctx.rng.random() < 0.5
+    sig = signal.SIGTERM if graceful else signal.SIGKILL
+    stop = ctx.harness.fault(sig.name, slot.id, "a primary's summer, then etcd killed")
+    ctx.harness.signal(slot, sig)
+    if graceful:  # Its hand-off starts at once.
+        await ctx.hold(0.0, 1.5)
+    else:  # Its shards move once its lease lapses.
+        await ctx.hold(0.7 * ctx.lease, 1.2 * ctx.lease)
+    await _kill_etcd(ctx, "as shards move")
+    await ctx.harness.stopped(slot, timeout=10)
+    await ctx.harness.start_consumer(slot)
+    ctx.harness.heal(stop)
+    if ctx.rng.random() < 0.5:
+        await ctx.hold(0.0, 1.0)
+        await _kill_etcd(ctx, "as a restarted summer's replicas start")
+    await ctx.hold(1.5, 3.0)
+
+
 async def etcd_outage(ctx: Context) -> None:
     """etcd down for 1.2-2 consumer leases: every consumer's lease lapses (each exits, and
     its shards are assigned again once etcd is back; the brokers, on a 5 s lease, pause their
@@ -242,6 +284,7 @@ CONSUMER_SCENARIOS: dict[str, ConsumerScenario] = {
         ConsumerScenario("consumer-sigstop-sqlite", "SIGSTOP a primary's summer for 1.5-3 leases, SIGCONT (sqlite, standbys)", "sqlite", consumer_sigstop, cycles=6),
         ConsumerScenario("consumer-broker-kill", "SIGKILL a broker, restart after 0.5-2.5 s (sqlite, standbys)", "sqlite", broker_kill, cycles=10),
         ConsumerScenario("consumer-etcd-restart", "etcd SIGKILLed, started 0.1-1.5 s later (lease 5 s; JSON files)", "json", etcd_restart, cycles=8, lease=5.0),
+        ConsumerScenario("consumer-etcd-kill-handoff", "etcd SIGKILLed (refusing connections) as a primary's summer stops or dies and its shards move, and as it starts again (sqlite, standbys; lease 5 s)", "sqlite", etcd_kill_handoff, cycles=8, lease=5.0),
         ConsumerScenario("consumer-etcd-outage", "etcd down 1.2-2 consumer leases (sqlite, standbys)", "sqlite", etcd_outage, cycles=4),
         ConsumerScenario("consumer-partition-etcd", "a primary's summer cut from etcd for 1-3 leases (PostgreSQL)", "postgres", partition_etcd, cycles=6),
         ConsumerScenario("consumer-partition-brokers", "a primary's summer cut from the brokers for 0.5-3 leases (sqlite, standbys)", "sqlite", partition_brokers, cycles=6),
@@ -250,7 +293,7 @@ CONSUMER_SCENARIOS: dict[str, ConsumerScenario] = {
         ConsumerScenario("consumer-symlink", "every summer's local directory reached through a symlink; SIGKILL a summer (sqlite, standbys)", "sqlite", consumer_sigkill, cycles=8, symlink_tmp=True),
         ConsumerScenario("consumer-mixed-json", "any consumer fault at random (JSON files)", "json", mixed=_ALL, cycles=8),
         ConsumerScenario("consumer-mixed-postgres", "any consumer fault, PostgreSQL restarts too (PostgreSQL)", "postgres", mixed=(*_ALL, postgres_restart), cycles=8, own_faults=("postgres-restart",)),
-        ConsumerScenario("consumer-mixed-sqlite", "any consumer fault, stray appends too (sqlite, standbys, symlinked directories)", "sqlite", mixed=(*_ALL, stray_append), cycles=8, symlink_tmp=True),
+        ConsumerScenario("consumer-mixed-sqlite", "any consumer fault, stray appends too (sqlite, standbys, symlinked directories)", "sqlite", mixed=(*_ALL, stray_append, etcd_kill_handoff), cycles=8, symlink_tmp=True),
     ]
 }  # fmt: skip
 
