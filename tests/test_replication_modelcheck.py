@@ -1,12 +1,17 @@
 """The bounded exhaustive check of the replication rules (`replication.modelcheck`) at a small
 bound: no violation with every rule in place; and, for each rule left out, the checker finds the
 anomaly the rule exists for, with the shortest trace to it (a checker that finds nothing when a
-rule is removed would prove nothing). The larger bound runs in `nox -s modelcheck`."""
+rule is removed would prove nothing). And the check of operator commands over partial views
+(`replication.modelcheck_commands`): it finds issue 38's defects 7, 8 and 9 on the old protocol,
+and none on the new one. The larger bounds run in `nox -s modelcheck`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from replication import modelcheck_commands as commands
 from replication.modelcheck import Bound, Checker, Report, Rules, Violation, main
 
 SMALL = Bound(locations=3, events=2, filters=1, changes=1)
@@ -129,6 +134,88 @@ def test_the_reduction_reaches_the_same_states_at_rest(bound: Bound, rules: Rule
     assert b.states > 2 * a.states  # It does reduce.
     assert bool(a.violation_states) == bool(b.violation_states) == (rules != Rules())
     assert {v.kind for v in a.violations} == {v.kind for v in b.violations} <= {"lost"}
+
+
+# ---- operator commands over partial views (replication.modelcheck_commands, issue 38) ----------
+
+# The issue's network (connect A B, connect C D, connect B D --both, recorded with the protocol
+# under check) and one more command of any kind.
+ISSUE7 = commands.Bound(locations=4, commands=1, stops=0, deaths=0, start="issue7")
+# Three locations from nothing: one command (any connect, with or without a filter or
+# --new-events-only, or disconnect), two process stops (each started again at any point), and
+# gazctl dying once at any step.
+THREE = commands.Bound(locations=3, commands=1, stops=2, deaths=1, new_only=True)
+
+
+def test_the_old_protocol_accepts_a_forbidden_filtered_cycle_on_partial_views() -> None:
+    """Defect 7: A and C only send, so neither learns of the cycle-closing links; `connect A
+    C --filter kind=x` passes both their checks, and the history recorded breaks the rules."""
+    report = commands.Checker(dataclasses.replace(ISSUE7, protocol="old")).run()
+    found = report.violations.get("topology: rules")
+    assert found is not None, "\n".join(report.lines())
+    assert "the cycle A - B - D - C - A through A -> C" in found.message
+    print(found)  # The trace, as operator commands.
+    assert found.trace[0].startswith("[0] gazctl replication connect A C --filter kind=x: ")
+    assert "[0] C checks A -> C (filter kind=x) on its view: passes" in found.trace
+    assert "[0] A checks A -> C (filter kind=x) on its view: passes" in found.trace
+    assert found.trace[-1].startswith("[0] C records op")
+
+
+def test_the_old_protocol_records_a_refused_connect_at_its_target() -> None:
+    """Defect 8 (and 9): a location restarted while another was down refuses to record a
+    change (its clock check), after the target recorded it (or, with --new-events-only, after
+    the target joined); gazctl dying between the two records leaves the same."""
+    report = commands.Checker(dataclasses.replace(THREE, protocol="old")).run()
+    assert report.complete
+    found = report.violations.get("refused: clock, recorded")
+    assert found is not None, "\n".join(report.lines())
+    print(found)
+    steps = "\n".join(found.trace)
+    assert "gazctl replication connect A B" in found.trace[0]
+    assert "B records op 1 (A -> B)" in steps
+    assert "A starts (has not heard from" in steps
+    assert "A refuses to record op 1: location A has not heard from" in found.trace[-1]
+    assert "recorded at B" in found.message
+    joined = report.violations.get("refused: clock, joined")  # Defect 9.
+    assert joined is not None and "--new-events-only" in joined.trace[0]
+    assert any("joins for new events" in step for step in joined.trace)
+    died = report.violations.get("half-done: not held where it belongs")
+    assert died is not None and "gazctl dies" in died.trace[-1]
+    assert "held by B but not A, for good" in died.message
+
+
+@pytest.mark.parametrize("bound", [ISSUE7, THREE], ids=["issue7", "three"])
+def test_the_new_protocol_keeps_every_promise_at_the_same_bounds(bound: commands.Bound) -> None:
+    """etcd's whole history checked, one compare-and-swap txn, idempotent delivery and
+    catch-up: no refused command changes anything, the recorded history keeps the rules, and
+    every location ends with its own connections as etcd has them."""
+    report = commands.Checker(dataclasses.replace(bound, protocol="new")).run()
+    assert report.violation_states == 0, "\n\n".join(map(str, report.violations.values()))
+    assert report.complete and report.quiet > 10 and report.refused > 10
+
+
+def test_the_new_protocol_with_two_operators_at_once() -> None:
+    """Two commands in flight: the second's txn fails when the first moved the head, and it
+    reads etcd's history again (a cycle the two would close together is refused)."""
+    bound = commands.Bound("new", locations=3, commands=2, operators=2, stops=0, deaths=1)
+    report = commands.Checker(bound).run()
+    assert report.violation_states == 0, "\n\n".join(map(str, report.violations.values()))
+    assert report.complete
+
+
+def test_the_commands_check_prints_its_figures_and_traces(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--locations", "4", "--commands", "1", "--stops", "0", "--deaths", "0",
+            "--start", "issue7"]  # fmt: skip
+    assert commands.main(["--protocol", "new", *argv]) == 0
+    out = capsys.readouterr().out
+    for figure in ("states explored:", "transitions:", "elapsed:", "violations: 0"):
+        assert figure in out
+    assert commands.main(["--protocol", "old", *argv]) == 1
+    out = capsys.readouterr().out
+    assert "\ntopology (rules): " in out
+    assert "\n  1. [0] gazctl replication connect A C --filter kind=x" in out
 
 
 def test_the_command_prints_its_figures(capsys: pytest.CaptureFixture[str]) -> None:
