@@ -74,7 +74,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -289,6 +289,7 @@ class Checker:
         self.max_states, self.stop_at_first = max_states, stop_at_first
         self.report = Report(bound)
         self._views: dict[frozenset[Entry], Topology] = {}
+        self._valid: dict[frozenset[Entry], str | None] = {}  # The rules' verdict on a history.
         self.specs = self._specs()
 
     # ---- views -------------------------------------------------------------------------------
@@ -332,14 +333,17 @@ class Checker:
             raise Ended(f"location {name} is not running (UNAVAILABLE)", "down")
         return i
 
-    def _plan(self, spec: Spec, view: Topology) -> Planned:
-        """The changes gazctl makes of a command, from a view (the target's, or etcd's)."""
+    def _plan(self, spec: Spec, view_of: Callable[[str], Topology]) -> Planned:
+        """The changes gazctl makes of a command, from the view `view_of` each connection's
+        target (the target's own, or etcd's)."""
         pairs = [(spec.source, spec.target)] + ([(spec.target, spec.source)] if spec.both else [])
         out: list[tuple[Change, tuple[str, ...]]] = []
         for s, t in pairs:
             if spec.kind == "disconnect":
                 out.append((Disconnected(s, t), (t, s)))
-            elif (s, t) in view.current and view.current[(s, t)] == spec.filter:
+                continue
+            view = view_of(t)
+            if (s, t) in view.current and view.current[(s, t)] == spec.filter:
                 continue  # "connected already"
             elif (s, t) in view.current:
                 out.append((Filtered(s, t, spec.filter), (t, s)))
@@ -425,9 +429,8 @@ class Checker:
         spec = c.spec
         tag = f"[{c.cid}]"
         if not c.steps:
-            # `_current(net, t)`: the target's view says what the command changes.
-            i = self._ask(state, spec.target)
-            planned = self._plan(spec, self.view(state.logs[i]))
+            # `_current(net, t)`: each connection's target's view says what the command changes.
+            planned = self._plan(spec, lambda t: self.view(state.logs[self._ask(state, t)]))
             if not planned:
                 return self._replace_command(state, k, None), f"{tag} {spec}: connected already", "done"  # fmt: skip
             steps: list[Step] = [Step("check", n, name) for n, (_, at) in enumerate(planned) for name in at]  # fmt: skip
@@ -481,7 +484,7 @@ class Checker:
         tag = f"[{c.cid}]"
         if not c.steps or c.steps[0].what == "snapshot":
             whole = self.view((i.op, i.change) for i in state.etcd)
-            planned = self._plan(spec, whole)
+            planned = self._plan(spec, lambda _: whole)
             if not planned:
                 return self._replace_command(state, k, None), f"{tag} {spec}: connected already (etcd's history)", "done"  # fmt: skip
             self._check_whole(whole, planned)
@@ -630,10 +633,15 @@ class Checker:
 
     def check_state(self, state: State) -> Found | None:
         history = self.authoritative(state)
-        try:
-            self.view(history).validate()
-        except RuleViolation as exc:
-            return "topology", "rules", f"the history recorded breaks the topology rules: {exc}"
+        if history not in self._valid:
+            try:
+                self.view(history).validate()
+                self._valid[history] = None
+            except RuleViolation as exc:
+                self._valid[history] = str(exc)
+        refusal = self._valid[history]
+        if refusal is not None:
+            return "topology", "rules", f"the history recorded breaks the topology rules: {refusal}"  # fmt: skip
         return None
 
     def check_refused(self, state: State, cid: int, end: str) -> Found | None:
@@ -712,16 +720,18 @@ class Checker:
         started, cpu = time.monotonic(), time.process_time()
         report = self.report
         start = self.start()
-        parents: dict[State, tuple[State | None, Label]] = {start: (None, "")}
+        # States by their hash (64 bits: a collision would merge two states and could hide
+        # one; at a few million states the chance is below one in a million), each with its
+        # parent's and the step's label, for the shortest trace (breadth first finds it first).
+        root = hash(start)
+        parents: dict[int, tuple[int, Label]] = {root: (root, "")}
 
-        def trace(at: State) -> list[str]:
+        def trace(at: int) -> list[str]:
             steps: list[str] = []
-            while True:
-                parent, label = parents[at]
-                if parent is None:
-                    return steps[::-1]
+            while at != root:
+                at, label = parents[at]
                 steps.append(label)
-                at = parent
+            return steps[::-1]
 
         def done() -> Report:
             report.states = len(parents)
@@ -744,10 +754,11 @@ class Checker:
                     report.quiet += 1
                     found = self.check_quiet(state)
                     if found:
-                        self._violation(found, trace(state))
+                        self._violation(found, trace(hash(state)))
                         if self.stop_at_first:
                             return done()
                         continue
+                here = hash(state)
                 for label, after, end, cid in successors:
                     report.transitions += 1
                     found = None
@@ -756,12 +767,17 @@ class Checker:
                         found = self.check_refused(after, cid, end)
                     elif end == "done":
                         report.completed += 1
-                    if after in parents and not found:
+                    h = hash(after)
+                    if found:
+                        self._violation(found, [*trace(here), label])
+                        if self.stop_at_first:
+                            return done()
+                    if h in parents:
                         continue
-                    parents.setdefault(after, (state, label))
+                    parents[h] = (here, label)
                     found = found or self.check_state(after)
                     if found:
-                        self._violation(found, trace(after))
+                        self._violation(found, trace(h))
                         if self.stop_at_first:
                             return done()
                         continue  # Not explored further: it stays broken.
