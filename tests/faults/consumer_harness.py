@@ -359,6 +359,42 @@ class ConsumerHarness:
     async def start_consumer(self, slot: ConsumerSlot) -> None:
         await self._start(slot)
 
+    async def kill_etcd_at_next_assignment(self, timeout: float) -> bool:
+        """SIGKILL etcd (by its pid) the moment the allocator writes a new assignment of a
+        shard, within `timeout`, else at `timeout`: the replica it assigns reads its hints from
+        etcd as it starts, so the kill meets that read, as an etcd crash at any moment may.
+        Whether an assignment came (the harness watches etcd as the consumers do, and without
+        their apply delay it is usually first)."""
+        from aetcd import rpc
+
+        from plumbing.etcd import parse_etcd_address
+
+        host, port = parse_etcd_address(self.cluster.etcd_endpoint)
+        prefix = f"{ETCD_PREFIX}/assign/".encode()
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        came = False
+        channel = grpc.aio.insecure_channel(f"{host}:{port}")
+        try:
+            call = rpc.WatchStub(channel).Watch()
+            create = rpc.WatchCreateRequest(
+                key=prefix, range_end=end, filters=[rpc.WatchCreateRequest.NODELETE]
+            )
+            async with asyncio.timeout(timeout):
+                await call.write(rpc.WatchRequest(create_request=create))
+                while not came:
+                    response = await call.read()
+                    if response is grpc.aio.EOF:
+                        break
+                    came = any(event.kv.version == 1 for event in response.events)
+        except TimeoutError:
+            pass
+        except grpc.aio.AioRpcError as exc:
+            self.history.note(f"watching assignments: {describe(exc)}")
+        finally:
+            self.cluster.stop_etcd()
+            await channel.close(None)
+        return came
+
     async def stopped(self, slot: ConsumerSlot, timeout: float) -> None:
         """Until the consumer's process exited (one stopping gracefully drains first); SIGKILL
         by its pid after `timeout`."""

@@ -26,7 +26,7 @@ from tests.faults.consumer_harness import (
     ConsumerHarness,
     ConsumerSlot,
 )
-from tests.faults.harness import describe
+from tests.faults.harness import HarnessError, describe
 from tests.faults.network import ETCD, namespaces_unavailable
 from tests.faults.scenarios import ScenarioSkipped
 
@@ -114,45 +114,50 @@ async def etcd_restart(ctx: Context) -> None:
     await ctx.hold(1.5, 3.0)
 
 
-async def _kill_etcd(ctx: Context, when: str) -> None:
-    """SIGKILL etcd (it refuses connections at once: aetcd raises, it does not wait) and start
-    it again on its data 0.2-1.5 s later; half the time killed once more 0.2-1 s after it is
-    back. Started in a thread: waiting for its health must not hold the workload up."""
+async def _kill_etcd(ctx: Context, when: str, timeout: float) -> None:
+    """SIGKILL etcd the moment a new assignment is written (a replica about to read its hints:
+    etcd then refuses connections at once, and aetcd raises, it does not wait), or after
+    `timeout`; start it again on its data 0.2-1.5 s later. Half the time, kill it once more
+    at the next assignment, within 3 s of its start. Started in a thread: waiting for its
+    health must not hold the workload up."""
     kills = 2 if ctx.rng.random() < 0.5 else 1
     for n in range(kills):
         down = ctx.rng.uniform(0.2, 1.5)
-        fault = ctx.harness.fault("etcd-kill", "etcd", f"{when}, down {down:.1f}s")
-        ctx.harness.cluster.stop_etcd()
+        came = await ctx.harness.kill_etcd_at_next_assignment(timeout if n == 0 else 3.0)
+        at = "at an assignment" if came else "no assignment came"
+        fault = ctx.harness.fault("etcd-kill", "etcd", f"{when}: {at}, down {down:.1f}s")
         await asyncio.sleep(down)
         await asyncio.to_thread(ctx.harness.cluster.start_etcd)
         ctx.harness.heal(fault)
-        if n + 1 < kills:
-            await ctx.hold(0.2, 1.0)
 
 
 async def etcd_kill_handoff(ctx: Context) -> None:
     """etcd SIGKILLed while shards start, hand off and promote standbys (issue 38). A summer
     hosting a primary stops: SIGTERM (it hands its shards off: standbys promoted at once, new
     standbys started elsewhere from the hints) or SIGKILL (its lease lapses, then the same);
-    etcd is killed as that happens, and started again. The summer starts again once etcd
-    serves, and half the time etcd is killed again as the replicas assigned to it start. A
-    replica must wait out etcd's restart, never end FAILED for it."""
+    etcd is killed the moment the allocator assigns a replica, and started again. The summer
+    starts again once etcd serves, and half the time etcd is killed again as replicas are
+    assigned to it. A replica must wait out etcd's restart, never end FAILED for it."""
     slot = await ctx.victim(primary_bias=1.0)
     graceful = ctx.rng.random() < 0.5
     sig = signal.SIGTERM if graceful else signal.SIGKILL
     stop = ctx.harness.fault(sig.name, slot.id, "a primary's summer, then etcd killed")
     ctx.harness.signal(slot, sig)
-    if graceful:  # Its hand-off starts at once.
-        await ctx.hold(0.0, 1.5)
-    else:  # Its shards move once its lease lapses.
-        await ctx.hold(0.7 * ctx.lease, 1.2 * ctx.lease)
-    await _kill_etcd(ctx, "as shards move")
+    await _kill_etcd(ctx, "as its shards move", 2 * ctx.lease + 3)
     await ctx.harness.stopped(slot, timeout=10)
-    await ctx.harness.start_consumer(slot)
-    ctx.harness.heal(stop)
     if ctx.rng.random() < 0.5:
-        await ctx.hold(0.0, 1.0)
-        await _kill_etcd(ctx, "as a restarted summer's replicas start")
+        starting = asyncio.create_task(ctx.harness.start_consumer(slot))
+        try:
+            await _kill_etcd(ctx, "as replicas start on the restarted summer", 2 * ctx.lease + 3)
+        finally:
+            try:
+                await starting
+            except HarnessError as exc:  # Killed before it announced itself: it exits.
+                ctx.history.note(f"{slot.id} did not start while etcd was killed: {exc}")
+        await ctx.harness.start_consumer(slot)
+    else:
+        await ctx.harness.start_consumer(slot)
+    ctx.harness.heal(stop)
     await ctx.hold(1.5, 3.0)
 
 
