@@ -36,8 +36,11 @@ The protocols (`--protocol`):
   head records the command's changes (a concurrent command makes it fail: gazctl reads and
   checks again); then it delivers the change to each location involved, idempotently by op
   (a location down or not yet safe to emit is skipped: it catches up). A location records a
-  change etcd holds and never refuses it; the target of `--new-events-only` joins as it records
-  the change (so a join happens exactly when the change is recorded there).
+  change etcd holds and never refuses it. The target of `--new-events-only` joins as the change
+  enters its log by any route (`--join fold`, the default): gazctl's delivery, catch-up, or
+  replication from a location that had it first. With `--join delivery` (only where gazctl or
+  catch-up records it) the check finds the change that replication brings first, and the join
+  never made.
 
 Checked:
 
@@ -66,7 +69,8 @@ the issue's network (`--start issue7`: connect A B, connect C D, connect B D --b
 A C --filter kind=x` is accepted on A's and C's views and the recorded history breaks the rules
 (defect 7); from three locations, a connect refused by its source's clock check after the
 target recorded it (defect 8), and a refused `--new-events-only` that joined (defect 9). On the
-new protocol, none at the same bounds.
+new protocol, none at the same bounds (and, with `--join delivery`, the join that replication
+bypasses).
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ NAMES = "ABCDEFGH"
 FILTER = "kind=x"
 PROTOCOLS = ("old", "new")
 STARTS = ("empty", "issue7")
+JOINS = ("fold", "delivery")
 PROPERTIES = ("refused", "topology", "half-done", "diverged")
 
 Entry = tuple[int, Change]  # (op, change): one system event of a topology change.
@@ -113,6 +118,11 @@ class Bound:
     deaths: int = 1
     operators: int = 1
     start: str = "empty"
+    # New protocol: where the target of `--new-events-only` joins: as the change enters its log
+    # by any route ("fold": gazctl's delivery, catch-up, or replication from a location that
+    # had it), or only as gazctl or catch-up records it ("delivery", which misses the change
+    # that replication brings first).
+    join: str = "fold"
 
     def __str__(self) -> str:
         flags = [f for f, on in (("--both", self.both), ("--new-events-only", self.new_only)) if on]
@@ -122,6 +132,7 @@ class Bound:
             + (", filters" if self.filters else "")
             + (", " + ", ".join(flags) if flags else "")
             + f"), {self.stops} stops, {self.deaths} gazctl deaths"
+            + (f", join at {self.join}" if self.protocol == "new" else "")
         )
 
 
@@ -282,6 +293,8 @@ class Checker:
             raise ValueError("--start issue7 needs 4 locations")
         if bound.operators not in (1, 2):
             raise ValueError("--operators: 1 or 2")
+        if bound.join not in JOINS:
+            raise ValueError(f"--join: one of {', '.join(JOINS)}")
         self.bound = bound
         self.new = bound.protocol == "new"
         self.names = tuple(NAMES[: bound.locations])
@@ -397,10 +410,16 @@ class Checker:
             keyed.append((here.next_key(), change))
 
     def _record(self, state: State, i: int, entry: Entry) -> State:
+        """The system event `entry` stored at location i (by a record, or replication)."""
         if entry in state.logs[i]:
             return state
         logs = (*state.logs[:i], (*state.logs[i], entry), *state.logs[i + 1 :])
-        return state._replace(logs=logs)
+        after = state._replace(logs=logs)
+        if self.new and self.bound.join == "fold":
+            for issued in state.etcd:
+                if issued.op == entry[0] and issued.new_only and issued.target == self.names[i]:
+                    after = self._join(after, issued.cid)
+        return after
 
     def _join(self, state: State, cid: int) -> State:
         return state._replace(joined=state.joined | {cid})
@@ -534,7 +553,7 @@ class Checker:
         if any(e[0] == issued.op for e in state.logs[i]):
             return state
         after = self._record(state, i, (issued.op, issued.change))
-        if issued.new_only and self.names[i] == issued.target:
+        if self.bound.join == "delivery" and issued.new_only and self.names[i] == issued.target:
             after = self._join(after, issued.cid)
         return after
 
@@ -825,11 +844,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deaths", type=int, default=d.deaths)
     parser.add_argument("--operators", type=int, default=d.operators)
     parser.add_argument("--start", choices=STARTS, default=d.start)
+    parser.add_argument("--join", choices=JOINS, default=d.join, help="new protocol: where "
+                        "the target of --new-events-only joins (see Bound.join)")  # fmt: skip
     parser.add_argument("--max-states", type=int, default=None)
     args = parser.parse_args(argv)
     bound = Bound(
         args.protocol, args.locations, args.commands, not args.no_filters, args.both,
-        args.new_events_only, args.stops, args.deaths, args.operators, args.start,
+        args.new_events_only, args.stops, args.deaths, args.operators, args.start, args.join,
     )  # fmt: skip
     try:
         checker = Checker(bound, max_states=args.max_states)

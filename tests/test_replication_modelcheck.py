@@ -203,6 +203,21 @@ def test_the_new_protocol_with_two_operators_at_once() -> None:
     assert report.complete
 
 
+def test_a_join_only_where_gazctl_delivers_misses_the_change_replication_brings() -> None:
+    """The new protocol's pitfall: the target of `--new-events-only` may get the change by
+    replication (from the source it already reads, or through a third location) before gazctl
+    or catch-up delivers it; a join made only on delivery is then never made. Joining as the
+    change enters the target's log by any route keeps the promise."""
+    bound = commands.Bound("new", locations=3, commands=2, stops=0, deaths=0, new_only=True)
+    missed = commands.Checker(dataclasses.replace(bound, join="delivery")).run()
+    found = missed.violations.get("half-done: recorded without its join")
+    assert found is not None, "\n".join(missed.lines())
+    assert any(" replicates op " in step for step in found.trace)
+    assert "never joined for new events only" in found.message
+    report = commands.Checker(bound).run()
+    assert report.violation_states == 0, "\n\n".join(map(str, report.violations.values()))
+
+
 def test_the_commands_check_prints_its_figures_and_traces(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
