@@ -8,7 +8,6 @@ precondition set `status`, and on a failure of the machinery set `error`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import hashlib
 import logging
@@ -23,6 +22,7 @@ from aetcd import transactions
 from broker.allocator import keyspace as aks
 from broker.allocator.keyspace import route_equivalent
 from broker.fragment import fragments as frag
+from broker.group_commit import MAX_OFFSET, Group, Outcome, Refusal
 from broker.pipeline import Pipeline
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
@@ -76,11 +76,6 @@ class OffsetOverflow(ClientError):
     """The append would end past the largest journal offset (2^63-1, as upstream's int64)."""
 
 
-MAX_OFFSET = (1 << 63) - 1
-# The most appends one group commit takes (its leader's own included).
-MAX_GROUP = 256
-
-
 @dataclass
 class Chunk:
     """One receive from the client: a request, or None at EOF, or an error."""
@@ -128,26 +123,22 @@ class AppendFSM:
         self.status: pb.Status = pb.OK
         self.error: BaseException | None = None
         self.proposed_at = 0.0  # When the commit (or roll-back) proposal was sent to peers.
-        # Group commit. `whole`: the append's content, read whole before it waits for the
-        # pipeline (set by the Append RPC for a small append it may group). Such an append
-        # waits on the replica's `group_waiting` for either the pipeline or `adopted`, set by
-        # the append holding the pipeline, which then commits it with its own and settles it
-        # (`settled`: resolved once its outcome is set). `group`: what a leader adopted, each
-        # with the span it is given.
+        # Group commit (broker/group_commit.py). `whole`: the append's content, read whole
+        # before it waits for the pipeline (set by the Append RPC for a small append it may
+        # group). Such an append waits in the replica's `group_commit` for either the pipeline
+        # or adoption by the append holding it, and then reads its group's outcome. `group`:
+        # the group this append leads, holding the pipeline, which it settles.
         self.whole: bytes | None = None
         # Set when the client left (its RPC was cancelled, or its deadline passed): an append
         # waiting for the pipeline stops waiting, and none is proposed once it is set (as
         # upstream's onAcquirePipeline watches the RPC's context).
         self.client_gone: asyncio.Event | None = None
-        self.adopted = False
-        self.settled: asyncio.Future[None] | None = None
+        self.group: Group | None = None
+        self._group_proposed = False  # Whether the group was proposed as a commit.
         # Whether this append counted itself in its replica's `pipeline_uses` (once per append,
         # however many times it takes the pipeline: a pulse that advertises a new route takes
         # it again at the revision it wrote).
         self._counted_use = False
-        self.group: list[tuple[AppendFSM, pb.Fragment | None]] = []
-        self.group_committed = False  # Whether the group's proposal was a commit, acknowledged.
-        self._group_proposed = False  # Whether it was proposed as a commit.
 
     # ---- driving ----------------------------------------------------------------------------
 
@@ -170,7 +161,8 @@ class AppendFSM:
             raise
         finally:
             self.return_pipeline()
-            self._settle_group()
+            if self.group is not None:  # Failed before its acknowledgements were read.
+                self.group.settle(self.error or RuntimeError("the group's commit failed"))
 
     async def run_to(self, target: State) -> bool:
         steps = {
@@ -268,28 +260,27 @@ class AppendFSM:
             self.state = State.ACQUIRE_PIPELINE
 
     async def state_acquire_pipeline(self) -> None:
-        """Take exclusive ownership of the replica's pipeline (send side). An append read
-        whole waits for it in the replica's group, and the append holding the pipeline may
-        commit it with its own (group commit): it then ends as that one settles it."""
+        """Take exclusive ownership of the replica's pipeline (send side), unless the client
+        leaves first. An append read whole waits for it in the replica's group commit, and the
+        append holding the pipeline may adopt it: it then ends as its group answers it."""
         replica = self._res.replica
         assert replica is not None
-        settled = self.settled = asyncio.get_running_loop().create_future()
-        if self.whole is not None:
-            replica.group_waiting.append(self)
         gone = () if self.client_gone is None else (self.client_gone.wait(),)
-        try:
-            take, *_ = await first_of(self._take(replica.pipeline_queue), settled, *gone)
-        finally:
-            with contextlib.suppress(ValueError):
-                replica.group_waiting.remove(self)
-        if self.adopted:
-            if take.done() and not take.cancelled() and take.result()[0]:
-                replica.pipeline_queue.put_nowait(take.result()[1])  # Not ours to use.
-            await settled
-            return
-        self.settled = None
+        if self.whole is None:
+            take, *_ = await first_of(self._take(replica.pipeline_queue), *gone)
+        else:
+            ticket = replica.group_commit.join(self.req, self.whole, self._res, self.client_gone)
+            try:
+                take, *_ = await first_of(self._take(replica.pipeline_queue), ticket.outcome, *gone)
+            finally:
+                replica.group_commit.leave(ticket)
+            if ticket.adopted:
+                if take.done() and not take.cancelled() and take.result()[0]:
+                    replica.pipeline_queue.put_nowait(take.result()[1])  # Not ours to use.
+                self._take_outcome(await ticket.outcome)
+                return
         if not take.done() or take.cancelled():
-            self._fail(error=ClientError("client went away; rolled back"))
+            self._refuse(Refusal.CLIENT_GONE)  # Nothing was sent: nothing to roll back.
             return
         taken, pln = take.result()
         if taken:
@@ -730,12 +721,11 @@ class AppendFSM:
         self.state = State.READ_ACKNOWLEDGEMENTS
 
     async def _stream_group(self) -> None:
-        """STREAM_CONTENT of an append read whole: it adopts the appends read whole that wait
-        for this pipeline (in arrival order, on an equivalent route), and sends their content
-        with its own as one content write, then one commit proposal. Each adopted append is
-        checked as it would be alone (its `check_registers` against the registers as the ones
-        before it in the group leave them) and gets its own span and SHA-1; one refused is left
-        out of the group with its own status. Every append of the group commits, or none."""
+        """STREAM_CONTENT of an append read whole: it leads a group (broker/group_commit.py)
+        of the appends read whole that wait for this pipeline, and sends their content with its
+        own, then one commit proposal. Each append of the group is checked as it would be alone
+        and gets its own span; one refused is left out with its own answer. Every append of the
+        group commits, or none does (`state_read_acknowledgements` settles the group)."""
         pln, spec, res = self._pln, self._spec, self._res
         replica = res.replica
         assert replica is not None and self.whole is not None
@@ -744,87 +734,26 @@ class AppendFSM:
             await pln.scatter(
                 pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=False)
             )
-        members: list[AppendFSM] = [self]
-        for waiting in list(replica.group_waiting):
-            if len(members) >= MAX_GROUP:
-                break
-            if (
-                waiting.resolved is not None
-                and not (waiting.client_gone is not None and waiting.client_gone.is_set())
-                and waiting.resolved.replica is replica
-                and route_equivalent(waiting.resolved.route, res.route)
-                and waiting.settled is not None
-                and not waiting.settled.done()
-            ):
-                replica.group_waiting.remove(waiting)
-                waiting.adopted = True
-                members.append(waiting)
-                self.group.append((waiting, None))  # Settled whatever happens from here.
-        fragment = pln.spool.fragment
-        offset = fragment.end
-        registers = pb.LabelSet()
-        registers.CopyFrom(self.registers)
-        contents: list[bytes] = []
+        # From here the group answers every append it adopted, however this one ends (`run`).
+        group = self.group = replica.group_commit.adopt(self.req, self.whole, res, self.client_gone)
         replica.append_limiter.set_rate(spec.max_append_rate)
-        total = sum(len(member.whole or b"") for member in members)
-        delayed = await replica.append_limiter.take(total)
-        delayed = await self.ctx.append_limiter.take(total) or delayed
+        delayed = await replica.append_limiter.take(group.size)
+        delayed = await self.ctx.append_limiter.take(group.size) or delayed
         self.delayed_chunks += int(delayed)
-        for index, member in enumerate(members):
-            content = member.whole
-            assert content is not None
-            req = member.req
-            if member.client_gone is not None and member.client_gone.is_set():
-                # Its client left while it waited (for the pipeline, or for the rate limit):
-                # it is not proposed, as upstream does not propose an append whose RPC ended.
-                member._fail(error=ClientError("client went away; rolled back"))
-                if member is not self:
-                    member._settle()
-                continue
-            if member is not self:
-                member.resolved = res
-                check = req.check_registers if req.HasField("check_registers") else None
-                if check is not None and registers.labels and not labels.matches(check, registers):
-                    member.registers.CopyFrom(registers)
-                    member._fail(pb.REGISTER_MISMATCH)
-                    member._settle()
-                    continue
-            if offset + len(content) > MAX_OFFSET:
-                error = OffsetOverflow(
-                    f"append to {req.journal} would end past the largest offset ({MAX_OFFSET}); "
-                    "rolled back"
-                )
-                member._fail(error=error)
-                if member is not self:
-                    member._settle()
-                continue
-            if req.HasField("subtract_registers"):
-                registers = labels.subtract(registers, req.subtract_registers)
-            if req.HasField("union_registers"):
-                registers = labels.union(req.union_registers, registers)
-            member.registers = pb.LabelSet()
-            member.registers.CopyFrom(registers)
-            member.total_chunks = 1
-            span = pb.Fragment(
-                journal=fragment.journal,
-                begin=offset,
-                end=offset + len(content),
-                sum=frag.sum_from_digest(hashlib.sha1(content).digest()),
-                compression_codec=fragment.compression_codec,
-            )
-            offset = span.end
-            contents.append(content)
-            if member is self:
-                self.client_fragment = span
-            else:
-                self.group[index - 1] = (member, span)  # Adopted in the order of `members`.
+        # After the limit's wait: an append whose client left meanwhile is not proposed.
+        content = group.plan(pln.spool.fragment, self.registers)
         self.client_commit = True
-        if contents:
-            await pln.scatter_content(b"".join(contents), 0)
-        committing = pln.send_err() is None and bool(contents)
+        if group.holder.refusal is not None:
+            self._refuse(group.holder.refusal)  # Kept for after the group's round.
+        else:
+            self.client_fragment = group.holder.span
+            self.total_chunks = 1
+        if content:
+            await pln.scatter_content(content, 0)
+        committing = pln.send_err() is None and bool(content)
         if committing:
             proposal = pln.spool.next_proposal()
-            self.registers = registers
+            self.registers = group.registers
         else:
             proposal = pb.Fragment()
             proposal.CopyFrom(pln.spool.fragment)  # Roll back.
@@ -833,26 +762,34 @@ class AppendFSM:
             pb.ReplicateRequest(proposal=proposal, registers=self.registers, acknowledge=True)
         )
         self._group_proposed = committing
-        self.state = State.READ_ACKNOWLEDGEMENTS  # Its own error, if any, is kept for after.
+        self.state = State.READ_ACKNOWLEDGEMENTS
 
-    def _settle(self) -> None:
-        if self.settled is not None and not self.settled.done():
-            self.settled.set_result(None)
+    def _refuse(self, refusal: Refusal) -> None:
+        """The append is refused before anything of it was proposed."""
+        if refusal is Refusal.REGISTER_MISMATCH:
+            self._fail(pb.REGISTER_MISMATCH)
+        elif refusal is Refusal.OFFSET_OVERFLOW:
+            self._fail(
+                error=OffsetOverflow(
+                    f"append to {self.req.journal} would end past the largest offset "
+                    f"({MAX_OFFSET}); rolled back"
+                )
+            )
+        else:
+            self._fail(error=ClientError("client went away; rolled back"))
 
-    def _settle_group(self) -> None:
-        """Settle the appends this one adopted: committed with it, or failed as it did."""
-        group, self.group = self.group, []
-        for member, span in group:
-            if member.settled is None or member.settled.done():
-                continue  # Refused on its own (and settled then).
-            if self.group_committed and span is not None:
-                member.client_fragment = span
-                member.state = State.FINISHED
-            elif self.status != pb.OK:
-                member._fail(self.status)
-            else:
-                member._fail(error=self.error or RuntimeError("the group's commit failed"))
-            member._settle()
+    def _take_outcome(self, outcome: Outcome) -> None:
+        """An adopted append ends as its group answered it."""
+        self.resolved = outcome.resolution
+        self.registers.CopyFrom(outcome.registers)
+        if outcome.span is not None:
+            self.client_fragment = outcome.span
+            self.total_chunks = 1
+            self.state = State.FINISHED
+        elif outcome.refusal is not None:
+            self._refuse(outcome.refusal)
+        else:
+            self._fail(error=outcome.failure)
 
     async def state_read_acknowledgements(self) -> None:
         """Release the send side, then, in turn, read every peer's acknowledgement."""
@@ -873,7 +810,11 @@ class AppendFSM:
 
         await pln.read_in_turn(read)
         failed = pln.recv_err() or send_err
-        self.group_committed = self._group_proposed and failed is None
+        if self.group is not None:
+            committed = self._group_proposed and failed is None
+            self.group.settle(
+                None if committed else failed or RuntimeError("the group's commit was rolled back")
+            )
         if self.error is not None or self.status != pb.OK:
             self.state = State.ERROR
         elif failed is not None:
@@ -881,7 +822,6 @@ class AppendFSM:
         else:
             self.state = State.FINISHED
             metrics.replication_seconds.observe(time.monotonic() - self.proposed_at)
-        self._settle_group()
 
 
 # ---- helpers ------------------------------------------------------------------------------

@@ -12,11 +12,12 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from broker.flow_control import RateLimiter
 from broker.fragment.index import Index
 from broker.fragment.spool import CompletedFragment, Spool
+from broker.group_commit import GroupCommit
 from broker.keyspace import KeyValue
 from broker.pipeline import describe
 from broker.protocol import protocol_pb2 as pb
@@ -68,9 +69,9 @@ class Replica:
         self.tasks = TaskOwner(f"replica of {journal}")
         self._refresh_task: asyncio.Task[None] | None = None
         self.pipeline_queue: Slot[Pipeline | None] = Slot()
-        # Appends received whole (AppendFSMs), waiting for the pipeline in arrival order: the
-        # append holding it commits them with its own, in one replication round (group commit).
-        self.group_waiting: list[Any] = []
+        # Appends received whole, waiting for the pipeline in arrival order: the append holding
+        # it commits them with its own, in one replication round (group commit).
+        self.group_commit = GroupCommit()
         self.pipeline_queue.put_nowait(None)
         self.append_limiter = RateLimiter(0)  # The spec's max_append_rate (0: unlimited).
         self.primary = False

@@ -151,7 +151,7 @@ def replica_of(h: BrokerHarness, journal: str) -> Replica:
 
 def waiting(replica: Replica) -> int:
     """How many appends read whole wait for the replica's pipeline (or for adoption)."""
-    return len(replica.group_waiting)
+    return len(replica.group_commit)
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
