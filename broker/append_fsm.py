@@ -420,6 +420,18 @@ class AppendFSM:
                 )
             )
             return
+        persister = self.ctx.persister
+        if persister is not None and spec.fragment.stores and not self.flush_and_suspend:
+            # As upstream: refused while the journal's first store fails its health checks. (An
+            # exit flush adds nothing: it waits for the store itself, and suspends an empty one.)
+            problem = await persister.health.await_healthy(spec.fragment.stores[0], res.invalidated)
+            if res.invalidated.is_set():
+                self.state = State.RESOLVE
+                return
+            if problem:
+                self.store_health_error = problem
+                self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
+                return
         if not index.first_refresh.is_set():
             # Only once the stores were listed is the index's end offset known.
             await wait_any(index.first_refresh, res.invalidated, timeout=FIRST_REFRESH_TIMEOUT)

@@ -23,6 +23,7 @@ from typing import Protocol
 from broker.fragment import codecs
 from broker.fragment.content import fragment_path
 from broker.fragment.fragments import content_name, content_path
+from broker.fragment.health import StoreHealth
 from broker.fragment.index import Index
 from broker.fragment.postfix import PostfixTemplate, compile_template, validate_template
 from broker.fragment.spool import CompletedFragment
@@ -132,6 +133,8 @@ class Persister:
         # Every journal's fragment path (set by the journal service): each journal's fragments
         # are listed and persisted only within its own. None: no such check (tools, tests).
         self.paths: PathIndexCache | None = None
+        # The health of the stores replicas here persist to: appends wait on it.
+        self.health = StoreHealth(self.store)
 
     def guards(self, journal: str, spec: pb.JournalSpec) -> list[StoreGuard | None]:
         """The guard of each of `spec`'s stores, or None each without `paths` (on the loop)."""
@@ -191,6 +194,7 @@ class Persister:
                         )
                         await asyncio.sleep(STOPPING_RETRY_DELAY)
                         continue
+                    self.health.suspect(spec.fragment.stores[0])
                     delay = backoff.next_delay()
                     log.warning(
                         "persisting %r failed (attempt %d, retrying in %.1fs): %s",
@@ -290,6 +294,8 @@ class Persister:
             if spec is None:
                 await replica.spec_changed_event.wait()
                 continue
+            if spec.fragment.stores:
+                self.health.watch(spec.fragment.stores[0])  # Checked while a replica uses it.
             first = not replica.index.first_refresh.is_set()
             interval = spec.fragment.refresh_interval.seconds or 60
             try:
@@ -308,6 +314,8 @@ class Persister:
             except Exception as exc:
                 delay = min(backoff.next_delay(), interval)
                 replica.index.refresh_error = f"listing fragments: {exc}"
+                for url in spec.fragment.stores:
+                    self.health.suspect(url)
                 log.warning("listing fragments of %s failed: %s", replica.journal, exc)
             else:
                 backoff = store_backoff()  # Reset; and past the first listing, capped higher.
@@ -367,6 +375,7 @@ class Persister:
         `timeout` seconds (what is not persisted by then is given up, and logged), then stop."""
         self._stopping.set()
         await self.tasks.close(grace=timeout)
+        await self.health.close()
 
 
 @contextlib.contextmanager
