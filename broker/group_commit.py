@@ -61,8 +61,17 @@ class Ticket:
     """One append read whole, in a group commit: waiting in a replica's `GroupCommit`, then
     (as a holder's own, or adopted) planned into a `Group`."""
 
-    __slots__ = ("adopted", "client_gone", "content", "outcome", "refusal", "registers", "request")
-    __slots__ += ("resolution", "span")
+    __slots__ = (
+        "adopted",
+        "client_gone",
+        "content",
+        "outcome",
+        "refusal",
+        "registers",
+        "request",
+        "resolution",
+        "span",
+    )
 
     def __init__(
         self,
