@@ -8,8 +8,8 @@
   `store` and `replication`, to make it anew after a disaster;
 * `PREFIX/endpoints/NAME`: `{"endpoint": ..., "pid": ...}` under the lease of the process that
   owns the location's writer and serves its Location service, gone when that process is;
-* `PREFIX/topology-op`: the last topology change ordered; the revision of each put orders one
-  operator command among every other (`issue_op`), the key its system events carry.
+* `PREFIX/topology-op` and `PREFIX/topology/OP`: the topology's authoritative history, every
+  change an operator command recorded, in command order (`replication.commands`).
 
 gazctl and the location processes look locations up here; an unknown name is refused in one line
 that lists the known ones."""
@@ -28,7 +28,6 @@ __all__ = [
     "UnknownLocation",
     "check_name",
     "endpoint_key",
-    "issue_op",
     "location_key",
     "lookup",
     "read_locations",
@@ -116,14 +115,3 @@ async def lookup(etcd: aetcd.Client, prefix: str, *names: str) -> list[LocationE
                 f"{prefix} (known: {listed})"
             )
     return [known[n] for n in names]
-
-
-def operation_key(prefix: str) -> bytes:
-    return f"{prefix.rstrip('/')}/topology-op".encode()
-
-
-async def issue_op(etcd: aetcd.Client, prefix: str, change: dict[str, object]) -> int:
-    """Order one topology change (an operator command) among all others: the etcd revision of
-    its put, which every location that records it stores with it."""
-    reply = await etcd.put(operation_key(prefix), json.dumps(change, sort_keys=True).encode())
-    return int(reply.header.revision)

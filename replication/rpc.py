@@ -282,8 +282,10 @@ class LocationClient:
         return [raw.stored() for _, _, raw in split_records(reply.records)[0] if raw is not None]
 
     async def change(self, change: Change, *, record: bool = False, op: int = 0) -> bool:
-        """Check `change` against the location's view; with `record`, store it there as a system
-        event (made by the command etcd ordered at `op`). Whether it was recorded."""
+        """Without `record`: the location's live checks of `change` (changing nothing). With
+        `record` and `op`: the location records what etcd's topology history holds (through
+        `op`) and its log lacks; with `record` and no `op`: the whole command at the location
+        (checked on etcd's history, recorded there, then in its log). Whether it recorded."""
         request = lpb.ChangeRequest(change=change_message(change), record=record, op=op)
         reply: lpb.ChangeResponse = await self.invoke("Change", request)
         return reply.recorded

@@ -79,10 +79,12 @@ from replication.system import passes, system_payload
 from replication.topology import (
     Change,
     Connected,
+    Disconnected,
     FailedOver,
     Filtered,
     Retired,
     RuleViolation,
+    Topology,
     command_key,
 )
 from replication.vclock import VectorClock, lub
@@ -907,6 +909,9 @@ class LocationServer:
         if isinstance(change, Connected | Filtered | FailedOver):
             parse_filter(change.filter)  # FilterError (a ValueError) if it does not parse.
         if not request.record:
+            # Checked on etcd's whole history (would a command be accepted?), then here.
+            history = await commands.read_history(self._etcd_client(), self.config.prefix)
+            commands.check(history.view(), change)
             await self._live_check(change)
             return lpb.ChangeResponse(change=request.change, recorded=False)
         if request.op:
@@ -918,7 +923,15 @@ class LocationServer:
             for each in changes:
                 await self._live_check(each)
 
-        done = await commands.command(self._etcd_client(), self.config.prefix, lambda _v: [change], live_check)  # fmt: skip
+        def plan(view: Topology) -> list[Change]:
+            # A disconnection made already is in effect (one call at each end records once).
+            if isinstance(change, Disconnected):
+                key = (change.source, change.target)
+                if key in view.ever and key not in view.current:
+                    return []
+            return [change]
+
+        done = await commands.command(self._etcd_client(), self.config.prefix, plan, live_check)
         if done.recorded:
             await self._sync_topology(done.recorded[-1][0])
         return lpb.ChangeResponse(change=request.change, recorded=bool(done.recorded))

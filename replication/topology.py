@@ -450,9 +450,6 @@ class Topology:
         if isinstance(change, FailedOver):
             if self.current.get(key) == change.filter and (change.previous, change.target) not in self.current:  # fmt: skip
                 return False
-            check = lambda: self.check_fail_over(  # noqa: E731
-                change.previous, change.source, change.target, change.filter
-            )
         elif isinstance(change, Connected):
             if self.current.get(key) == change.filter:
                 return False
@@ -461,21 +458,27 @@ class Topology:
                     f"{change.source} -> {change.target} is connected already, with another "
                     "filter (a filter change is a Filtered change)"
                 )
-            check = lambda: self.check_connect(change.source, change.target, change.filter)  # noqa: E731
         else:
             if key not in self.current:
                 raise RuleViolation(f"{change.source} -> {change.target} is not connected")
             if self.current[key] == change.filter:
                 return False
-            check = lambda: self.check_filter(change.source, change.target, change.filter)  # noqa: E731
         try:
-            check()
+            self._check_rules(change)
         except RuleViolation:
             before = self.violations()
             if not before or not self._with(change).violations() <= before:
                 raise
             self.check_location(*key)  # A retired location takes no connection, ever.
         return True
+
+    def _check_rules(self, change: Connected | Filtered | FailedOver) -> None:
+        if isinstance(change, FailedOver):
+            self.check_fail_over(change.previous, change.source, change.target, change.filter)
+        elif isinstance(change, Connected):
+            self.check_connect(change.source, change.target, change.filter)
+        else:
+            self.check_filter(change.source, change.target, change.filter)
 
     def violations(self) -> set[tuple[str, str, str]]:
         """Every way this view breaks the rules `_check` enforces, each named by the rule and a

@@ -171,3 +171,46 @@ def test_a_network_that_holds_a_forbidden_change_is_repaired_with_gazctl(
     locations.ok("disconnect", "A", "C")
     wait_until(lambda: connections(locations, "C") == ["D"], "C reads D only")
     wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's")
+
+
+def test_a_history_that_breaks_a_rule_takes_only_commands_that_make_it_no_worse() -> None:
+    """The way out, on the view alone: with the forbidden filtered A -> C in the history, a
+    connection over a link that exists already, a filter change that adds no filtered link to
+    a group, and any disconnection or retirement are allowed; a new filtered link inside the
+    group, or one that merges groups around a filtered link, is refused as before."""
+    from replication.topology import (
+        Connected,
+        Disconnected,
+        Filtered,
+        Retired,
+        RuleViolation,
+        Topology,
+    )
+
+    base = [Connected("A", "B"), Connected("C", "D"), Connected("B", "D"), Connected("D", "B")]
+    clean = Topology.of(base)
+    assert clean.violations() == set()
+    try:
+        clean.check_change(Connected("A", "C", "kind=x"))
+        raise AssertionError("the filtered cycle was accepted")
+    except RuleViolation as exc:
+        assert "no filter on A -> C: it lies on the cycle A - B - D - C - A" in str(exc)
+    broken = Topology.of([*base, Connected("A", "C", "kind=x")])
+    assert broken.violations() == {("cycle", "A", "C")}
+    for harmless in [
+        Connected("B", "A"), Connected("D", "C"), Disconnected("A", "C"),
+        Filtered("A", "C", "kind=y"), Retired("C"),
+    ]:  # fmt: skip
+        assert broken.check_change(harmless), harmless
+    for worse in [Connected("A", "D", "kind=x"), Connected("B", "C", "kind=z")]:
+        try:
+            broken.check_change(worse)
+            raise AssertionError(f"{worse} was accepted")
+        except RuleViolation as exc:
+            assert "cycle" in str(exc)
+    assert broken.check_change(Connected("A", "B")) is False  # In effect already.
+    try:
+        broken.check_change(Disconnected("C", "A"))
+        raise AssertionError("a disconnection of no connection was accepted")
+    except RuleViolation as exc:
+        assert "C -> A is not connected" in str(exc)

@@ -17,8 +17,11 @@ faults").
 * Nothing stored that no emitter emitted, or whose emit was refused (`unexpected`,
   `refused-present`).
 * Nothing stored that the location's inbound filters drop (`not-admitted`).
-* Views (`views`): every location holds the same topology history, and `gazctl replication
-  topology --check` agreed.
+* Views (`views`): every location holds the same topology history, etcd's (the authoritative
+  one, when collected), and `gazctl replication topology --check` agreed.
+* Operator commands (`refused-changed`, `forbidden-accepted`): a command gazctl refused moved
+  etcd's topology head not at all (the scenario runs one command at a time), and a command the
+  rules forbid on the whole history was refused, its change in no view.
 * Availability after healing (`unavailable-after-heal`): each location acknowledged an emit once
   the faults healed.
 
@@ -86,6 +89,11 @@ class ReplicationHistory:
     # Location -> its topology history as Status reports it (keyed changes).
     views: dict[str, list[Any]] = field(default_factory=dict)
     topology_check: dict[str, Any] = field(default_factory=dict)  # {"code", "out"}
+    # etcd's topology history as keyed changes (as Status reports a view), when collected.
+    etcd_history: list[Any] = field(default_factory=list)
+    # Operator commands: {"args", "code", "out", "forbidden": the change the rules forbid (or
+    # None), "head_before", "head_after": etcd's last op around it, "killed": SIGKILLed}.
+    commands: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     started: float = field(default=0.0, repr=False)
 
@@ -327,6 +335,7 @@ def check(history: ReplicationHistory) -> Report:
                 report.add("missing", location, f"{eid[0]}:{eid[1]} ({why})")
 
     _check_views(history, report)
+    _check_commands(history, report)
     _availability(history, report)
     return report
 
@@ -358,9 +367,34 @@ def _check_views(history: ReplicationHistory, report: Report) -> None:
     for name in history.locations:
         if name not in history.views:
             report.add("views", name, "no view collected (its process did not answer)")
+    if history.etcd_history:
+        etcd = {json.dumps(c, sort_keys=True) for c in history.etcd_history}
+        for name, view in sorted(views.items()):
+            lacking, extra = etcd - set(view), set(view) - etcd
+            if lacking or extra:
+                report.add("views", name, f"differs from etcd's history: lacks {sorted(lacking)[:2]}, holds besides {sorted(extra)[:2]}")  # fmt: skip
     check = history.topology_check
     if check and check.get("code") != 0:
         report.add("views", "*", f"topology --check exited {check.get('code')}: {str(check.get('out', ''))[-300:]}")  # fmt: skip
+
+
+def _check_commands(history: ReplicationHistory, report: Report) -> None:
+    """A refused command changed nothing; a forbidden one was refused and is nowhere."""
+    recorded = [*history.etcd_history, *(c for v in history.views.values() for c in v)]
+    for command in history.commands:
+        args = " ".join(command["args"])
+        refused = command["code"] == 1 and "is connected, but" not in command.get("out", "")
+        if refused and command["head_before"] != command["head_after"]:
+            report.add("refused-changed", "*", f"`{args}` was refused, yet etcd's topology head moved from op {command['head_before']} to {command['head_after']}")  # fmt: skip
+        forbidden = command.get("forbidden")
+        if forbidden is None:
+            continue
+        if command["code"] != 1:
+            report.add("forbidden-accepted", "*", f"`{args}` exited {command['code']}: the rules forbid it")  # fmt: skip
+        for change in recorded:
+            if all(change.get(k) == v for k, v in forbidden.items()):
+                report.add("forbidden-accepted", "*", f"`{args}`'s change is recorded: {change}")  # fmt: skip
+                break
 
 
 def _availability(history: ReplicationHistory, report: Report) -> None:

@@ -39,8 +39,10 @@ from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import find_etcd_binary
 from plumbing import etcd as etcdx
-from replication import registry
+from replication import commands, registry
 from replication.rpc import LocationClient, LocationError, status_document
+from replication.system import keyed_document
+from replication.topology import command_key
 from tests.faults.harness import HarnessError, _free_port, _stop, _wait_http, signal_slot
 from tests.faults.network import PartitionsUnsupported, _ip, namespaces_unavailable
 from tests.faults.replication_checker import FAIL, INFO, OK, Emit, ReplicationHistory
@@ -426,8 +428,12 @@ class ReplicationNetwork:
             await asyncio.sleep(0.3)
         return False
 
-    async def gazctl(self, *args: str, check: bool = True, timeout: float = 120) -> tuple[int, str]:
-        """`gazctl replication ARGS` as an operator runs it (a process; exit code and output)."""
+    async def gazctl(
+        self, *args: str, check: bool = True, timeout: float = 120, kill_after: float | None = None
+    ) -> tuple[int, str]:
+        """`gazctl replication ARGS` as an operator runs it (a process; exit code and output).
+        With `kill_after`, the process is SIGKILLed that many seconds in unless it ended (exit
+        code -9 then): an operator's gazctl dying mid-command."""
         argv = [
             sys.executable, "-m", "gazctl.cli", "replication", *args,
             "--etcd.address", self.etcd_endpoint, "--replication.prefix", REGISTRY,
@@ -435,6 +441,13 @@ class ReplicationNetwork:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT
         )
+        if kill_after is not None:
+            done, _ = await asyncio.wait([asyncio.ensure_future(proc.wait())], timeout=kill_after)
+            if not done:
+                proc.kill()
+                await proc.wait()
+                self.history.note(f"gazctl replication {' '.join(args)} SIGKILLed after {kill_after:.2f}s")  # fmt: skip
+                return -9, ""
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout)
         except TimeoutError:
@@ -529,6 +542,15 @@ class ReplicationNetwork:
                 break
         code, out = await self.gazctl("topology", "--check", check=False)
         self.history.topology_check = {"code": code, "out": out}
+        history = await commands.read_history(self._etcd, REGISTRY)
+        self.history.etcd_history = [
+            keyed_document(command_key(op), c) for op, c in history.changes
+        ]
+
+    async def topology_head(self) -> int:
+        """The op of the last topology change etcd recorded (0: none)."""
+        history = await commands.read_history(self._etcd, REGISTRY)
+        return history.changes[-1][0] if history.changes else 0
 
 
 # ---- the workload -------------------------------------------------------------------------------

@@ -195,6 +195,90 @@ async def topology_churn(ctx: Context) -> None:
     await ctx.hold(0.3, 1.5)
 
 
+# Commands the rules forbid on the campaign's network whatever was done before (its history
+# always holds the unfiltered cycle A, B, C and the filtered C -> D): each with the change it
+# would record, as a view's history shows it.
+FORBIDDEN = [
+    (("connect", "A", "D", "--filter", "kind=blue"), {"type": "connected", "source": "A", "target": "D", "filter": "kind=blue"}),
+    (("connect", "B", "C", "--filter", "kind=red"), {"type": "filtered", "source": "B", "target": "C", "filter": "kind=red"}),
+    (("connect", "A", "D"), {"type": "connected", "source": "A", "target": "D", "filter": ""}),
+    (("connect", "D", "A", "--filter", "kind=red"), {"type": "connected", "source": "D", "target": "A", "filter": "kind=red"}),
+    (("connect", "B", "D", "--filter", "kind=blue"), {"type": "connected", "source": "B", "target": "D", "filter": "kind=blue"}),
+]  # fmt: skip
+# Connections of the unfiltered cycle: any one or a pair of them gone, A, B and C still reach
+# each other, so what every location must hold stays defined.
+CYCLE = [("A", "B"), ("B", "A"), ("B", "C"), ("C", "B"), ("C", "A"), ("A", "C")]
+
+
+async def _command(
+    ctx: Context,
+    *args: str,
+    forbidden: dict[str, str] | None = None,
+    kill_after: float | None = None,
+) -> int:
+    """An operator command, with etcd's topology head before and after it, for the checker."""
+    before = await ctx.net.topology_head()
+    code, out = await ctx.net.gazctl(*args, check=False, kill_after=kill_after)
+    after = await ctx.net.topology_head()
+    ctx.history.commands.append({"args": list(args), "code": code, "out": out[-400:], "forbidden": forbidden, "head_before": before, "head_after": after, "killed": code == -9})  # fmt: skip
+    return code
+
+
+async def _until_ok(ctx: Context, *args: str) -> None:
+    """A command run until it is accepted (an endpoint between hosts is refused as not running
+    once gazctl's wait is over): the network is restored before the cycle ends."""
+    for _ in range(10):
+        if await _command(ctx, *args) == 0:
+            return
+        await ctx.settle()
+    raise RuntimeError(f"gazctl replication {' '.join(args)} refused 10 times")
+
+
+async def operator_commands(ctx: Context) -> None:
+    """Operator commands at random under traffic, some while a location's host is SIGKILLed
+    (its standby taking over) and some with gazctl SIGKILLed mid-command: commands the rules
+    forbid (refused, nothing recorded), a connection of the cycle (or a pair, `--both`)
+    disconnected and connected again, the second time perhaps `--new-events-only`, the filtered
+    A -> D that is redundant with C -> D (added, then taken away); every cycle ends with the
+    network as it began, so what each location must hold stays defined."""
+    fault = None
+    if ctx.rng.random() < 0.4:
+        location = ctx.location()
+        slot = await ctx.net.serving(location)
+        if slot is not None:
+            fault = ctx.fault("SIGKILL", f"host {slot.id}", f"serving {location}, under a command")
+            ctx.net.signal(slot, signal.SIGKILL)
+    kill = ctx.rng.uniform(0.2, 1.5) if ctx.rng.random() < 0.3 else None
+    choice = ctx.rng.choice(["forbidden", "cycle", "both", "redundant"])
+    if choice == "forbidden":
+        args, change = ctx.rng.choice(FORBIDDEN)
+        await _command(ctx, *args, forbidden=change, kill_after=kill)
+    elif choice == "redundant":
+        await _command(ctx, "connect", "A", "D", "--filter", "kind=red", kill_after=kill)
+        await ctx.hold(0.3, 1.5)
+        if await _connected(ctx, "A", "D"):  # Accepted (or recorded before gazctl died).
+            await _until_ok(ctx, "disconnect", "A", "D")
+    else:
+        source, target = ctx.rng.choice(CYCLE)
+        both = ["--both"] if choice == "both" else []
+        await _command(ctx, "disconnect", source, target, *both, kill_after=kill)
+        await ctx.hold(0.3, 1.5)
+        new_only = ["--new-events-only"] if ctx.rng.random() < 0.3 else []
+        await _until_ok(ctx, "connect", source, target, *both, *new_only)
+    if fault is not None:
+        ctx.heal(fault)
+    await ctx.settle()
+
+
+async def _connected(ctx: Context, source: str, target: str) -> bool:
+    """Whether etcd's history has source -> target connected now."""
+    from replication import commands
+    from tests.faults.replication_harness import REGISTRY
+
+    history = await commands.read_history(ctx.net._etcd, REGISTRY)
+    return (source, target) in history.view().current
+
+
 async def _gazctl(ctx: Context, *args: str) -> None:
     """An operator's command, once: gazctl itself waits for a location that is between hosts,
     so a refusal here is the product's, and the scenario fails with it."""
@@ -259,6 +343,7 @@ REPLICATION_SCENARIOS = {
             "SIGKILL a broker of a location's cluster (RF 2), restart it 0.5-2.5 s later", store=True,
         ),
         ReplicationScenario("topology-churn", topology_churn, 30, "disconnect and connect a connection, or change the terminal's filter, under traffic", budget=420.0),
+        ReplicationScenario("operator-commands", operator_commands, 25, "operator commands at random (forbidden ones, disconnect and connect, --both, --new-events-only, a redundant filtered connection), some with a host SIGKILLed, some with gazctl SIGKILLed mid-command", budget=420.0),
         ReplicationScenario("disaster", disaster, 10, "delete A's, B's or D's journal while it runs; gazctl replication recover"),
         ReplicationScenario(
             "disaster-hub", disaster_hub, 3,
