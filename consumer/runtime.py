@@ -245,18 +245,23 @@ class Consumer:
             self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot listen on {bind}: the port is in use or not permitted")
+        # Started as etcd restarts (it refuses connections), the process waits for it, as
+        # upstream's clientv3 does, rather than exiting; for as long as announcing waits.
+        deadline = asyncio.get_running_loop().time() + 2 * self.config.etcd_lease + 2
         try:
             await self.etcd.connect()
-            await self.ks.load(self.etcd)
+            await self._starting("reading the keyspace", lambda: self.ks.load(self.etcd), deadline)
             self.ks.add_observer(
                 lambda update: self._changed.set() if update.changes or update.reload else None
             )
             self._changed.set()  # Assignments we may hold already (a quick restart).
             self._spawn(self.ks.watch(self.etcd), "keyspace watch")
-            lease = await self.etcd.lease(max(1, round(self.config.etcd_lease)))
+            ttl = max(1, round(self.config.etcd_lease))
+            # A grant whose reply was lost leaves a lease nothing refreshes: it lapses.
+            lease = await self._starting("granting a lease", lambda: self.etcd.lease(ttl), deadline)
             self.lease_id = lease.id
             self._spawn(self._keep_lease_alive(int(lease.ttl) or 1), "lease keep-alive")
-            await self._announce()
+            await self._announce(deadline)
             init = getattr(self.app, "init_application", None)
             if init is not None:
                 await init(self)
@@ -309,17 +314,44 @@ class Consumer:
             self.failure = self.failure or exc
             self.done.set()
 
-    async def _announce(self) -> None:
-        key = self.member_key.encode()
-        deadline = asyncio.get_running_loop().time() + 2 * self.config.etcd_lease + 2
+    async def _starting(self, what: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
+        """`call` as the process starts, tried again (the project's backoff) while etcd is
+        unreachable, until `deadline` (then its error is raised)."""
+        backoff = Backoff(initial=0.1, maximum=2.0)
+        loop = asyncio.get_running_loop()
         while True:
-            result = await etcdx.txn(
-                self.etcd,
-                [transactions.Version(key) == 0],
-                [transactions.Put(key, self.spec().SerializeToString(), lease=self.lease_id)],
+            try:
+                return await call()
+            except (*ETCD_TRANSIENT, grpc.aio.AioRpcError) as exc:
+                raw = isinstance(exc, grpc.aio.AioRpcError)  # The keyspace reads etcd's stub.
+                if (raw and exc.code() != grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:
+                    raise
+                log.warning("starting: %s: etcd unavailable (%s): trying again", what, exc)
+                await backoff.sleep()
+
+    async def _announce(self, deadline: float) -> None:
+        key = self.member_key.encode()
+        value = self.spec().SerializeToString()
+        while True:
+            result = await self._starting(
+                f"announcing {self.member_key}",
+                lambda: etcdx.txn(
+                    self.etcd,
+                    [transactions.Version(key) == 0],
+                    [transactions.Put(key, value, lease=self.lease_id)],
+                ),
+                deadline,
             )
             if result.succeeded:
                 await self.ks.wait_for_revision(result.revision)
+                return
+            # Held: by another process, or by us, a put whose reply was lost to etcd's kill
+            # (then it is under our lease).
+            held = await self._starting(
+                f"reading {self.member_key}", lambda: self.etcd.get(key), deadline
+            )
+            if held is not None and held.lease == self.lease_id:
+                await self.ks.wait_for_revision(held.mod_revision)
                 return
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(

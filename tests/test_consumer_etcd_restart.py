@@ -14,6 +14,7 @@ real read then meets the dead etcd (the hook changes no behaviour: it only picks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import uuid
@@ -35,7 +36,6 @@ from tests.test_consumer_runtime import RecordedSummer, shard_stub, until
 from tests.test_transactions import publish_inputs, write_head
 
 SHARD = "sum-r"
-SETTLED = (cpb.ReplicaStatus.PRIMARY, cpb.ReplicaStatus.STANDBY, cpb.ReplicaStatus.FAILED)
 
 
 @pytest.fixture
@@ -122,13 +122,16 @@ def consumer_of(n: int, etcd: EtcdServer, broker: BrokerHarness, root: str) -> C
 
 async def settled(shards: Any, who: str) -> int:
     """The status code of `who` ("consumer-N:primary" or "consumer-N:standby"), once it is
-    PRIMARY, STANDBY or FAILED in that role (-1 until then)."""
+    settled in that role: PRIMARY (a primary) or STANDBY (a standby), or FAILED (-1 until
+    then)."""
     listed = await shards.List(cpb.ListRequest())
     for shard in listed.shards:
         route = shard.route
         for index, (member, status) in enumerate(zip(route.members, shard.status, strict=True)):
             role = "primary" if index == route.primary else "standby"
-            if f"{member.suffix}:{role}" == who and status.code in SETTLED:
+            # A primary just promoted still says STANDBY until its hand-off completes.
+            ends = (cpb.ReplicaStatus.PRIMARY if role == "primary" else cpb.ReplicaStatus.STANDBY, cpb.ReplicaStatus.FAILED)  # fmt: skip
+            if f"{member.suffix}:{role}" == who and status.code in ends:
                 return int(status.code)
     return -1
 
@@ -269,5 +272,45 @@ async def test_a_new_standby_whose_hints_read_meets_a_killed_etcd_ends_standby_a
     finally:
         await hook.close()
         await asyncio.gather(*(c.stop() for c in started))
+        async with aetcd.Client(host=own_etcd.host, port=own_etcd.client_port) as client:
+            await client.delete_prefix(root.encode())
+
+
+async def test_a_consumer_started_while_etcd_is_killed_waits_for_it_and_serves(
+    own_etcd: EtcdServer,
+    sums_broker: BrokerHarness,
+    sums_stub: pb_grpc.JournalStub,
+    recovery_log: str,
+) -> None:
+    """A consumer process whose start meets etcd killed (refusing connections) waits for etcd to
+    serve again (as upstream's clientv3 waits), rather than exiting: a shard it is then
+    assigned ends PRIMARY with exact sums."""
+    root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
+    kill_etcd(own_etcd)
+    consumer = consumer_of(0, own_etcd, sums_broker, root)
+    starting = asyncio.create_task(consumer.start())
+    try:
+        await asyncio.sleep(1.5)  # etcd down for a while: the start waits, it does not fail.
+        assert not starting.done(), starting.exception()
+        await asyncio.to_thread(own_etcd.start)
+        async with asyncio.timeout(30):
+            await starting
+        shards, channel = shard_stub(consumer)
+        spec = shard_spec(root, recovery_log, standbys=0)
+        await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
+        code = await wait_settled(shards, "consumer-0:primary")
+        assert code == cpb.ReplicaStatus.PRIMARY, (code_name(code), await errors_of(shards))
+        expected = await publish_inputs(sums_stub, 30, seed=9)
+        await read_through(consumer, sums_stub)
+        assert await sums_in_store(consumer) == dict(expected)
+        await channel.close()
+    finally:
+        if not starting.done():
+            starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await consumer.stop()
+        if own_etcd.proc is None:
+            await asyncio.to_thread(own_etcd.start)
         async with aetcd.Client(host=own_etcd.host, port=own_etcd.client_port) as client:
             await client.delete_prefix(root.encode())
