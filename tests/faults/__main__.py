@@ -104,7 +104,7 @@ def consumer_table(rows: list[tuple[ConsumerReport, float]]) -> str:
     lines = [
         "| scenario | store | seed | cycles | chunks acknowledged | in doubt | streams | exact sums "
         "| wrong | duplicated | missing | zombie commits | FAILED (own fault) "
-        "| fenced / stray / take-overs | wall time | violations |",
+        "| fenced / stray / take-overs / hints reads retried | wall time | violations |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, wall in rows:
@@ -130,8 +130,8 @@ def consumer_table(rows: list[tuple[ConsumerReport, float]]) -> str:
 
 
 def _evidence(counts: dict[str, int]) -> str:
-    """Zombie commits refused by a fence, stray bytes read past, standby take-overs (from the
-    summers' logs)."""
+    """Zombie commits refused by a fence, stray bytes read past, standby take-overs, replicas'
+    hints reads retried through etcd's restarts (from the summers' logs)."""
     return " / ".join(str(counts.get(k, 0)) for k in EVIDENCE)
 
 
