@@ -143,6 +143,24 @@ def _module_scoped() -> frozenset[str]:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the project's own modules to bytecode once, before any test starts a process."""
+    if hasattr(config, "workerinput"):
+        return  # An xdist worker: the controller compiled them before starting it.
+    # These machines set PYTHONDONTWRITEBYTECODE, and the editable install leaves the project's
+    # modules uncompiled (uv compiles site-packages only), so every `gazctl`, `gazette serve`,
+    # consumer, location and benchmark process the suite starts (hundreds) compiled every
+    # project module it imported, every time: 0.08 s of CPU a `gazctl`, 0.24 s a `gazette
+    # serve`. Python still reads __pycache__ (git ignores it) under PYTHONDONTWRITEBYTECODE, and
+    # ignores an entry older than its source. The first compile costs about 1.4 s, later ones
+    # 0.3 s (only what changed).
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    for package in sorted(p.parent for p in root.glob("*/__init__.py")):
+        compileall.compile_dir(package, quiet=2)  # Errors are the importing test's to show.
+
+
 @pytest.hookimpl(optionalhook=True)  # Unknown without xdist (`-p no:xdist`).
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     if config.getvalue("dist") != "loadgroup":
