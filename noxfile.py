@@ -64,14 +64,18 @@ def tests(session: nox.Session) -> None:
     """Run the test suite against real etcd, real gRPC servers and real subprocesses: the tests
     that share the machine in parallel (pytest-xdist), then the `serial` ones alone.
     `nox -s tests -- -n 0` runs everything serially in one process (for debugging); other
-    arguments go to pytest in both parts."""
+    arguments go to pytest in both parts. Benchmarks' quick runs (marked `bench`) are left out
+    unless `-m` selects them."""
     session.install("-e", ".[test]")
     args = session.posargs or ["-q"]
-    if _chooses_workers(args):
-        session.run("pytest", *args)
-        return
     rest, expression = _split_marker(args)
-    chosen = f"({expression}) and " if expression else ""
+    # Unless a marker expression is given: the quick runs of benchmarks marked `bench` are left
+    # to `nox -s bench -- --quick`, which runs every benchmark so (`-- -m bench` runs them here).
+    expression = expression or "not bench"
+    if _chooses_workers(args):
+        session.run("pytest", "-m", expression, *rest)
+        return
+    chosen = f"({expression}) and "
     parallel = ["-n", TEST_WORKERS, "--dist", "loadgroup", "-m", f"{chosen}not serial"]
     session.run("pytest", *parallel, *rest, success_codes=[0, 5])
     # Exit code 5: nothing selected in that part (arguments that name only serial tests, or none).

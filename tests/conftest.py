@@ -145,6 +145,10 @@ def _module_scoped() -> frozenset[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Compile the project's own modules to bytecode once, before any test starts a process."""
+    config.addinivalue_line(
+        "markers", "bench: a benchmark's quick run, left to `nox -s bench -- --quick` by "
+        "`nox -s tests` unless a marker expression selects it",
+    )  # fmt: skip
     if hasattr(config, "workerinput"):
         return  # An xdist worker: the controller compiled them before starting it.
     # These machines set PYTHONDONTWRITEBYTECODE, and the editable install leaves the project's

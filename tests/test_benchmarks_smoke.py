@@ -1,6 +1,10 @@
-"""Smoke test of `nox -s bench`'s runner, the bare-relay baselines, and the benchmarks that kill
-or watch broker processes (failover, idle_tails): each runs briefly, reports the fields the
-others rely on, and stops every process it started. Nothing here asserts on speed."""
+"""Smoke test of `nox -s bench`'s runner, the bare-relay baselines, and each benchmark's quick
+run: each runs briefly, reports the fields the others rely on, and stops every process it
+started. Nothing here asserts on speed.
+
+`nox -s tests` runs the runner's and the baselines' tests and failover's quick run (it kills a
+broker and starts it again), as the representative of the rest, which are marked `bench`: `nox -s
+bench -- --quick` runs every benchmark so, and `nox -s tests -- -m bench` runs these tests."""
 
 from __future__ import annotations
 
@@ -123,6 +127,7 @@ def test_failover_quick(brokers_started: list[_cluster.BrokerProcess]) -> None:
     assert all(b.proc.poll() is not None for b in brokers_started)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_idle_tails_quick(brokers_started: list[_cluster.BrokerProcess]) -> None:
     assert BENCHMARKS["idle_tails"] == "benchmarks.idle_tails"
@@ -134,6 +139,7 @@ def test_idle_tails_quick(brokers_started: list[_cluster.BrokerProcess]) -> None
     assert all(b.proc.poll() is not None for b in brokers_started)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_consumer_throughput_quick() -> None:
     """The benchmark runs end to end: the shard's store counted every message (it asserts
@@ -146,6 +152,7 @@ def test_consumer_throughput_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0 and result["ratio"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_publish_quick() -> None:
     """The benchmark runs end to end: the baseline re-encoded exactly the bytes published as
@@ -158,6 +165,7 @@ def test_publish_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0 and result["one_at_a_time"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_append_small_quick() -> None:
     """The benchmark runs end to end (64 appenders in one message each, against the unary
@@ -171,6 +179,7 @@ def test_append_small_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0 and result["p99_ms"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_append_service_quick() -> None:
     """The benchmark runs end to end, its records and the same bytes appended raw reported
@@ -182,6 +191,7 @@ def test_append_service_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0 and len(result["rounds"]) == 1
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_shard_failover_quick() -> None:
     """One kill of the process hosting a shard's primary (stream-sum summers, lease 2 s): the
@@ -194,6 +204,7 @@ def test_shard_failover_quick() -> None:
     assert 0 < result["baseline"] <= result["value"] == result["max"]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_recovery_playback_quick() -> None:
     """A recorded log played to its head and read raw; both rates reported (never asserted)."""
@@ -205,6 +216,7 @@ def test_recovery_playback_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_sqlite_store_quick() -> None:
     from benchmarks import sqlite_store
@@ -215,6 +227,7 @@ def test_sqlite_store_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0 and result["log_kb_per_txn"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_standby_takeover_quick() -> None:
     """One kill each on the recorded SQLite store (its standby takes over) and on the JSON
@@ -227,6 +240,7 @@ def test_standby_takeover_quick() -> None:
     assert 0 < result["baseline"] <= result["value"] and result["without_standby"] > 0
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_location_takeover_quick() -> None:
     """One kill of the host running a location, lease 2 s: its standby writes an event after
@@ -239,6 +253,7 @@ def test_location_takeover_quick() -> None:
     assert 0 < result["baseline"] <= result["value"]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_replication_throughput_quick() -> None:
     from benchmarks import replication_throughput
@@ -249,6 +264,7 @@ def test_replication_throughput_quick() -> None:
     assert result["value"] > 0 and result["baseline"] > 0 and 150 < result["bytes_per_event"] < 300
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_convergence_quick() -> None:
     """Each event reaches all four locations of the ring: stored three times (not at its
@@ -261,6 +277,7 @@ def test_convergence_quick() -> None:
     assert result["stored_per_event"] == 3 and result["filtered_per_event"] >= 1
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_auth_overhead_quick() -> None:
     """append_small with token verification on, beside it off: both runs append."""
@@ -273,6 +290,7 @@ def test_auth_overhead_quick() -> None:
     assert result["target"] == 0.9
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_journal_scale_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """200 journals at replication 3 on three brokers: every figure reported, every broker
@@ -296,6 +314,7 @@ def test_journal_scale_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(started) == 3 and all(b.proc.poll() is not None for b in started)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_reader_fanout_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """1 and 10 tailing readers of one journal at replication 3: every record reached every
@@ -320,6 +339,7 @@ def test_reader_fanout_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(started) == 3 and all(b.proc.poll() is not None for b in started)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_shard_scale_quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """50 shards on three consumer processes: every shard PRIMARY, `gazctl shards list` run,
