@@ -116,12 +116,12 @@ def test_topology_check_names_the_changes_a_location_lacks_and_add_refuses_bad_i
     location_broker: BrokerProcess, locations: LocationProcesses
 ) -> None:
     broker = location_broker.address
-    asyncio.run(apply_location_journals(broker, "A", "B", "C", "D"))
-    for name in "ABCD":
+    asyncio.run(apply_location_journals(broker, "A", "B", "C", "E"))
+    for name in "ABCE":
         locations.start(name, broker)
-    # C started again while D is down: it has not heard from D, so it may not record a change
+    # C started again while E is down: it has not heard from E, so it may not record a change
     # (a system event of its own) yet.
-    locations.stop("D")
+    locations.stop("E")
     locations.stop("C")
     locations.start("C", broker)
     locations.ok("connect", "A", "B", "--both")
@@ -134,9 +134,9 @@ def test_topology_check_names_the_changes_a_location_lacks_and_add_refuses_bad_i
     assert "C lacks 2 of 2 changes:" in result.out
     assert "A -> B connected" in result.out and "B -> A connected" in result.out
     assert "A: holds every change (2)" in result.out
-    assert "D: not running" in result.out
+    assert "E: not running" in result.out
     assert "the views differ" in result.err and "Traceback" not in result.err
-    locations.start("D", broker)  # C hears from D, and records etcd's history.
+    locations.start("E", broker)  # C hears from E, and records etcd's history.
     wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "C learns the history")
     assert "4 locations hold etcd's view (2 changes)" in locations.ok("topology", "--check")
 
