@@ -64,14 +64,16 @@ def tests(session: nox.Session) -> None:
     """Run the test suite against real etcd, real gRPC servers and real subprocesses: the tests
     that share the machine in parallel (pytest-xdist), then the `serial` ones alone.
     `nox -s tests -- -n 0` runs everything serially in one process (for debugging); other
-    arguments go to pytest in both parts. Benchmarks' quick runs (marked `bench`) are left out
-    unless `-m` selects them."""
+    arguments go to pytest in both parts. Benchmarks' quick runs (marked `bench`) and the fault
+    scenarios' short runs that `nox -s faults` covers (marked `faults`) are left out unless `-m`
+    selects them."""
     session.install("-e", ".[test]")
     args = session.posargs or ["-q"]
     rest, expression = _split_marker(args)
     # Unless a marker expression is given: the quick runs of benchmarks marked `bench` are left
-    # to `nox -s bench -- --quick`, which runs every benchmark so (`-- -m bench` runs them here).
-    expression = expression or "not bench"
+    # to `nox -s bench -- --quick`, which runs every benchmark so, and the short fault scenarios
+    # marked `faults` to `nox -s faults`, which runs them whole (`-- -m bench` runs them here).
+    expression = expression or "not bench and not faults"
     if _chooses_workers(args):
         session.run("pytest", "-m", expression, *rest)
         return

@@ -154,6 +154,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "bench: a benchmark's quick run, left to `nox -s bench -- --quick` by "
         "`nox -s tests` unless a marker expression selects it",
     )  # fmt: skip
+    config.addinivalue_line(
+        "markers", "faults: a short run of a fault scenario that `nox -s faults` runs whole, "
+        "left out by `nox -s tests` unless a marker expression selects it",
+    )  # fmt: skip
     # Every JVM here lives for seconds and runs a few small jobs, yet by default it spends most
     # of its CPU in the C2 compiler and G1's threads: with C1 alone and the serial collector, a
     # local[2] session's start and two small jobs cost 17.6 s of CPU instead of 33.4 s. Only

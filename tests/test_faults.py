@@ -1,7 +1,11 @@
 """Short runs of the fault campaign (`nox -s faults` runs it whole): five broker processes on
 loopback under a recorded workload, two cycles of SIGKILL, SIGSTOP or SIGTERM, and the history
 checker's verdict. Each run uses a fresh seed (or GAZETTE_FAULT_SEED), named on failure with the
-command that replays it."""
+command that replays it.
+
+`nox -s tests` runs SIGSTOP (zombie primaries) and SIGKILL with TLS and authorization; the plain
+SIGKILL and SIGTERM runs, which those and `nox -s faults` cover, are marked `faults` (`nox -s tests
+-- -m faults` runs them)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,14 @@ from tests.faults.scenarios import SCENARIOS, run_scenario
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sigkill", "sigstop", "sigterm"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("sigkill", marks=pytest.mark.faults),
+        "sigstop",
+        pytest.param("sigterm", marks=pytest.mark.faults),
+    ],
+)
 async def test_a_short_fault_scenario_keeps_every_promise(name: str, tmp_path: Path) -> None:
     seed = int(os.environ.get("GAZETTE_FAULT_SEED") or secrets.randbelow(1 << 31))
     history, report, _ = await run_scenario(
