@@ -38,6 +38,7 @@ from rich.table import Table
 from broker.allocator import keyspace as aks
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.journals import ListSnapshot
+from broker.resolver import desired_replication
 from gazctl.render import console, err_console
 from plumbing.local_etcd import (
     EtcdNotFound,
@@ -1063,16 +1064,19 @@ def setup_stream_sum(state: ClusterState, timeout: float) -> None:
 
 
 async def wait_journals_assigned(state: ClusterState, timeout: float) -> None:
-    """Until every journal of the cluster has a primary and as many replicas as its
-    replication asks (or as there are brokers): then appends do not wait for assignment."""
+    """Until every journal of the cluster has as many replicas as the allocator gives it (its
+    replication, or as many as there are brokers), a primary among them: then appends do not
+    wait for assignment. A suspended journal is ready with fewer: PARTIAL, with its one replica
+    (the exit flush of the last broker stopped gracefully leaves each journal so, until the
+    next append resumes it); FULL, with none."""
 
     def waiting(listed: ListSnapshot) -> list[str]:
-        return [
-            f"journal {j.spec.name}"
-            for j in listed.journals
-            if j.route.primary < 0
-            or len(j.route.members) < min(j.spec.replication, len(state.brokers))
-        ]
+        pending = []
+        for j in listed.journals:
+            want = min(desired_replication(j.spec), len(state.brokers))
+            if want and (j.route.primary < 0 or len(j.route.members) < want):
+                pending.append(f"journal {j.spec.name}")
+        return pending
 
     async with JournalsClient(state.brokers[0].address, timeout=5.0) as journals:
         await wait_until_none(lambda: journals.list(), waiting, timeout, state.brokers[0].log)
