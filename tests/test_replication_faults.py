@@ -147,6 +147,31 @@ def test_views_that_differ_and_a_failed_topology_check() -> None:
     assert kinds(history) == {"views"}
 
 
+def test_a_view_that_differs_from_etcds_history() -> None:
+    history = clean()
+    history.etcd_history = list(VIEW)
+    assert check(history).ok
+    history.etcd_history = [*VIEW, {"type": "disconnected", "source": "A", "target": "B", "key": [99, 0, "", 0]}]  # fmt: skip
+    assert kinds(history) == {"views"}
+
+
+def test_a_refused_command_that_moved_etcds_head_or_a_forbidden_one_accepted() -> None:
+    history = clean()
+    forbidden = {"type": "connected", "source": "A", "target": "D", "filter": ""}
+    history.commands = [
+        {"args": ["connect", "A", "B"], "code": 0, "out": "", "forbidden": None, "head_before": 3, "head_after": 4},
+        {"args": ["connect", "A", "D"], "code": 1, "out": "", "forbidden": forbidden, "head_before": 4, "head_after": 4},
+    ]  # fmt: skip
+    assert check(history).ok
+    history.commands[1]["head_after"] = 5
+    assert kinds(history) == {"refused-changed"}
+    history.commands[1] |= {"head_after": 4, "code": 0}
+    assert kinds(history) == {"forbidden-accepted"}
+    history.commands[1]["code"] = 1
+    history.views["D"] = [*VIEW, forbidden | {"key": [5, 0, "", 0]}]
+    assert "forbidden-accepted" in kinds(history)
+
+
 def test_a_location_that_takes_no_emit_after_healing() -> None:
     history = clean()
     history.healed = 2.5  # A's last acknowledged emit was invoked before.
