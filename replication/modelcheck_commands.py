@@ -40,7 +40,12 @@ The protocols (`--protocol`):
   enters its log by any route (`--join fold`, the default): gazctl's delivery, catch-up, or
   replication from a location that had it first. With `--join delivery` (only where gazctl or
   catch-up records it) the check finds the change that replication brings first, and the join
-  never made.
+  never made. With `--no-cas`, the txn does not compare the head gazctl read: two operators'
+  commands, each keeping the rules alone, are both recorded.
+
+The start network (`--start`), recorded with the protocol under check, each command run to its
+end and replication to rest: `empty`; `issue7`, the issue's (connect A B, connect C D, connect B
+D --both); `chain` (connect A B, connect B C).
 
 Checked:
 
@@ -69,8 +74,9 @@ the issue's network (`--start issue7`: connect A B, connect C D, connect B D --b
 A C --filter kind=x` is accepted on A's and C's views and the recorded history breaks the rules
 (defect 7); from three locations, a connect refused by its source's clock check after the
 target recorded it (defect 8), and a refused `--new-events-only` that joined (defect 9). On the
-new protocol, none at the same bounds (and, with `--join delivery`, the join that replication
-bypasses).
+new protocol, none at the same bounds; with `--join delivery`, the join that replication
+bypasses; with `--no-cas` and two operators from `chain`, `connect A C` and `connect A B
+--filter kind=x` both recorded, closing the cycle A - B - C through a filter.
 """
 
 from __future__ import annotations
@@ -97,7 +103,7 @@ __all__ = ["Bound", "Checker", "Report", "Spec", "Violation", "main"]
 NAMES = "ABCDEFGH"
 FILTER = "kind=x"
 PROTOCOLS = ("old", "new")
-STARTS = ("empty", "issue7")
+STARTS = ("empty", "issue7", "chain")
 JOINS = ("fold", "delivery")
 PROPERTIES = ("refused", "topology", "half-done", "diverged")
 
@@ -123,6 +129,7 @@ class Bound:
     # had it), or only as gazctl or catch-up records it ("delivery", which misses the change
     # that replication brings first).
     join: str = "fold"
+    cas: bool = True  # New protocol: the txn compares the head gazctl read (off: it does not).
 
     def __str__(self) -> str:
         flags = [f for f, on in (("--both", self.both), ("--new-events-only", self.new_only)) if on]
@@ -133,6 +140,7 @@ class Bound:
             + (", " + ", ".join(flags) if flags else "")
             + f"), {self.stops} stops, {self.deaths} gazctl deaths"
             + (f", join at {self.join}" if self.protocol == "new" else "")
+            + ("" if self.cas or self.protocol != "new" else ", no compare-and-swap")
         )
 
 
@@ -236,6 +244,7 @@ class Report:
     elapsed: float = 0.0
     cpu: float = 0.0
     complete: bool = True
+    retried: int = 0  # New protocol: txns that failed on a moved head (transitions).
 
     def lines(self) -> list[str]:
         return [
@@ -244,7 +253,8 @@ class Report:
             f"transitions: {self.transitions}",
             f"max depth: {self.max_depth}",
             f"quiet states: {self.quiet}",
-            f"commands ended in an error: {self.refused}, completed: {self.completed}",
+            f"commands ended in an error: {self.refused}, completed: {self.completed}"
+            + (f", txns retried: {self.retried}" if self.bound.protocol == "new" else ""),
             f"elapsed: {self.elapsed:.1f} s ({self.cpu:.1f} s of CPU)",
             f"violations: {self.violation_states}"
             + (f" ({', '.join(sorted(self.violations))})" if self.violations else ""),
@@ -524,9 +534,11 @@ class Checker:
                 raise Ended(f"location {name} has not heard from {', '.join(sorted(state.unheard[i]))} since it started", "clock")  # fmt: skip
             label = f"{tag} {name} answers: running, clock safe"
         elif what == "txn":
-            if state.head != c.snapshot:
+            if state.head != c.snapshot and self.bound.cas:
+                self.report.retried += 1
                 retry = c._replace(steps=(Step("snapshot"),))
                 return self._replace_command(state, k, retry), f"{tag} etcd txn fails (head moved from {c.snapshot} to {state.head}): read again", None  # fmt: skip
+            # Without the compare-and-swap (`cas` off), on whatever head etcd has now.
             ops = tuple(range(state.head + 1, state.head + 1 + len(c.planned)))
             issued = tuple(
                 Issued(op, ch, at, c.cid, spec.new_only, spec.target)
@@ -569,6 +581,8 @@ class Checker:
         if self.bound.start == "issue7":
             script = [Spec("connect", "A", "B"), Spec("connect", "C", "D"),
                       Spec("connect", "B", "D", both=True)]  # fmt: skip
+        elif self.bound.start == "chain":
+            script = [Spec("connect", "A", "B"), Spec("connect", "B", "C")]
         for cid, spec in enumerate(script, start=-len(script)):
             state = state._replace(flight=(Command(cid, spec, (), (), (), 0),))
             while state.flight:
@@ -846,11 +860,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--start", choices=STARTS, default=d.start)
     parser.add_argument("--join", choices=JOINS, default=d.join, help="new protocol: where "
                         "the target of --new-events-only joins (see Bound.join)")  # fmt: skip
+    parser.add_argument("--no-cas", action="store_true", help="new protocol: the txn does not "
+                        "compare the head gazctl read (to see what the compare-and-swap "
+                        "prevents)")  # fmt: skip
     parser.add_argument("--max-states", type=int, default=None)
     args = parser.parse_args(argv)
     bound = Bound(
         args.protocol, args.locations, args.commands, not args.no_filters, args.both,
         args.new_events_only, args.stops, args.deaths, args.operators, args.start, args.join,
+        not args.no_cas,
     )  # fmt: skip
     try:
         checker = Checker(bound, max_states=args.max_states)

@@ -194,13 +194,21 @@ def test_the_new_protocol_keeps_every_promise_at_the_same_bounds(bound: commands
     assert report.complete and report.quiet > 10 and report.refused > 10
 
 
-def test_the_new_protocol_with_two_operators_at_once() -> None:
-    """Two commands in flight: the second's txn fails when the first moved the head, and it
-    reads etcd's history again (a cycle the two would close together is refused)."""
-    bound = commands.Bound("new", locations=3, commands=2, operators=2, stops=0, deaths=1)
+def test_two_operators_at_once_are_kept_apart_by_the_compare_and_swap() -> None:
+    """From A -> B -> C, `connect A C` and `connect A B --filter kind=x` each keep the rules,
+    and together close the cycle A - B - C through a filter. With two commands in flight, the
+    second's txn fails when the first moved the head, and it reads etcd's history again; without
+    the compare-and-swap, both are recorded and the history breaks the rules."""
+    bound = commands.Bound("new", locations=3, commands=2, operators=2, stops=0, deaths=0,
+                           start="chain")  # fmt: skip
     report = commands.Checker(bound).run()
     assert report.violation_states == 0, "\n\n".join(map(str, report.violations.values()))
-    assert report.complete
+    assert report.complete and report.retried > 0
+    without = commands.Checker(dataclasses.replace(bound, cas=False)).run()
+    found = without.violations.get("topology: rules")
+    assert found is not None, "\n".join(without.lines())
+    assert "the cycle A - C - B - A through A -> B" in found.message
+    assert sum("etcd txn on head 2" in step for step in found.trace) == 2
 
 
 def test_a_join_only_where_gazctl_delivers_misses_the_change_replication_brings() -> None:
