@@ -199,7 +199,9 @@ async def test_an_append_to_a_missing_bucket_is_refused_until_the_bucket_exists(
     scheme: str,
 ) -> None:
     """The same against the GCS and S3 emulators: a journal on a bucket that does not exist is
-    refused, naming the store; once the bucket is made, appends go through and persist."""
+    refused, naming the store; once the bucket is made, appends go through and persist. (Before
+    the health checks, a missing bucket was refused too, after 10 s, as its first listing fails:
+    unlike a missing file:// directory, which lists as empty. This holds the emulators to it.)"""
     server: GCSServer | S3Server = request.getfixturevalue(
         {"gs": "gcs_server", "s3": "s3_server"}[scheme]
     )
