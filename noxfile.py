@@ -163,6 +163,16 @@ MODELCHECK_BOUNDS = [
 ]  # fmt: skip
 
 
+# The bounds of the operator commands' check over partial views (replication/modelcheck_commands
+# .py), each run on the old protocol, which must find issue 38's defects (exit 1), and on the new
+# one, which must find none (about six CPU-minutes in all; figures in docs/reliability.md).
+MODELCHECK_COMMANDS_BOUNDS = [
+    ["--start", "issue7", "--locations", "4", "--commands", "2", "--stops", "1", "--deaths", "1"],
+    ["--locations", "3", "--commands", "2", "--operators", "2", "--stops", "1", "--deaths", "1",
+     "--new-events-only"],
+]  # fmt: skip
+
+
 @nox.session(python=PYTHON)
 def modelcheck(session: nox.Session) -> None:
     """The bounded exhaustive check of the replication rules and the causality filter
@@ -170,10 +180,23 @@ def modelcheck(session: nox.Session) -> None:
     between a write and its progress), topology changes, deletions and fail-overs up to a bound;
     prints the states explored, transitions, depth, seconds and violations of each bound.
     Arguments replace the bounds (for example `-- --locations 3 --events 3 --changes 3`, or
-    `-- --without guard` to see the anomaly a rule prevents)."""
+    `-- --without guard` to see the anomaly a rule prevents). Then the check of operator
+    commands over partial views (`replication/modelcheck_commands.py`), the old protocol's
+    counterexamples printed; `-- commands ARGS` runs that one alone with ARGS (for example
+    `-- commands --protocol old --start issue7 --locations 4`)."""
     session.install("-e", ".[test]")
+    if session.posargs[:1] == ["commands"]:
+        session.run("python", "-m", "replication.modelcheck_commands", *session.posargs[1:])
+        return
     for bound in [session.posargs] if session.posargs else MODELCHECK_BOUNDS:
         session.run("python", "-m", "replication.modelcheck", *bound)
+    if session.posargs:
+        return
+    for bound in MODELCHECK_COMMANDS_BOUNDS:
+        for protocol, found in (("old", 1), ("new", 0)):
+            args = ["--protocol", protocol, *bound]
+            session.run("python", "-m", "replication.modelcheck_commands", *args,
+                        success_codes=[found])  # fmt: skip
 
 
 @nox.session(python=PYTHON)
