@@ -40,7 +40,12 @@ The protocols (`--protocol`):
   enters its log by any route (`--join fold`, the default): gazctl's delivery, catch-up, or
   replication from a location that had it first. With `--join delivery` (only where gazctl or
   catch-up records it) the check finds the change that replication brings first, and the join
-  never made. With `--no-cas`, the txn does not compare the head gazctl read: two operators'
+  never made; with `--join gazctl` (replication/commands.py and gazctl as built: gazctl asks
+  the target to join once etcd recorded the change, and repeats the join when the command is
+  run again on a connection made already), a gazctl that dies after the txn leaves the
+  connection recorded without its join until the operator runs the command again. Catch-up
+  records every change of etcd's that the log lacks, in op order, whether it involves the
+  location or not (as `LocationServer` does). With `--no-cas`, the txn does not compare the head gazctl read: two operators'
   commands, each keeping the rules alone, are both recorded.
 
 The start network (`--start`), recorded with the protocol under check, each command run to its
@@ -58,16 +63,17 @@ Checked:
 * once quiet (no command in flight, every location running and safe, no replication or catch-up
   step left): `half-done`, every recorded change is held by each location it involves (each
   end of a connection), a join was made for exactly the `--new-events-only` commands recorded,
-  and (new protocol) no location holds a change etcd lacks; `diverged`, every location's view of
-  its own connections (current and ever, with their filters) is the authoritative one (etcd's,
-  or the union's for the old protocol).
+  and (new protocol) no location holds a change etcd lacks; `diverged`, with the new protocol
+  every location holds etcd's whole history, and with either every location's view of its own
+  connections (current and ever, with their filters) is the authoritative one (etcd's, or the
+  union's for the old protocol: there a send-only location never learns the changes that do
+  not involve it, which `topology --check` names, and which is not counted here).
 
 Not covered: application events (the topology properties are what `replication.modelcheck`
 shows sufficient for no event lost, on one view: with a history that breaks the rules, events
 are lost, which that check finds with the rules left out), fail-over, retirement, deletions,
-the group write guard on partial views, and a view that a location holds of changes that
-involve neither end of its connections (with one-way connections a location never learns them:
-`topology --check` names it; the property here is each location's own connections).
+and the group write guard on partial views (the old protocol's views are partial for good; the
+new protocol's converge to etcd's).
 
 What it finds (tests/test_replication_modelcheck.py asserts each): on the old protocol, from
 the issue's network (`--start issue7`: connect A B, connect C D, connect B D --both), `connect
@@ -104,7 +110,7 @@ NAMES = "ABCDEFGH"
 FILTER = "kind=x"
 PROTOCOLS = ("old", "new")
 STARTS = ("empty", "issue7", "chain")
-JOINS = ("fold", "delivery")
+JOINS = ("fold", "delivery", "gazctl")
 PROPERTIES = ("refused", "topology", "half-done", "diverged")
 
 Entry = tuple[int, Change]  # (op, change): one system event of a topology change.
@@ -204,7 +210,8 @@ class State(NamedTuple):
     unheard: tuple[frozenset[str], ...]  # Per location: not heard from since it started.
     head: int  # etcd's topology head: the last op issued.
     etcd: tuple[Issued, ...]  # New protocol: the authoritative history. Old: the ops issued.
-    joined: frozenset[int]  # Commands whose target joined for new events only.
+    # Joins for new events only: (command, source, target).
+    joined: frozenset[tuple[int, str, str]]
     flight: tuple[Command, ...]
     issued_commands: int
     stops: int
@@ -428,11 +435,13 @@ class Checker:
         if self.new and self.bound.join == "fold":
             for issued in state.etcd:
                 if issued.op == entry[0] and issued.new_only and issued.target == self.names[i]:
-                    after = self._join(after, issued.cid)
+                    after = self._join(after, issued.cid, issued.change)
         return after
 
-    def _join(self, state: State, cid: int) -> State:
-        return state._replace(joined=state.joined | {cid})
+    @staticmethod
+    def _join(state: State, cid: int, change: Change) -> State:
+        pair = (cid, getattr(change, "source", ""), getattr(change, "target", ""))
+        return state._replace(joined=state.joined | {pair})
 
     def _replace_command(self, state: State, k: int, command: Command | None) -> State:
         flight = list(state.flight)
@@ -481,7 +490,7 @@ class Checker:
         elif what == "join":
             i = self._ask(state, spec.target)
             self._ask(state, spec.source)  # Its DVV is the floor.
-            after = self._join(state, c.cid)
+            after = self._join(state, c.cid, Connected(spec.source, spec.target))
             label = f"{tag} {spec.target} joins for new events from {spec.source}"
         elif what == "op":
             op = state.head + 1
@@ -514,13 +523,21 @@ class Checker:
         if not c.steps or c.steps[0].what == "snapshot":
             whole = self.view((i.op, i.change) for i in state.etcd)
             planned = self._plan(spec, lambda _: whole)
+            gazctl_joins = spec.new_only and self.bound.join == "gazctl"
+            if not planned and gazctl_joins:
+                # Repeated on a connection made already (a gazctl that died before its join).
+                again = c._replace(steps=(Step("join"),), planned=(), ops=(), snapshot=state.head)
+                return self._replace_command(state, k, again), f"{tag} {spec}: connected already (etcd's history)", None  # fmt: skip
             if not planned:
                 return self._replace_command(state, k, None), f"{tag} {spec}: connected already (etcd's history)", "done"  # fmt: skip
             self._check_whole(whole, planned)
-            at = sorted({name for _, where in planned for name in where})
+            live = [w for ch, w in planned if not isinstance(ch, Disconnected)]  # `_involved`
+            at = sorted({name for where in live for name in where})
             steps: list[Step] = [Step("live", name=name) for name in at]
             steps.append(Step("txn"))
             steps += [Step("deliver", n, name) for n, (_, where) in enumerate(planned) for name in where]  # fmt: skip
+            if gazctl_joins:
+                steps.append(Step("join"))
             c = c._replace(steps=tuple(steps), planned=planned, ops=(), snapshot=state.head)
             text = "; ".join(describe(ch) for ch, _ in planned)
             label = f"{tag} {spec}: reads etcd's history at head {state.head}, checks {text} on it: passes"  # fmt: skip
@@ -528,7 +545,16 @@ class Checker:
         what, n, name = c.steps[0]
         rest = c._replace(steps=c.steps[1:])
         after: State = state
-        if what == "live":
+        if what == "join":
+            try:
+                self._ask(state, spec.target)
+                self._ask(state, spec.source)  # Its DVV is the floor.
+            except Ended as exc:
+                gone = self._replace_command(state, k, None)
+                return gone, f"{tag} {spec}: connected, but {spec.target} did not join ({exc}): run it again", f"incomplete: {exc}"  # fmt: skip
+            after = self._join(state, c.cid, Connected(spec.source, spec.target))
+            label = f"{tag} {spec.target} joins for new events from {spec.source}"
+        elif what == "live":
             i = self._ask(state, name)
             if state.unheard[i]:
                 raise Ended(f"location {name} has not heard from {', '.join(sorted(state.unheard[i]))} since it started", "clock")  # fmt: skip
@@ -566,7 +592,7 @@ class Checker:
             return state
         after = self._record(state, i, (issued.op, issued.change))
         if self.bound.join == "delivery" and issued.new_only and self.names[i] == issued.target:
-            after = self._join(after, issued.cid)
+            after = self._join(after, issued.cid, issued.change)
         return after
 
     # ---- transitions -------------------------------------------------------------------------
@@ -621,7 +647,7 @@ class Checker:
                     out.append((label, self._record(state, t, entry)))
             if self.new and not state.unheard[t]:
                 held_ops = {e[0] for e in mine}
-                lacking = [i for i in state.etcd if i.op not in held_ops and _involves(i.change, target)]  # fmt: skip
+                lacking = [i for i in sorted(state.etcd) if i.op not in held_ops]
                 if lacking:
                     first = lacking[0]
                     label = f"{target} catches up from etcd: op {first.op} ({describe(first.change)})"  # fmt: skip
@@ -687,7 +713,7 @@ class Checker:
         if self.new and ops:
             what.append("recorded in etcd")
             effects.append("etcd")
-        if cid in state.joined:
+        if any(j[0] == cid for j in state.joined):
             what.append("its target joined for new events only")
             effects.append("joined")
         if what:
@@ -710,10 +736,13 @@ class Checker:
                         f"{', '.join(holding) or 'etcd alone'} but not {', '.join(lacking)}, for good"
                     ),
                 )
-            if issued.new_only and issued.cid not in state.joined:
+            pair = (getattr(issued.change, "source", ""), issued.target)
+            if issued.new_only and not any(j[1:] == pair for j in state.joined):
                 return "half-done", "recorded without its join", f"op {issued.op} ({describe(issued.change)}) is recorded, but {issued.target} never joined for new events only"  # fmt: skip
-        recorded_cids = {i.cid for i in recorded}
-        for cid in sorted(state.joined - recorded_cids):
+        # A join is for a connection recorded (by its command, or made already: gazctl repeats
+        # the join of a command run again).
+        ever = self.view(history).ever
+        for cid, *_ in sorted(j for j in state.joined if tuple(j[1:]) not in ever):
             return "half-done", "joined without its record", f"command [{cid}]'s target joined for new events only, but its change is recorded nowhere"  # fmt: skip
         if self.new:
             known = {(i.op, i.change) for i in state.etcd}
@@ -725,6 +754,12 @@ class Checker:
                         "not in etcd",
                         f"{name} holds op {extra[0][0]}, which etcd lacks",
                     )
+            # Catch-up records every change of etcd's, so every view is etcd's once quiet.
+            for name, log in zip(self.names, state.logs, strict=True):
+                missing = sorted(known - set(log), key=lambda e: e[0])
+                if missing:
+                    op, change = missing[0]
+                    return "diverged", "whole view", f"{name} lacks op {op} ({describe(change)}) of etcd's history, for good"  # fmt: skip
         whole = self.view(history)
         for name, log in zip(self.names, state.logs, strict=True):
             mine = self.view(log)
