@@ -163,9 +163,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # local[2] session's start and two small jobs cost 17.6 s of CPU instead of 33.4 s. Only
     # how Java compiles and collects changes: the same Spark, jobs and processes. The launcher
     # adds SPARK_SUBMIT_OPTS to the driver JVMs spark-submit starts (sessions, `gazctl spark`
-    # jobs, the Connect server); SPARK_DAEMON_JAVA_OPTS to a standalone master's and workers'.
+    # jobs, the Connect server); SPARK_DAEMON_JAVA_OPTS to a standalone master's and workers';
+    # the executors those workers start take theirs from the job's spark-defaults.conf.
     for variable in ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS"):
         os.environ.setdefault(variable, SHORT_LIVED_JVM)
+    os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).with_name("spark_conf")))
     if hasattr(config, "workerinput"):
         return  # An xdist worker: the controller compiled them before starting it.
     # These machines set PYTHONDONTWRITEBYTECODE, and the editable install leaves the project's

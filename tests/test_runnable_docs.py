@@ -128,6 +128,7 @@ def base_environment() -> dict[str, str]:
     }
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.pop("PYTHONWARNINGS", None)
+    env.pop("SPARK_CONF_DIR", None)  # The suite's (tests/conftest.py): a reader has none.
     env["EDITOR"] = "true"  # `journals edit` opens $EDITOR: here one that saves no change.
     return env
 
