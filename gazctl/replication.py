@@ -24,7 +24,7 @@ from plumbing import config as cfg
 from plumbing import etcd as etcdx
 from replication import commands, registry
 from replication import location_pb2 as lpb
-from replication.rpc import Document, LocationClient, LocationError, status_document
+from replication.rpc import Document, LocationClient, LocationError, clock_of, status_document
 from replication.system import topology_of_documents
 from replication.topology import (
     Change,
@@ -355,7 +355,7 @@ def status_cmd(names: tuple[str, ...], fmt: str, **opts: Any) -> None:  # fmt: s
 )  # fmt: skip
 @click.option(
     "--new-events-only", "new_only", is_flag=True,
-    help="TARGET takes only SOURCE's new events: its CVV and DVV first raised to SOURCE's DVV",
+    help="TARGET takes only SOURCE's new events: its CVV and DVV raised to SOURCE's DVV as it records the connection",
 )  # fmt: skip
 @replication_options
 def connect_cmd(
@@ -368,34 +368,57 @@ def connect_cmd(
     it waiting); --new-events-only makes that hold at once, for a location that does not need
     what SOURCE deleted."""
 
-    async def join(net: Network) -> None:
-        # Only once etcd recorded the connection: a refused connect changes nothing.
-        # Repeated on a connection made already (a gazctl that died before its join).
-        if new_only:
-            try:
-                reply = await net.ask(target, lambda c: c.join([source]))
-            except UserError as exc:
-                raise UserError(
-                    f"{source} -> {target} is connected, but {target} did not join for new "
-                    f"events ({exc.message}): run this command again"
-                ) from None
-            click.echo(f"{target}: joined for new events (CVV {_vector(reply.cvv.times)})")
+    async def floor(net: Network) -> tuple[tuple[str, int], ...]:
+        # SOURCE's DVV now, before the command is checked: the floor TARGET joins to as it
+        # records the connection (recorded with it, so the join needs no live SOURCE later).
+        # DVVs only grow: events SOURCE deletes after this read raise DVV-SOURCE past the
+        # floor, and the start rule (DVV-SOURCE <= CVV-TARGET) holds the connection back, as
+        # it does any other, until TARGET has them or joins again (this command, repeated).
+        if not new_only:
+            return ()
+        status = await net.ask(source, lambda c: c.status())
+        return tuple(sorted(clock_of(status.dvv, "dvv").to_json().items()))
+
+    async def join(net: Network, done: commands.Command) -> None:
+        """Say TARGET's join for new events: made as TARGET recorded the connection (whichever
+        route brought it there), or, for a connection made already (by a gazctl of before joins
+        were recorded with it, which died before its join step; or a filter change), asked of
+        TARGET now. Only once etcd recorded the command: a refused one changes nothing."""
+        if not new_only:
+            return
+        joining = [op for op, c in done.recorded if isinstance(c, Connected | FailedOver) and c.new_only]  # fmt: skip
+        if joining:
+            status = await net.ask(target, lambda c: c.status())
+            if any(k.key.revision == joining[0] for k in status.history):
+                click.echo(f"{target}: joined for new events (CVV {_vector(status.cvv.times)})")
+            else:
+                click.echo(f"{target}: joins for new events as it records the connection")
+            return
+        try:
+            reply = await net.ask(target, lambda c: c.join([source]))
+        except UserError as exc:
+            raise UserError(
+                f"{source} -> {target} is connected, but {target} did not join for new "
+                f"events ({exc.message}): run this command again"
+            ) from None
+        click.echo(f"{target}: joined for new events (CVV {_vector(reply.cvv.times)})")
 
     async def go() -> None:
         async with Network(opts) as net:
             if previous:
                 if both:
                     raise UserError("--fail-over-from switches one connection: leave out --both")
-                change = FailedOver(previous, source, target, filter_)
+                change = FailedOver(previous, source, target, filter_, new_only, await floor(net))  # fmt: skip
                 done = await net.command(lambda _view: [change], [previous, source, target])
                 if done.recorded:
                     click.echo(f"{target}: failed over from {previous} to {source}")
                 else:
                     click.echo(f"{target}: failed over from {previous} to {source} already")
-                await join(net)
+                await join(net, done)
                 return
             pairs = [(source, target)] + ([(target, source)] if both else [])
             said: list[str] = []
+            joins = await floor(net)
 
             def plan(view: Topology) -> list[Change]:
                 # Planned on etcd's view, as checked: planned again if the command is retried.
@@ -408,15 +431,17 @@ def connect_cmd(
                         changes.append(Filtered(s, t, filter_))
                         said.append(f"{s} -> {t}: filter changed to {filter_ or '(none)'}")
                     else:
-                        changes.append(Connected(s, t, filter_))
+                        # TARGET joins as it records it: SOURCE -> TARGET only.
+                        only = new_only and (s, t) == (source, target)
+                        changes.append(Connected(s, t, filter_, only, joins if only else ()))
                         said.append(f"{s} -> {t}: connected" + (f" (filter {filter_})" if filter_ else ""))  # fmt: skip
                 return changes
 
             # Both directions are checked and recorded in one transaction: both or neither.
-            await net.command(plan, [source, target])
+            done = await net.command(plan, [source, target])
             for line in said:
                 click.echo(line)
-            await join(net)
+            await join(net, done)
 
     run(go())
 

@@ -68,7 +68,7 @@ from replication.records import (
     record_line,
     split_records,
 )
-from replication.system import keyed_change_of, keyed_changes, keyed_document
+from replication.system import join_floor, keyed_change_of, keyed_changes, keyed_document
 from replication.topology import Topology
 from replication.vclock import VectorClock
 
@@ -602,13 +602,30 @@ class JournalEventLog(_LogVectors):
         })  # fmt: skip
 
     def _take(self, raw: RawEvent) -> tuple[int, bytes]:
-        """Store `raw` next: its sequence number here, and its line."""
+        """Store `raw` next: its sequence number here, and its line (after the `joined` record
+        it calls for, if any)."""
         seq = self.next_seq
         self.next_seq += 1
         self._raise_cvv(raw.ts)
-        if raw.is_system:
-            self._fold_system(raw)
-        return seq, raw.line(seq)
+        joined = self._take_system(raw) if raw.is_system else []
+        return seq, b"".join([raw.line(seq), *joined])
+
+    def _take_system(self, raw: RawEvent) -> list[bytes]:
+        """Fold a system event this writer is storing (emitted here, or replicated from any
+        source); the `joined` record to store in the same append, if the change is a
+        `--new-events-only` one into this location that its view did not hold yet. So the
+        target joins as the change enters its log, whichever route brought it, before its
+        connection from the source can start (that connection is in the view only from now);
+        another record of the same op (another location's) finds it held and joins no more."""
+        key, change = keyed_change_of(raw.event())
+        if not self.topology.apply(change, key):
+            return []
+        floor = join_floor(change, self.location)
+        if floor is None:
+            return []
+        record = {"kind": "joined", "floor": floor.to_json(), "op": key[0]}
+        self._fold_vectors(record)  # Staged now: the connection's start rule sees it.
+        return [record_line(record)]
 
     async def _room(self) -> None:
         """Wait while the append service holds too much for this log: before a change of state
@@ -674,15 +691,14 @@ class JournalEventLog(_LogVectors):
         self.next_seq += len(lines)
         merge_stamps(stamps, self._cvv)
         self._cvv_clock = None
-        for raw in systems:
-            self._fold_system(raw)
+        joined = [line for raw in systems for line in self._take_system(raw)]
         progress = record_line(
             {"kind": "progress", "source": batch.source, "seq": through,
              "cvv": batch.source_cvv.to_json()}
         )  # fmt: skip
         self.progress[batch.source] = max(self.progress.get(batch.source, 0), through)
         self.cached_cvv[batch.source] = batch.source_cvv
-        return lines, self._queue([*lines, progress])
+        return lines, self._queue([*lines, *joined, progress])
 
     async def write_lines(
         self, batch: LineBatch, keep: EventFilter | None = None, group: Collection[str] = ()

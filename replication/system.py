@@ -26,12 +26,14 @@ from replication.topology import (
     Topology,
     command_key,
 )
+from replication.vclock import VectorClock
 
 __all__ = [
     "change_document",
     "change_from",
     "change_of",
     "is_system",
+    "join_floor",
     "key_from",
     "keyed_change_of",
     "keyed_changes",
@@ -65,9 +67,28 @@ def change_document(change: Change, op: int | None = None) -> dict[str, Any]:
             body |= {"type": "disconnected"}
         else:
             body |= {"type": "filtered", "filter": change.filter}
+    if isinstance(change, Connected | FailedOver) and change.new_only:
+        body |= {"new_events_only": True, "floor": dict(change.floor)}
     if op is not None:
         body["op"] = op
     return body
+
+
+def _join_of(body: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The `--new-events-only` fields of a connection change's JSON (none in a change recorded
+    before they existed: that one is not new-events-only)."""
+    if not body.get("new_events_only"):
+        return {}
+    floor = VectorClock.from_json(body.get("floor") or {}, field=f"{what}: floor")
+    return {"new_only": True, "floor": tuple(sorted(floor.to_json().items()))}
+
+
+def join_floor(change: Change, location: str) -> VectorClock | None:
+    """What `location` raises its CVV and DVV to as it records `change` (None: it does not
+    join for it)."""
+    if isinstance(change, Connected | FailedOver) and change.new_only and change.target == location:
+        return VectorClock(dict(change.floor))
+    return None
 
 
 def keyed_document(key: OpKey, change: Change) -> dict[str, Any]:
@@ -111,13 +132,16 @@ def change_from(body: Any, what: str = "change") -> Change:
             return Retired(str(body["location"]))
         source, target = str(body["source"]), str(body["target"])
         if kind == "connected":
-            return Connected(source, target, str(body.get("filter", "")))
+            return Connected(source, target, str(body.get("filter", "")), **_join_of(body, what))
         if kind == "disconnected":
             return Disconnected(source, target)
         if kind == "filtered":
             return Filtered(source, target, str(body.get("filter", "")))
         if kind == "failed-over":
-            return FailedOver(str(body["previous"]), source, target, str(body.get("filter", "")))
+            return FailedOver(
+                str(body["previous"]), source, target, str(body.get("filter", "")),
+                **_join_of(body, what),
+            )  # fmt: skip
         raise KeyError(kind)
     except (AssertionError, KeyError) as exc:
         raise ValueError(f"{what}: not a topology change ({exc})") from None

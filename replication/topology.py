@@ -43,11 +43,17 @@ class RuleViolation(ValueError):
 
 @dataclass(frozen=True)
 class Connected:
-    """Replication from `source` to `target` began (with a filter, or none)."""
+    """Replication from `source` to `target` began (with a filter, or none). With `new_only`
+    (`--new-events-only`), `target` joins as it records the change, by whatever route it came
+    (its CVV and DVV raised to `floor`, the source's DVV when the command was checked, as
+    sorted (location, time) pairs). The join is an effect on the target's vectors, not part of
+    what the change is: views, and their comparisons, leave both fields out."""
 
     source: str
     target: str
     filter: str = ""
+    new_only: bool = field(default=False, compare=False)
+    floor: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class FailedOver:
     source: str
     target: str
     filter: str
+    new_only: bool = field(default=False, compare=False)  # As Connected's.
+    floor: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
 
 Change = Connected | Disconnected | Filtered | Retired | FailedOver

@@ -214,3 +214,133 @@ def test_a_history_that_breaks_a_rule_takes_only_commands_that_make_it_no_worse(
         raise AssertionError("a disconnection of no connection was accepted")
     except RuleViolation as exc:
         assert "C -> A is not connected" in str(exc)
+
+
+def joined_records(broker: str, name: str) -> list[dict[str, Any]]:
+    """The `joined` records of location `name`'s log, read from its journal."""
+    from broker.client import JournalsClient
+    from replication.journal_log import scan_records
+
+    async def go() -> list[dict[str, Any]]:
+        async with JournalsClient(broker) as client:
+            records = await scan_records(lambda: client.stub, f"replication/{name}")
+        return [rec for _, _, raw, rec in records if raw is None and rec.get("kind") == "joined"]
+
+    return asyncio.run(go())
+
+
+def record_straight_into_etcd(etcd_server: EtcdServer, prefix: str, change: Any) -> int:
+    """Record `change` in etcd's history as a gazctl does, then tell no location: a gazctl
+    SIGKILLed right after its record (or one whose live checks passed before a location
+    restarted). Its op."""
+    from replication import commands
+
+    async def go() -> int:
+        etcd = commands.connect_etcd(etcd_server.endpoint)
+        try:
+            done = await commands.command(etcd, prefix, lambda view: [change])
+            assert [c for _, c in done.recorded] == [change]
+            return done.recorded[0][0]
+        finally:
+            await etcd.close()
+
+    return asyncio.run(go())
+
+
+def new_events_only(source: str, target: str, dvv: dict[str, int]) -> Any:
+    """The change `connect SOURCE TARGET --new-events-only` records, its floor `dvv` (SOURCE's
+    DVV as gazctl checked the command)."""
+    from replication.topology import Connected
+
+    return Connected(source, target, new_only=True, floor=tuple(sorted(dvv.items())))
+
+
+def op_records(locations: LocationProcesses, name: str, op: int) -> list[str]:
+    """The emitters of the system events in `name`'s log that record op `op`."""
+    events = locations.events(name)
+    return [e["emitter"] for e in events if e["payload"].get("system", {}).get("op") == op]
+
+
+def nums(locations: LocationProcesses, name: str) -> list[int]:
+    return [e["payload"]["n"] for e in locations.events(name) if "n" in e["payload"]]
+
+
+def test_new_events_only_joins_where_etcd_catch_up_records_it_though_gazctl_died(
+    location_broker: BrokerProcess, locations: LocationProcesses, etcd_server: EtcdServer
+) -> None:
+    """`connect A D --new-events-only` recorded in etcd, and then its gazctl died: no delivery,
+    no join step. A deleted events (B holds them). D records the change from etcd's history and
+    joins in the same step, so its connection from A replicates at once (not waiting on DVV-A
+    <= CVV-D for events that will never come) and takes A's new events only. A's own record of
+    the same op, replicated to D later, does not join again."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "D"))
+    for name in "ABD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
+    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
+    locations.ok("delete", "A", "--through", "3")  # A's system event, n 1 and n 2.
+    dvv_a = locations.status("A")["dvv"]
+    assert dvv_a == {"A": 3}, dvv_a
+    op = record_straight_into_etcd(etcd_server, locations.prefix, new_events_only("A", "D", dvv_a))  # fmt: skip
+    wait_until(lambda: connections(locations, "D") == ["A"], "D reads A")
+    wait_until(
+        lambda: locations.status("D")["connections"][0]["state"] == "replicating",
+        f"D's connection from A replicates ({locations.status('D')['connections']})",
+    )
+    locations.ok("emit", "A", '{"n": 4}')
+    wait_until(lambda: 4 in nums(locations, "D"), "D holds A's new event")
+    # A's events after the floor, those it still holds (n 3, n 4): not those it deleted.
+    assert nums(locations, "D") == nums(locations, "A") == [3, 4]
+    assert locations.status("D")["dvv"] == dvv_a
+    # A's system event for the op (A recorded it too) reaches D by A -> D: no second join.
+    wait_until(lambda: "A" in op_records(locations, "D", op), "D holds A's record of the op")
+    assert [r["floor"] for r in joined_records(location_broker.address, "D")] == [dvv_a]
+    # The join is in D's log: D's process, started again, folds it back.
+    locations.stop("D")
+    locations.start("D", location_broker.address)
+    assert locations.status("D")["dvv"] == dvv_a
+    out = locations.ok("topology", "--check")
+    assert "3 locations hold etcd's view" in out, out
+
+
+def test_new_events_only_joins_where_replication_brings_the_change_first(
+    location_broker: BrokerProcess, locations: LocationProcesses, etcd_server: EtcdServer
+) -> None:
+    """D cannot record etcd's history itself (it restarted and has not heard from C, so it may
+    not emit), but B -> D brings B's record of `connect A D --new-events-only`: D joins as that
+    record enters its log, and its connection from A takes A's new events only. Once C is back
+    and D records etcd's history itself, the op is held already: no second join."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "C")
+    locations.ok("connect", "B", "D")
+    locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
+    wait_until(lambda: locations.status("C")["cvv"].get("A", 0) >= 4, "C holds A's events")
+    locations.ok("delete", "A", "--through", "3")
+    dvv_a = locations.status("A")["dvv"]
+    assert dvv_a == {"A": 3}, dvv_a
+    wait_until(lambda: len(history(locations, "D")) == 2, "D holds etcd's history")
+    locations.stop("C")
+    locations.stop("D")
+    locations.start("D", location_broker.address)
+    assert locations.status("D")["clock"] != "ok", locations.status("D")  # Not heard from C.
+    op = record_straight_into_etcd(etcd_server, locations.prefix, new_events_only("A", "D", dvv_a))  # fmt: skip
+    wait_until(lambda: connections(locations, "D") == ["A", "B"], "D reads A and B")
+    # In D's log order: B's record first (replication from B brought it; A's comes by the
+    # connection from A, which that record started).
+    assert op_records(locations, "D", op)[0] == "B", op_records(locations, "D", op)
+    wait_until(
+        lambda: locations.status("D")["connections"][0]["state"] == "replicating",
+        f"D's connection from A replicates ({locations.status('D')['connections']})",
+    )
+    locations.ok("emit", "A", '{"n": 4}')
+    wait_until(lambda: 4 in nums(locations, "D"), "D holds A's new event")
+    # A's log: its two system events, then n 1 to n 3; through 3 deleted: n 1 only.
+    assert nums(locations, "D") == nums(locations, "A") == [2, 3, 4]
+    assert locations.status("D")["dvv"] == dvv_a
+    locations.start("C", location_broker.address)
+    wait_until(lambda: locations.status("D")["clock"] == "ok", "D heard from C")
+    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's")
+    assert [r["floor"] for r in joined_records(location_broker.address, "D")] == [dvv_a]
