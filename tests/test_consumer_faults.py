@@ -2,7 +2,12 @@
 summers as processes over three brokers on loopback, under a recorded chunk workload, two cycles
 of SIGKILL (SQLite recorded into recovery logs, with hot standbys) or SIGSTOP past the lease
 (JSON files), and the checker's verdict. Each run uses a fresh seed (or GAZETTE_FAULT_SEED),
-named on failure with the command that replays it."""
+named on failure with the command that replays it.
+
+`nox -s tests` runs `consumer-sigkill` (recorded SQLite, standbys) as the campaign's
+representative; `consumer-sigstop`, which `nox -s faults` runs whole and tests/test_zombie.py's
+fenced zombie primary covers in `nox -s tests`, is marked `faults` (`nox -s tests -- -m faults`
+runs it)."""
 
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from tests.faults.consumer_scenarios import CONSUMER_SCENARIOS, run_consumer_sce
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["consumer-sigkill", "consumer-sigstop"])
+@pytest.mark.parametrize(
+    "name", ["consumer-sigkill", pytest.param("consumer-sigstop", marks=pytest.mark.faults)]
+)
 async def test_a_short_consumer_fault_scenario_keeps_every_sum_exact(
     name: str, tmp_path: Path
 ) -> None:
