@@ -94,6 +94,7 @@ class AppendFSM:
         request: pb.AppendRequest,
         *,
         flush_and_suspend: bool = False,
+        flush_timeout: float | None = None,
         claims: Claims | None = None,
     ) -> None:
         self.ctx = ctx
@@ -101,8 +102,16 @@ class AppendFSM:
         # The client's verified authorization: a journal it does not select is not found.
         self.claims = claims
         # A broker's own run at a graceful exit (not on the wire): roll the spool, wait until
-        # everything is persisted, then record the journal's end as its suspension offset.
+        # everything is persisted (up to `flush_timeout` seconds), then record the journal's
+        # end as its suspension offset, persisted or not (see _flush_then_suspend).
         self.flush_and_suspend = flush_and_suspend
+        self.flush_timeout = FLUSH_TIMEOUT if flush_timeout is None else flush_timeout
+        self._flush_deadline: float | None = None  # Loop time: set as the first wait begins.
+        # Of an exit flush that suspended the journal over content its stores did not take in
+        # time: the ranges [begin, end) only the exiting replicas held, and the journal's end
+        # (its suspension offset).
+        self.unpersisted: list[tuple[int, int]] = []
+        self.flush_end = 0
         self.state = State.RESOLVE
         self.resolved: Resolution | None = None
         self.pln: Pipeline | None = None
@@ -452,10 +461,15 @@ class AppendFSM:
         ):
             self._fail(pb.REGISTER_MISMATCH)
             return
-        if suspended and spool.fragment.end < spec.suspend.offset:
-            # Every byte before the offset was persisted when it was suspended. (Once resumed,
-            # the offset it keeps is history: a crash of every replica after the resume must
-            # meet INDEX_HAS_GREATER_OFFSET, not a silent roll over lost appends.)
+        if spool.fragment.end < spec.suspend.offset and (
+            suspended or index_max < spec.suspend.offset
+        ):
+            # The journal was written up to the offset when it was suspended (persisted, or
+            # lost with every replica if its stores could not take it: an exit flush records
+            # the end either way), so no offset below it is handed out again. Once resumed, the
+            # offset is a floor only where the stores end below it: where they reach it, a
+            # crash of every replica after the resume must meet INDEX_HAS_GREATER_OFFSET, not
+            # a silent roll over lost appends.
             self.roll_to_offset = spec.suspend.offset
             self.state = State.SEND_PIPELINE_SYNC
             return
@@ -537,17 +551,25 @@ class AppendFSM:
 
     async def _flush_then_suspend(self, index: Index) -> None:
         """At a graceful exit, holding the pipeline (so no append slips in): roll the spool,
-        wait until the persister has put every fragment up to its end in the store, and only
-        then suspend the journal (PARTIAL) at that end offset. Brokers started later roll to
-        the offset and go on, with no reset-head: nothing before it can be missing from the
+        wait until the persister has put every fragment up to its end in the store, then
+        suspend the journal (PARTIAL) at that end offset. Brokers started later roll to the
+        offset and go on, with no reset-head: nothing before it can be missing from the
         store but the journal's holes, ranges no fragment here covers (content lost before,
         or removed from the store): the stores are listed for them once, then the journal is
-        suspended over them with a warning, as no wait brings them back. If the store does
-        not take what this replica holds in time, nothing is recorded, and INDEX_HAS_GREATER_
-        OFFSET keeps guarding the journal as after a crash. Ends in SUSPENDED when done,
-        FRAGMENT_STORE_UNHEALTHY when not."""
+        suspended over them with a warning, as no wait brings them back.
+
+        If the store does not take what this replica holds within `flush_timeout`, the
+        journal is suspended at its end all the same, with `unpersisted` naming what the
+        stores lack. Every replica of the journal is exiting (see JournalService.flush_for_exit)
+        and its spool goes with its broker: that content is lost unless the persister, which
+        keeps trying until the broker stops, gets it in. Recorded, the end keeps the promise
+        that can still be kept: a restarted primary rolls to it, so no offset below it is
+        written twice, and reads of the lost range meet a hole below the write head (see
+        Replica.set_spec) rather than an empty journal. (Recording nothing let the next append
+        land at the stores' end again, over offsets already acknowledged.) Ends in SUSPENDED
+        when the suspension is recorded."""
         spec, spool = self._spec, self._pln.spool
-        end = spool.fragment.end
+        end = self.flush_end = spool.fragment.end
         if spool.fragment.end > spool.fragment.begin:
             self.roll_to_offset = end
             self.state = State.SEND_PIPELINE_SYNC
@@ -562,7 +584,9 @@ class AppendFSM:
         res = self._res
         listed = False  # Whether the stores were listed for ranges the index does not cover.
         try:
-            async with asyncio.timeout(FLUSH_TIMEOUT):
+            if self._flush_deadline is None:  # Once: a resolve again does not extend it.
+                self._flush_deadline = asyncio.get_running_loop().time() + self.flush_timeout
+            async with asyncio.timeout_at(self._flush_deadline):
                 while not index.persisted_through(end) and not res.invalidated.is_set():
                     if not index.persisted_through(end, over_holes=True):
                         # What this replica holds is on its way to the store.
@@ -583,8 +607,7 @@ class AppendFSM:
                         break
         except TimeoutError:
             self.store_health_error = index.refresh_error or f"not persisted through {end}"
-            self._fail(pb.FRAGMENT_STORE_UNHEALTHY)
-            return
+            self.unpersisted = unpersisted_ranges(index, end)
         if res.invalidated.is_set():
             self.state = State.RESOLVE  # The route changed meanwhile: decide again.
             return
@@ -837,6 +860,23 @@ class AppendFSM:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def unpersisted_ranges(index: Index, end: int) -> list[tuple[int, int]]:
+    """The ranges [begin, end) below `end` that the index holds only locally (no store has
+    them), merged where they meet."""
+    out: list[tuple[int, int]] = []
+    for entry in index.fragments():
+        if entry.begin >= end:
+            break
+        if entry.backing_store:
+            continue
+        stop = min(entry.end, end)
+        if out and entry.begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((entry.begin, stop))
+    return out
 
 
 def may_write(spec: pb.JournalSpec) -> bool:

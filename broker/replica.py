@@ -110,6 +110,10 @@ class Replica:
         read its stores and intervals)."""
         if self.spec is None or self.spec != spec:
             self.spec = spec
+            # A suspension's offset (kept once resumed) is where the journal was written up to
+            # when it was suspended: its write head is never below it, even where no fragment
+            # reaches it (an exit flush whose store failed records it over the lost content).
+            self.index.raise_head_floor(spec.suspend.offset)
             self._spec_changed.set()
             self._spec_changed = Event()
 

@@ -20,7 +20,7 @@ from aetcd import transactions
 
 from broker.allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
-from broker.append_fsm import AppendFSM, BrokerExiting, Chunk
+from broker.append_fsm import FLUSH_TIMEOUT, AppendFSM, BrokerExiting, Chunk
 from broker.client.dialer import Dialer
 from broker.client.journals import PLACEMENT
 from broker.context import BrokerContext
@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 # How long a hole in a journal's offsets lasts before its primary warns of it (see
 # JournalService._report_holes): longer than a persist usually takes.
 HOLE_GRACE = 120.0
+# What an exit flush leaves, of its bound, to record a journal's suspension in etcd after its
+# wait for the store ends (a resolve and a transaction).
+SUSPEND_MARGIN = 3.0
 # Upstream's: auto-suspension waits for this many pulses on an unchanged route.
 AUTO_SUSPEND_STABLE_PULSES = 15
 # Pulses of one broker in flight at once. A placement or a member's loss changes the routes of
@@ -222,9 +225,16 @@ class JournalService(pb_grpc.JournalServicer):
         is settled: flushed here whenever this broker is (or becomes) its primary, otherwise
         waited for (keeping our replica serving its primary's pipeline) until its spec shows
         the suspension or our replica is gone. Once flushed, this broker takes no more appends
-        to it (BrokerContext.sealed)."""
+        to it (BrokerContext.sealed).
+
+        A journal whose stores do not take its content in time is suspended at its end all
+        the same, SUSPEND_MARGIN before `timeout` at the latest: its content is lost (every
+        replica is exiting), but its offsets are not handed out again (see
+        AppendFSM._flush_then_suspend)."""
         self.ctx.exiting = True
         settling: dict[int, asyncio.Task[None]] = {}
+        journals: dict[int, str] = {}
+        deadline = asyncio.get_running_loop().time() + timeout
 
         def candidates() -> list[Replica]:
             return [
@@ -238,7 +248,8 @@ class JournalService(pb_grpc.JournalServicer):
                 async with asyncio.TaskGroup() as tg:
                     while True:
                         for replica in candidates():
-                            settling[id(replica)] = tg.create_task(self._settle(replica))
+                            journals[id(replica)] = replica.journal
+                            settling[id(replica)] = tg.create_task(self._settle(replica, deadline))
                         if all(t.done() for t in settling.values()):
                             await asyncio.sleep(0.1)  # A replica started meanwhile?
                             if not candidates():
@@ -246,11 +257,18 @@ class JournalService(pb_grpc.JournalServicer):
                         else:
                             await asyncio.wait(settling.values(), timeout=0.1)
         except TimeoutError:
-            log.warning("flushing journals before exiting took over %gs; stopping anyway", timeout)
+            unsettled = sorted(journals[k] for k, t in settling.items() if not t.done())
+            log.warning(
+                "flushing journals before exiting took over %gs; stopping anyway, with %s "
+                "neither flushed nor suspended (a restart resumes each at its stores' end, "
+                "which may be below what was acknowledged)",
+                timeout, ", ".join(unsettled) or "none",
+            )  # fmt: skip
 
-    async def _settle(self, replica: Replica) -> None:
+    async def _settle(self, replica: Replica, deadline: float) -> None:
         """Flush `replica`'s journal at our exit whenever we are its primary, until it is
-        suspended (by us or by its primary) or our replica stops."""
+        suspended (by us or by its primary) or our replica stops. A flush waits for the store
+        until SUSPEND_MARGIN before `deadline` (loop time) at most, then suspends anyway."""
         backoff = Backoff(initial=0.1, factor=2.0, maximum=1.0)
         while not replica.stopped and replica.journal not in self.ctx.sealed:
             spec = replica.spec
@@ -268,7 +286,18 @@ class JournalService(pb_grpc.JournalServicer):
                     return  # Its primary is gone: nobody is left to flush it.
                 await wait_any(replica.spec_changed_event, replica.invalidated, timeout=0.5)
                 continue
-            fsm = await self._flush(replica)
+            wait = deadline - asyncio.get_running_loop().time() - SUSPEND_MARGIN
+            fsm = await self._flush(replica, max(0.0, min(FLUSH_TIMEOUT, wait)))
+            if fsm.status == pb.SUSPENDED and fsm.error is None and fsm.unpersisted:
+                lost = ", ".join(f"[{b}, {e})" for b, e in fsm.unpersisted)
+                log.error(
+                    "journal %s: could not persist %s before exiting (%s), and every replica "
+                    "of it is exiting: that content is lost unless the store takes it before "
+                    "this broker stops (its spool goes with it). Its end is recorded: the "
+                    "journal resumes at offset %d, and reads of %s report a hole",
+                    replica.journal, lost, fsm.store_health_error, fsm.flush_end, lost,
+                )  # fmt: skip
+                return
             if fsm.status == pb.SUSPENDED and fsm.error is None:
                 log.info("flushed %s and suspended it at its end for the restart", replica.journal)
                 return
@@ -284,16 +313,14 @@ class JournalService(pb_grpc.JournalServicer):
             reason = fsm.error or fsm.store_health_error or pb.Status.Name(fsm.status)
             if fsm.status != pb.NOT_JOURNAL_PRIMARY_BROKER:
                 log.warning(
-                    "could not flush %s before exiting (%s); retrying: unless it is flushed, "
-                    "after a restart it needs `gazctl journals reset-head`",
-                    replica.journal, reason,
-                )  # fmt: skip
+                    "could not flush %s before exiting (%s); retrying", replica.journal, reason
+                )
             await asyncio.sleep(backoff.next_delay())
 
-    async def _flush(self, replica: Replica) -> AppendFSM:
+    async def _flush(self, replica: Replica, timeout: float) -> AppendFSM:
         fsm = AppendFSM(
             self.ctx, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
-            flush_and_suspend=True,
+            flush_and_suspend=True, flush_timeout=timeout,
         )  # fmt: skip
         commit = iter([Chunk(pb.AppendRequest()), Chunk(None)])
 

@@ -47,6 +47,9 @@ class Index:
         self.refresh_requested = Event()
         self._listed = Event()  # Set at the next listing (replaced by a fresh one).
         self._closed = False
+        # An offset the journal is known to have been written up to, whatever fragments are
+        # left (its spec's suspension offset): the write head is never below it.
+        self._head_floor = 0
 
     # ---- spool observer -----------------------------------------------------------------------
 
@@ -137,7 +140,16 @@ class Index:
 
     @property
     def write_head(self) -> int:
-        return self._set.end_offset()
+        """The end of the last fragment, or the known floor of the journal's head when the
+        fragments end below it (content lost with every replica): reads below it meet a hole
+        there rather than an empty journal."""
+        return max(self._set.end_offset(), self._head_floor)
+
+    def raise_head_floor(self, offset: int) -> None:
+        """The journal was written up to `offset` (see `write_head`)."""
+        if offset > self._head_floor:
+            self._head_floor = offset
+            self._signal()  # Waiting reads see the head move.
 
     def end_offset(self) -> int:
         """The largest offset any fragment reaches (the index's max offset)."""
