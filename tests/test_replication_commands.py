@@ -344,3 +344,31 @@ def test_new_events_only_joins_where_replication_brings_the_change_first(
     wait_until(lambda: locations.status("D")["clock"] == "ok", "D heard from C")
     wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's")
     assert [r["floor"] for r in joined_records(location_broker.address, "D")] == [dvv_a]
+
+
+def test_new_events_only_on_a_connection_made_already_joins_at_once(
+    location_broker: BrokerProcess, locations: LocationProcesses, etcd_server: EtcdServer
+) -> None:
+    """A network of before joins were recorded with the change: its gazctl recorded A -> D and
+    died before its join step, so D's connection waits on DVV-A <= CVV-D. The same command,
+    repeated, finds the connection made and asks D to join now, as it did then."""
+    from replication.topology import Connected
+
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "D"))
+    for name in "ABD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B")
+    locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
+    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
+    locations.ok("delete", "A", "--through", "3")
+    record_straight_into_etcd(etcd_server, locations.prefix, Connected("A", "D"))
+    wait_until(lambda: connections(locations, "D") == ["A"], "D reads A")
+    wait_until(
+        lambda: locations.status("D")["connections"][0]["state"].startswith("waiting: DVV-A"),
+        "D's connection from A waits",
+    )
+    out = locations.ok("connect", "A", "D", "--new-events-only")
+    assert "A -> D: connected already" in out and "D: joined for new events" in out, out
+    locations.ok("emit", "A", '{"n": 4}')
+    wait_until(lambda: 4 in nums(locations, "D"), "D holds A's new event")
+    assert nums(locations, "D") == nums(locations, "A") == [3, 4]

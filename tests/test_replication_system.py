@@ -46,6 +46,35 @@ def test_payloads_round_trip_and_bad_ones_are_refused() -> None:
         change_of(Event("A", VectorClock({"A": 1}), {"system": {"type": "teleported"}}))
 
 
+def test_a_new_events_only_change_carries_its_join_and_older_records_do_not_join() -> None:
+    """`--new-events-only` rides on the recorded change (flag and floor), for its target only;
+    a change recorded before the fields existed is not new-events-only; the join is no part of
+    what the change is (views of a history with and without it are the same)."""
+    from replication.system import change_from, join_floor
+    from replication.topology import FailedOver
+
+    floor = (("A", 3), ("B", 1))
+    for change in (
+        Connected("A", "D", "", new_only=True, floor=floor),
+        FailedOver("B", "A", "D", "x=1", new_only=True, floor=floor),
+    ):
+        body = change_document(change, 7)
+        assert body["new_events_only"] is True and body["floor"] == {"A": 3, "B": 1}
+        again = change_from(body)
+        assert isinstance(again, Connected | FailedOver)
+        assert (again, again.new_only, again.floor) == (change, True, floor)
+        assert join_floor(again, "D") == VectorClock({"A": 3, "B": 1})
+        assert join_floor(again, "A") is None  # Only its target joins.
+    old = {"type": "connected", "source": "A", "target": "D", "filter": "", "op": 7}
+    assert join_floor(change_from(old), "D") is None
+    assert "new_events_only" not in change_document(Connected("A", "D"))
+    plain = Topology.of([Connected("A", "D")])
+    joining = Topology.of([Connected("A", "D", new_only=True, floor=floor)])
+    assert plain.state() == joining.state()
+    with pytest.raises(ValueError, match="change: floor"):
+        change_from(old | {"new_events_only": True, "floor": {"A": "three"}})
+
+
 def test_every_location_builds_the_same_view_of_the_history() -> None:
     loc = {n: Location(n) for n in "ABCD"}
 
