@@ -317,7 +317,7 @@ class JournalService(pb_grpc.JournalServicer):
                 )
             await asyncio.sleep(backoff.next_delay())
 
-    async def _flush(self, replica: Replica, timeout: float) -> AppendFSM:
+    async def _flush(self, replica: Replica, timeout: float | None = None) -> AppendFSM:
         fsm = AppendFSM(
             self.ctx, pb.AppendRequest(journal=replica.journal, do_not_proxy=True),
             flush_and_suspend=True, flush_timeout=timeout,
