@@ -127,8 +127,7 @@ async def test_a_read_goes_past_a_range_no_store_holds_and_apply_warns_of_it(
 
     b/ holds [0, 10), so that the hole, [10, 20), has a fragment on each side whether or not
     [20, 40) has been persisted to b/ and listed by the time of the read (the stores change
-    rolls it, and its primary persists it at once): a read starting before every fragment
-    would jump to the first one, as upstream's does, with nothing to note."""
+    rolls it, and its primary persists it at once)."""
     for store in ("a", "b"):
         (root / store).mkdir()
     persist(root, 0, 20, "file:///a/")
@@ -167,6 +166,27 @@ async def test_a_read_goes_past_a_range_no_store_holds_and_apply_warns_of_it(
     await reader.aclose()
     # Without one, a read stops at the hole, as upstream's does.
     assert [c async for c in read(stub, JOURNAL, 10, block=False)] == []
+
+
+async def test_a_read_from_before_every_fragment_says_what_it_skipped(
+    broker: BrokerProcess, stub: pb_grpc.JournalStub, root: Path
+) -> None:
+    """A journal whose stores begin at 100 (its first content lost with every replica at a
+    graceful exit whose store failed, or removed from the stores): the broker moves a read from
+    0 to the first fragment, as upstream's does, and the reader says what it skipped rather
+    than going on quietly (`gazctl journals read` printed the rest with no note)."""
+    (root / "fragments").mkdir()
+    persist(root, 100, 200)
+    await apply_journal(broker)
+    skipped: list[tuple[int, int]] = []
+    got = b"".join(
+        [c.content async for c in read(stub, JOURNAL, 0, block=False, on_hole=lambda b, e: skipped.append((b, e)))]
+    )  # fmt: skip
+    assert (got, skipped) == (content(100, 200), [(0, 100)])
+    r = gazctl(broker, "journals", "read", "-l", f"name={JOURNAL}")
+    assert r.code == 0, r.err
+    assert r.out.encode() == content(100, 200)
+    assert f"{JOURNAL}: skipped [0, 100): no broker holds it" in r.err, r.err
 
 
 async def test_a_broker_stopping_with_a_hole_in_its_journal_suspends_it_and_exits(

@@ -110,6 +110,11 @@ async def read(
                             yield held
                             held = None
                         fragment, head = response.fragment, response.write_head
+                        if on_hole is not None and not begin_mod_time and response.offset > offset:
+                            # The broker moved the read past a range nothing holds (content
+                            # lost with every replica, or removed from the stores): said, as
+                            # any other hole, rather than skipped quietly.
+                            on_hole(offset, response.offset)
                         offset = response.offset
                         if use_urls and response.fragment_url:
                             follow = (response.fragment_url, response.fragment, response.offset)
