@@ -672,7 +672,7 @@ class Consumer:
 
                 async def advertise() -> None:  # Once the store is fenced and restored.
                     if recorder is not None and recovered is not None:
-                        await self._store_recovered_hints(replica, spec, recorder, recovered)
+                        await self._store_recovered_hints(replica, spec, recorder, recovered, store)
                     await self._set_status(
                         replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.PRIMARY)
                     )
@@ -728,18 +728,18 @@ class Consumer:
         return await playback.hand_off(service)
 
     async def _store_recovered_hints(
-        self, replica: _Replica, spec: cpb.ShardSpec, recorder: Any, recovered: Any
+        self, replica: _Replica, spec: cpb.ShardSpec, recorder: Any, recovered: Any, store: Store
     ) -> None:
         """As upstream, once the store opened and restored its checkpoint: the hints of the
         state reached at hand-off rotated into the backups, and the recorder's stored as the
-        primary's."""
+        primary's (taken as `_current_hints` takes them)."""
         rotated = await self._through_etcd(
             f"shard {spec.id}: rotating its hints",
             lambda: rotate_hints(self.etcd, spec, recovered, replica.assignment),
         )
         if not rotated:
             raise RuntimeError(f"shard {spec.id}: assignment lost while recovering")
-        hints = await recorder.build_hints()
+        hints = await _current_hints(store, recorder)
         await self._through_etcd(
             f"shard {spec.id}: storing its hints",
             lambda: store_hints(self.etcd, spec, hints, replica.assignment),
@@ -773,8 +773,7 @@ class Consumer:
         assert shard is not None and shard.recorder is not None
         while True:
             await asyncio.sleep(self.config.hints_interval)
-            build = getattr(store, "build_hints", None)
-            hints = await build() if build is not None else await shard.recorder.build_hints()
+            hints = await _current_hints(store, shard.recorder)
             try:
                 await store_hints(self.etcd, spec, hints, replica.assignment)
             except ETCD_TRANSIENT as exc:  # As upstream: said, and tried at the next interval.
@@ -856,6 +855,18 @@ class Consumer:
         response.read_through.update(replica.progress.read_through)
         response.publish_at.update(replica.progress.publish_at)
         return response
+
+
+async def _current_hints(store: Store, recorder: Any) -> Any:
+    """The primary's hints now, naming only operations its log holds. A store that records
+    from its own thread (SQLite) takes them there (`build_hints`): what it recorded and has not
+    handed to the loop yet (a WAL created at open, before any sync) is in the recorder's FSM but
+    not in the log, and hints read on the loop would name it, failing every player of them
+    with "possible data loss" until the store next syncs."""
+    build = getattr(store, "build_hints", None)
+    if build is not None:
+        return await build()
+    return await recorder.build_hints()
 
 
 def _first_error(exc: BaseException) -> BaseException:
