@@ -165,7 +165,8 @@ MODELCHECK_BOUNDS = [
 
 # The bounds of the operator commands' check over partial views (replication/modelcheck_commands
 # .py), each run on the old protocol, which must find issue 38's defects (exit 1), and on the new
-# one, which must find none (about six CPU-minutes in all; figures in docs/reliability.md).
+# one, which must find none (about nine CPU-minutes in all, 1.2 GB at most; figures in
+# docs/reliability.md).
 MODELCHECK_COMMANDS_BOUNDS = [
     ["--start", "issue7", "--locations", "4", "--commands", "2", "--stops", "1", "--deaths", "1"],
     ["--locations", "3", "--commands", "2", "--operators", "2", "--stops", "1", "--deaths", "1",
