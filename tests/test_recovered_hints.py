@@ -6,23 +6,29 @@ log, and must not be named by hints until it is."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
 import aetcd
+import pytest
 from google.protobuf import duration_pb2
 
 from broker.client.append_service import AppendService
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.protocol import recorded_op_pb2 as rpb
 from broker.testing import BrokerHarness, EtcdServer
 from consumer.protocol import cpb, hint_primary_key
+from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.hints import decode_hints
 from consumer.recoverylog.player import Player
+from consumer.recoverylog.recorder import Recorder
 from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.consumer_testing import INPUT
 from tests.consumer_testing import spec as journal_spec
+from tests.recoverylog_testing import new_log
 from tests.test_consumer_runtime import (
     RecordedSummer,
     _consumed,
@@ -100,3 +106,33 @@ async def test_a_new_primarys_hints_play_at_once_before_it_commits_anything(
         await etcd.delete_prefix(root.encode())
         await etcd.delete_prefix(shard.hint_prefix.encode())
         await etcd.close()
+
+
+async def test_a_recorders_hints_never_name_what_its_thread_has_not_handed_to_the_log(
+    recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
+) -> None:
+    """A file created from a store's thread is in the recorder's FSM at once, and in the log
+    only once the thread flushes it. Hints taken on the loop meanwhile are refused with one
+    line naming the operation and what to do, rather than returned to be stored, naming what
+    the log does not hold; once flushed, the hints name it and play."""
+    log = await new_log(recovery_broker)
+    source = tmp_path / "source"
+    source.mkdir()
+    async with AppendService(recovery_stub) as service:
+        recorder = Recorder(log, FSM(rpb.FSMHints(log=log)), new_author(), str(source), service)
+        await recorder.start()
+        (source / "db-wal").write_bytes(b"")
+        fnode = await asyncio.to_thread(recorder.record_create, str(source / "db-wal"))
+        with pytest.raises(
+            RuntimeError, match=f"seq_no {fnode}, recorded off the event loop and not handed"
+        ):
+            await recorder.build_hints()
+
+        await asyncio.to_thread(recorder.flush)
+        await recorder.durable()
+        hints = await recorder.build_hints()
+        assert [n.fnode for n in hints.live_nodes] == [fnode]
+        player = Player()
+        player.finish_at_write_head()
+        await player.play(hints, tmp_path / "played", lambda: recovery_stub, service)
+    assert (tmp_path / "played" / "db-wal").read_bytes() == b""

@@ -65,6 +65,10 @@ class Recorder:
         # Off the loop: ops recorded and not yet handed to it (sent at a sync, or once large).
         self._buffer: list[bytes] = []
         self._buffered = 0
+        # The last seq_no handed to the AppendService (on the loop): hints name none after it.
+        # Everything before this recorder began was played from the log, so is in it.
+        self._handed_seq_no = fsm.next_seq_no - 1
+        self._buffered_seq_no = self._handed_seq_no  # Of the last op in `_buffer` (the thread's).
 
     async def start(self) -> None:
         """Learn the write head; take the log if it is not the one recovered from; from then on
@@ -152,10 +156,11 @@ class Recorder:
         loop = self._loop
         assert loop is not None
         if _on_loop(loop):
-            self._write(content, registers)
+            self._write(content, registers, op.seq_no)
         else:
             self._buffer.append(content)
             self._buffered += len(content)
+            self._buffered_seq_no = op.seq_no
             if self._buffered >= _FLUSH_AT:
                 self.flush()
 
@@ -168,11 +173,14 @@ class Recorder:
         self._buffer.clear()
         self._buffered = 0
         assert self._loop is not None and self._registers is not None
-        self._loop.call_soon_threadsafe(self._write, content, self._registers)
+        self._loop.call_soon_threadsafe(
+            self._write, content, self._registers, self._buffered_seq_no
+        )
 
-    def _write(self, content: bytes, registers: Registers) -> None:
-        """On the loop: queue one op's bytes, in order."""
+    def _write(self, content: bytes, registers: Registers, through_seq_no: int) -> None:
+        """On the loop: queue the bytes of ops up to `through_seq_no`, in order."""
         span = self.service.write_nowait(self.log, content, registers)
+        self._handed_seq_no = through_seq_no
         if self._last is None or span.batch is not self._last.batch:
             span.batch.add_done_callback(self._landed)
         self._last = span
@@ -216,8 +224,19 @@ class Recorder:
         await self._settled(self.barrier())
 
     async def build_hints(self) -> rpb.FSMHints:
-        """Hints for a player to rebuild what was recorded so far, returned once all of it is
-        durable (hints must never name operations the log does not hold)."""
+        """On the loop: hints for a player to rebuild what was recorded so far, returned once
+        all of it is durable (hints must never name operations the log does not hold).
+        RuntimeError if they would name an operation recorded off the loop and not yet handed
+        to it (`flush`): take such a recorder's hints on its own thread."""
         hints = self.fsm.build_hints(self.log)
+        named = max((s.last_seq_no for n in hints.live_nodes for s in n.segments), default=0)
+        if named > self._handed_seq_no:
+            # Returned, these hints would be stored and fail every player of them ("possible
+            # data loss") until the thread next flushes, or for good if it never does.
+            raise RuntimeError(
+                f"hints of {self.log} name seq_no {named}, recorded off the event loop and not "
+                f"handed to the log yet (through seq_no {self._handed_seq_no}): take them on "
+                "the recording thread after flush() (the store's build_hints)"
+            )
         await self.sync()
         return hints
