@@ -40,10 +40,12 @@ The protocols (`--protocol`):
   enters its log by any route (`--join fold`, the default): gazctl's delivery, catch-up, or
   replication from a location that had it first. With `--join delivery` (only where gazctl or
   catch-up records it) the check finds the change that replication brings first, and the join
-  never made; with `--join gazctl` (replication/commands.py and gazctl as built: gazctl asks
-  the target to join once etcd recorded the change, and repeats the join when the command is
-  run again on a connection made already), a gazctl that dies after the txn leaves the
-  connection recorded without its join until the operator runs the command again. Catch-up
+  never made; with `--join gazctl` (the protocol as first built: gazctl asks the target to
+  join once etcd recorded the change, and repeats the join when the command is run again on a
+  connection made already), a gazctl that dies after the txn leaves the connection recorded
+  without its join until the operator runs the command again. The code now does as `fold`:
+  the recorded change carries its join floor, and the target's writer joins as it stores the
+  change, whichever route brought it (replication/journal_log.py). Catch-up
   records every change of etcd's that the log lacks, in op order, whether it involves the
   location or not (as `LocationServer` does). With `--no-cas`, the txn does not compare the head gazctl read: two operators'
   commands, each keeping the rules alone, are both recorded.
