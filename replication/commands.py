@@ -104,7 +104,9 @@ async def read_history(etcd: aetcd.Client, prefix: str) -> History:
         failure=[],
     )
     try:
-        response = await etcd.kvstub.Txn(request, timeout=etcd._timeout, metadata=etcd.metadata)
+        response = await etcdx.uncancelled(
+            etcd.kvstub.Txn(request, timeout=etcd._timeout, metadata=etcd.metadata)
+        )
     except rpc.AioRpcError as exc:
         aetcd.exceptions._handle_exception(exc)
         raise
