@@ -319,6 +319,7 @@ class Consumer:
         unreachable, until `deadline` (then its error is raised)."""
         backoff = Backoff(initial=0.1, maximum=2.0)
         loop = asyncio.get_running_loop()
+        said = False
         while True:
             try:
                 return await call()
@@ -326,7 +327,14 @@ class Consumer:
                 raw = isinstance(exc, grpc.aio.AioRpcError)  # The keyspace reads etcd's stub.
                 if (raw and exc.code() != grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:
                     raise
-                log.warning("starting: %s: etcd unavailable (%s): trying again", what, exc)
+                if not said:  # One line, once: the wait is bounded, and its end says why.
+                    said = True
+                    why = exc.details() if raw else str(exc)
+                    first = (why or type(exc).__name__).splitlines()[0]
+                    log.warning(
+                        "starting: %s: etcd unavailable (%s): waiting for it for up to %.0fs",
+                        what, first, max(0.0, deadline - loop.time()),
+                    )  # fmt: skip
                 await backoff.sleep()
 
     async def _announce(self, deadline: float) -> None:
