@@ -467,7 +467,8 @@ def test_a_token_that_selects_both_locations_connects_them(
     etcd_server: EtcdServer, tmp_path: Path
 ) -> None:
     """The positive case: a token selecting both logs (`team in (x, y)`; or A's and C's names)
-    connects B -> A at both ends, and A's log then holds B's event; it resets A's progress for
+    connects B -> A (one command, recorded in etcd's history; the same call at the other end
+    is accepted as in effect), both logs come to hold it, and A's log then holds B's event; it resets A's progress for
     B, joins and trusts the clock naming B. A location both see may be named; one it does not
     is still refused."""
     net = _start_network(etcd_server, tmp_path, "A", "B", "C")
@@ -491,8 +492,26 @@ def test_a_token_that_selects_both_locations_connects_them(
             connect = lpb.ChangeRequest(
                 change=lpb.Change(connected=lpb.Change.Connection(source="B", target="A")), record=True
             )  # fmt: skip
+            # One whole command records it in etcd's history (then in A's log); the same call
+            # at the other end finds it in effect and is accepted, not refused. Whether B's
+            # call stores an event depends on whether B's follower of etcd's history recorded
+            # it first, so only the acceptance is asserted; both logs then hold the change.
+            assert (await a.Change(connect, metadata=token, timeout=10)).recorded
+            await b.Change(connect, metadata=token, timeout=10)
+
+            def connected(status: Any) -> bool:
+                return any(
+                    kc.change.WhichOneof("change") == "connected"
+                    and (kc.change.connected.source, kc.change.connected.target) == ("B", "A")
+                    for kc in status.history
+                )
+
             for stub in (a, b):
-                assert (await stub.Change(connect, metadata=token, timeout=10)).recorded
+
+                async def holds(stub: Any = stub) -> bool:
+                    return connected(await stub.Status(lpb.StatusRequest(), metadata=token, timeout=10))  # fmt: skip
+
+                await _until(holds)
 
             async def arrived() -> bool:
                 read = await a.Read(lpb.ReadRequest(after=0, limit=1000), metadata=token, timeout=10)  # fmt: skip
