@@ -433,7 +433,9 @@ class AppendFSM:
         if persister is not None and spec.fragment.stores and not self.flush_and_suspend:
             # As upstream: refused while the journal's first store fails its health checks. (An
             # exit flush adds nothing: it waits for the store itself, and suspends an empty one.)
-            problem = await persister.health.await_healthy(spec.fragment.stores[0], res.invalidated)
+            problem = await persister.health.await_healthy(
+                spec.fragment.stores[0], spec.name, res.invalidated
+            )
             if res.invalidated.is_set():
                 self.state = State.RESOLVE
                 return

@@ -513,6 +513,13 @@ async def left_behind(stores_broker: Cluster) -> Cluster:
     await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
     change = pb.ApplyRequest.Change(upsert=journal_spec("y/logs", "y", "file:///new/"), expect_mod_revision=-1)  # fmt: skip
     await stub.Apply(pb.ApplyRequest(changes=[change]), metadata=md(auth.ALL, team("y")))
+    # The broker's own health check of file:///new/ probes under y/logs/ there: an append waits
+    # for it, and the tests' snapshots of the root are taken once no probe is half written.
+    await append_routed(stub, "y/logs", b"", metadata=admin())
+    deadline = asyncio.get_running_loop().time() + 15
+    while partial := list(root.rglob(".partial-*")):
+        assert asyncio.get_running_loop().time() < deadline, f"still half written: {partial}"
+        await asyncio.sleep(0.05)
     return stores_broker
 
 

@@ -2,7 +2,13 @@
 
 Each store a replica of this broker uses is checked on its own schedule: the check writes a probe
 object, reads it back, lists it and signs (and, over http, fetches) a URL of it
-(`FragmentStore.health_check`), the operations persisting and serving fragments rely on. A store
+(`FragmentStore.health_check`), the operations persisting and serving fragments rely on. Unlike
+upstream, whose probe is `.test/health-check` at the store's root, the probe goes under the
+fragment path of a journal this broker checks the store for (`<journal>/.gazette~health/`, as a
+restricted FragmentStoreHealth puts it): a store may be shared by tenants whose journals have
+disjoint paths under it, and its root may be another tenant's directory (issue 37). A store is
+checked once however many journals use it, under the path of the first that watched it while that
+one still uses it, then of another. A store
 that passes is checked again after HEALTHY_INTERVAL; one that fails, sooner and sooner less often
 (RETRY_INTERVALS), each interval jittered. A store operation that fails elsewhere (a persist, a
 listing) brings the next check of a healthy store forward, so that a store gone after its last
@@ -14,8 +20,8 @@ live only in the replicas' spools, and be lost when they all stop. An append to 
 brings a check forward (at most one a second per store), so a store that recovers (the operator
 made its directory, its bucket) takes appends again at once, with no restart.
 
-Stores no replica has asked about for a sweep interval (an hour) are dropped, and their checks
-stop.
+A store is dropped, and its checks stop, when no journal uses it any longer (`unwatch`), or when no
+replica has asked about it for a sweep interval (an hour).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from broker.fragment.stores import FragmentStore
+from broker.fragment.stores.base import JOURNAL_HEALTH_DIR
 from plumbing import metrics
 from plumbing.tasks import Event, TaskOwner, first_of, wait_any
 
@@ -73,6 +80,9 @@ class _Store:
         self.checked = Event()  # Set (and replaced) as each check completes.
         self.wake = Event()  # Set to bring the next check forward.
         self.marked = True  # Asked about since the last sweep.
+        # The journals using the store, in the order they first did, each with whether it was
+        # asked about since the last sweep: checks probe under the first one's path.
+        self.journals: dict[str, bool] = {}
         self.began = 0.0  # Loop time at which the last check began.
         self.task: asyncio.Task[None] | None = None  # The checking loop.
         # Checks still out on threads (a thread cannot be stopped), by when each began.
@@ -96,10 +106,18 @@ class StoreHealth:
 
     # ---- what replicas and appends ask ------------------------------------------------------
 
-    def watch(self, url: str) -> None:
-        """`url` is in use (a replica's store): check it, if it is not checked yet, and keep it
-        from being swept. Called on the event loop."""
-        self._entry(url)
+    def watch(self, url: str, journal: str) -> None:
+        """`url` is in use (the first store of `journal`, a replica's): check it, if it is not
+        checked yet, and keep it from being swept. Called on the event loop."""
+        self._entry(url, journal)
+
+    def unwatch(self, url: str, journal: str) -> None:
+        """`journal` no longer uses store `url` (its replica stopped, or its spec names another
+        store): checks probe under another journal's path, and stop when none is left."""
+        entry = self._stores.get(url)
+        if entry is None or entry.journals.pop(journal, None) is None or entry.journals:
+            return
+        self._drop(entry)
 
     def problem(self, url: str) -> str:
         """Why store `url` is unhealthy, as of its last check ("" if it passed, or if it is not
@@ -117,16 +135,17 @@ class StoreHealth:
     async def await_healthy(
         self,
         url: str,
+        journal: str,
         invalidated: asyncio.Event,
         *,
         first_timeout: float = FIRST_CHECK_TIMEOUT,
         timeout: float = UNHEALTHY_WAIT,
     ) -> str:
-        """Why an append to a journal whose first store is `url` must be refused ("" if it may
+        """Why an append to `journal`, whose first store is `url`, must be refused ("" if it may
         go on): wait (up to `first_timeout`) for the store's first check, and while the store is
         unhealthy, bring a check forward and wait up to `timeout` for one that passes. Returns
         "" at once when `invalidated` is set (the caller resolves again)."""
-        entry = self._entry(url)
+        entry = self._entry(url, journal)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + first_timeout
         while not entry.checked_once and not invalidated.is_set():
@@ -155,7 +174,7 @@ class StoreHealth:
             _release(entry)
         self._stores.clear()
 
-    def _entry(self, url: str) -> _Store:
+    def _entry(self, url: str, journal: str) -> _Store:
         entry = self._stores.get(url)
         if entry is None:
             entry = _Store(url)
@@ -167,20 +186,29 @@ class StoreHealth:
             else:
                 entry.checked_once, entry.error = True, "the broker is stopping"
         entry.marked = True
+        entry.journals[journal] = True
         return entry
+
+    def _drop(self, entry: _Store) -> None:
+        """Stop checking `entry`'s store; waiters are released with its last known health."""
+        if self._stores.get(entry.url) is entry:
+            del self._stores[entry.url]
+        if entry.task is not None:
+            entry.task.cancel()  # Its owner (self._tasks) awaits it at `close`.
+        _release(entry)
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL)
             for url, entry in list(self._stores.items()):
-                if entry.marked:
+                # A journal not asked about since the last sweep (its replica went without an
+                # `unwatch`) no longer names where the store's probes go.
+                entry.journals = {j: False for j, marked in entry.journals.items() if marked}
+                if entry.marked and entry.journals:
                     entry.marked = False
                     continue
-                del self._stores[url]
                 log.info("fragment store %s is no longer used: its health checks stop", url)
-                if entry.task is not None:
-                    entry.task.cancel()  # Its owner (self._tasks) awaits it at `close`.
-                _release(entry)
+                self._drop(entry)
 
     # ---- checking ---------------------------------------------------------------------------
 
@@ -233,7 +261,11 @@ class StoreHealth:
                         "fragment store %s: no answer to its health check for %.1fs; checking "
                         "again beside it", entry.url, now - min(mine.values()),
                     )  # fmt: skip
-                call = loop.run_in_executor(_CHECKERS, self._check_blocking, entry.url)
+                if not entry.journals:  # Not reached: the last `unwatch` drops the store.
+                    return f"fragment store {entry.url}: no journal uses it here"
+                # Under the path of a journal using the store, never at its root (see above).
+                probe_dir = f"{next(iter(entry.journals))}/{JOURNAL_HEALTH_DIR}/"
+                call = loop.run_in_executor(_CHECKERS, self._check_blocking, entry.url, probe_dir)
                 call.add_done_callback(lambda done: _forget(entry, done))
                 entry.calls[call] = mine[call] = now
             remaining = began + CHECK_TIMEOUT - now
@@ -250,8 +282,8 @@ class StoreHealth:
                     return ""
                 return _named(entry.url, str(exc) or type(exc).__name__)
 
-    def _check_blocking(self, url: str) -> None:
-        self._open_store(url).health_check()
+    def _check_blocking(self, url: str, probe_dir: str) -> None:
+        self._open_store(url).health_check(probe_dir=probe_dir)
 
 
 def _named(url: str, error: str) -> str:

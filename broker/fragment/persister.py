@@ -289,44 +289,56 @@ class Persister:
         does not hold the appends (see `_first_listing`)."""
         backoff = store_backoff(FIRST_LISTING_RETRY_MAX)
         loop = asyncio.get_running_loop()
-        while not replica.stopped:
-            spec = replica.spec
-            if spec is None:
-                await replica.spec_changed_event.wait()
-                continue
-            if spec.fragment.stores:
-                self.health.watch(spec.fragment.stores[0])  # Checked while a replica uses it.
-            first = not replica.index.first_refresh.is_set()
-            interval = spec.fragment.refresh_interval.seconds or 60
-            try:
-                if not spec.fragment.stores:
-                    listed = []  # Nothing to list: no thread, no wait.
-                elif first:
-                    listed = await self._first_listing(replica, spec)
+        # The store this journal is watched as using, let go of when the replica stops or its
+        # spec names another first store (so that the store's probes move to another journal).
+        watched = ""
+        try:
+            while not replica.stopped:
+                spec = replica.spec
+                if spec is None:
+                    await replica.spec_changed_event.wait()
+                    continue
+                first_store = spec.fragment.stores[0] if spec.fragment.stores else ""
+                if first_store:
+                    # Checked while a replica uses it (perhaps probed under its path).
+                    self.health.watch(first_store, replica.journal)
+                if watched and watched != first_store:
+                    self.health.unwatch(watched, replica.journal)
+                watched = first_store
+                first = not replica.index.first_refresh.is_set()
+                interval = spec.fragment.refresh_interval.seconds or 60
+                try:
+                    if not spec.fragment.stores:
+                        listed = []  # Nothing to list: no thread, no wait.
+                    elif first:
+                        listed = await self._first_listing(replica, spec)
+                    else:
+                        listed = await loop.run_in_executor(
+                            _LISTERS,
+                            self.list_blocking,
+                            replica.journal,
+                            spec,
+                            self.guards(replica.journal, spec),
+                        )
+                except Exception as exc:
+                    delay = min(backoff.next_delay(), interval)
+                    replica.index.refresh_error = f"listing fragments: {exc}"
+                    for url in spec.fragment.stores:
+                        self.health.suspect(url)
+                    log.warning("listing fragments of %s failed: %s", replica.journal, exc)
                 else:
-                    listed = await loop.run_in_executor(
-                        _LISTERS,
-                        self.list_blocking,
-                        replica.journal,
-                        spec,
-                        self.guards(replica.journal, spec),
-                    )
-            except Exception as exc:
-                delay = min(backoff.next_delay(), interval)
-                replica.index.refresh_error = f"listing fragments: {exc}"
-                for url in spec.fragment.stores:
-                    self.health.suspect(url)
-                log.warning("listing fragments of %s failed: %s", replica.journal, exc)
-            else:
-                backoff = store_backoff()  # Reset; and past the first listing, capped higher.
-                replica.index.refresh_error = ""
-                if replica.stopped:
-                    return
-                replica.index.replace_remote(listed)
-                delay = interval
-            requested = replica.index.refresh_requested
-            await wait_any(requested, replica.spec_changed_event, timeout=delay)
-            requested.clear()
+                    backoff = store_backoff()  # Reset; and past the first listing, capped higher.
+                    replica.index.refresh_error = ""
+                    if replica.stopped:
+                        return
+                    replica.index.replace_remote(listed)
+                    delay = interval
+                requested = replica.index.refresh_requested
+                await wait_any(requested, replica.spec_changed_event, timeout=delay)
+                requested.clear()
+        finally:
+            if watched:
+                self.health.unwatch(watched, replica.journal)
 
     async def _first_listing(
         self, replica: JournalReplica, spec: pb.JournalSpec
