@@ -15,6 +15,8 @@ import grpc
 import pytest
 
 from broker.client.routes import append_routed
+from broker.fragment.stores import HEALTH_CHECK_CONTENT, HEALTH_CHECK_PATH
+from broker.fragment.stores.base import JOURNAL_HEALTH_DIR
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
@@ -44,6 +46,16 @@ async def two_persisting_brokers(etcd_server: Any, etcd_prefix: str, tmp_path: P
         grpc.aio.insecure_channel(first.endpoint.removeprefix("http://")) as channel,
     ):
         yield pb_grpc.JournalStub(channel), root  # type: ignore[no-untyped-call]
+
+
+def _is_health_probe(path: Path) -> bool:
+    """Whether `path` is a store health check's probe (at the store's root or under a journal's
+    path), holding only the probe's content."""
+    name = HEALTH_CHECK_PATH.rpartition("/")[2]
+    dirs = (HEALTH_CHECK_PATH.rpartition("/")[0], JOURNAL_HEALTH_DIR)
+    return (
+        path.name == name and path.parent.name in dirs and path.read_bytes() == HEALTH_CHECK_CONTENT
+    )
 
 
 async def _members(stub: pb_grpc.JournalStub, name: str) -> int:
@@ -96,6 +108,10 @@ async def test_a_deleted_journals_last_fragment_is_never_persisted_by_a_journal_
         while len(outcomes()) < 2:
             await asyncio.sleep(0.05)
     assert not [m for m in outcomes() if "file:///x/" in m], outcomes()
-    assert not [p for p in (root / "x").rglob("*") if p.is_file()], "persisted into x's store"
+    # x's store holds nothing but the probes of its own store's health checks
+    # (broker/fragment/health.py, its own journal's): no fragment, and nothing of y's.
+    written = [p for p in (root / "x").rglob("*") if p.is_file()]
+    assert not [p for p in written if SECRET in p.read_bytes()], "y's content in x's store"
+    assert not [p for p in written if not _is_health_probe(p)], ("persisted into x's store", written)  # fmt: skip
     status, content = await read_content(stub, victim, x)
     assert SECRET not in content, (status, content)
