@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -197,6 +198,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return _xdist_scope(nodeid, module_scoped)
 
     return Grouped(config, log)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cluster_dir(tmp_path: Path) -> Iterator[Path]:
+    """A `gazctl dev` cluster's directory; whatever a test left running there is stopped by
+    pid."""
+    from gazctl.dev import ClusterState, is_running
+
+    directory = tmp_path / "dev"
+    yield directory
+    state = ClusterState.load(directory)
+    if state is not None:
+        for proc in state.all():
+            if is_running(proc):
+                os.kill(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

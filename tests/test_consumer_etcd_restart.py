@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import uuid
@@ -288,9 +289,21 @@ async def test_a_consumer_started_while_etcd_is_killed_waits_for_it_and_serves(
     root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
     kill_etcd(own_etcd)
     consumer = consumer_of(0, own_etcd, sums_broker, root)
+    refused = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    class Refused(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "etcd unavailable" in record.getMessage():
+                loop.call_soon_threadsafe(refused.set)
+
+    handler = Refused()
+    logging.getLogger("consumer.runtime").addHandler(handler)
     starting = asyncio.create_task(consumer.start())
     try:
-        await asyncio.sleep(1.5)  # etcd down for a while: the start waits, it does not fail.
+        # The start meets the refusal and says it waits: it has not failed.
+        async with asyncio.timeout(30):
+            await refused.wait()
         assert not starting.done(), starting.exception()
         await asyncio.to_thread(own_etcd.start)
         async with asyncio.timeout(30):
@@ -305,6 +318,7 @@ async def test_a_consumer_started_while_etcd_is_killed_waits_for_it_and_serves(
         assert await sums_in_store(consumer) == dict(expected)
         await channel.close()
     finally:
+        logging.getLogger("consumer.runtime").removeHandler(handler)
         if not starting.done():
             starting.cancel()
         with contextlib.suppress(BaseException):

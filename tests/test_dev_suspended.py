@@ -5,8 +5,6 @@ up` starts the brokers again and is ready at once, and the journal reads back wh
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,18 +26,6 @@ SPEC = (
     f"name: {JOURNAL}\nreplication: 2\nfragment:\n  length: 1048576\n"
     "  compression_codec: NONE\n  stores:\n    - file:///dev/\n  refresh_interval: 1m0s\n"
 )
-
-
-@pytest.fixture
-def cluster_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "dev"
-    yield directory
-    # Whatever a test left behind is stopped by pid.
-    state = ClusterState.load(directory)
-    if state is not None:
-        for proc in state.all():
-            if is_running(proc):
-                os.kill(proc.pid, signal.SIGKILL)
 
 
 def dev(cluster_dir: Path, *args: str, timeout: float = 120) -> Result:

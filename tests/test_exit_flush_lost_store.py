@@ -7,29 +7,12 @@ hands out no offset below it, and a read of the lost range names it instead of e
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from pathlib import Path
-
-import pytest
 
 from broker.client.journals import JournalsClient
 from broker.protocol import protocol_pb2 as pb
-from gazctl.dev import ClusterState, is_running
 from tests.conftest import run_cli
 from tests.test_dev_suspended import JOURNAL, SPEC, dev, exported, stop_every_broker_gracefully
-
-
-@pytest.fixture
-def cluster_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "dev"
-    yield directory
-    # Whatever the test left behind is stopped by pid.
-    state = ClusterState.load(directory)
-    if state is not None:
-        for proc in state.all():
-            if is_running(proc):
-                os.kill(proc.pid, signal.SIGKILL)
 
 
 async def suspension(address: str) -> pb.JournalSpec.Suspend:

@@ -17,18 +17,6 @@ from gazctl.dev import ClusterState, is_running
 from tests.conftest import Result, run_cli
 
 
-@pytest.fixture
-def cluster_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "dev"
-    yield directory
-    # Whatever a test left behind is stopped by pid.
-    state = ClusterState.load(directory)
-    if state is not None:
-        for proc in state.all():
-            if is_running(proc):
-                os.kill(proc.pid, signal.SIGKILL)
-
-
 def test_up_status_down(cluster_dir: Path) -> None:
     r = run_cli("gazctl", "dev", "up", "--dir", str(cluster_dir), "--brokers", "2", timeout=120)
     assert r.code == 0, r.err
