@@ -206,3 +206,107 @@ def test_a_history_survives_json(tmp_path: Path) -> None:
     again = ReplicationHistory.load(tmp_path / "h.json")
     assert again.emits == history.emits and again.logs == history.logs
     assert check(again).summary() == check(history).summary()
+
+
+# ---- deletions ---------------------------------------------------------------------------------
+
+
+def deletion(
+    history: ReplicationHistory, code: int, out: str = "", *, through: int = 2, **more: Any
+) -> dict[str, Any]:
+    """`delete A --through N` as the scenario records it: A held a1 and a2 through N=2 (its
+    DVV then {A: 2}), its neighbour B's CVV {A: 2, B: 1} before and after; `more` overrides."""
+    record = {
+        "location": "A", "through": through, "mode": "allowed", "neighbours": ["B"],
+        "before": {"deleted_through": 0, "dvv": {}}, "dvv": {"A": 2},
+        "cvv_before": {"B": {"A": 2, "B": 1}}, "events": history.logs["A"][:2],
+        "after": {"deleted_through": through if code == 0 else 0, "dvv": {"A": 2} if code == 0 else {}},
+        "cvv_after": {"B": {"A": 2, "B": 1}},
+    } | more  # fmt: skip
+    history.commands.append({"args": ["delete", "A", "--through", str(through)], "code": code, "out": out, "forbidden": None, "head_before": 3, "head_after": 3, "killed": code == -9, "delete": record})  # fmt: skip
+    return record
+
+
+RULE = "A may not delete through 2: its DVV would be {A: 2}, not <= CVV-B {A: 1} (replicate to B first)"  # fmt: skip
+
+
+def test_a_refused_deletion_that_removed_events_is_flagged() -> None:
+    history = clean()
+    deletion(history, 1, RULE, cvv_before={"B": {"A": 1}})
+    assert check(history).ok, check(history).summary()  # Refused, and A still holds a1, a2.
+    history.logs["A"] = history.logs["A"][2:]  # Yet they are gone.
+    report = check(history)
+    assert kinds(history) == {"refused-changed", "missing"}, report.summary()
+    assert report.missing == 2  # a1 and a2 at A: a refusal takes nothing off what A holds.
+    # Its deletion state moved, though it said no.
+    history = clean()
+    deletion(history, 1, RULE, cvv_before={"B": {"A": 1}}, after={"deleted_through": 2, "dvv": {"A": 2}})  # fmt: skip
+    assert kinds(history) == {"refused-changed"}
+
+
+def test_an_accepted_deletion_takes_its_events_off_what_the_location_must_hold_only() -> None:
+    history = clean()
+    deletion(history, 0, "A: deleted through 2, DVV {A: 2}")
+    history.logs["A"] = history.logs["A"][2:]
+    assert check(history).ok, check(history).summary()
+    # B and D must still hold what A deleted (a1 red, a2 blue: D admits a1 only).
+    history.logs["D"].remove(history.logs["B"][0])
+    history.logs["B"].pop()  # a2
+    report = check(history)
+    assert report.missing == 2 and {v.location for v in report.violations} == {"B", "D"}
+    # An event A alone held, deleted: still required where it must arrive.
+    history = clean()
+    a3 = event("A", {"A": 3}, "a3", "blue")
+    history.emits.append(Emit("A", "a3", "blue", 4.0, 4.5, INFO))
+    deletion(history, 0, through=3, events=[*history.logs["A"], a3], dvv={"A": 3}, cvv_after={"B": {"A": 3, "B": 1}})  # fmt: skip
+    history.logs["A"] = []
+    report = check(history)
+    assert report.missing == 1 and report.violations[0].location == "B", report.summary()
+    # Nothing but what it deleted may go: A must still hold b1.
+    history = clean()
+    deletion(history, 0)
+    history.logs["A"] = []
+    assert kinds(history) == {"missing"} and check(history).missing == 1
+
+
+def test_an_accepted_deletion_that_broke_the_rule_or_came_back() -> None:
+    history = clean()
+    deletion(history, 0, cvv_after={"B": {"A": 1, "B": 1}})  # B had not seen a2, even after.
+    history.logs["A"] = history.logs["A"][2:]
+    assert kinds(history) == {"delete-rule"}
+    history = clean()
+    deletion(history, 0)  # Accepted, yet a1 and a2 are read from A at the end.
+    assert kinds(history) == {"deleted-back"}
+    history = clean()
+    deletion(history, 0, after={"deleted_through": 1, "dvv": {"A": 1}})
+    history.logs["A"] = history.logs["A"][2:]
+    assert kinds(history) == {"delete-unapplied"}
+
+
+def test_a_deletion_of_unknown_outcome_is_whole_or_not_at_all() -> None:
+    for out in ["", "location A is unreachable (UNAVAILABLE): failed to connect to all addresses"]:
+        history = clean()
+        deletion(history, -9 if not out else 1, out, after=None)
+        assert check(history).ok  # Not done.
+        a1, _, b1 = history.logs["A"]
+        history.logs["A"] = [b1]
+        assert check(history).ok  # Done.
+        history.logs["A"] = [a1, b1]  # a1 kept, a2 gone.
+        assert kinds(history) == {"delete-partial"}, check(history).summary()
+
+
+def test_a_refusal_for_an_unreachable_neighbour_is_certain() -> None:
+    from tests.faults.replication_checker import delete_outcome
+
+    said = "location A is unreachable (UNAVAILABLE): location B is unreachable (UNAVAILABLE): x"
+    assert delete_outcome({"code": 1, "out": said, "location": "A"}) == "refused"
+    history = clean()
+    deletion(history, 1, said)
+    history.logs["A"] = history.logs["A"][2:]
+    assert "refused-changed" in kinds(history)
+
+
+def test_a_deletion_the_neighbours_cvvs_allowed_is_not_refused_by_the_rule() -> None:
+    history = clean()
+    deletion(history, 1, RULE.replace("{A: 1}", "{A: 2, B: 1}"))  # B's CVV covered {A: 2}.
+    assert kinds(history) == {"allowed-refused"}

@@ -22,6 +22,17 @@ faults").
 * Operator commands (`refused-changed`, `forbidden-accepted`): a command gazctl refused moved
   etcd's topology head not at all (the scenario runs one command at a time), and a command the
   rules forbid on the whole history was refused, its change in no view.
+* Deletions (`gazctl replication delete X --through N`; the scenario records what X held through
+  N before, X's deletion state after, and each neighbour's CVV before and after): one refused
+  for certain changed nothing (`refused-changed`: X's deleted_through moved, or an event it held
+  through N is gone at the end); one accepted obeyed the rule (`delete-rule`: X's DVV after it
+  is not <= the CVV a neighbour reported after it, which was then no larger), took effect
+  (`delete-unapplied`) and for good (`deleted-back`: a deleted event stored at X again); one
+  whose outcome is unknown (gazctl SIGKILLed, X unreachable) took effect whole or not at all
+  (`delete-partial`); one the neighbours' CVVs before it allowed was not refused by the rule
+  (`allowed-refused`). The events an accepted (or unknown) deletion removed are no longer
+  required at X; every other location that admits them must still hold them, and X everything
+  else (`missing`).
 * Availability after healing (`unavailable-after-heal`): each location acknowledged an emit once
   the faults healed.
 
@@ -92,7 +103,12 @@ class ReplicationHistory:
     # etcd's topology history as keyed changes (as Status reports a view), when collected.
     etcd_history: list[Any] = field(default_factory=list)
     # Operator commands: {"args", "code", "out", "forbidden": the change the rules forbid (or
-    # None), "head_before", "head_after": etcd's last op around it, "killed": SIGKILLed}.
+    # None), "head_before", "head_after": etcd's last op around it, "killed": SIGKILLed,
+    # "delete": for a deletion, its plan and what followed (None otherwise): {"location",
+    # "through", "mode", "neighbours", "before": {"deleted_through", "dvv"}, "dvv": the DVV it
+    # leaves, "cvv_before": {neighbour: CVV or None}, "events": X's stored events through
+    # "through" (as `logs` holds them), "after": {"deleted_through", "dvv"} or None,
+    # "cvv_after": {neighbour: CVV or None}}}.
     commands: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     started: float = field(default=0.0, repr=False)
@@ -314,16 +330,24 @@ def check(history: ReplicationHistory) -> Report:
                 report.reused_times += 1
                 report.add("reused-time", eid[0], f"{eid[0]}:{eid[1]} acknowledged for {ack.uid} stores {events[eid].get('payload')}")  # fmt: skip
 
-    # Completeness: every acknowledged event and every event stored anywhere, at every
-    # location that admits it.
+    # Deletions: what each location held and deleted is still required everywhere else.
+    deleted = _check_deletions(history, report)
+    for d in _deletions(history):
+        for event in d["events"]:
+            events.setdefault(_eid(event), event)
+
+    # Completeness: every acknowledged event and every event stored anywhere (or deleted where
+    # it was stored), at every location that admits it but the ones that deleted it.
     for location, log in logs.items():
         have = {_eid(e) for e in log}
         required: dict[EventId, str] = {}
         for eid, event in events.items():
+            if eid in deleted.get(location, ()):
+                continue
             if admitted(history, location, event):
-                required[eid] = f"stored at {sorted(stored_at[eid])}"
+                required[eid] = f"stored at {sorted(stored_at[eid])}" if eid in stored_at else "deleted where it was stored"  # fmt: skip
         for eid, acks in acked_ids.items():
-            if eid in exempt or eid in events:
+            if eid in exempt or eid in events or eid in deleted.get(location, ()):
                 continue
             ack = acks[0]
             probe = {"emitter": ack.emitter, "ts": {ack.emitter: ack.time}, "payload": {"kind": ack.kind}}  # fmt: skip
@@ -355,6 +379,97 @@ def _lost_to_disaster(history: ReplicationHistory, emit: Emit) -> bool:
         and d.deleted - DISASTER_WINDOW <= emit.completed
         for d in history.disasters
     )
+
+
+def _deletions(history: ReplicationHistory) -> list[dict[str, Any]]:
+    """The deletion commands' records, each with its args, code and out merged in."""
+    return [
+        c["delete"] | {"args": c["args"], "code": c["code"], "out": c.get("out", "")}
+        for c in history.commands
+        if c.get("delete")
+    ]
+
+
+def delete_outcome(d: dict[str, Any]) -> str:
+    """ "ok" (gazctl said deleted), "refused" (it said no, for certain: the location answered
+    with a refusal, or gazctl found it not running and asked nothing), or "unknown" (gazctl
+    SIGKILLed, or the location itself unreachable: the deletion may have been done)."""
+    if d["code"] == 0:
+        return "ok"
+    if d["code"] != 1:
+        return "unknown"
+    out, x = str(d["out"]), d["location"]
+    mine = f"location {x} is unreachable ("
+    if mine in out:
+        # The location answered UNAVAILABLE because a neighbour is unreachable: its own words
+        # follow its name (`location Y is unreachable (...)`, Y another), a refusal.
+        said = out.split(mine, 1)[1].split("): ", 1)[-1]
+        return "refused" if said.startswith("location ") and not said.startswith(f"location {x} ") else "unknown"  # fmt: skip
+    if "is stopping in this process" in out:
+        return "unknown"
+    return "refused"
+
+
+def _vector_le(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(int(v) <= int(b.get(k, 0)) for k, v in a.items())
+
+
+def _check_deletions(history: ReplicationHistory, report: Report) -> dict[str, set[EventId]]:
+    """The deletion rules (see the module); per location, the events it deleted (accepted
+    deletions, and ones of unknown outcome: whole or not at all, as checked)."""
+    final = {n: {_eid(e) for e in log} for n, log in history.logs.items()}
+    records = _deletions(history)
+    deleted: dict[str, set[EventId]] = defaultdict(set)
+    for d in records:
+        if delete_outcome(d) != "refused":
+            deleted[d["location"]] |= {_eid(e) for e in d["events"]}
+    for d in records:
+        x, through, args = d["location"], int(d["through"]), " ".join(d["args"])
+        outcome = delete_outcome(d)
+        ids = [_eid(e) for e in d["events"]]
+        after = d.get("after")
+        have = final.get(x)
+        if outcome == "refused":
+            if after is not None and after["deleted_through"] != d["before"]["deleted_through"]:
+                report.add("refused-changed", x, f"`{args}` was refused ({_line(d['out'])}), yet {x}'s deleted_through moved from {d['before']['deleted_through']} to {after['deleted_through']}")  # fmt: skip
+            gone = [] if have is None else [i for i in ids if i not in have and i not in deleted[x]]
+            if gone:
+                report.add("refused-changed", x, f"`{args}` was refused ({_line(d['out'])}), yet {len(gone)} of the {len(ids)} events {x} held through {through} are gone: {_ids(gone)}")  # fmt: skip
+            if "may not delete through" in str(d["out"]):
+                allowed = [y for y, c in d.get("cvv_before", {}).items() if c is not None and _vector_le(d["dvv"], c)]  # fmt: skip
+                named = [y for y in allowed if f"CVV-{y} " in str(d["out"])]
+                if named:
+                    report.add("allowed-refused", x, f"`{args}` was refused by the rule against {named[0]}, whose CVV {d['cvv_before'][named[0]]} covered the DVV {d['dvv']} before it: {_line(d['out'])}")  # fmt: skip
+            continue
+        back = [] if have is None else [i for i in ids if i in have]
+        if outcome == "ok":
+            if after is not None and int(after["deleted_through"]) < through:
+                report.add("delete-unapplied", x, f"`{args}` was accepted, yet {x}'s deleted_through is {after['deleted_through']} after it")  # fmt: skip
+            if back:
+                report.add("deleted-back", x, f"`{args}` was accepted, yet {len(back)} of the events it deleted are stored at {x} at the end: {_ids(back)}")  # fmt: skip
+            dvv = after["dvv"] if after is not None else d["dvv"]
+            for y, cvv in sorted(d.get("cvv_after", {}).items()):
+                if cvv is not None and not _vector_le(dvv, cvv):
+                    report.add("delete-rule", x, f"`{args}` was accepted with DVV-{x} {dvv}, not <= CVV-{y} {cvv} as {y} reported after it (CVVs only grow)")  # fmt: skip
+        else:
+            # Whole or not at all, but for what another deletion there took (one through a
+            # lower N, if this one was not done).
+            others = set().union(*({_eid(e) for e in o["events"]} for o in records if o is not d and o["location"] == x and delete_outcome(o) != "refused"))  # fmt: skip
+            mine = [i for i in ids if i not in others]
+            kept = [] if have is None else [i for i in mine if i in have]
+            if kept and len(kept) < len(mine):
+                report.add("delete-partial", x, f"`{args}` ({_line(d['out']) or 'gazctl SIGKILLed'}): {len(kept)} of the {len(mine)} events {x} held through {through} are stored there at the end, the others not: {_ids(kept)}")  # fmt: skip
+    return deleted
+
+
+def _line(out: Any) -> str:
+    lines = [line for line in str(out).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def _ids(ids: list[EventId]) -> str:
+    shown = ", ".join(f"{e}:{t}" for e, t in ids[:3])
+    return shown + (f" (+{len(ids) - 3})" if len(ids) > 3 else "")
 
 
 def _check_views(history: ReplicationHistory, report: Report) -> None:

@@ -547,6 +547,37 @@ class ReplicationNetwork:
             keyed_document(command_key(op), c) for op, c in history.changes
         ]
 
+    async def status_of(self, location: str) -> dict[str, Any] | None:
+        """The location's Status as `status --format json` prints it (None: no process answers)."""
+        with contextlib.suppress(LocationError, HarnessError, AttributeError):
+            client = await self.client(location, fresh=True)
+            if client is not None:
+                return status_document(await client.status(timeout=5))
+        return None
+
+    async def read_events(self, location: str, after: int) -> list[dict[str, Any]]:
+        """The location's stored events after sequence number `after`, through its last
+        committed one (as `collect` reads them; deleted ones are left out by the location)."""
+        client = await self.client(location, fresh=True)
+        if client is None:
+            raise HarnessError(f"{location} is not served")
+        events: list[dict[str, Any]] = []
+        while True:
+            reply = await client.read(after, 1000)
+            for line in reply.records.decode().splitlines():
+                record = json.loads(line)
+                if record.get("kind") == "event":
+                    events.append(record)
+            if reply.through <= after or reply.through >= reply.last_seq:
+                return events
+            after = reply.through
+
+    async def neighbours(self, location: str) -> list[str]:
+        """The locations directly connected with `location` in etcd's topology now (the ones a
+        deletion there is checked against)."""
+        view = (await commands.read_history(self._etcd, REGISTRY)).view()
+        return sorted({s if t == location else t for s, t in view.current if location in (s, t)} - {location})  # fmt: skip
+
     async def topology_head(self) -> int:
         """The op of the last topology change etcd recorded (0: none)."""
         history = await commands.read_history(self._etcd, REGISTRY)

@@ -215,13 +215,26 @@ async def _command(
     *args: str,
     forbidden: dict[str, str] | None = None,
     kill_after: float | None = None,
+    delete: dict[str, Any] | None = None,
 ) -> int:
-    """An operator command, with etcd's topology head before and after it, for the checker."""
+    """An operator command, with etcd's topology head before and after it, for the checker. A
+    deletion (`delete`: its plan, see `_plan_delete`) also gets, read at once after it, the
+    location's deletion state and the CVV of each of its neighbours (CVVs only grow: one that
+    does not cover the DVV now did not when the location checked it)."""
     before = await ctx.net.topology_head()
     code, out = await ctx.net.gazctl(*args, check=False, kill_after=kill_after)
     after = await ctx.net.topology_head()
-    ctx.history.commands.append({"args": list(args), "code": code, "out": out[-400:], "forbidden": forbidden, "head_before": before, "head_after": after, "killed": code == -9})  # fmt: skip
+    if delete is not None:
+        status = await ctx.net.status_of(delete["location"])
+        delete["after"] = status and {"deleted_through": status["deleted_through"], "dvv": status["dvv"]}  # fmt: skip
+        delete["cvv_after"] = {y: await _cvv(ctx, y) for y in delete["neighbours"]}
+    ctx.history.commands.append({"args": list(args), "code": code, "out": out[-400:], "forbidden": forbidden, "head_before": before, "head_after": after, "killed": code == -9, "delete": delete})  # fmt: skip
     return code
+
+
+async def _cvv(ctx: Context, location: str) -> dict[str, int] | None:
+    status = await ctx.net.status_of(location)
+    return None if status is None else dict(status["cvv"])
 
 
 async def _until_ok(ctx: Context, *args: str) -> None:
@@ -234,28 +247,80 @@ async def _until_ok(ctx: Context, *args: str) -> None:
     raise RuntimeError(f"gazctl replication {' '.join(args)} refused 10 times")
 
 
+async def _kill_host(ctx: Context, location: str, why: str) -> dict[str, Any] | None:
+    """SIGKILL the host that serves `location` (its standby takes over after the lease); the
+    fault, or None if no live host serves it now."""
+    slot = await ctx.net.serving(location)
+    if slot is None:
+        return None
+    fault = ctx.fault("SIGKILL", f"host {slot.id}", f"serving {location}, {why}")
+    ctx.net.signal(slot, signal.SIGKILL)
+    return fault
+
+
+async def _cut(ctx: Context, x: str, y: str, why: str) -> dict[str, Any] | None:
+    """Cut `x`'s side (its brokers and the host serving it) from `y`'s, as `location_partition`
+    does, until `_mend`; the fault, or None if it cannot be cut now (no namespaces, a location
+    not served, or one host serving both)."""
+    if not ctx.net.nodes.partitions:
+        return None
+    hx, hy = await ctx.net.serving(x), await ctx.net.serving(y)
+    if hx is None or hy is None or hx is hy:
+        ctx.history.note(f"partition {x}|{y} skipped: hosts {hx and hx.id} / {hy and hy.id}")
+        return None
+    side_x = [s.node for s in ctx.net.brokers_of[x]] + [hx.node]
+    side_y = [s.node for s in ctx.net.brokers_of[y]] + [hy.node]
+    fault = ctx.fault("partition", f"{x}|{y}", f"{side_x} from {side_y}, {why}")
+    ctx.net.nodes.cut(side_x, side_y)
+    return fault
+
+
+def _mend(ctx: Context, faults: list[dict[str, Any]]) -> None:
+    """Mend the partitions among `faults` (a killed host is started again by `settle`)."""
+    cuts = [f for f in faults if f["kind"] == "partition" and f["end"] < 0]
+    if cuts:
+        ctx.net.nodes.mend_all()
+        for fault in cuts:
+            ctx.heal(fault)
+
+
+async def _under_command(ctx: Context) -> list[dict[str, Any]]:
+    """The fault a command meets, drawn: the host serving a random location SIGKILLed (30%),
+    a random pair of locations partitioned (30%, with namespaces), or none."""
+    draw = ctx.rng.random()
+    fault = None
+    if draw < 0.3:
+        fault = await _kill_host(ctx, ctx.location(), "under a command")
+    elif draw < 0.6:
+        x, y = ctx.rng.sample(list(ctx.net.config.locations), 2)
+        fault = await _cut(ctx, x, y, "under a command")
+    return [fault] if fault is not None else []
+
+
 async def operator_commands(ctx: Context) -> None:
     """Operator commands at random under traffic, some while a location's host is SIGKILLed
-    (its standby taking over) and some with gazctl SIGKILLed mid-command: commands the rules
-    forbid (refused, nothing recorded), a connection of the cycle (or a pair, `--both`)
-    disconnected and connected again, the second time perhaps `--new-events-only`, the filtered
-    A -> D that is redundant with C -> D (added, then taken away); every cycle ends with the
-    network as it began, so what each location must hold stays defined."""
-    fault = None
-    if ctx.rng.random() < 0.4:
-        location = ctx.location()
-        slot = await ctx.net.serving(location)
-        if slot is not None:
-            fault = ctx.fault("SIGKILL", f"host {slot.id}", f"serving {location}, under a command")
-            ctx.net.signal(slot, signal.SIGKILL)
+    (its standby taking over) or two locations are partitioned, and some with gazctl SIGKILLed
+    mid-command: commands the rules forbid (refused, nothing recorded), a connection of the
+    cycle (or a pair, `--both`) disconnected and connected again, the second time perhaps
+    `--new-events-only`, the filtered A -> D that is redundant with C -> D (added, then taken
+    away), deletions (`_deletion`). A partition is mended before the network is restored, and
+    every cycle ends with the network as it began, so what each location must hold stays
+    defined."""
+    choice = ctx.rng.choice(["forbidden", "cycle", "both", "redundant", "delete", "delete"])
+    if choice == "delete":
+        await _deletion(ctx)
+        return
+    faults = await _under_command(ctx)
     kill = ctx.rng.uniform(0.2, 1.5) if ctx.rng.random() < 0.3 else None
-    choice = ctx.rng.choice(["forbidden", "cycle", "both", "redundant"])
     if choice == "forbidden":
         args, change = ctx.rng.choice(FORBIDDEN)
         await _command(ctx, *args, forbidden=change, kill_after=kill)
+        await ctx.hold(0.3, 1.0)
+        _mend(ctx, faults)
     elif choice == "redundant":
         await _command(ctx, "connect", "A", "D", "--filter", "kind=red", kill_after=kill)
         await ctx.hold(0.3, 1.5)
+        _mend(ctx, faults)
         if await _connected(ctx, "A", "D"):  # Accepted (or recorded before gazctl died).
             await _until_ok(ctx, "disconnect", "A", "D")
     else:
@@ -263,11 +328,112 @@ async def operator_commands(ctx: Context) -> None:
         both = ["--both"] if choice == "both" else []
         await _command(ctx, "disconnect", source, target, *both, kill_after=kill)
         await ctx.hold(0.3, 1.5)
+        _mend(ctx, faults)
         new_only = ["--new-events-only"] if ctx.rng.random() < 0.3 else []
         await _until_ok(ctx, "connect", source, target, *both, *new_only)
-    if fault is not None:
-        ctx.heal(fault)
+    for fault in faults:
+        if fault["end"] < 0:
+            ctx.heal(fault)
     await ctx.settle()
+
+
+async def _deletion(ctx: Context) -> None:
+    """`gazctl replication delete X --through N`, of one of two kinds. One the rule allows: N
+    such that the DVV it leaves is <= the CVV every neighbour of X reported just before (they
+    only grow), after a moment for replication, with the command perhaps meeting a random
+    fault. One beyond what a neighbour Y holds: Y's host SIGKILLed or X partitioned from Y,
+    X's emitter going on for 0.5-2 s, then N = X's last committed event (which Y lacks, unless
+    it came around another way): it must be refused if Y's CVV does not cover it. Either may
+    meet gazctl SIGKILLed mid-command. The network is not changed, so what each location must
+    hold stays defined; the checker takes the deleted events off what X must hold."""
+    x = ctx.location()
+    neighbours = await ctx.net.neighbours(x)
+    kill = ctx.rng.uniform(0.2, 1.5) if ctx.rng.random() < 0.3 else None
+    if ctx.rng.random() < 0.5 or not neighbours:
+        mode = "allowed"
+        await ctx.hold(0.5, 2.0)
+        faults = await _under_command(ctx)
+    else:
+        mode = "beyond"
+        y = ctx.rng.choice(neighbours)
+        fault = None
+        if ctx.rng.random() < 0.5:
+            fault = await _cut(ctx, x, y, f"under delete {x}")
+        if fault is None:
+            fault = await _kill_host(ctx, y, f"a neighbour of {x}, under delete {x}")
+        faults = [fault] if fault is not None else []
+        await ctx.hold(0.5, 2.0)
+    plan = await _plan_delete(ctx, x, neighbours, mode)
+    if plan is None:
+        ctx.history.note(f"delete {x} ({mode}) skipped: nothing to delete, or {x} not served")
+    else:
+        await _command(ctx, "delete", x, "--through", str(plan["through"]), kill_after=kill, delete=plan)  # fmt: skip
+        await ctx.hold(0.2, 1.0)
+    _mend(ctx, faults)
+    for fault in faults:
+        if fault["end"] < 0:
+            ctx.heal(fault)
+    await ctx.settle()
+
+
+def _merge(a: dict[str, int], b: dict[str, Any]) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = max(out.get(k, 0), int(v))
+    return out
+
+
+def _covers(cvv: dict[str, int] | None, dvv: dict[str, int]) -> bool | None:
+    """dvv <= cvv (None: the CVV is unknown)."""
+    return None if cvv is None else all(v <= cvv.get(k, 0) for k, v in dvv.items())
+
+
+async def _plan_delete(
+    ctx: Context, x: str, neighbours: list[str], mode: str
+) -> dict[str, Any] | None:
+    """What `delete X --through N` is to delete and what the rule says of it, read before: X's
+    deleted_through and DVV, its stored events from there through its last committed one (N is
+    one of them: "allowed", the highest prefix whose DVV each neighbour's CVV covers, or a
+    little below; "beyond", the last), each neighbour's CVV (None if it does not answer), and
+    the events through N (what an accepted deletion removes). None: nothing to delete, or X
+    does not answer."""
+    from replication.rpc import LocationError
+    from tests.faults.harness import HarnessError
+
+    status = await ctx.net.status_of(x)
+    if status is None:
+        return None
+    base = int(status["deleted_through"])
+    try:
+        events = await ctx.net.read_events(x, base)
+    except (LocationError, HarnessError) as exc:
+        ctx.history.note(f"reading {x} for a deletion failed: {exc}")
+        return None
+    cvvs = {y: await _cvv(ctx, y) for y in neighbours}
+    dvv, allowed = dict(status["dvv"]), base
+    for e in events:
+        dvv = _merge(dvv, e["ts"])
+        if not all(_covers(c, dvv) for c in cvvs.values()):
+            break
+        allowed = int(e["seq"])
+    last = int(events[-1]["seq"]) if events else base
+    if mode == "allowed":
+        if allowed <= base:
+            return None
+        through = ctx.rng.randint(max(base + 1, allowed - 10), allowed)
+    else:
+        if last <= base:
+            return None
+        through = last
+    doomed = [e for e in events if int(e["seq"]) <= through]
+    would = dict(status["dvv"])
+    for e in doomed:
+        would = _merge(would, e["ts"])
+    return {
+        "location": x, "through": through, "mode": mode, "neighbours": neighbours,
+        "before": {"deleted_through": base, "dvv": status["dvv"]}, "dvv": would,
+        "cvv_before": cvvs, "events": doomed,
+    }  # fmt: skip
 
 
 async def _connected(ctx: Context, source: str, target: str) -> bool:
@@ -343,7 +509,11 @@ REPLICATION_SCENARIOS = {
             "SIGKILL a broker of a location's cluster (RF 2), restart it 0.5-2.5 s later", store=True,
         ),
         ReplicationScenario("topology-churn", topology_churn, 30, "disconnect and connect a connection, or change the terminal's filter, under traffic", budget=420.0),
-        ReplicationScenario("operator-commands", operator_commands, 25, "operator commands at random (forbidden ones, disconnect and connect, --both, --new-events-only, a redundant filtered connection), some with a host SIGKILLed, some with gazctl SIGKILLed mid-command", budget=420.0),
+        ReplicationScenario(
+            "operator-commands", operator_commands, 25,
+            "operator commands at random (forbidden ones, disconnect and connect, --both, --new-events-only, a redundant filtered connection, deletions allowed and beyond a neighbour), some with a host SIGKILLed or two locations partitioned, some with gazctl SIGKILLed mid-command",
+            budget=420.0, partitions=True,
+        ),
         ReplicationScenario("disaster", disaster, 10, "delete A's, B's or D's journal while it runs; gazctl replication recover"),
         ReplicationScenario(
             "disaster-hub", disaster_hub, 3,
