@@ -153,6 +153,13 @@ def test_a_view_that_differs_from_etcds_history() -> None:
     assert check(history).ok
     history.etcd_history = [*VIEW, {"type": "disconnected", "source": "A", "target": "B", "key": [99, 0, "", 0]}]  # fmt: skip
     assert kinds(history) == {"views"}
+    # A `--new-events-only` connection: Status does not report its fields (seen in seed 4 of
+    # operator-commands), only etcd's history holds them.
+    joined = {"type": "connected", "source": "B", "target": "A", "filter": ""}
+    for name in "ABD":
+        history.views[name] = [*VIEW, joined | {"key": [7, 0, "", 0]}]
+    history.etcd_history = [*VIEW, joined | {"new_events_only": True, "floor": {}, "key": [7, 0, "", 0]}]  # fmt: skip
+    assert check(history).ok, check(history).summary()
 
 
 def test_a_refused_command_that_moved_etcds_head_or_a_forbidden_one_accepted() -> None:
