@@ -102,6 +102,7 @@ log = logging.getLogger("replication")
 _RETRY = 0.5  # Seconds between attempts of a connection that waits or fails.
 # Seconds a call waits for another location's journal to be listed, to authorize naming it.
 _AUTHORIZE_LISTING = 5.0
+_NEIGHBOUR_WAIT = 5.0  # Seconds a deletion waits for a neighbour's vectors before refusing.
 _LOOKUP_EVERY = 5.0  # Seconds a connection goes on with its source's registry entry.
 
 
@@ -1014,10 +1015,6 @@ class LocationServer:
         entries = await registry.lookup(self._etcd_client(), self.config.prefix, *names)
         return [await self._vectors(entry) for entry in entries]
 
-    async def _neighbours(self) -> list[_Neighbour]:
-        """The vectors of every directly connected location."""
-        return await self._vectors_of(*self._neighbour_names())
-
     async def delete(self, request: lpb.DeleteRequest) -> lpb.DeleteResponse:
         assert self.log is not None
         through = request.through
@@ -1025,7 +1022,18 @@ class LocationServer:
             raise ValueError(f"through {through}: this log holds sequence numbers 1-{self.log.next_seq - 1}")  # fmt: skip
         if through <= self.log.deleted_through:
             raise ValueError(f"through {through}: deleted through {self.log.deleted_through} already")  # fmt: skip
-        neighbours = await self._neighbours()
+        try:
+            entries = await registry.lookup(self._etcd_client(), self.config.prefix, *self._neighbour_names())  # fmt: skip
+            neighbours = [await self._vectors(e, timeout=_NEIGHBOUR_WAIT) for e in entries]
+        except LocationError as exc:
+            # A refusal, certain and at once: this location answers (UNAVAILABLE would say it
+            # did not, which reads as "perhaps deleted"), and a neighbour that drops packets
+            # must not hold the command until the caller's deadline.
+            raise RuleViolation(
+                f"{self.name} may not delete through {through} now: the rule needs the CVV of "
+                f"every directly connected location, and {exc} (start it, or mend the network, "
+                "and try again)"
+            ) from None
         dvv = await self.log.delete(through, neighbours)
         return lpb.DeleteResponse(dvv=clock_message(dvv), deleted_through=through)
 
