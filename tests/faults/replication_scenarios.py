@@ -342,8 +342,9 @@ async def _deletion(ctx: Context) -> None:
     such that the DVV it leaves is <= the CVV every neighbour of X reported just before (they
     only grow), after a moment for replication, with the command perhaps meeting a random
     fault. One beyond what a neighbour Y holds: Y's host SIGKILLed or X partitioned from Y,
-    X's emitter going on for 0.5-2 s, then N = X's last committed event (which Y lacks, unless
-    it came around another way): it must be refused if Y's CVV does not cover it. Either may
+    X's emitter going on for 0.5-2 s (or no fault, at once: replication racing the command),
+    then N = X's last committed event (which Y lacks, unless it came around another way): it
+    must be refused if Y's CVV does not cover it. Either may
     meet gazctl SIGKILLed mid-command. The network is not changed, so what each location must
     hold stays defined; the checker takes the deleted events off what X must hold."""
     x = ctx.location()
@@ -356,13 +357,14 @@ async def _deletion(ctx: Context) -> None:
     else:
         mode = "beyond"
         y = ctx.rng.choice(neighbours)
-        fault = None
-        if ctx.rng.random() < 0.5:
+        fault, draw = None, ctx.rng.random()
+        if draw < 0.4:
             fault = await _cut(ctx, x, y, f"under delete {x}")
-        if fault is None:
+        if fault is None and draw < 0.8:
             fault = await _kill_host(ctx, y, f"a neighbour of {x}, under delete {x}")
         faults = [fault] if fault is not None else []
-        await ctx.hold(0.5, 2.0)
+        if faults:
+            await ctx.hold(0.5, 2.0)
     plan = await _plan_delete(ctx, x, neighbours, mode)
     if plan is None:
         ctx.history.note(f"delete {x} ({mode}) skipped: nothing to delete, or {x} not served")
