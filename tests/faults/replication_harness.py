@@ -494,15 +494,21 @@ class ReplicationNetwork:
         return out
 
     async def wait_quiescent(self, timeout: float) -> bool:
-        """Until every location serves, every connection replicates with no lag, and no log
-        grew between two looks (bounded)."""
+        """Until every location serves, every connection replicates with no lag, has read
+        through its source's last event as the source itself reports it, and no log grew
+        between two looks (bounded). A connection's own lag is measured against the last
+        sequence number it heard of: one whose source was just partitioned from it, its read
+        hanging, reports "replicating" with lag 0 (seen in operator-commands, seed 8)."""
         deadline = time.monotonic() + timeout
         previous: dict[str, int] = {}
         while time.monotonic() < deadline:
             statuses = await self.statuses()
             seqs = {n: s["last_seq"] for n, s in statuses.items()}
             settled = len(statuses) == len(self.config.locations) and all(
-                c["lag"] == 0 and c["state"] == "replicating"
+                c["lag"] == 0
+                and c["state"] == "replicating"
+                and c["source"] in seqs
+                and c["progress"] >= seqs[c["source"]]
                 for s in statuses.values()
                 for c in s["connections"]
             )
