@@ -185,6 +185,32 @@ def pytest_configure(config: pytest.Config) -> None:
         compileall.compile_dir(package, quiet=2)  # Errors are the importing test's to show.
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slowest tests first (tests/slow_tests.txt), so that on xdist's workers none of them
+    is left to run alone at the end while the other workers idle; the rest in collection order.
+    Tests of a module with module-scoped fixtures keep their place (moved apart, its fixtures
+    would start twice)."""
+    rank = _slow_first()
+    module_scoped = _module_scoped()
+    last = len(rank)
+
+    def key(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        if path in module_scoped:
+            return last
+        return rank.get(item.nodeid.split("[", 1)[0], last)
+
+    items.sort(key=key)  # Stable: equal keys keep their collection order.
+
+
+@functools.cache
+def _slow_first() -> dict[str, int]:
+    """Test function (file::name) -> its place among the slowest."""
+    lines = Path(__file__).with_name("slow_tests.txt").read_text().splitlines()
+    names = [line.split()[1] for line in lines if line.strip() and not line.startswith("#")]
+    return {name: i for i, name in enumerate(names)}
+
+
 @pytest.hookimpl(optionalhook=True)  # Unknown without xdist (`-p no:xdist`).
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     if config.getvalue("dist") != "loadgroup":
