@@ -383,7 +383,7 @@ class Cluster:
             f"{slot.id} started (incarnation {slot.incarnation}, pid {slot.proc.pid})"
         )
 
-    async def _ready(self, slot: BrokerSlot, timeout: float = 30) -> None:
+    async def _ready(self, slot: BrokerSlot, timeout: float = 60) -> None:
         """Wait until the broker answers List (it serves once its member key is written)."""
         deadline = time.monotonic() + timeout
         stub = self.dialer.journal_stub(slot.address)
@@ -419,7 +419,7 @@ class Cluster:
                 self.history.note(f"{slot.id} had exited ({slot.proc.returncode}): restarting")
             slot.held = False
             self._spawn(slot)
-            await self._ready(slot, timeout=max(30, 4 * self.config.lease))
+            await self._ready(slot, timeout=max(60, 4 * self.config.lease))
 
     async def _supervise(self) -> None:
         """As a service manager would: restart a broker that exited when no fault holds it
