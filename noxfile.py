@@ -36,7 +36,7 @@ GRPCIO_TOOLS_FOR_GENERATION = "grpcio-tools==1.66.2"
 # Workers for the parallel part of `nox -s tests`: most tests wait on leases, processes and etcd
 # rather than compute, so more workers than this machine's two cores pay (measurements in
 # docs/architecture.md, "Testing"). GAZETTE_TEST_WORKERS overrides it.
-TEST_WORKERS = os.environ.get("GAZETTE_TEST_WORKERS", "4")
+TEST_WORKERS = os.environ.get("GAZETTE_TEST_WORKERS", "6")
 
 
 def _chooses_workers(args: list[str]) -> bool:

@@ -37,6 +37,7 @@ from broker.fragment.content import open_in_store
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import find_etcd_binary
+from plumbing.local_etcd import free_port
 from tests.faults.history import (
     OK,
     PROBE,
@@ -59,8 +60,14 @@ class HarnessError(RuntimeError):
 
 
 def _free_port(host: str) -> int:
+    """A port free on `host` now, for a server the harness starts (and restarts) there. On
+    loopback, from below the kernel's ephemeral range (`plumbing.local_etcd.free_port`): one from
+    that range was taken by another test's outgoing connection before a location cluster's
+    broker bound it ("Address already in use", a suite run on six workers)."""
     import socket
 
+    if host == "127.0.0.1":
+        return free_port()
     with socket.socket() as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
