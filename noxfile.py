@@ -16,9 +16,13 @@ nox.options.reuse_existing_virtualenvs = True
 # uv makes virtualenvs and installs in about half pip's time (a fresh clone's `nox -s tests`
 # spends 45 s installing with pip); without uv, nox falls back to virtualenv and pip.
 nox.options.default_venv_backend = "uv|virtualenv"
-# uv does not compile bytecode as it installs (pip does); where PYTHONDONTWRITEBYTECODE is set,
-# as on these machines, every process would then compile every module it imports, every time.
-os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+# These machines set PYTHONDONTWRITEBYTECODE, and uv does not compile bytecode as it installs
+# (pip does): every process the sessions start (hundreds of gazctl, broker, consumer and location
+# processes in `nox -s tests`) would compile every module it imports, every time. Writing each
+# module's bytecode the first time it is imported costs only what is used; compiling the whole
+# virtualenv as uv installs it (UV_COMPILE_BYTECODE: 10,500 files, pyspark's among them) cost
+# some 23 s of CPU on every fresh clone, most of it for modules no test imports.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 PYTHON = "3.11"
 PROTOS = [

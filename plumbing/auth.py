@@ -41,7 +41,6 @@ from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
 
 import grpc
-import jwt
 
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
@@ -572,6 +571,9 @@ class KeyedVerifier:
         # PyJWT's decoding would skip what Go refuses).
         if not _COMPACT_JWS.fullmatch(token):
             raise Unauthenticated("verifying Authorization: token is malformed")
+        import jwt  # Here, not at the top: PyJWT loads `cryptography`, a tenth of a second of CPU
+        # that every gazctl and server process paid at its start, though most never verify.
+
         last: Exception | None = None
         for key in self.keys:
             try:
@@ -606,6 +608,8 @@ def _short_keys_allowed() -> Iterator[None]:
 
 
 def _jwt_problem(exc: Exception | None) -> str:
+    import jwt
+
     if isinstance(exc, jwt.InvalidSignatureError):
         return "token signature is invalid"
     if isinstance(exc, jwt.ExpiredSignatureError):
@@ -946,6 +950,8 @@ class KeyedAuth:
             "iat": now,
             "exp": exp,
         }
+        import jwt
+
         with _short_keys_allowed():
             return jwt.encode(doc, self.key, algorithm="HS256"), exp
 
