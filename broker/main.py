@@ -111,6 +111,12 @@ def cli(ctx: click.Context) -> None:
     help="On SIGTERM, how long to wait for the allocator to move this broker's journals away",
 )
 @cfg.option(
+    "--broker.exit-flush-timeout",
+    default="30s",
+    help="On SIGTERM, how long to keep trying to persist the content this broker holds to its "
+    "journals' stores (ours; upstream's persister tries until it succeeds)",
+)
+@cfg.option(
     "--broker.persist-interval",
     default="1m",
     help="How long a replica waits before checking that a completed fragment was persisted",
@@ -165,6 +171,9 @@ def serve(**opts: Any) -> None:
         max_append_rate=opts["broker_max_append_rate"],
         watch_delay=_duration("--broker.watch-delay", opts["broker_watch_delay"]),
         drain_timeout=_duration("--broker.drain-timeout", opts["broker_drain_timeout"]),
+        exit_flush_timeout=_duration(
+            "--broker.exit-flush-timeout", opts["broker_exit_flush_timeout"]
+        ),
         persist_interval=_duration("--broker.persist-interval", opts["broker_persist_interval"]),
         auto_suspend=opts["broker_auto_suspend"],
         pulse_interval=_duration("--broker.pulse-interval", opts["broker_pulse_interval"]),

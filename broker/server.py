@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 
 # At a graceful exit, how long flushing the journals nobody else can take over may last.
 FLUSH_ON_EXIT_TIMEOUT = 20.0
-# How long stopping the journal service may last: its replicas (each bounded), then the
-# persister's last attempts at what the spools held (FINAL_ATTEMPT_TIMEOUT).
-SERVICE_STOP_TIMEOUT = FINAL_ATTEMPT_TIMEOUT + 20.0
+# How long stopping the journal service may last beyond the persister's last attempts at what
+# the spools held (BrokerConfig.exit_flush_timeout): its replicas' own stops (each bounded).
+SERVICE_STOP_MARGIN = 20.0
 
 
 def lease_retry_backoff() -> Backoff:
@@ -86,6 +86,9 @@ class BrokerConfig:
     max_grpc_recv_size: int = 4 * 1024 * 1024
     # How long a stopping broker waits for the allocator to move its journals elsewhere.
     drain_timeout: float = 30.0
+    # How long a stopping broker keeps trying to persist what it holds (its exit flush of the
+    # journals nobody is left to take over, then the persister's last attempts at each spool).
+    exit_flush_timeout: float = FINAL_ATTEMPT_TIMEOUT
     # How long a replica waits before checking that a completed fragment was persisted.
     persist_interval: float = 60.0
     # Upstream's --broker.auto-suspend: pulses of a journal idle on a stable route ask to
@@ -333,7 +336,7 @@ class Broker:
         The lease is lost only when etcd says so: a refresh answered with TTL <= 0 (expired or
         revoked; etcd answers so for a lease it does not know). Then this raises LeaseLost, and
         the broker exits, once its spools are persisted (`stop`: each replica's open fragment is
-        completed and the persister given FINAL_ATTEMPT_TIMEOUT).
+        completed and the persister given `exit_flush_timeout`).
 
         While etcd does not answer, the lease may still be alive: etcd keeps leases across its
         own restart (a new leader extends each by its TTL), so an etcd outage, however long, is
@@ -490,7 +493,9 @@ class Broker:
             # their end, so that a restarted cluster resumes them without reset-head.
             if self.service is not None:
                 with contextlib.suppress(Exception):
-                    await self.service.flush_for_exit(FLUSH_ON_EXIT_TIMEOUT)
+                    await self.service.flush_for_exit(
+                        min(FLUSH_ON_EXIT_TIMEOUT, self.config.exit_flush_timeout)
+                    )
         if self.http is not None:
             with contextlib.suppress(Exception):
                 await self.http.stop()
@@ -503,7 +508,8 @@ class Broker:
             # in the stores (bounded): after a lapsed lease too, as every replica of a journal
             # may be going at once (etcd is often what failed, and the stores still answer).
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.service.stop(), SERVICE_STOP_TIMEOUT)
+                persist = self.config.exit_flush_timeout
+                await asyncio.wait_for(self.service.stop(persist), persist + SERVICE_STOP_MARGIN)
             self.service = None
         with contextlib.suppress(ValueError):
             self.ks.remove_observer(self._on_keyspace_update)

@@ -25,7 +25,12 @@ from broker.client.dialer import Dialer
 from broker.client.journals import PLACEMENT
 from broker.context import BrokerContext
 from broker.flow_control import RateLimiter
-from broker.fragment.persister import UNCLAIMED_CHECK_TIMEOUT, Persister, check_spec_supported
+from broker.fragment.persister import (
+    FINAL_ATTEMPT_TIMEOUT,
+    UNCLAIMED_CHECK_TIMEOUT,
+    Persister,
+    check_spec_supported,
+)
 from broker.fragment.stores import StoreError
 from broker.fragment.stores.paths import (
     FragmentPath,
@@ -150,14 +155,15 @@ class JournalService(pb_grpc.JournalServicer):
             idle_pipeline_release=self.idle_pipeline_release,
         )
 
-    async def stop(self) -> None:
+    async def stop(self, persist_timeout: float = FINAL_ATTEMPT_TIMEOUT) -> None:
         """Stop serving local replicas, let the handlers' background work (pipeline teardowns,
-        which are bounded) finish, then stop the persister and close the peers' channels."""
+        which are bounded) finish, then stop the persister (its last attempts at what the
+        spools held last up to `persist_timeout` seconds) and close the peers' channels."""
         await self.resolver.stop_serving()
         await self.ctx.tasks.join()
         await self.ctx.tasks.close()
         if self.persister is not None:
-            await self.persister.stop()
+            await self.persister.stop(persist_timeout)
         await self.dialer.close()
 
     async def pulse(self, replica: Replica) -> None:

@@ -7,10 +7,12 @@ hands out no offset below it, and a read of the lost range names it instead of e
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 from broker.client.journals import JournalsClient
 from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer, start_broker_process, stop_process
 from tests.conftest import run_cli
 from tests.test_dev_suspended import JOURNAL, SPEC, dev, exported, stop_every_broker_gracefully
 
@@ -81,3 +83,40 @@ def test_exit_flush_that_cannot_persist_keeps_offsets_and_reports_the_hole(
     assert lost and "resumes at offset 7" in lost[0], logs[-3000:]
     assert "after a restart it needs `gazctl journals reset-head`" not in logs, logs[-3000:]
     assert dev(cluster_dir, "down").code == 0
+
+
+def test_a_stopping_broker_gives_up_on_a_failing_store_after_its_exit_flush_timeout(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """`--broker.exit-flush-timeout` bounds how long a SIGTERMed broker keeps trying to persist
+    what it holds: with 1 s, a broker whose store went away exits well within the 30 s it
+    would otherwise try for, and says what it could not persist."""
+    root = tmp_path / "fragments"
+    (root / "flush").mkdir(parents=True)
+    log = tmp_path / "broker.log"
+    broker = start_broker_process(
+        etcd_server, etcd_prefix, log,
+        extra=("--broker.file-root", str(root), "--broker.exit-flush-timeout", "1s"),
+    )  # fmt: skip
+    try:
+        env = {"BROKER_ADDRESS": broker.address}
+        specs = tmp_path / "journal.yaml"
+        specs.write_text(
+            "name: flush/j\nreplication: 1\nfragment:\n  length: 1048576\n"
+            "  compression_codec: NONE\n  stores:\n    - file:///flush/\n  refresh_interval: 1m0s\n"
+        )
+        applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
+        assert applied.code == 0, applied.err
+        appended = run_cli(
+            "gazctl", "journals", "append", "-l", "name=flush/j", input="held\n", env=env
+        )
+        assert appended.code == 0, appended.err
+        (root / "flush").rename(root / "away")
+        broker.proc.send_signal(signal.SIGTERM)
+        # Without the flag's bound, the exit flush and the persister's last attempts take
+        # 30 s and more: the wait's own timeout is the check.
+        broker.proc.wait(timeout=20)
+        text = log.read_text()
+        assert "flush/j: could not persist [0, 5)" in text, text[-3000:]
+    finally:
+        stop_process(broker.proc)
