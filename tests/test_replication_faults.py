@@ -179,6 +179,20 @@ def test_a_refused_command_that_moved_etcds_head_or_a_forbidden_one_accepted() -
     assert "forbidden-accepted" in kinds(history)
 
 
+def test_a_forbidden_command_whose_gazctl_was_killed_is_judged_by_what_was_recorded() -> None:
+    """gazctl SIGKILLed mid-command has no answer (exit -9, seen in operator-commands, seed
+    2929): the command was refused or never decided, and only a record of its change would
+    break the rules."""
+    history = clean()
+    forbidden = {"type": "filtered", "source": "B", "target": "C", "filter": "kind=red"}
+    history.commands = [
+        {"args": ["connect", "B", "C", "--filter", "kind=red"], "code": -9, "out": "", "forbidden": forbidden, "head_before": 4, "head_after": 4, "killed": True},
+    ]  # fmt: skip
+    assert check(history).ok, check(history).summary()
+    history.etcd_history = [*history.etcd_history, forbidden | {"key": [5, 0, "", 0]}]
+    assert "forbidden-accepted" in kinds(history)
+
+
 def test_a_location_that_takes_no_emit_after_healing() -> None:
     history = clean()
     history.healed = 2.5  # A's last acknowledged emit was invoked before.
