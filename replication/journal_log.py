@@ -86,6 +86,13 @@ __all__ = [
 ]
 
 
+def _done() -> asyncio.Future[None]:
+    """The commit of an append that staged nothing: done already."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
+
+
 def _fence(author: int) -> pb.LabelSet:
     return pb.LabelSet(labels=[pb.Label(name="writer", value=str(author))])
 
@@ -675,15 +682,26 @@ class JournalEventLog(_LogVectors):
         return events
 
     async def stage_lines(
-        self, batch: LineBatch, keep: EventFilter | None = None, group: Collection[str] = ()
+        self,
+        batch: LineBatch,
+        keep: EventFilter | None = None,
+        group: Collection[str] = (),
+        *,
+        after: int | None = None,
     ) -> tuple[list[bytes], Awaitable[Any]]:
         """Store what the causality filter (and `keep`) lets through, and the progress, in one
         append: the records written, and the append's commit. With `group` (a filtered
         connection into this location's unfiltered group), the batch stops at an event whose
-        timestamp restricted to the group is not <= the CVV, and the progress before it. This
-        log's state (CVV, sequence numbers, progress) moves on at once; appends commit in
-        order."""
+        timestamp restricted to the group is not <= the CVV, and the progress before it. With
+        `after` (the progress the batch was read from): nothing is staged, and nothing
+        returned, if the progress for its source is no longer that. This log's state (CVV,
+        sequence numbers, progress) moves on at once; appends commit in order."""
         await self._room()
+        if after is not None and self.progress.get(batch.source, 0) != after:
+            # Read before a reset of the progress (metadata recovery of the source: its log
+            # made anew, reusing sequence numbers): staged, it would raise the progress back
+            # past the new log's first events, and they would be skipped for good.
+            return [], _done()
         lines, stamps, systems, stopped = _pass_events(
             batch.data, self._cvv, keep, self.next_seq, group
         )
@@ -758,7 +776,7 @@ async def replicate_round(
         return None
     data, through = region
     lines, commit = await target.stage_lines(
-        LineBatch(source, data, through, reader.cvv), replication_filter, group
+        LineBatch(source, data, through, reader.cvv), replication_filter, group, after=after
     )
     if wait:
         await commit

@@ -626,14 +626,19 @@ class LocationServer:
                     continue
                 state.state, state.error = "replicating", ""
                 if batch.through_seq > after or batch.data:
-                    # Staged: the next round reads while this one's append commits.
-                    written, commit = await target.stage_lines(batch, group=group)
+                    # Staged: the next round reads while this one's append commits. Only if
+                    # the progress is still the one it was read from: `recover` of the
+                    # source may have reset it while the read was under way.
+                    written, commit = await target.stage_lines(batch, group=group, after=after)
                     if pending is not None:
                         await pending
                     pending = commit
-                    state.read += target.progress.get(source, 0) - after
+                    now = target.progress.get(source, 0)
+                    if now < after:
+                        continue  # Reset: the batch was dropped; read again from `now`.
+                    state.read += now - after
                     state.written += len(written)
-                    if target.progress.get(source, 0) == after:
+                    if now == after:
                         state.state = (
                             f"waiting: the next event from {source} follows events of "
                             f"{','.join(sorted(group))} that are not here yet"

@@ -14,9 +14,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aetcd
+import grpc
+
 from broker.testing import EtcdServer, stop_process
+from replication import location_pb2 as lpb
+from replication import location_pb2_grpc as lpb_grpc
 from replication.journals import apply_location_journals
-from replication.rpc import LocationClient, LocationError
+from replication.location import Event
+from replication.records import encode_event
+from replication.registry import endpoint_key
+from replication.rpc import LocationClient, LocationError, clock_message
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.replication_testing import LocationProcesses
@@ -633,6 +641,99 @@ def test_the_location_service_is_typed_and_refuses_with_status_codes(
     asyncio.run(use())
     # Nothing refused was recorded: B's connection from A is as it was, unfiltered.
     assert [(c["source"], c["filter"]) for c in locations.status("B")["connections"]] == [("A", "")]
+
+
+class _NewLogSource(lpb_grpc.LocationServicer):  # type: ignore[misc]
+    """A stand-in for the process of a source whose log was lost and made anew (one state of a
+    connection, beside the end-to-end recovery tests): it serves `Read` from its new log, and
+    holds the first Read that starts at `hold_after` (the target's progress on the lost log)
+    until `release` is set, so that the target's progress can be reset meanwhile, as `recover`
+    does. The `after` of every Read it answered, in order, is in `afters`."""
+
+    def __init__(self, name: str, count: int, hold_after: int) -> None:
+        self.name, self.hold_after = name, hold_after
+        # New events (times past any the lost log held), at the sequence numbers the lost
+        # log had used.
+        self.lines = [
+            encode_event(seq, Event(name, VectorClock({name: 100 + seq}), {"n": seq})).line(seq)
+            for seq in range(1, count + 1)
+        ]
+        self.held, self.release = asyncio.Event(), asyncio.Event()
+        self.afters: list[int] = []
+
+    async def Read(self, request: Any, context: Any) -> Any:
+        if request.after == self.hold_after and not self.held.is_set():
+            self.held.set()
+            await self.release.wait()
+        self.afters.append(request.after)
+        lines = self.lines[request.after : request.after + (request.limit or 1000)]
+        if not lines:
+            await asyncio.sleep(min(request.wait, 0.2))
+        last = len(self.lines)
+        through = request.after + len(lines)
+        return lpb.ReadResponse(
+            through=through, cvv=clock_message({self.name: 100 + last}), dvv=clock_message({}),
+            deleted_through=0, last_seq=last, records=b"".join(lines),
+        )  # fmt: skip
+
+
+def test_a_read_in_flight_when_a_recovery_resets_the_progress_does_not_undo_the_reset(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """C -> D; C's log is lost and made anew, reusing its sequence numbers. D's connection has
+    a Read in flight from its progress on the lost log when C's recovery resets that progress
+    to 0; the Read's reply (events of the new log past the old progress) must not raise the
+    progress back over the reset, or D skips the new log's first events for good (found by
+    the disaster-hub fault scenario, seed 2929: three events missing at D)."""
+    asyncio.run(apply_location_journals(location_broker.address, "C", "D"))
+    for name in "CD":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "C", "D")
+    locations.ok("emit", "C", '{"n": 1}', '{"n": 2}')
+    wait_until(lambda: len(ids(locations.events("D"))) == 2, "D holds C's events")
+    old = locations.status("C")["last_seq"]
+    wait_until(lambda: locations.status("D")["progress"].get("C") == old, "D read C's log")
+    locations.stop("C")
+    d_endpoint = locations.endpoint("D")
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        fake = _NewLogSource("C", old + 2, hold_after=old)
+        server = grpc.aio.server()
+        lpb_grpc.add_LocationServicer_to_server(fake, server)  # type: ignore[no-untyped-call]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        etcd = aetcd.Client(host=locations.etcd.host, port=locations.etcd.client_port)
+        try:
+            body = json.dumps({"endpoint": f"http://127.0.0.1:{port}", "pid": 0})
+            await etcd.put(endpoint_key(locations.prefix, "C"), body.encode())
+            await asyncio.wait_for(fake.held.wait(), 30)  # D reads from its old progress.
+            async with LocationClient("D", d_endpoint) as d:
+                assert await d.reset_progress("C", 0) == 0  # What `recover C` does at D.
+                fake.release.set()
+                deadline = asyncio.get_running_loop().time() + 30
+                while len(fake.afters) < 2:
+                    assert asyncio.get_running_loop().time() < deadline, fake.afters
+                    await asyncio.sleep(0.05)
+                while True:
+                    records = (await d.read(0, 1000)).records.decode().splitlines()
+                    events = [json.loads(line) for line in records]
+                    held = [e["ts"]["C"] for e in events if e["emitter"] == "C"]
+                    if all(100 + seq in held for seq in range(1, old + 3)):
+                        break
+                    if asyncio.get_running_loop().time() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+            return fake.afters, held
+        finally:
+            await etcd.close()
+            await server.stop(None)
+
+    afters, held = asyncio.run(scenario())
+    # The held Read's reply came after the reset: it is dropped, and the next Read starts
+    # from the reset progress, not from past the old one.
+    assert afters[1] == 0, f"D read C's new log after {afters[1]} (its reset progress is 0)"
+    missing = [seq for seq in range(1, old + 3) if 100 + seq not in held]
+    assert not missing, f"D lacks the new log's events at sequence numbers {missing}"
 
 
 def test_a_hub_recovers_the_events_its_terminal_neighbour_emitted_while_it_was_down(
