@@ -242,6 +242,9 @@ class LocationServer:
         # Connections into this location taken from its neighbours' views by Recover (its own
         # view was lost with its log), until its own view has them again.
         self._adopted: dict[str, str] = {}
+        # The write guard of each adopted connection, from the same view: its own view, empty
+        # after the loss, would guard nothing until the system events are back.
+        self._adopted_guards: dict[str, frozenset[str]] = {}
         self._recovered_neighbours: set[str] = set()  # Its neighbours, as Recover found them.
         # Event recovery under way: each source it recovers its own events from, and the
         # sequence number (the source's last at Recover) its connection must read through.
@@ -412,6 +415,7 @@ class LocationServer:
         own = {s: f for (s, t), f in view.current.items() if t == self.name and s not in view.retired}  # fmt: skip
         for source in [s for s in self._adopted if (s, self.name) in view.ever]:
             del self._adopted[source]  # Its own view has it again (connected, or not any more).
+            self._adopted_guards.pop(source, None)
         return {**self._adopted, **own}
 
     async def _others(
@@ -594,6 +598,7 @@ class LocationServer:
                 # filtered connections; an event from outside may carry the group's events
                 # that a filter on the way out left behind).
                 group = target.topology.guard_for(source, self.name)
+                group |= self._adopted_guards.get(source, frozenset())
                 after = target.progress.get(source, 0)
                 if entry.endpoint:
                     direct = None
@@ -1131,6 +1136,7 @@ class LocationServer:
             if inbound is None:
                 continue
             self._adopted[n.name] = inbound
+            self._adopted_guards[n.name] = view.guard_for(n.name, self.name)
             if (inbound == "" and outbound == "") or terminal:
                 # Event recovery from n: the connection reads from its progress; this location
                 # emits nothing until it has read through n's last event of now.

@@ -643,6 +643,65 @@ def test_the_location_service_is_typed_and_refuses_with_status_codes(
     assert [(c["source"], c["filter"]) for c in locations.status("B")["connections"]] == [("A", "")]
 
 
+def test_a_recovering_hub_guards_its_terminal_neighbours_events_before_its_view_is_back(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """C is in the cycle A - B - C and the hub of the terminal D (C -> D filtered kind=red, D ->
+    C not). A emits many blue events, then one red that D gets through C. C loses its log and
+    recovers; its new log holds no topology until the system events come back, and meanwhile
+    D's log (read from its beginning) must still be written under the group's guard: A's red
+    event, written before A's blue ones are back, would raise C's CVV past them and the
+    causality filter would drop them for good (found by the disaster-hub fault scenario, seeds
+    2 and 20261129: C lacked every blue event of A and B). A's log is long and D's short, so
+    D's first batch is usually written first (a race the test makes likely, not certain)."""
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C", "D"))
+    for name in "ABCD":
+        locations.start(name, location_broker.address)
+    for a, b in ["AB", "BC", "CA"]:
+        locations.ok("connect", a, b, "--both")
+    locations.ok("connect", "C", "D", "--filter", "kind=red")
+    locations.ok("connect", "D", "C")
+    count = 600
+    for start in range(0, count, 200):
+        blues = [json.dumps({"kind": "blue", "n": n}) for n in range(start, start + 200)]
+        locations.ok("emit", "A", *blues)
+    locations.ok("emit", "A", json.dumps({"kind": "red", "n": count}))
+    wait_until(lambda: len(ids(locations.events("D"))) == 1, "D holds A's red event")
+    wait_until(lambda: locations.status("C")["last_seq"] > count, "C holds A's events")
+    locations.stop("C")
+    asyncio.run(_lose_log(location_broker.address, "C"))
+    locations.start("C", location_broker.address)
+    wait_until(lambda: locations.status("C")["lost"] != "", "C learns it lost events")
+    locations.ok("recover", "C")
+    wait_until(
+        lambda: (
+            not any(
+                c["lag"] or c["state"] != "replicating"
+                for c in locations.status("C")["connections"]
+            )
+        ),
+        "C reads through its sources",
+        timeout=60,
+    )
+    events = _all_events(locations, "C")
+    held = {e["payload"]["n"] for e in events if "n" in e["payload"]}
+    lacking = sorted(set(range(count + 1)) - held)
+    assert not lacking, f"C lacks {len(lacking)} of A's events: {lacking[:5]} ..."
+    assert_causal_order(events)
+
+
+def _all_events(locations: LocationProcesses, name: str) -> list[dict[str, Any]]:
+    """Every event of a location's log, read page by page."""
+    out: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        reply = locations.ask(name, lambda c, a=after: c.read(a, 1000))  # type: ignore[misc]
+        out += [json.loads(line) for line in reply.records.decode().splitlines()]
+        if reply.through <= after or reply.through >= reply.last_seq:
+            return out
+        after = reply.through
+
+
 class _NewLogSource(lpb_grpc.LocationServicer):  # type: ignore[misc]
     """A stand-in for the process of a source whose log was lost and made anew (one state of a
     connection, beside the end-to-end recovery tests): it serves `Read` from its new log, and
