@@ -465,10 +465,10 @@ async def disaster(ctx: Context) -> None:
 
 
 async def disaster_hub(ctx: Context) -> None:
-    """The disaster at C, whose terminal neighbour D it may not recover from (C -> D is
-    filtered and C is not terminal): recovery skips C's progress on D to D's head, and with it
-    D's events that C never held (emitted while C was down). Left out of the default run: a
-    known defect (docs/reliability.md, "Replication networks under faults")."""
+    """The disaster at C, the hub of the terminal D (C -> D filtered, D -> C not): C's recovery
+    must read D's log from its beginning under its group's write guard, and D's progress on C's
+    remade log must start again from nothing, whatever read was in flight (findings 4, 11 and
+    12 of docs/reliability.md, "Replication networks under faults")."""
     await _disaster(ctx, "C")
 
 
