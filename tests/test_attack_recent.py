@@ -1,0 +1,162 @@
+"""Adversarial probes of recent changes (review, not a fix).
+
+1. `gazctl replication recover` run against a location whose log lost nothing (an operator on
+   a stale view: the location was recovered already, or never lost its log; or a first
+   `recover` whose gazctl died after the server finished, run again). Nothing on the server
+   refuses it, and for a neighbour whose connection is filtered and not terminal it moves the
+   progress to the neighbour's head: events not yet read are skipped for good.
+2. `--broker.exit-flush-timeout 0s` (or a negative duration) is taken without a word; a
+   graceful stop then gives the persister no time, and acknowledged content can be lost
+   although the store is healthy: the restarted broker reads nothing, says nothing, and the
+   next append lands at offset 0 again (a race: -5s failed 2 of 4 runs here, 0s won it 4 times,
+   its log saying "could not persist ... before stopping" before the persist landed).
+3. After `recover`, its set of neighbours is never dropped: a location disconnected from it
+   (and stopped) is still asked by `delete`, which refuses naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.testing import EtcdServer, start_broker_process, stop_process
+from replication.journals import apply_location_journals
+from tests.conftest import BrokerProcess, run_cli
+from tests.replication_testing import LocationProcesses
+from tests.test_replication_locations import _all_events, wait_until
+
+
+def test_recover_of_a_location_that_lost_nothing_skips_its_neighbours_unread_events(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B", "C"))
+    for name in "AB":
+        locations.start(name, location_broker.address)
+    locations.start("C", location_broker.address, batch=1)
+    locations.ok("connect", "A", "C", "--filter", "kind=red")
+    locations.ok("connect", "B", "C", "--filter", "kind=red")
+    locations.ok("emit", "A", json.dumps({"kind": "red", "n": -1}))
+    wait_until(lambda: len(_all_events(locations, "C")) >= 1, "C holds A's first event")
+    # C is stopped while A emits; started again, it reads A's events one per round.
+    locations.stop("C")
+    count = 2000
+    for start in range(0, count, 400):
+        reds = [json.dumps({"kind": "red", "n": n}) for n in range(start, start + 400)]
+        locations.ok("emit", "A", *reds)
+    locations.start("C", location_broker.address, batch=1)
+    assert locations.status("C")["lost"] == ""  # C lost nothing.
+    # The operator, on a stale view, recovers C.
+    out = locations.ok("recover", "C")
+    print("recover:", out)
+    deadline = time.monotonic() + 60
+    while True:
+        held = {
+            e["payload"]["n"]
+            for e in _all_events(locations, "C")
+            if e["emitter"] == "A" and "n" in e["payload"]
+        }
+        if len(held) == count + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    lacking = sorted(set(range(-1, count)) - held)
+    status = locations.status("C")
+    assert not lacking, (
+        f"C lacks {len(lacking)} of A's {count + 1} red events after `recover` of a log that "
+        f"lost nothing (first {lacking[:3]}); C's progress {status['progress']}; "
+        f"connections {status['connections']}"
+    )
+
+
+@pytest.mark.parametrize("value", ["0s", "-5s"])
+def test_a_zero_or_negative_exit_flush_timeout_is_refused_or_keeps_acknowledged_content(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, value: str
+) -> None:
+    root = tmp_path / "fragments"
+    (root / "flush").mkdir(parents=True)
+    log = tmp_path / "broker.log"
+    try:
+        broker = start_broker_process(
+            etcd_server, etcd_prefix, log,
+            extra=("--broker.file-root", str(root), "--broker.exit-flush-timeout", value),
+        )  # fmt: skip
+    except Exception:  # Refused at start: what the flag should do (checked: one clear line).
+        text = log.read_text()
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert "Traceback" not in text and "exit-flush-timeout" in text, text[-2000:]
+        assert len(lines) == 1, text[-2000:]
+        return
+    second = None
+    try:
+        env = {"BROKER_ADDRESS": broker.address}
+        specs = tmp_path / "journal.yaml"
+        specs.write_text(
+            "name: flush/j\nreplication: 1\nfragment:\n  length: 1048576\n"
+            "  compression_codec: NONE\n  stores:\n    - file:///flush/\n  refresh_interval: 1m0s\n"
+        )
+        applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
+        assert applied.code == 0, applied.err
+        appended = run_cli(
+            "gazctl", "journals", "append", "-l", "name=flush/j", input="held\n", env=env
+        )
+        assert appended.code == 0, appended.err
+        # The store is healthy; the broker is stopped gracefully.
+        broker.proc.send_signal(signal.SIGTERM)
+        broker.proc.wait(timeout=60)
+        second = start_broker_process(
+            etcd_server, etcd_prefix, tmp_path / "broker2.log",
+            extra=("--broker.file-root", str(root)),
+        )  # fmt: skip
+        env = {"BROKER_ADDRESS": second.address}
+        read_ = run_cli("gazctl", "journals", "read", "-l", "name=flush/j", env=env)
+        again = run_cli(
+            "gazctl", "journals", "append", "-l", "name=flush/j", input="after\n", env=env
+        )
+        assert read_.out == "held\n", (
+            f"--broker.exit-flush-timeout {value} accepted; acknowledged 'held\\n' after a "
+            f"graceful stop over a healthy store: out={read_.out!r} err={read_.err.strip()!r}; "
+            f"next append: {again.err.strip()!r}; "
+            f"files in the store: {sorted(p.name for p in root.rglob('*'))}; broker log tail: "
+            f"{log.read_text()[-1500:]}"
+        )
+    finally:
+        stop_process(broker.proc)
+        if second is not None:
+            stop_process(second.proc)
+
+
+def test_delete_after_recover_does_not_ask_a_location_no_longer_connected(
+    location_broker: BrokerProcess, locations: LocationProcesses
+) -> None:
+    """A recovers from B (A <-> B); later A and B are disconnected and B stops. A has no
+    neighbour: deleting its first event needs nobody's CVV. Recover's set of neighbours is
+    never dropped, though, so delete still asks B and refuses naming it."""
+    from tests.test_replication_locations import _lose_log, ids
+
+    asyncio.run(apply_location_journals(location_broker.address, "A", "B"))
+    for name in "AB":
+        locations.start(name, location_broker.address)
+    locations.ok("connect", "A", "B", "--both")
+    locations.ok("emit", "A", '{"num": 1}', '{"num": 2}')
+    locations.ok("emit", "B", '{"num": 3}')
+    wait_until(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
+    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
+    before = set(ids(locations.events("B")))
+    locations.stop("A")
+    asyncio.run(_lose_log(location_broker.address, "A"))
+    locations.start("A", location_broker.address)
+    wait_until(lambda: locations.status("A")["lost"] != "", "A notices its loss")
+    locations.ok("recover", "A")
+    wait_until(lambda: set(ids(locations.events("A"))) == before, "A recovered its events")
+    locations.ok("emit", "A", '{"num": 4}')
+    locations.ok("disconnect", "A", "B", "--both")
+    wait_until(lambda: not locations.status("A")["connections"], "A has no connection")
+    locations.stop("B")
+    result = locations.gazctl("delete", "A", "--through", "1")
+    assert result.code == 0, (
+        f"delete at A, connected to nobody, exit {result.code}: {result.err.strip()}"
+    )
