@@ -30,6 +30,23 @@ def _duration(flag: str, value: Any) -> float:
         raise click.ClickException(f"{flag}: {exc}") from None
 
 
+# The least exit flush that still suspends each journal at its end when its store fails (the
+# flush gives up SUSPEND_MARGIN, 3 s, before its bound): below it, a stop over a failing or slow
+# store could leave a journal unsuspended, and its offsets handed out again after a restart.
+MIN_EXIT_FLUSH_TIMEOUT = 5.0
+
+
+def _exit_flush_timeout(value: Any) -> float:
+    seconds = _duration("--broker.exit-flush-timeout", value)
+    if seconds < MIN_EXIT_FLUSH_TIMEOUT:
+        raise click.ClickException(
+            f"--broker.exit-flush-timeout {value}: must be at least "
+            f"{MIN_EXIT_FLUSH_TIMEOUT:g}s (a stopping broker needs that long to persist what it "
+            "holds, or to record each journal's end when its store does not take it)"
+        )
+    return seconds
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(
     package_name="gazette-py", prog_name="gazette", message="%(prog)s %(version)s"
@@ -171,9 +188,7 @@ def serve(**opts: Any) -> None:
         max_append_rate=opts["broker_max_append_rate"],
         watch_delay=_duration("--broker.watch-delay", opts["broker_watch_delay"]),
         drain_timeout=_duration("--broker.drain-timeout", opts["broker_drain_timeout"]),
-        exit_flush_timeout=_duration(
-            "--broker.exit-flush-timeout", opts["broker_exit_flush_timeout"]
-        ),
+        exit_flush_timeout=_exit_flush_timeout(opts["broker_exit_flush_timeout"]),
         persist_interval=_duration("--broker.persist-interval", opts["broker_persist_interval"]),
         auto_suspend=opts["broker_auto_suspend"],
         pulse_interval=_duration("--broker.pulse-interval", opts["broker_pulse_interval"]),
