@@ -1105,6 +1105,20 @@ class LocationServer:
                 f"{'does' if len(missing) == 1 else 'do'} not answer: any location may hold "
                 "its latest events (start them, or retire them, first)"
             )
+        if not self.lost and all(
+            o.cvv[self.name] <= lg.local_time
+            and o.status.progress.get(self.name, 0) <= lg.committed_seq
+            for o in others
+        ):
+            # No location has seen more of its times, nor read more of its log, than its log
+            # holds: it lost nothing. Recovery would move its progress on a neighbour it may not
+            # recover from to that neighbour's head, skipping what it has not read yet, for good
+            # (an operator on a stale view, or `recover` run again after one that completed).
+            raise RuleViolation(
+                f"{self.name} lost no events (no location has seen more of its times, or read "
+                "more of its log, than its log holds): recover is for a location whose log was "
+                "lost; nothing was done"
+            )
         neighbours = []
         for other in others:
             view = topology_of_status(other.status)

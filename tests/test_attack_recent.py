@@ -51,8 +51,11 @@ def test_recover_of_a_location_that_lost_nothing_skips_its_neighbours_unread_eve
     locations.start("C", location_broker.address, batch=1)
     assert locations.status("C")["lost"] == ""  # C lost nothing.
     # The operator, on a stale view, recovers C.
-    out = locations.ok("recover", "C")
-    print("recover:", out)
+    # Refused, in one line and with nothing done, as C lost nothing; then C reads every event
+    # of A's it has not yet read, as before.
+    refused = locations.gazctl("recover", "C")
+    assert refused.code == 1 and "Traceback" not in refused.err, (refused.out, refused.err)
+    assert "C lost no events" in refused.err and refused.err.strip().count("\n") == 0, refused.err
     deadline = time.monotonic() + 60
     while True:
         held = {
