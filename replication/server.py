@@ -574,7 +574,15 @@ class LocationServer:
 
     def _neighbour_names(self) -> list[str]:
         assert self.log is not None
-        names = {s if t == self.name else t for (s, t) in self.log.topology.current if self.name in (s, t)}  # fmt: skip
+        view = self.log.topology
+        names = {s if t == self.name else t for (s, t) in view.current if self.name in (s, t)}
+        # Recover's neighbours stand in only until its own view has their connection again
+        # (connected, or not any more): kept after, a location disconnected since was still
+        # asked by `delete`, and counted by `_terminal`.
+        self._recovered_neighbours = {
+            n for n in self._recovered_neighbours
+            if (n, self.name) not in view.ever and (self.name, n) not in view.ever
+        }  # fmt: skip
         return sorted((names | self._recovered_neighbours) - {self.name})
 
     async def _replicate(self, state: ConnectionState) -> None:
