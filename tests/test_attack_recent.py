@@ -1,17 +1,15 @@
-"""Adversarial probes of recent changes (review, not a fix).
+"""Three defects a review found by attacking the session's changes, each fixed since; these are
+their guards.
 
 1. `gazctl replication recover` run against a location whose log lost nothing (an operator on
-   a stale view: the location was recovered already, or never lost its log; or a first
-   `recover` whose gazctl died after the server finished, run again). Nothing on the server
-   refuses it, and for a neighbour whose connection is filtered and not terminal it moves the
-   progress to the neighbour's head: events not yet read are skipped for good.
-2. `--broker.exit-flush-timeout 0s` (or a negative duration) is taken without a word; a
-   graceful stop then gives the persister no time, and acknowledged content can be lost
-   although the store is healthy: the restarted broker reads nothing, says nothing, and the
-   next append lands at offset 0 again (a race: -5s failed 2 of 4 runs here, 0s won it 4 times,
-   its log saying "could not persist ... before stopping" before the persist landed).
-3. After `recover`, its set of neighbours is never dropped: a location disconnected from it
-   (and stopped) is still asked by `delete`, which refuses naming it.
+   a stale view, or a `recover` run again): it moved the progress on a filtered, non-terminal
+   neighbour to that neighbour's head, skipping unread events for good. Now refused in one
+   line, nothing done.
+2. `--broker.exit-flush-timeout 0s` or a negative duration was taken without a word, and a
+   graceful stop could lose acknowledged content over a healthy store. Now below 5 s is
+   refused in one line.
+3. After `recover`, its set of neighbours was never dropped: a location disconnected from it
+   since was still asked by `delete`, which refused naming it.
 """
 
 from __future__ import annotations
