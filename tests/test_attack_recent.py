@@ -26,6 +26,7 @@ from broker.testing import EtcdServer, start_broker_process, stop_process
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess, run_cli
 from tests.replication_testing import LocationProcesses
+from tests.test_exit_flush_lost_store import append_held
 from tests.test_replication_locations import _all_events, wait_until
 
 
@@ -93,18 +94,7 @@ def test_a_zero_or_negative_exit_flush_timeout_is_refused_or_keeps_acknowledged_
         return
     second = None
     try:
-        env = {"BROKER_ADDRESS": broker.address}
-        specs = tmp_path / "journal.yaml"
-        specs.write_text(
-            "name: flush/j\nreplication: 1\nfragment:\n  length: 1048576\n"
-            "  compression_codec: NONE\n  stores:\n    - file:///flush/\n  refresh_interval: 1m0s\n"
-        )
-        applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
-        assert applied.code == 0, applied.err
-        appended = run_cli(
-            "gazctl", "journals", "append", "-l", "name=flush/j", input="held\n", env=env
-        )
-        assert appended.code == 0, appended.err
+        append_held(broker.address, tmp_path)
         # The store is healthy; the broker is stopped gracefully.
         broker.proc.send_signal(signal.SIGTERM)
         broker.proc.wait(timeout=60)

@@ -85,6 +85,23 @@ def test_exit_flush_that_cannot_persist_keeps_offsets_and_reports_the_hole(
     assert dev(cluster_dir, "down").code == 0
 
 
+def append_held(address: str, tmp_path: Path) -> None:
+    """Apply `flush/j` (one replica, its store file:///flush/) through `address` and append
+    `held\n` to it with gazctl, both checked."""
+    env = {"BROKER_ADDRESS": address}
+    specs = tmp_path / "journal.yaml"
+    specs.write_text(
+        "name: flush/j\nreplication: 1\nfragment:\n  length: 1048576\n"
+        "  compression_codec: NONE\n  stores:\n    - file:///flush/\n  refresh_interval: 1m0s\n"
+    )
+    applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
+    assert applied.code == 0, applied.err
+    appended = run_cli(
+        "gazctl", "journals", "append", "-l", "name=flush/j", input="held\n", env=env
+    )
+    assert appended.code == 0, appended.err
+
+
 def test_a_stopping_broker_gives_up_on_a_failing_store_after_its_exit_flush_timeout(
     etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
 ) -> None:
@@ -99,18 +116,7 @@ def test_a_stopping_broker_gives_up_on_a_failing_store_after_its_exit_flush_time
         extra=("--broker.file-root", str(root), "--broker.exit-flush-timeout", "5s"),
     )  # fmt: skip
     try:
-        env = {"BROKER_ADDRESS": broker.address}
-        specs = tmp_path / "journal.yaml"
-        specs.write_text(
-            "name: flush/j\nreplication: 1\nfragment:\n  length: 1048576\n"
-            "  compression_codec: NONE\n  stores:\n    - file:///flush/\n  refresh_interval: 1m0s\n"
-        )
-        applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
-        assert applied.code == 0, applied.err
-        appended = run_cli(
-            "gazctl", "journals", "append", "-l", "name=flush/j", input="held\n", env=env
-        )
-        assert appended.code == 0, appended.err
+        append_held(broker.address, tmp_path)
         (root / "flush").rename(root / "away")
         broker.proc.send_signal(signal.SIGTERM)
         # Without the flag's bound, the exit flush and the persister's last attempts take

@@ -524,20 +524,10 @@ class ReplicationNetwork:
         for location in self.config.locations:
             for attempt in range(5):
                 try:
+                    events = await self.read_events(location, 0)
                     client = await self.client(location, fresh=True)
                     if client is None:
                         raise HarnessError(f"{location} is not served")
-                    events: list[dict[str, Any]] = []
-                    after = 0
-                    while True:
-                        reply = await client.read(after, 1000)
-                        for line in reply.records.decode().splitlines():
-                            record = json.loads(line)
-                            if record.get("kind") == "event":
-                                events.append(record)
-                        if reply.through <= after or reply.through >= reply.last_seq:
-                            break
-                        after = reply.through
                     status = status_document(await client.status())
                 except (LocationError, HarnessError) as exc:
                     self.history.note(f"collecting {location} failed ({exc}): again")
@@ -563,7 +553,7 @@ class ReplicationNetwork:
 
     async def read_events(self, location: str, after: int) -> list[dict[str, Any]]:
         """The location's stored events after sequence number `after`, through its last
-        committed one (as `collect` reads them; deleted ones are left out by the location)."""
+        committed one (deleted ones are left out by the location)."""
         client = await self.client(location, fresh=True)
         if client is None:
             raise HarnessError(f"{location} is not served")
