@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # than firing together each time.
 PULSE_INTERVAL = 60.0
 PULSE_JITTER = 0.5
+_JITTER = random.Random()  # Its own: the global state is the application's (and Hypothesis's).
 PULSE_STOP_TIMEOUT = 10.0
 # A primary whose pipeline no append has taken for this long releases it after a pulse (its
 # Replicate streams, and the peers' handlers of them): the next append or pulse builds and
@@ -150,7 +151,7 @@ class Replica:
         uses_after_pulse = self.pipeline_uses
         try:
             while self.primary and not self.stopped:
-                delay = self._pulse_interval * random.uniform(PULSE_JITTER, 1.0)
+                delay = self._pulse_interval * _JITTER.uniform(PULSE_JITTER, 1.0)
                 await wait_any(self._pulse_now, timeout=delay)
                 self._pulse_now.clear()
                 if not self.primary or self.stopped:

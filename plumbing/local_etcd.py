@@ -44,6 +44,7 @@ def find_etcd_binary() -> str:
 
 
 _GIVEN: set[int] = set()  # Ports this process handed out already.
+_PORTS = random.SystemRandom()  # Never the global state: a test that seeds it would repeat ports.
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -64,7 +65,7 @@ def free_port() -> int:
     low, _ = _ephemeral_range()
     start = 10000 if low > 12000 else 1024
     for _ in range(200):
-        port = random.randrange(start, low)
+        port = _PORTS.randrange(start, low)
         if port in _GIVEN:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -269,7 +269,7 @@ class LocationServer:
             stack.push_async_callback(self._close_clients)
             created = await self._check_journal()
             service = await stack.enter_async_context(AppendService(lambda _j: self._stub()))
-            author = random.getrandbits(62) or 1
+            author = random.SystemRandom().getrandbits(62) or 1
             log_ = self.folded
             if log_ is not None and log_.created == created:
                 log_.bind(self._stub, service, author)  # Folded by its standby: the rest only.

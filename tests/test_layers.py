@@ -161,3 +161,29 @@ def test_one_helper_waits_for_the_first_of_several_awaitables() -> None:
         if "FIRST_COMPLETED" in path.read_text() and path != ROOT / "plumbing" / "tasks.py"
     ]
     assert found == []
+
+
+GLOBAL_RANDOM = {
+    "random", "uniform", "randrange", "randint", "choice", "choices", "shuffle", "sample",
+    "getrandbits", "gauss", "seed", "setstate", "randbytes", "expovariate", "triangular",
+}  # fmt: skip
+
+
+def test_production_code_draws_from_its_own_random_never_the_global_one() -> None:
+    """A jitter or a port drawn from the module-level `random` moves the state every other
+    user of it shares: an application that seeds it for a replay, and Hypothesis, which fails
+    a property test when that state moves under its draw (seen: a broker's pulse, in a thread
+    of the same test worker, failed `test_merge_is_the_least_upper_bound`). Tests that seed it
+    on one worker also made another worker's `free_port` draw the same ports."""
+    found = []
+    for path in python_files("broker", "consumer", "plumbing", "replication", "gazctl", "spark"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "random"
+                and node.func.attr in GLOBAL_RANDOM
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} random.{node.func.attr}")
+    assert not found, found

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 HEALTHY_INTERVAL = 30 * 60.0
 RETRY_INTERVALS = (0.0, 0.1, 1.0, 1.0, 10.0, 10.0, 100.0)
 JITTER = 0.2
+_RNG = random.Random()  # Its own: the global state is the application's.
 # A check brought forward (by an append, or a failed store operation) starts no sooner than this
 # after the last one began: appends to a store that is down do not become a storm of checks.
 MIN_CHECK_GAP = 1.0
@@ -237,7 +238,7 @@ class StoreHealth:
                     interval, attempt = HEALTHY_INTERVAL, 0
                     if was:
                         log.info("fragment store %s is healthy again", entry.url)
-                interval *= 1 + random.uniform(-JITTER, JITTER)
+                interval *= 1 + _RNG.uniform(-JITTER, JITTER)
                 await wait_any(entry.wake, timeout=interval)
                 gap = entry.began + MIN_CHECK_GAP - loop.time()
                 if gap > 0:

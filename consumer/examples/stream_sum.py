@@ -453,7 +453,7 @@ def chunker(
     **opts: Any,
 ) -> None:
     """Publish the streams' chunks; exit 0 once every sum arrived exactly right."""
-    seed = seed if seed is not None else random.randrange(1 << 31)
+    seed = seed if seed is not None else random.SystemRandom().randrange(1 << 31)
     problem = run_command(
         _chunker(opts["broker_address"], streams, chunks, seed, timeout, pace, prefix, concurrent)
     )
