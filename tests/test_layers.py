@@ -6,6 +6,8 @@ imports nothing of the broker server; consumers build on the broker's public par
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,15 @@ def test_production_code_draws_from_its_own_random_never_the_global_one() -> Non
             ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} random.{node.func.attr}")
     assert not found, found
+
+
+def test_the_client_library_loads_no_server_machinery() -> None:
+    """Every `gazctl` run imports the client: the spool's metrics (the Prometheus client) and
+    the brokers' HTTP server (aiohttp) would cost each one ~0.1 s of CPU for nothing."""
+    probe = (
+        "import sys, broker.client, broker.client.reader, gazctl.cli\n"
+        "print(sorted(m for m in ('prometheus_client', 'aiohttp', 'broker.fragment.spool')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -4,6 +4,8 @@ A replica applies replicated content and proposals to its Spool; completed fragm
 gets persisted to fragment stores under their content names.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from broker.fragment.fragments import (
     ZERO_DIGEST,
     apply_register_updates,
@@ -20,7 +22,22 @@ from broker.fragment.fragments import (
     sum_of,
     zero_sum,
 )
-from broker.fragment.spool import CompletedFragment, Spool, SpoolError, SpoolObserver
+
+if TYPE_CHECKING:
+    from broker.fragment.spool import CompletedFragment, Spool, SpoolError, SpoolObserver
+
+_SPOOL_NAMES = frozenset({"CompletedFragment", "Spool", "SpoolError", "SpoolObserver"})
+
+
+def __getattr__(name: str) -> Any:
+    """The Spool's names on first use: a client reading fragments never builds one, and the
+    spool's metrics would cost every `gazctl` run the Prometheus client's import."""
+    if name in _SPOOL_NAMES:
+        from broker.fragment import spool
+
+        return getattr(spool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ZERO_DIGEST",
