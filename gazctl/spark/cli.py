@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from gazctl.spark.journals import (
     JobError,
     listed_fragments,
     select_journals,
+    size_in_bytes,
     stores_end,
     unpersisted,
 )
@@ -35,17 +35,14 @@ from spec.durations import DurationError, parse_duration, seconds_from_duration
 
 T = TypeVar("T")
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
 CODECS = ("NONE", "GZIP", "ZSTANDARD", "SNAPPY", "GZIP_OFFLOAD_DECOMPRESSION")
 
 
 def parse_size(text: str) -> int:
-    match = _SIZE.match(text)
-    if not match or int(match.group(1)) <= 0:
+    size = size_in_bytes(text)
+    if size is None:
         raise click.BadParameter(f"{text!r} is not a size: give e.g. 512MiB, 1GiB or 1048576")
-    return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    return size
 
 
 def _seconds(text: str, flag: str) -> float:

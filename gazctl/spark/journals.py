@@ -10,6 +10,7 @@ store's end is not persisted yet: with a broker to ask, `unpersisted` names thos
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,17 @@ from broker.protocol import protocol_pb2 as pb
 from spec import decode_journals
 
 FULLY_SUSPENDED = pb.JournalSpec.Suspend.FULL  # No replicas: everything is persisted.
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def size_in_bytes(text: str) -> int | None:
+    """`512MiB`, `1GB`, `4096`: a positive size in bytes, or None if `text` is not one."""
+    match = _SIZE.match(text)
+    if not match or int(match.group(1)) <= 0:
+        return None
+    return int(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
 
 
 class JobError(Exception):

@@ -39,7 +39,12 @@ from itertools import takewhile
 from pathlib import Path
 from typing import Any, cast
 
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
 
 from broker.fragment.content import describe
 from broker.message.framing import (
@@ -154,13 +159,24 @@ class GazetteDataSource(DataSource):
         return "gazette"
 
     def schema(self) -> str:
+        # Spark asks the same for a batch read and a stream (it cannot tell which).
         framing = _framing_name(self.options)
         if framing == "none":
             return RAW_SCHEMA
-        return message_schema(binary=framing == "fixed")
+        return f"{message_schema(binary=framing == 'fixed')}, timestamp TIMESTAMP"
 
     def reader(self, schema: Any) -> DataSourceReader:
         return GazetteReader(self.options)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        from gazctl.spark.stream_source import GazetteStreamReader, StreamOptions
+
+        if "timestamp" not in schema.fieldNames():
+            raise JobError(
+                "the gazette stream source reads messages: give option framing (auto, by each "
+                "journal's content-type; lines; or csv)"
+            )
+        return GazetteStreamReader(StreamOptions.parse(self.options))
 
 
 class GazetteReader(DataSourceReader):
@@ -214,10 +230,17 @@ class GazetteReader(DataSourceReader):
         return out
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        import pyarrow as pa
-
         if not isinstance(partition, FragmentPartition):
             return  # No fragments planned: Spark still reads one (empty) partition.
+        batches = self._read(partition)
+        if partition.framing == "none":
+            yield from batches
+        else:
+            yield from (with_timestamp(b) for b in batches)
+
+    def _read(self, partition: FragmentPartition) -> Iterator[Any]:
+        import pyarrow as pa
+
         fragment = pb.Fragment.FromString(partition.fragment)
         root = Path(partition.file_root) if partition.file_root else None
         store = open_store_of(fragment.backing_store, root)
@@ -245,6 +268,22 @@ class GazetteReader(DataSourceReader):
         else:
             frames = _frames_of(blocks, partition.framing, fragment.begin)
             yield from _message_batches(fragment, frames, partition)
+
+
+def with_timestamp(batch: Any) -> Any:
+    """A message batch with its `timestamp` column: the UUID Clock's time (null without one)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from broker.message.uuid import GREGORIAN_OFFSET
+
+    clocks = batch.column("clock")
+    ticks = pc.subtract(pc.shift_right(clocks, 4), GREGORIAN_OFFSET)  # 100 ns since 1970.
+    micros = pc.divide(ticks, 10).cast(pa.timestamp("us", tz="UTC"))
+    stamps = pc.if_else(pc.equal(clocks, 0), pa.scalar(None, micros.type), micros)
+    return pa.RecordBatch.from_arrays(
+        [*batch.columns, stamps], names=[*batch.schema.names, "timestamp"]
+    )
 
 
 def _split_batches(

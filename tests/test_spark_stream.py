@@ -1,0 +1,254 @@
+"""The gazette Structured Streaming source (`spark.readStream.format("gazette")`).
+
+Its driver-side planning and executor-side reading are plain Python objects: most tests drive
+them batch by batch as Spark does (`initialOffset`, `latestOffset`, `partitions`, `read`,
+offsets through JSON as Spark's offset log keeps them), against a real broker, and compare with
+the read-committed iterator. Those with `spark` run real queries on the shared local Spark."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+from broker.client.append_service import AppendService
+from broker.client.appender import append
+from broker.client.journals import JournalsClient, dial
+from broker.client.reader import read
+from broker.message.framing import DictMessages, JSONLines
+from broker.message.mapping import Partition, modulo_mapping
+from broker.message.publisher import Publisher, Reader, read_committed
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import EtcdServer
+from gazctl.spark.journals import JobError
+from gazctl.spark.stream_source import (
+    Event,
+    GazetteStreamReader,
+    Position,
+    Scan,
+    StreamOffset,
+    StreamOptions,
+    choose_cuts,
+)
+from tests.journals_testing import started_brokers
+from tests.test_persistence import routed
+
+TOPIC = ["stream/part-000", "stream/part-001"]
+
+
+def spec(name: str, store: str | None = None) -> pb.JournalSpec:
+    out = pb.JournalSpec(name=name, replication=1)
+    out.labels.labels.add(name="content-type", value="application/x-ndjson")
+    out.labels.labels.add(name="topic", value="stream")
+    out.fragment.length = 4096
+    out.fragment.compression_codec = pb.GZIP
+    out.fragment.refresh_interval.seconds = 1
+    if store:
+        out.fragment.stores.append(store)
+    return out
+
+
+@asynccontextmanager
+async def broker_with(
+    etcd_server: EtcdServer, prefix: str, root: Path, journals: list[str]
+) -> AsyncIterator[tuple[str, pb_grpc.JournalStub]]:
+    (root / "store").mkdir(parents=True, exist_ok=True)
+    async with started_brokers(
+        etcd_server.endpoint, prefix, ["bk-0"], run_allocator=True, file_root=str(root),
+        persist_interval=0.2,
+    ) as (broker,):  # fmt: skip
+        async with broker.client() as client:
+            await client.apply(
+                [pb.ApplyRequest.Change(upsert=spec(j, "file:///store/")) for j in journals]
+            )
+            for journal in journals:
+                await routed(client, journal, 1)
+        channel = dial(broker.endpoint)
+        try:
+            yield broker.endpoint, pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+        finally:
+            await channel.close(None)
+
+
+async def write_history(stub: pb_grpc.JournalStub, rounds: int = 12) -> None:
+    """Committed messages, a transaction larger than any small batch limit, an aborted one,
+    messages without a UUID, and a retried append (the first partition's bytes again)."""
+    partitions = [Partition(j, "application/x-ndjson") for j in TOPIC]
+    mapping = modulo_mapping(lambda m: str(m["key"]).encode(), lambda: partitions)
+    messages, framing = DictMessages(), JSONLines()
+    async with AppendService(stub) as service:
+        committed = Publisher(service, messages, framing)
+        txn = Publisher(service, messages, framing)
+        aborted = Publisher(service, messages, framing)
+        for i in range(rounds):
+            await committed.publish_committed(mapping, {"key": i, "kind": "committed"})
+            await txn.publish_uncommitted(mapping, {"key": i, "kind": "txn"})
+            if i < 5:
+                await aborted.publish_uncommitted(mapping, {"key": i, "kind": "aborted"})
+        await txn.commit()
+        await aborted.abort()
+        await service.flush()
+    await append(stub, TOPIC[1], b'{"kind":"plain","key":1}\n{"kind":"plain","key":2}\n')
+    copy = b"".join([c.content async for c in read(stub, TOPIC[0], 0)])
+    await append(stub, TOPIC[0], copy)  # Every message of it twice: duplicates to drop.
+    async with AppendService(stub) as service:
+        late = Publisher(service, messages, framing)
+        for i in range(6):
+            await late.publish_uncommitted(mapping, {"key": i, "kind": "late"})
+        await late.commit()
+
+
+async def committed(stub: pb_grpc.JournalStub, journal: str) -> list[tuple[str, int, str]]:
+    reader = Reader(DictMessages(), JSONLines())
+    out = []
+    async for env in read_committed(stub, journal, reader):
+        if not env.is_ack:
+            out.append((journal, env.begin, json.dumps(env.message, sort_keys=True)))
+    return out
+
+
+def run_batches(
+    options: dict[str, str], *, restart_every: int = 0, limit: Any = None, start: Any = None
+) -> tuple[list[list[tuple[str, int, str]]], dict[str, Any]]:
+    """Micro-batches as Spark plans them, each offset through JSON (the offset log), with a new
+    reader (a restarted query) every `restart_every` batches: the rows of each batch."""
+    parsed = StreamOptions.parse(options)
+    reader = GazetteStreamReader(parsed)
+    offset = start if start is not None else json.loads(json.dumps(reader.initialOffset()))
+    limit = limit or reader.getDefaultReadLimit()
+    batches = []
+    while True:
+        end = reader.latestOffset(offset, limit)
+        if json.dumps(end) == json.dumps(offset):
+            return batches, offset
+        end = json.loads(json.dumps(end))
+        rows = []
+        for partition in reader.partitions(offset, end):
+            for batch in reader.read(partition):
+                for row in batch.to_pylist():
+                    content = json.dumps(json.loads(row["content"]), sort_keys=True)
+                    rows.append((row["journal"], row["offset"], content))
+        batches.append(rows)
+        offset = end
+        if restart_every and len(batches) % restart_every == 0:
+            reader = GazetteStreamReader(parsed)
+
+
+def ordered(rows: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    return sorted(rows, key=lambda r: (r[0], r[1]))
+
+
+@pytest.mark.slow
+async def test_batches_within_limits_deliver_each_committed_message_once(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Limits smaller than the transaction: the transaction comes whole in one batch (the
+    only one over the limit, alone); every other batch within it; together, across restarts
+    of the reader every two batches, exactly what the read-committed iterator gives."""
+    async with broker_with(etcd_server, etcd_prefix, tmp_path / "root", TOPIC) as (address, stub):
+        await write_history(stub)
+        want = []
+        for journal in TOPIC:
+            want += await committed(stub, journal)
+        options = {"selector": "topic=stream", "broker": address, "framing": "auto",
+                   "file_root": str(tmp_path / "root"), "maxMessagesPerTrigger": "4"}  # fmt: skip
+        batches, _ = await asyncio.to_thread(run_batches, options, restart_every=2)
+        assert ordered([r for b in batches for r in b]) == ordered(want)
+        txn_size = sum(1 for j, _, c in want if '"txn"' in c and j == TOPIC[0])
+        assert txn_size > 4
+        for rows in batches:
+            assert len(rows) <= 4 or {json.loads(c)["kind"] for _, _, c in rows} <= {"txn"}, rows
+        kinds = [json.loads(c)["kind"] for b in batches for _, _, c in b]
+        assert "aborted" not in kinds and kinds.count("committed") == 12
+
+        # By bytes too: each batch's frames within 200 bytes, or one commit alone.
+        options.pop("maxMessagesPerTrigger")
+        options["maxBytesPerTrigger"] = "200"
+        batches, _ = await asyncio.to_thread(run_batches, options)
+        assert ordered([r for b in batches for r in b]) == ordered(want)
+
+        # Unlimited: one batch, the same rows.
+        options.pop("maxBytesPerTrigger")
+        batches, end = await asyncio.to_thread(run_batches, options)
+        assert len(batches) == 1 and ordered(batches[0]) == ordered(want)
+
+        # What is appended after the last batch comes in the next, and nothing else.
+        mapping = modulo_mapping(
+            lambda m: str(m["key"]).encode(),
+            lambda: [Partition(j, "application/x-ndjson") for j in TOPIC],
+        )
+        async with AppendService(stub) as service:
+            more = Publisher(service, DictMessages(), JSONLines())
+            for i in range(3):
+                await more.publish_committed(mapping, {"key": i, "kind": "more"})
+            await service.flush()
+        batches, _ = await asyncio.to_thread(run_batches, options, start=end)
+        assert [sorted(json.loads(c)["kind"] for _, _, c in b) for b in batches] == [["more"] * 3]
+
+
+def test_choose_cuts_takes_commits_in_clock_order_within_both_limits() -> None:
+    def scan(name: str, events: list[tuple[int, int, int]]) -> Scan:
+        out = Scan(name, Position(0, 1))
+        out.events = [Event(c, r, s, i * 10) for i, (c, r, s) in enumerate(events)]
+        return out
+
+    a = scan("a", [(1, 2, 20), (4, 2, 20), (6, 1, 10)])
+    b = scan("b", [(2, 1, 10), (3, 5, 50), (9, 1, 10)])
+    # Rows: a1 (2), b2 (1), then b3 (5) does not fit in 4: the batch ends before it.
+    assert choose_cuts([a, b], 4, None) == {"a": 10, "b": 10}
+    # Bytes: 20 + 10 + 50 = 80 fits 80; then a4 (20) does not.
+    assert choose_cuts([a, b], None, 80) == {"a": 10, "b": 20}
+    # A commit larger than the limit, first: taken alone.
+    big = scan("c", [(1, 9, 90), (2, 1, 1)])
+    assert choose_cuts([big], 4, None) == {"c": 10}
+    # Everything fits: nothing is cut.
+    assert choose_cuts([a, b], 100, None) == {"a": None, "b": None}
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        (
+            {"maxBytesPerTriger": "1"},
+            "unknown option 'maxBytesPerTriger' for the gazette stream "
+            "source (did you mean maxBytesPerTrigger?)",
+        ),
+        ({"startingOffsets": "{nope"}, "option startingOffsets is not valid JSON"),
+        ({"startingOffsets": '{"a": -3}'}, "option startingOffsets: give a JSON object"),
+        ({"startingOffsets": "yesterday"}, "option startingOffsets 'yesterday' is not earliest"),
+        ({"maxMessagesPerTrigger": "0"}, "option maxMessagesPerTrigger '0' is not a positive"),
+        ({"maxBytesPerTrigger": "lots"}, "option maxBytesPerTrigger 'lots' is not a size"),
+        ({"failOnDataLoss": "maybe"}, "option failOnDataLoss 'maybe' is not true or false"),
+        ({"framing": "fixed"}, "option framing 'fixed': the gazette stream source reads messages"),
+        ({"selector": ""}, "needs option selector"),
+    ],
+)
+def test_bad_options_are_one_line_each(options: dict[str, str], line: str) -> None:
+    given = {"selector": "topic=x", "broker": "http://127.0.0.1:1", "framing": "auto", **options}
+    with pytest.raises(JobError) as caught:
+        StreamOptions.parse(given)
+    assert line in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_offsets_round_trip_as_sorted_json() -> None:
+    offset = StreamOffset(
+        {"b": Position(7, 3, ((bytes.fromhex("0100000000ff"), 5, -1),)), "a": Position(0, 2)},
+        ("z",),
+    )
+    text = json.dumps(offset.to_json())
+    assert text == (
+        '{"ended": ["z"], "journals": {"a": {"at": 0, "p": {}, "rev": 2}, "b": {"at": 7, '
+        '"p": {"0100000000ff": [5, -1]}, "rev": 3}}, "v": 1}'
+    )
+    assert StreamOffset.from_json(json.loads(text)) == offset
+    with pytest.raises(JobError, match="start the query with a new checkpoint location"):
+        StreamOffset.from_json({"v": 9, "journals": {}})
+    assert isinstance(ReadAllAvailable(), ReadAllAvailable) and ReadMaxRows(1).max_rows == 1
+    assert JournalsClient  # The reader's client: imported here for the broker tests.
