@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import JournalsClient, dial
 from broker.client.reader import read
+from broker.fragment.content import fragment_path
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
@@ -252,3 +255,209 @@ def test_offsets_round_trip_as_sorted_json() -> None:
         StreamOffset.from_json({"v": 9, "journals": {}})
     assert isinstance(ReadAllAvailable(), ReadAllAvailable) and ReadMaxRows(1).max_rows == 1
     assert JournalsClient  # The reader's client: imported here for the broker tests.
+
+
+def kinds_of(batches: list[list[tuple[str, int, str]]]) -> list[str]:
+    return sorted(json.loads(c).get("kind", "(ack)") for b in batches for _, _, c in b)
+
+
+async def publish(stub: pb_grpc.JournalStub, kind: str, count: int, journals: list[str]) -> None:
+    mapping = modulo_mapping(
+        lambda m: str(m["key"]).encode(),
+        lambda: [Partition(j, "application/x-ndjson") for j in journals],
+    )
+    async with AppendService(stub) as service:
+        publisher = Publisher(service, DictMessages(), JSONLines())
+        for i in range(count):
+            await publisher.publish_committed(mapping, {"key": i, "kind": kind})
+        await service.flush()
+
+
+@pytest.mark.slow
+async def test_starting_offsets_new_and_deleted_journals_and_resets(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    async with broker_with(etcd_server, etcd_prefix, root, TOPIC) as (address, stub):
+        await publish(stub, "before", 4, TOPIC)
+        between = time.time()
+        await publish(stub, "after", 6, TOPIC)
+        base = {"selector": "topic=stream", "broker": address, "framing": "auto",
+                "file_root": str(root)}  # fmt: skip
+
+        def kinds(**options: str) -> list[str]:
+            return kinds_of(run_batches({**base, **options})[0])
+
+        assert await asyncio.to_thread(kinds) == ["after"] * 6 + ["before"] * 4
+        assert await asyncio.to_thread(kinds, startingOffsets="latest") == []
+        assert await asyncio.to_thread(kinds, startingOffsets=str(between)) == ["after"] * 6
+        iso = datetime.fromtimestamp(between, UTC).isoformat().replace("+00:00", "Z")
+        assert await asyncio.to_thread(kinds, startingOffsets=iso) == ["after"] * 6
+        # Per journal: the first at its head, the other (not named) from its earliest.
+        by_journal = json.dumps({TOPIC[0]: -1})
+        got = await asyncio.to_thread(run_batches, {**base, "startingOffsets": by_journal})
+        assert {j for b in got[0] for j, _, _ in b} == {TOPIC[1]}
+        with pytest.raises(JobError, match="names stream/nope, which the selector"):
+            await asyncio.to_thread(kinds, startingOffsets=json.dumps({"stream/nope": 0}))
+        with pytest.raises(JobError, match=r"offset 999999 is past its write head"):
+            await asyncio.to_thread(kinds, startingOffsets=json.dumps({TOPIC[0]: 999999}))
+        with pytest.raises(JobError, match="no journals match the selector 'topic=none'"):
+            await asyncio.to_thread(kinds, selector="topic=none")
+
+        _, end = await asyncio.to_thread(run_batches, base)
+        # A journal that appears, matching the selector, is read from its earliest.
+        async with JournalsClient(address) as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec("stream/part-002"))])
+            await routed(client, "stream/part-002", 1)
+        await publish(stub, "new", 3, ["stream/part-002"])
+        batches, end = await asyncio.to_thread(run_batches, base, start=end)
+        assert kinds_of(batches) == ["new"] * 3
+
+        # A deleted journal ends its stream cleanly: in `ended`, no error, no rows.
+        async with JournalsClient(address) as client:
+            await client.apply([pb.ApplyRequest.Change(delete=TOPIC[1], expect_mod_revision=-1)])
+        batches, end = await asyncio.to_thread(run_batches, base, start=end)
+        assert batches == [] or kinds_of(batches) == []
+        assert TOPIC[1] not in end["journals"] and end["ended"] == [TOPIC[1]]
+
+        # Made anew under the same name (another create revision): data loss, one line.
+        async with JournalsClient(address) as client:
+            await client.apply([pb.ApplyRequest.Change(delete=TOPIC[0], expect_mod_revision=-1)])
+        _, gone = await asyncio.to_thread(run_batches, base, start=end)
+        async with JournalsClient(address) as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec(TOPIC[0], "file:///fresh/"))])
+            await routed(client, TOPIC[0], 1)
+        (root / "fresh").mkdir()
+        await publish(stub, "anew", 2, [TOPIC[0]])
+        state = {**end, "journals": {**end["journals"]}}  # As if it never saw the deletion.
+        with pytest.raises(JobError) as caught:
+            await asyncio.to_thread(run_batches, base, start=state)
+        assert f"journal {TOPIC[0]} was deleted and made anew" in str(caught.value)
+        assert "failOnDataLoss=false" in str(caught.value)
+        batches, _ = await asyncio.to_thread(
+            run_batches, {**base, "failOnDataLoss": "false"}, start=state
+        )
+        assert kinds_of(batches) == ["anew"] * 2
+        # Seen deleted first, then made anew: a new journal, read from its earliest.
+        batches, _ = await asyncio.to_thread(run_batches, base, start=gone)
+        assert kinds_of(batches) == ["anew"] * 2
+
+
+@pytest.mark.slow
+async def test_read_uncommitted_gives_every_frame_as_written(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    async with broker_with(etcd_server, etcd_prefix, root, TOPIC) as (address, stub):
+        await write_history(stub, rounds=4)
+        frames = 0
+        for journal in TOPIC:
+            content = b"".join([c.content async for c in read(stub, journal, 0)])
+            frames += content.count(b"\n")
+        options = {"selector": "topic=stream", "broker": address, "framing": "auto",
+                   "file_root": str(root), "readUncommitted": "true",
+                   "maxMessagesPerTrigger": "5"}  # fmt: skip
+        batches, end = await asyncio.to_thread(run_batches, options)
+        assert sum(len(b) for b in batches) == frames and all(len(b) <= 5 for b in batches)
+        kinds = kinds_of(batches)
+        assert "aborted" in kinds and "(ack)" in kinds
+        assert all(p["p"] == {} for p in end["journals"].values())
+
+
+async def persisted(stub: pb_grpc.JournalStub, journal: str, head: int) -> list[pb.Fragment]:
+    """Suspend the journal (its spool persists) and wait until its listed fragments reach
+    `head`, all of them in the store."""
+    response = await append(stub, journal, b"", suspend=pb.AppendRequest.SUSPEND_NOW, check=False)
+    assert response.status in (pb.OK, pb.SUSPENDED), response
+    while True:
+        listed = await stub.ListFragments(pb.FragmentsRequest(journal=journal))
+        found = [f.spec for f in listed.fragments]
+        if found and max(f.end for f in found) >= head and all(f.backing_store for f in found):
+            return found
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+async def test_content_pruned_from_under_the_query_fails_it_in_one_line_or_is_skipped(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    journal = TOPIC[0]
+    async with broker_with(etcd_server, etcd_prefix, root, [journal]) as (address, stub):
+        base = {"selector": f"name={journal}", "broker": address, "framing": "auto",
+                "file_root": str(root)}  # fmt: skip
+        await publish(stub, "read", 3, [journal])
+        _, end = await asyncio.to_thread(run_batches, base)
+        at = end["journals"][journal]["at"]
+        await publish(stub, "pruned", 3, [journal])
+        head = b"".join([c.content async for c in read(stub, journal, 0)])
+        fragments = await persisted(stub, journal, len(head))
+        lost = [f for f in fragments if f.begin >= at]
+        assert lost and lost[0].begin == at
+        for fragment in lost:
+            (root / "store" / fragment_path(fragment)).unlink()
+        while True:  # Until the broker's index no longer lists them (its refresh, 1 s).
+            listed = await stub.ListFragments(pb.FragmentsRequest(journal=journal))
+            if max((f.spec.end for f in listed.fragments), default=0) <= at:
+                break
+            await asyncio.sleep(0.1)
+        await publish(stub, "later", 2, [journal])
+
+        with pytest.raises(JobError) as caught:
+            await asyncio.to_thread(run_batches, base, start=end)
+        line = str(caught.value)
+        assert line.startswith(f"journal {journal}: offsets [{at}, {len(head)}) are no longer held")
+        assert "failOnDataLoss=false" in line and "\n" not in line
+        batches, _ = await asyncio.to_thread(
+            run_batches, {**base, "failOnDataLoss": "false"}, start=end
+        )
+        assert kinds_of(batches) == ["later"] * 2
+
+
+def stream_to_parquet(spark: Any, options: dict[str, str], out: Path, checkpoint: Path) -> Any:
+    """A query from the gazette source to Parquet with Trigger.AvailableNow, run to its end."""
+    reader = spark.readStream.format("gazette")
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    query = (
+        reader.load()
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return query
+
+
+@pytest.mark.slow
+async def test_a_query_streams_committed_messages_into_parquet_and_resumes_from_its_checkpoint(
+    spark: Any, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Real Spark: AvailableNow in batches of at most 5 messages (the transaction alone), into
+    Parquet; then more messages and the query again from its checkpoint: the table holds the
+    read-committed messages once each, with their UUID times."""
+    root = tmp_path / "root"
+    async with broker_with(etcd_server, etcd_prefix, root, TOPIC) as (address, stub):
+        await write_history(stub, rounds=8)
+        options = {"selector": "topic=stream", "broker": address, "framing": "auto",
+                   "file_root": str(root), "maxMessagesPerTrigger": "5"}  # fmt: skip
+        out, checkpoint = tmp_path / "table", tmp_path / "checkpoint"
+        query = await asyncio.to_thread(stream_to_parquet, spark, options, out, checkpoint)
+        batches = len(list((checkpoint / "commits").iterdir()))
+        assert batches > 3, batches
+        assert query.lastProgress["sources"][0]["numInputRows"] <= 8  # The txn's share, or 5.
+        await publish(stub, "resumed", 4, TOPIC)
+        await asyncio.to_thread(stream_to_parquet, spark, options, out, checkpoint)
+
+        want = []
+        for journal in TOPIC:
+            want += await committed(stub, journal)
+        rows = await asyncio.to_thread(lambda: spark.read.parquet(str(out)).collect())
+        got = [
+            (r.journal, r.offset, json.dumps(json.loads(r.content), sort_keys=True)) for r in rows
+        ]
+        assert ordered(got) == ordered(want)
+        stamped = [r for r in rows if r.uuid]
+        assert stamped and all(abs(r.timestamp.timestamp() - time.time()) < 600 for r in stamped)
