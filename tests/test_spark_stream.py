@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,12 @@ from broker.fragment.content import fragment_path
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
+from broker.message.uuid import TICK
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.spark.journals import JobError
+from gazctl.spark.session import use_in_this_thread
 from gazctl.spark.stream_source import (
     Event,
     GazetteStreamReader,
@@ -49,7 +52,8 @@ TOPIC = ["stream/part-000", "stream/part-001"]
 def spec(name: str, store: str | None = None) -> pb.JournalSpec:
     out = pb.JournalSpec(name=name, replication=1)
     out.labels.labels.add(name="content-type", value="application/x-ndjson")
-    out.labels.labels.add(name="topic", value="stream")
+    if name.startswith("stream/"):
+        out.labels.labels.add(name="topic", value="stream")
     out.fragment.length = 4096
     out.fragment.compression_codec = pb.GZIP
     out.fragment.refresh_interval.seconds = 1
@@ -461,3 +465,131 @@ async def test_a_query_streams_committed_messages_into_parquet_and_resumes_from_
         assert ordered(got) == ordered(want)
         stamped = [r for r in rows if r.uuid]
         assert stamped and all(abs(r.timestamp.timestamp() - time.time()) < 600 for r in stamped)
+
+
+def sink_checkpoint(path: Path, batch: int) -> Path:
+    """A query's checkpoint as Spark keeps it, as far as the sink reads it: its id, and its
+    offset log through `batch`."""
+    (path / "offsets").mkdir(parents=True, exist_ok=True)
+    (path / "metadata").write_text('{"id":"5f0c7a52-query"}\n')
+    (path / "offsets" / str(batch)).write_text("v1\n")
+    return path
+
+
+@pytest.mark.slow
+async def test_the_sink_writes_each_row_once_through_retries_zombies_aborts_and_re_run_commits(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from gazctl.spark.stream_sink import GazetteStreamWriter, SinkLog
+
+    target = "sink/out"
+    async with broker_with(etcd_server, etcd_prefix, tmp_path / "root", [target]) as (
+        address,
+        stub,
+    ):
+        schema = StructType([StructField("content", StringType())])
+        checkpoint = sink_checkpoint(tmp_path / "ckpt", 0)
+        options = {"journal": target, "broker": address, "checkpointLocation": str(checkpoint)}
+
+        def rows(kind: str, n: int, first: int = 0) -> list[dict[str, str]]:
+            return [{"content": json.dumps({"kind": kind, "i": i})} for i in range(first, n)]
+
+        def seen() -> list[tuple[str, int]]:
+            async def read_all() -> list[tuple[str, int, str]]:
+                async with JournalsClient(address) as client:
+                    return await committed(client.stub, target)
+
+            found = asyncio.run(read_all())
+            return sorted((json.loads(c)["kind"], json.loads(c)["i"]) for _, _, c in found)
+
+        # Batch 0: partition 0's first attempt writes half and dies; its retry writes all;
+        # partition 1 writes. Nothing is visible before the driver's commit.
+        writer = await asyncio.to_thread(GazetteStreamWriter.create, options, schema, False)
+        await asyncio.to_thread(writer.write_partition, iter(rows("a", 3)), 0)
+        done0 = await asyncio.to_thread(writer.write_partition, iter(rows("a", 6)), 0)
+        done1 = await asyncio.to_thread(writer.write_partition, iter(rows("b", 4)), 1)
+        assert await asyncio.to_thread(seen) == []
+        # The commit runs in a process of its own, with a writer made again.
+        again = await asyncio.to_thread(GazetteStreamWriter.create, options, schema, False)
+        assert again.record == writer.record
+        await asyncio.to_thread(again.commit, [done0, done1], 0)
+        want = [("a", i) for i in range(6)] + [("b", i) for i in range(4)]
+        assert await asyncio.to_thread(seen) == sorted(want)
+        # A zombie attempt of partition 1 after the commit, and the commit re-run (the driver
+        # died before Spark recorded it): nothing changes.
+        await asyncio.to_thread(writer.write_partition, iter(rows("b", 4)), 1)
+        await asyncio.to_thread(again.commit, [done0, done1], 0)
+        assert await asyncio.to_thread(seen) == sorted(want)
+
+        # Batch 1: written, then aborted; re-run (same record) and committed.
+        sink_checkpoint(checkpoint, 1)
+        writer = await asyncio.to_thread(GazetteStreamWriter.create, options, schema, False)
+        assert writer.record.base > max(c for _, _, c in SinkLog(checkpoint).read(0).intents)
+        first = await asyncio.to_thread(writer.write_partition, iter(rows("c", 5)), 0)
+        await asyncio.to_thread(writer.abort, [first, None], 1)
+        assert await asyncio.to_thread(seen) == sorted(want)
+        rerun = await asyncio.to_thread(GazetteStreamWriter.create, options, schema, False)
+        assert rerun.record == writer.record
+        done = await asyncio.to_thread(rerun.write_partition, iter(rows("c", 5)), 0)
+        # The driver dies after recording the acknowledgements, before appending them: its
+        # re-run appends the recorded ones.
+        log = SinkLog(checkpoint)
+        intents = ((target, done.producer, rerun.record.base + done.count * TICK),)
+        log.write(replace(rerun.record, intents=intents))
+        await asyncio.to_thread(rerun.commit, [done], 1)
+        want += [("c", i) for i in range(5)]
+        assert await asyncio.to_thread(seen) == sorted(want)
+
+        # Every message of a batch carries the producer of its partition, the same in both.
+        raw = b"".join([c.content async for c in read(stub, target, 0)])
+        producers = {json.loads(line)["_meta"]["uuid"][-12:] for line in raw.splitlines()}
+        assert len(producers) == 2, producers
+
+
+@pytest.mark.slow
+async def test_a_query_from_journals_into_a_journal_is_exactly_once_across_restarts(
+    spark: Any, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Real Spark, source and sink both gazette: the target's read-committed messages are the
+    source's, once each (the UUIDs are the sink's own), after two runs from one checkpoint."""
+    root = tmp_path / "root"
+    target = "sink/all"
+    async with broker_with(etcd_server, etcd_prefix, root, [*TOPIC, target]) as (address, stub):
+        await write_history(stub, rounds=6)
+        checkpoint = tmp_path / "checkpoint"
+
+        def run() -> None:
+            use_in_this_thread(spark)
+            query = (
+                spark.readStream.format("gazette")
+                .option("selector", "topic=stream")
+                .option("broker", address)
+                .option("framing", "auto")
+                .option("file_root", str(root))
+                .option("maxMessagesPerTrigger", "7")
+                .load()
+                .writeStream.format("gazette")
+                .option("journal", target)
+                .option("broker", address)
+                .option("checkpointLocation", str(checkpoint))
+                .trigger(availableNow=True)
+                .start()
+            )
+            query.awaitTermination()
+
+        await asyncio.to_thread(run)
+        await publish(stub, "resumed", 4, TOPIC)
+        await asyncio.to_thread(run)
+
+        def body(content: str) -> str:
+            doc = json.loads(content)
+            doc.pop("_meta", None)
+            return json.dumps(doc, sort_keys=True)
+
+        want = []
+        for journal in TOPIC:
+            want += [body(c) for _, _, c in await committed(stub, journal)]
+        got = [body(c) for _, _, c in await committed(stub, target)]
+        assert sorted(got) == sorted(want) and len(got) == len(want) > 20

@@ -189,3 +189,13 @@ def stop_spark(spark: SparkSession) -> None:
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def use_in_this_thread(spark: SparkSession) -> None:
+    """Make `spark` the JVM's active session for this thread. Spark looks up a Python data
+    source's streaming sink through the thread's active session: a query started from another
+    thread than the one that made the session fails with DATA_SOURCE_NOT_FOUND without this."""
+    if is_connect(spark):
+        return
+    jvm: Any = spark._jvm
+    jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)

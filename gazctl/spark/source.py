@@ -43,6 +43,7 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
     InputPartition,
 )
 
@@ -167,6 +168,11 @@ class GazetteDataSource(DataSource):
 
     def reader(self, schema: Any) -> DataSourceReader:
         return GazetteReader(self.options)
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamWriter:
+        from gazctl.spark.stream_sink import GazetteStreamWriter
+
+        return GazetteStreamWriter.create(self.options, schema, overwrite)
 
     def streamReader(self, schema: Any) -> DataSourceStreamReader:
         from gazctl.spark.stream_source import GazetteStreamReader, StreamOptions
