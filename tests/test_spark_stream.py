@@ -593,3 +593,81 @@ async def test_a_query_from_journals_into_a_journal_is_exactly_once_across_resta
             want += [body(c) for _, _, c in await committed(stub, journal)]
         got = [body(c) for _, _, c in await committed(stub, target)]
         assert sorted(got) == sorted(want) and len(got) == len(want) > 20
+
+
+def gazctl_stream(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from gazctl.cli import cli
+
+    return CliRunner().invoke(cli, ["spark", "stream", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--to", "csv:x"], "'csv:x': give parquet:DIR, journal:NAME or topic:SELECTOR"),
+        (["--to", "topic:topic=x"], "topic:SELECTOR maps messages by a field: give --key"),
+        (["--starting", "soon"], "option startingOffsets 'soon' is not earliest"),
+        (["--max-bytes-per-batch", "lots"], "'lots' is not a size"),
+        (["--trigger", "often"], "--trigger 'often'"),
+        (["--max-messages-per-batch", "0"], "--max-messages-per-batch 0: give 1 or more"),
+        (["--master", "local[1]", "--remote", "sc://127.0.0.1:1"], "give --master or --remote"),
+    ],
+)
+def test_gazctl_spark_stream_refuses_bad_input_in_one_line(
+    args: list[str], line: str, tmp_path: Path
+) -> None:
+    base = ["-l", "topic=x", "--to", "parquet:" + str(tmp_path / "t"), "--checkpoint",
+            str(tmp_path / "c"), "--broker.address", "http://127.0.0.1:1"]  # fmt: skip
+    result = gazctl_stream(*base, *args)
+    assert result.exit_code != 0 and line in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+async def test_gazctl_spark_stream_once_into_parquet_and_into_a_journal(
+    spark: Any, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    target = "sink/cli"
+    async with broker_with(etcd_server, etcd_prefix, root, [*TOPIC, target]) as (address, stub):
+        await write_history(stub, rounds=5)
+        want = []
+        for journal in TOPIC:
+            want += await committed(stub, journal)
+        common = ["-l", "topic=stream", "--file-root", str(root), "--broker.address", address,
+                  "--once", "--max-messages-per-batch", "6"]  # fmt: skip
+        table = tmp_path / "table"
+        result = await asyncio.to_thread(
+            gazctl_stream, *common, "--to", f"parquet:{table}", "--checkpoint",
+            str(tmp_path / "c1"),
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert f"streamed {len(want)} messages in " in result.output, result.output
+        assert "batch 0: " in result.output and " read, lag " in result.output
+        rows = await asyncio.to_thread(lambda: spark.read.parquet(str(table)).collect())
+        assert len(rows) == len(want)
+
+        result = await asyncio.to_thread(
+            gazctl_stream, *common, "--to", f"journal:{target}", "--checkpoint",
+            str(tmp_path / "c2"),
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert len(await committed(stub, target)) == len(want)
+        # Again from its checkpoint: nothing new, nothing written twice.
+        result = await asyncio.to_thread(
+            gazctl_stream, *common, "--to", f"journal:{target}", "--checkpoint",
+            str(tmp_path / "c2"),
+        )  # fmt: skip
+        assert result.exit_code == 0 and "streamed 0 messages" in result.output, result.output
+        assert len(await committed(stub, target)) == len(want)
+
+        result = await asyncio.to_thread(
+            gazctl_stream, *common[:-2], "-l", "topic=none", "--to", f"parquet:{table}x",
+            "--checkpoint", str(tmp_path / "c3"),
+        )  # fmt: skip
+        assert result.exit_code == 1 and "no journals match the selector 'topic=none'" in (
+            result.output
+        ), result.output

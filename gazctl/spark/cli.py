@@ -516,3 +516,8 @@ def replay_cmd(
             f"replayed {_count(rows, 'committed message')} (acknowledgements included) into "
             f"journal {where}"
         )
+
+
+from gazctl.spark.stream_cli import stream_cmd  # noqa: E402  (it builds on `job` above)
+
+spark.add_command(stream_cmd)
