@@ -5,6 +5,7 @@ server's Spark."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer
 from gazctl.spark.testing import ConnectServer, connect_server
 from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces
@@ -99,3 +101,38 @@ def test_what_spark_connect_cannot_run_is_refused_in_one_line(
     assert result.code == 1, result.err
     assert says in result.err and "instead of --remote" in result.err
     assert len(result.err.strip().splitlines()) == 1, result.err
+
+
+@pytest.mark.slow
+async def test_a_stream_runs_on_a_spark_connect_server(
+    server: ConnectServer, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """`gazctl spark stream --remote`: the source's planning and the sink's commits run in the
+    server's Spark; into Parquet and into a journal, each committed message once."""
+    from tests.test_spark_stream import TOPIC, broker_with, committed, write_history
+
+    root = tmp_path / "root"
+    async with broker_with(etcd_server, etcd_prefix, root, [*TOPIC, "sink/remote"]) as (
+        address,
+        stub,
+    ):
+        await write_history(stub, rounds=4)
+        want = [row for journal in TOPIC for row in await committed(stub, journal)]
+        no_java = {"PATH": str(Path(sys.executable).parent), "JAVA_HOME": str(tmp_path)}
+        base = ("gazctl", "spark", "stream", "-l", "topic=stream", "--file-root", str(root),
+                "--broker.address", address, "--remote", server.url, "--once",
+                "--max-messages-per-batch", "5")  # fmt: skip
+        out = tmp_path / "out"
+        result = await asyncio.to_thread(
+            run_cli, *base, "--to", f"parquet:{out}", "--checkpoint", str(tmp_path / "c1"),
+            env=no_java, timeout=300,
+        )  # fmt: skip
+        assert result.code == 0, result.err
+        assert f"streamed {len(want)} messages" in result.err, result.err
+        assert pq.read_table(out).num_rows == len(want)
+        result = await asyncio.to_thread(
+            run_cli, *base, "--to", "journal:sink/remote", "--checkpoint", str(tmp_path / "c2"),
+            env=no_java, timeout=300,
+        )  # fmt: skip
+        assert result.code == 0, result.err
+        assert len(await committed(stub, "sink/remote")) == len(want)

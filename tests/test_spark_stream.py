@@ -671,3 +671,42 @@ async def test_gazctl_spark_stream_once_into_parquet_and_into_a_journal(
         assert result.exit_code == 1 and "no journals match the selector 'topic=none'" in (
             result.output
         ), result.output
+
+
+@pytest.mark.slow
+async def test_gazctl_spark_stream_fails_in_one_line_on_data_loss_and_skips_it_when_told(
+    spark: Any, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    journal = TOPIC[0]
+    async with broker_with(etcd_server, etcd_prefix, root, [journal]) as (address, stub):
+        await publish(stub, "read", 3, [journal])
+        args = ["-l", f"name={journal}", "--file-root", str(root), "--broker.address", address,
+                "--once", "--to", f"parquet:{tmp_path / 'table'}", "--checkpoint",
+                str(tmp_path / "c")]  # fmt: skip
+        result = await asyncio.to_thread(gazctl_stream, *args)
+        assert result.exit_code == 0 and "streamed 3 messages" in result.output, result.output
+        at = len(b"".join([c.content async for c in read(stub, journal, 0)]))
+        await publish(stub, "pruned", 3, [journal])
+        head = len(b"".join([c.content async for c in read(stub, journal, 0)]))
+        for fragment in await persisted(stub, journal, head):
+            if fragment.begin >= at:
+                (root / "store" / fragment_path(fragment)).unlink()
+        while True:
+            listed = await stub.ListFragments(pb.FragmentsRequest(journal=journal))
+            if max((f.spec.end for f in listed.fragments), default=0) <= at:
+                break
+            await asyncio.sleep(0.1)
+        await publish(stub, "later", 2, [journal])
+
+        result = await asyncio.to_thread(gazctl_stream, *args)
+        assert result.exit_code == 1, result.output
+        lines = result.output.strip().splitlines()
+        assert lines[-1] == (
+            f"Error: journal {journal}: offsets [{at}, {head}) are no longer held (pruned or "
+            "lost); restart the query with option failOnDataLoss=false (gazctl: "
+            "--no-fail-on-data-loss) to skip them"
+        ), result.output
+        assert "Traceback" not in result.output
+        result = await asyncio.to_thread(gazctl_stream, *args, "--no-fail-on-data-loss")
+        assert result.exit_code == 0 and "streamed 2 messages" in result.output, result.output

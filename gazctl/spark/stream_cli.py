@@ -42,6 +42,11 @@ def _human(n: float) -> str:
     return f"{n:,.1f} GiB"
 
 
+def input_rows(progress: dict[str, Any]) -> int:
+    """The batch's rows (its sources'; a Connect client's progress has no total)."""
+    return sum(int(s.get("numInputRows") or 0) for s in progress.get("sources") or [])
+
+
 def progress_line(progress: dict[str, Any]) -> str:
     """`batch 7: 12,400 rows, 3.1 MiB read, lag 0 B over 4 journals, 1.24 s`: from a query's
     progress (the source's offsets, its write heads for the lag)."""
@@ -61,7 +66,7 @@ def progress_line(progress: dict[str, Any]) -> str:
     read = sum(max(0, p["at"] - start.get(j, {}).get("at", 0)) for j, p in end.items())
     lag = sum(max(0, head - end.get(j, {}).get("at", 0)) for j, head in heads.items())
     seconds = (progress.get("durationMs") or {}).get("triggerExecution", 0) / 1000
-    rows = progress.get("numInputRows", 0)
+    rows = input_rows(progress)
     return (
         f"batch {progress.get('batchId')}: {rows:,} rows, {_human(read)} read, lag "
         f"{_human(lag)} over {len(end)} journals, {seconds:.2f} s"
@@ -225,6 +230,15 @@ def _trigger_seconds(text: str) -> float:
     return seconds
 
 
+def as_dict(progress: Any) -> dict[str, Any]:
+    """A query's progress as a dict (PySpark gives objects; over Connect, their JSON)."""
+    if isinstance(progress, dict):
+        return progress
+    text = getattr(progress, "json", None)
+    found = json.loads(text) if isinstance(text, str) else dict(progress)
+    return found if isinstance(found, dict) else {}
+
+
 def watch(query: Any) -> tuple[int, int]:
     """Print a line per batch until the query ends; its failure as one line (JobError); on
     Ctrl-C stop it (the checkpoint resumes it). The rows and batches it ran."""
@@ -235,13 +249,14 @@ def watch(query: Any) -> tuple[int, int]:
 
     def report() -> None:
         nonlocal rows
-        for progress in query.recentProgress:
+        for found in query.recentProgress:
+            progress = as_dict(found)
             batch = progress.get("batchId")
-            if batch in seen:
+            if not isinstance(batch, int) or batch in seen:
                 continue
             seen.add(batch)
-            if progress.get("numInputRows", 0) or progress.get("sources"):
-                rows += progress.get("numInputRows", 0)
+            if progress.get("sources"):
+                rows += input_rows(progress)
                 err_console.print(progress_line(progress))
 
     try:
@@ -253,6 +268,9 @@ def watch(query: Any) -> tuple[int, int]:
         report()
         err_console.print("stopped: run again with the same --checkpoint to resume")
         return rows, len(seen)
+    except Exception as exc:  # The query failed: waiting on it raises its failure.
+        report()
+        raise executor_error(exc) from None
     failure = query.exception()
     report()
     if failure is not None:

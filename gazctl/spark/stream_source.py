@@ -372,7 +372,8 @@ class Reading:
         if self.fail_on_data_loss:
             raise JobError(
                 f"journal {journal}: offsets [{begin}, {end}) are no longer held (pruned or "
-                "lost); restart the query with option failOnDataLoss=false to skip them"
+                "lost); restart the query with option failOnDataLoss=false (gazctl: "
+                "--no-fail-on-data-loss) to skip them"
             )
         if (begin, end) not in self.losses:
             log.warning("journal %s: offsets [%d, %d) are no longer held; skipped", journal,
@@ -890,7 +891,8 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                         raise JobError(
                             f"journal {name} was deleted and made anew (create revision {rev}, "
                             f"was {pos.rev}): offsets [0, {pos.at}) of the journal read are "
-                            "gone; restart the query with option failOnDataLoss=false to read "
+                            "gone; restart the query with option failOnDataLoss=false (gazctl: "
+                            "--no-fail-on-data-loss) to read "
                             "the new journal from its earliest"
                         )
                     log.warning("journal %s was made anew: reading it from its earliest", name)
