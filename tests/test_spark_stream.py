@@ -122,12 +122,19 @@ async def committed(stub: pb_grpc.JournalStub, journal: str) -> list[tuple[str, 
 
 
 def run_batches(
-    options: dict[str, str], *, restart_every: int = 0, limit: Any = None, start: Any = None
+    options: dict[str, str],
+    *,
+    restart_every: int = 0,
+    limit: Any = None,
+    start: Any = None,
+    available_now: bool = False,
 ) -> tuple[list[list[tuple[str, int, str]]], dict[str, Any]]:
     """Micro-batches as Spark plans them, each offset through JSON (the offset log), with a new
     reader (a restarted query) every `restart_every` batches: the rows of each batch."""
     parsed = StreamOptions.parse(options)
     reader = GazetteStreamReader(parsed)
+    if available_now:
+        reader.prepareForTriggerAvailableNow()
     offset = start if start is not None else json.loads(json.dumps(reader.initialOffset()))
     limit = limit or reader.getDefaultReadLimit()
     batches = []
@@ -710,3 +717,43 @@ async def test_gazctl_spark_stream_fails_in_one_line_on_data_loss_and_skips_it_w
         assert "Traceback" not in result.output
         result = await asyncio.to_thread(gazctl_stream, *args, "--no-fail-on-data-loss")
         assert result.exit_code == 0 and "streamed 2 messages" in result.output, result.output
+
+
+@pytest.mark.slow
+async def test_a_fully_suspended_journal_is_read_to_its_end_and_then_waits(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """Seen in the README's run: `gazctl journals suspend --force`, then a stream with --once
+    failed ("read of ...: SUSPENDED"): its brokers hold nothing past the stores, and a read
+    there is refused SUSPENDED. That is the journal's end, not a failure."""
+    root = tmp_path / "root"
+    empty = "stream/part-002"  # Suspended with nothing in it: fully, at once.
+    async with broker_with(etcd_server, etcd_prefix, root, [*TOPIC, empty]) as (address, stub):
+        await publish(stub, "kept", 6, TOPIC)
+        for journal in TOPIC:
+            head = len(b"".join([c.content async for c in read(stub, journal, 0)]))
+            await persisted(stub, journal, head)
+        response = await append(stub, empty, b"", suspend=pb.AppendRequest.SUSPEND_NOW, check=False)
+        assert response.status in (pb.OK, pb.SUSPENDED), response
+        async with JournalsClient(address) as client:
+            while True:
+                (listed,) = (
+                    await client.list(
+                        pb.LabelSelector(
+                            include=pb.LabelSet(labels=[pb.Label(name="name", value=empty)])
+                        )
+                    )
+                ).journals
+                if listed.spec.suspend.level == pb.JournalSpec.Suspend.FULL:
+                    break
+                await asyncio.sleep(0.1)
+        base = {"selector": "topic=stream", "broker": address, "framing": "auto",
+                "file_root": str(root), "maxMessagesPerTrigger": "4"}  # fmt: skip
+        batches, end = await asyncio.to_thread(run_batches, base, available_now=True)
+        assert kinds_of(batches) == ["kept"] * 6
+        latest = await asyncio.to_thread(run_batches, {**base, "startingOffsets": "latest"})
+        ats = {j: p["at"] for j, p in end["journals"].items()}
+        assert latest[0] == [] and {j: p["at"] for j, p in latest[1]["journals"].items()} == ats
+        await publish(stub, "resumed", 2, TOPIC)  # An append resumes the journals.
+        batches, _ = await asyncio.to_thread(run_batches, base, start=end)
+        assert kinds_of(batches) == ["resumed"] * 2

@@ -66,7 +66,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from broker.client.journals import JournalsClient
-from broker.client.reader import read_retrying
+from broker.client.reader import Chunk, ReadError, read_retrying, write_head
 from broker.message.framing import CSVMessages, DictMessages, Frame, FrameReader, uuid_fields_of
 from broker.message.sequencer import (
     COMMITTING,
@@ -406,10 +406,11 @@ async def envelopes(
         if not (first and a == begin == 0):
             reading.hole(journal, a, b)
 
-    async for chunk in read_retrying(
+    chunks = read_retrying(
         lambda: client.stub, journal, begin, block=False, end_offset=end, direct=True,
         file_root=root, on_hole=on_hole, wait=60.0,
-    ):  # fmt: skip
+    )  # fmt: skip
+    async for chunk in _until_suspended(chunks):
         head = max(head, chunk.write_head)
         out: list[Envelope] = []
         for frame in frames.feed(chunk.offset, chunk.content):
@@ -423,6 +424,27 @@ async def envelopes(
     if end:  # A range the planner ended at a frame boundary: nothing should be left over.
         for frame in frames.finish():
             bad(frame.offset, frame.error or "a partial frame at the end of the range")
+
+
+async def _until_suspended(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """A read's chunks, ending where a fully suspended journal ends (its brokers hold nothing
+    past its stores: the read there is refused SUSPENDED, which is no failure)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ReadError as exc:
+        if exc.status != pb.SUSPENDED:
+            raise
+
+
+async def head_of(client: JournalsClient, spec: pb.JournalSpec) -> int:
+    """The journal's write head; a fully suspended journal's is where it was suspended."""
+    try:
+        return await write_head(client.stub, spec.name)
+    except ReadError as exc:
+        if exc.status != pb.SUSPENDED:
+            raise
+        return int(spec.suspend.offset)
 
 
 # Planning (the driver) --------------------------------------------------------------------
@@ -653,13 +675,9 @@ class Planner:
         if how == "earliest":
             return Position(0, rev)
         if how == "latest":
-            from broker.client.reader import write_head
-
-            return Position(await write_head(client.stub, spec.name), rev)
+            return Position(await head_of(client, spec), rev)
         if how == "offset":
-            from broker.client.reader import write_head
-
-            head = await write_head(client.stub, spec.name)
+            head = await head_of(client, spec)
             if at > head:
                 raise JobError(
                     f"option startingOffsets: journal {spec.name} offset {at} is past its write "
@@ -861,13 +879,11 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return listed
 
     async def _heads_now(self) -> dict[str, int]:
-        from broker.client.reader import write_head
-
         async with JournalsClient(self.options.broker) as client:
             listed = await self._listed(client)
 
             async def one(name: str) -> tuple[str, int]:
-                return name, await write_head(client.stub, name)
+                return name, await head_of(client, listed[name][0])
 
             return dict(await _gathered([one(name) for name in listed]))
 
