@@ -90,6 +90,12 @@ def test_raw_blocks_and_messages_with_uuid_fields(spark: Any, tmp_path: Path) ->
             assert row.clock == (doc["i"] + 1) << 8 and len(row.producer) == 12
         else:
             assert row.uuid is None and row.producer is None and row.clock == 0
+            assert row.timestamp is None
+    # The UUID's time, and option json_schema's columns, parsed from each message.
+    parsed = load(spark, root, specs, framing="auto", json_schema="i LONG, gone STRING")
+    rows = parsed.orderBy("offset").collect()
+    assert [(r.i, r.gone) for r in rows] == [(d["i"], None) for d in docs]
+    assert all((r.timestamp is None) == (r.uuid is None) for r in rows)
 
 
 @pytest.mark.slow

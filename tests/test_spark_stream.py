@@ -242,6 +242,8 @@ def test_choose_cuts_takes_commits_in_clock_order_within_both_limits() -> None:
         ({"failOnDataLoss": "maybe"}, "option failOnDataLoss 'maybe' is not true or false"),
         ({"framing": "fixed"}, "option framing 'fixed': the gazette stream source reads messages"),
         ({"selector": ""}, "needs option selector"),
+        ({"json_schema": "key FLOAT"}, "option json_schema: 'key FLOAT' is not `NAME TYPE`"),
+        ({"json_schema": "offset LONG"}, "column offset is already a column of the rows"),
     ],
 )
 def test_bad_options_are_one_line_each(options: dict[str, str], line: str) -> None:
@@ -453,7 +455,8 @@ async def test_a_query_streams_committed_messages_into_parquet_and_resumes_from_
     async with broker_with(etcd_server, etcd_prefix, root, TOPIC) as (address, stub):
         await write_history(stub, rounds=8)
         options = {"selector": "topic=stream", "broker": address, "framing": "auto",
-                   "file_root": str(root), "maxMessagesPerTrigger": "5"}  # fmt: skip
+                   "file_root": str(root), "maxMessagesPerTrigger": "5",
+                   "json_schema": "key LONG, kind STRING, absent DOUBLE"}  # fmt: skip
         out, checkpoint = tmp_path / "table", tmp_path / "checkpoint"
         query = await asyncio.to_thread(stream_to_parquet, spark, options, out, checkpoint)
         batches = len(list((checkpoint / "commits").iterdir()))
@@ -470,6 +473,9 @@ async def test_a_query_streams_committed_messages_into_parquet_and_resumes_from_
             (r.journal, r.offset, json.dumps(json.loads(r.content), sort_keys=True)) for r in rows
         ]
         assert ordered(got) == ordered(want)
+        for row in rows:  # Option json_schema: fields parsed into columns of their own.
+            doc = json.loads(row.content)
+            assert (row.key, row.kind, row.absent) == (doc["key"], doc["kind"], None)
         stamped = [r for r in rows if r.uuid]
         assert stamped and all(abs(r.timestamp.timestamp() - time.time()) < 600 for r in stamped)
 
@@ -757,3 +763,55 @@ async def test_a_fully_suspended_journal_is_read_to_its_end_and_then_waits(
         await publish(stub, "resumed", 2, TOPIC)  # An append resumes the journals.
         batches, _ = await asyncio.to_thread(run_batches, base, start=end)
         assert kinds_of(batches) == ["resumed"] * 2
+
+
+@pytest.mark.slow
+async def test_the_sink_maps_rows_to_a_topics_journals_as_a_publisher_does(
+    etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from broker.message.mapping import fnv1a32
+    from gazctl.spark.stream_sink import GazetteStreamWriter
+
+    targets = ["out/part-000", "out/part-001", "out/part-002"]
+    async with broker_with(etcd_server, etcd_prefix, tmp_path / "root", targets) as (
+        address,
+        stub,
+    ):
+        async with JournalsClient(address) as client:  # The topic: a label on the three.
+            changes = []
+            for name in targets:
+                labelled = spec(name, "file:///store/")
+                labelled.labels.labels.add(name="topic", value="out")
+                changes.append(pb.ApplyRequest.Change(upsert=labelled, expect_mod_revision=-1))
+            listed = (await client.list(pb.LabelSelector())).journals
+            revisions = {j.spec.name: j.mod_revision for j in listed}
+            for change in changes:
+                change.expect_mod_revision = revisions[change.upsert.name]
+            await client.apply(changes)
+        schema = StructType(
+            [StructField("content", StringType()), StructField("key", StringType())]
+        )
+        checkpoint = sink_checkpoint(tmp_path / "ckpt", 0)
+        options = {"selector": "topic=out", "key": "key", "broker": address,
+                   "checkpointLocation": str(checkpoint)}  # fmt: skip
+        rows = [{"content": json.dumps({"user": f"u{i}"}), "key": f"u{i}"} for i in range(30)]
+        writer = await asyncio.to_thread(GazetteStreamWriter.create, options, schema, False)
+        assert writer.record.journals == tuple(targets)
+        done = await asyncio.to_thread(writer.write_partition, iter(rows), 0)
+        await asyncio.to_thread(writer.commit, [done], 0)
+        for index, name in enumerate(targets):
+            users = sorted(json.loads(c)["user"] for _, _, c in await committed(stub, name))
+            want = sorted(r["key"] for r in rows if fnv1a32(r["key"].encode()) % 3 == index)
+            assert users == want and users, name
+
+        missing = StructType([StructField("content", StringType())])
+        with pytest.raises(JobError, match="by column 'key' .option key., which the rows lack"):
+            await asyncio.to_thread(GazetteStreamWriter.create, options, missing, False)
+        with pytest.raises(JobError, match="cannot overwrite"):
+            await asyncio.to_thread(GazetteStreamWriter.create, options, schema, True)
+        with pytest.raises(JobError, match="unknown option 'jounral' for the gazette sink"):
+            await asyncio.to_thread(
+                GazetteStreamWriter.create, {**options, "jounral": "x"}, schema, False
+            )

@@ -32,6 +32,7 @@ two bad frames. Clocks are read as signed 64-bit longs, which hold every Clock u
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -164,7 +165,11 @@ class GazetteDataSource(DataSource):
         framing = _framing_name(self.options)
         if framing == "none":
             return RAW_SCHEMA
-        return f"{message_schema(binary=framing == 'fixed')}, timestamp TIMESTAMP"
+        out = f"{message_schema(binary=framing == 'fixed')}, timestamp TIMESTAMP"
+        fields = json_fields(_option(self.options, "json_schema"))
+        if fields and framing in ("csv", "fixed"):
+            raise JobError(f"option json_schema parses JSON messages: framing {framing} has none")
+        return out + "".join(f", {name} {kind}" for name, kind in fields)
 
     def reader(self, schema: Any) -> DataSourceReader:
         return GazetteReader(self.options)
@@ -241,8 +246,10 @@ class GazetteReader(DataSourceReader):
         batches = self._read(partition)
         if partition.framing == "none":
             yield from batches
-        else:
-            yield from (with_timestamp(b) for b in batches)
+            return
+        fields = json_fields(_option(self.options, "json_schema"))
+        for batch in batches:
+            yield with_json_columns(with_timestamp(batch), fields)
 
     def _read(self, partition: FragmentPartition) -> Iterator[Any]:
         import pyarrow as pa
@@ -274,6 +281,73 @@ class GazetteReader(DataSourceReader):
         else:
             frames = _frames_of(blocks, partition.framing, fragment.begin)
             yield from _message_batches(fragment, frames, partition)
+
+
+JSON_TYPES = {"STRING": "string", "LONG": "int64", "BIGINT": "int64", "INT": "int32",
+              "DOUBLE": "float64", "BOOLEAN": "bool"}  # fmt: skip
+MESSAGE_NAMES = frozenset(
+    ["journal", "offset", "end", "producer", "clock", "flags", "uuid", "content", "timestamp"]
+)
+
+
+def json_fields(ddl: str | None) -> list[tuple[str, str]]:
+    """Option json_schema (`user STRING, qty LONG`): top-level fields of JSON messages to
+    parse into columns of their own, beside the message's; problems as one JobError line."""
+    if not ddl:
+        return []
+    out: list[tuple[str, str]] = []
+    for part in ddl.split(","):
+        words = part.split()
+        if len(words) != 2 or words[1].upper() not in JSON_TYPES:
+            raise JobError(
+                f"option json_schema: {part.strip()!r} is not `NAME TYPE` with TYPE one of "
+                f"{', '.join(JSON_TYPES)}"
+            )
+        name, kind = words[0], words[1].upper()
+        if name in MESSAGE_NAMES or name in {n for n, _ in out}:
+            raise JobError(f"option json_schema: column {name} is already a column of the rows")
+        out.append((name, kind))
+    return out
+
+
+def _json_value(value: Any, kind: str) -> Any:
+    """A JSON value as a column of `kind`, or None where it is not one."""
+    if value is None:
+        return None
+    if kind == "STRING":
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    if kind == "BOOLEAN":
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool):
+        return None
+    if kind == "DOUBLE":
+        return float(value) if isinstance(value, int | float) else None
+    return value if isinstance(value, int) and -(1 << 63) <= value < 1 << 63 else None
+
+
+def with_json_columns(batch: Any, fields: list[tuple[str, str]]) -> Any:
+    """A message batch with a column per `json_fields` field, parsed from its content."""
+    if not fields:
+        return batch
+    import msgspec
+    import pyarrow as pa
+
+    columns: list[list[Any]] = [[] for _ in fields]
+    for content in batch.column("content").to_pylist():
+        try:
+            doc = msgspec.json.decode(content) if content is not None else None
+        except msgspec.DecodeError:
+            doc = None
+        for values, (name, kind) in zip(columns, fields, strict=True):
+            found = doc.get(name) if isinstance(doc, dict) else None
+            values.append(_json_value(found, kind))
+    arrays = [
+        pa.array(values, getattr(pa, JSON_TYPES[kind])())
+        for values, (_, kind) in zip(columns, fields, strict=True)
+    ]
+    return pa.RecordBatch.from_arrays(
+        [*batch.columns, *arrays], names=[*batch.schema.names, *(n for n, _ in fields)]
+    )
 
 
 def with_timestamp(batch: Any) -> Any:

@@ -79,7 +79,13 @@ from broker.message.uuid import from_time, text_of, to_unix_ns
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError, size_in_bytes
-from gazctl.spark.source import BATCH_ROWS, _framing, _framing_of_journal
+from gazctl.spark.source import (
+    BATCH_ROWS,
+    _framing,
+    _framing_of_journal,
+    json_fields,
+    with_json_columns,
+)
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 
 log = logging.getLogger(__name__)
@@ -95,7 +101,7 @@ STREAM_SCHEMA = (
 OPTIONS = (
     "selector", "broker", "file_root", "framing", "uuid_path", "bad_frames", "startingOffsets",
     "maxMessagesPerTrigger", "maxBytesPerTrigger", "readUncommitted", "failOnDataLoss",
-    "maxReadAhead", "producerHorizon",
+    "maxReadAhead", "producerHorizon", "json_schema",
 )  # fmt: skip
 DEFAULT_READ_AHEAD = 64 << 20  # Content a planning read goes past a journal's offset, at most.
 DEFAULT_HORIZON = 24 * 3600.0  # Producers idle this long are forgotten, as a consumer's are.
@@ -131,6 +137,7 @@ class StreamOptions:
     fail_on_data_loss: bool
     read_ahead: int
     horizon: float
+    json_schema: str | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> StreamOptions:
@@ -164,6 +171,7 @@ class StreamOptions:
                 f"option framing {framing!r}: the gazette stream source reads messages; give "
                 "auto (by each journal's content-type), lines or csv"
             )
+        json_fields(given.get("json_schema"))  # Checked now: one line, before Spark runs.
         bad_frames = given.get("bad_frames", "skip").lower()
         if bad_frames not in ("skip", "fail"):
             raise JobError(f"option bad_frames {bad_frames!r} is not skip or fail")
@@ -181,6 +189,7 @@ class StreamOptions:
             fail_on_data_loss=_flag(given, "failOnDataLoss", True),
             read_ahead=_size(given, "maxReadAhead") or DEFAULT_READ_AHEAD,
             horizon=_duration(given, "producerHorizon", DEFAULT_HORIZON),
+            json_schema=given.get("json_schema"),
         )
 
     @property
@@ -1013,11 +1022,13 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
             columns["flags"].append(0)
         columns["content"].append(env.message.decode("utf-8", "replace"))
 
+    fields = json_fields(o.json_schema)
+
     def batch() -> Any:
         out = pa.RecordBatch.from_pydict(columns, schema=schema)
         for values in columns.values():
             values.clear()
-        return out
+        return with_json_columns(out, fields)
 
     async with JournalsClient(o.broker) as client:
 
