@@ -807,7 +807,7 @@ async def test_the_sink_maps_rows_to_a_topics_journals_as_a_publisher_does(
             assert users == want and users, name
 
         missing = StructType([StructField("content", StringType())])
-        with pytest.raises(JobError, match="by column 'key' .option key., which the rows lack"):
+        with pytest.raises(JobError, match=r"by column 'key' \(option key\), which the rows lack"):
             await asyncio.to_thread(GazetteStreamWriter.create, options, missing, False)
         with pytest.raises(JobError, match="cannot overwrite"):
             await asyncio.to_thread(GazetteStreamWriter.create, options, schema, True)
