@@ -149,7 +149,8 @@ def bench(session: nox.Session) -> None:
 def faults(session: nox.Session) -> None:
     """The fault campaign: etcd, a store and five brokers under faults, a recorded workload and
     a history checker; then replication networks, and stream-sum's consumers on each store
-    (`-- --consumers` for those alone); prints each scenario's seed and the results tables
+    (`-- --consumers` for those alone; `-- --spark-stream` runs the Spark Structured Streaming
+    scenario five times); prints each scenario's seed and the results tables
     (docs/reliability.md).
     As root it adds partitions (network namespaces) and full disks (tmpfs). Arguments go to
     `python -m tests.faults` (for example `-- --scenario sigstop --seed 1234` to replay)."""

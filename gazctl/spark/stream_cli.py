@@ -4,6 +4,7 @@ a topic, exactly-once, resumable from its checkpoint, with a progress line per b
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,6 @@ import click
 
 from gazctl.journals import broker_options, file_root_option
 from gazctl.render import err_console
-from gazctl.spark.cli import _one_engine, job
 
 TARGETS = ("parquet", "journal", "topic")
 
@@ -84,9 +84,11 @@ def build_query(
     once: bool,
     key: str | None,
     broker: str,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Any:
     """The streaming query `gazctl spark stream` runs, started (tests and applications start
-    the same one)."""
+    the same one). `transform` maps the source's DataFrame before the sink (it must be
+    deterministic, and keep `content`, for the journal sinks' exactly-once)."""
     from pyspark.sql import functions as F
 
     from gazctl.spark.session import use_in_this_thread
@@ -96,6 +98,8 @@ def build_query(
     for name, value in source.items():
         reader = reader.option(name, value)
     frame = reader.load()
+    if transform is not None:
+        frame = transform(frame)
     if kind == "parquet":
         writer = frame.writeStream.format("parquet").option("path", where)
     else:
@@ -149,8 +153,20 @@ def build_query(
 @click.option("--remote", default=None,
               help="Spark Connect server (sc://host:port) to run the query on")  # fmt: skip
 @broker_options
-@job
-def stream_cmd(
+def stream_cmd(**given: Any) -> None:
+    """Stream journals into Parquet, a journal or a topic, exactly-once.
+
+    A Spark Structured Streaming query: journals the selector matches (new ones as they
+    appear) are read read-committed, batch by batch, from where the checkpoint says; into
+    Parquet through Spark's file sink, or into journals as one transaction per batch. Run it
+    again with the same --checkpoint to resume; --once reads what is there and exits.
+    """
+    from gazctl.spark.cli import job
+
+    job(_stream)(**given)
+
+
+def _stream(
     selector: str,
     target: str,
     checkpoint: Path,
@@ -169,13 +185,8 @@ def stream_cmd(
     remote: str | None,
     **opts: Any,
 ) -> None:
-    """Stream journals into Parquet, a journal or a topic, exactly-once.
+    from gazctl.spark.cli import _one_engine
 
-    A Spark Structured Streaming query: journals the selector matches (new ones as they
-    appear) are read read-committed, batch by batch, from where the checkpoint says; into
-    Parquet through Spark's file sink, or into journals as one transaction per batch. Run it
-    again with the same --checkpoint to resume; --once reads what is there and exits.
-    """
     _one_engine(master, remote)
     kind, where = parse_stream_target(target)
     if kind == "topic" and key is None:

@@ -341,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replication", action="store_true", help="only the replication scenarios")  # fmt: skip
     parser.add_argument("--brokers", action="store_true", help="only the broker scenarios")
     parser.add_argument("--consumers", action="store_true", help="only the consumer scenarios")
+    parser.add_argument("--spark-stream", action="store_true", help="only the Spark Structured Streaming scenario (tests.faults.spark_stream; --cycles: its runs)")  # fmt: skip
     parser.add_argument("--cycles", type=int, help="fault cycles per scenario (default: its own)")
     parser.add_argument(
         "--budget", type=float,
@@ -359,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         # Readers report frames torn by a reset-head's new epoch; the checker judges them.
         logging.getLogger("broker.message").setLevel(logging.CRITICAL)
+    if args.spark_stream:
+        from tests.faults import spark_stream
+
+        runs = ["--runs", str(args.cycles or 5)]
+        seed = ["--seed", str(args.seed)] if args.seed is not None else []
+        workdir = ["--workdir", args.workdir] if args.workdir else []
+        return spark_stream.main([*runs, *seed, *workdir])
     if args.check:
         document = json.loads(read_json_bytes(Path(args.check)))
         if "sums" in document:  # A consumer scenario's history.
