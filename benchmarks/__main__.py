@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "spark_compact": "benchmarks.spark_compact",
     "spark_replay": "benchmarks.spark_replay",
     "spark_split": "benchmarks.spark_split",
+    "spark_stream": "benchmarks.spark_stream",
     "failover": "benchmarks.failover",
     "idle_tails": "benchmarks.idle_tails",
     "consumer_throughput": "benchmarks.consumer_throughput",

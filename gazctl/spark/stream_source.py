@@ -75,7 +75,7 @@ from broker.message.sequencer import (
     ProducerState,
     Sequencer,
 )
-from broker.message.uuid import from_time, text_of, to_unix_ns
+from broker.message.uuid import TextParser, from_time, text_of
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError, size_in_bytes
@@ -83,8 +83,11 @@ from gazctl.spark.source import (
     BATCH_ROWS,
     _framing,
     _framing_of_journal,
+    _uuid_decoder,
+    _uuid_text_of,
     json_fields,
     with_json_columns,
+    with_timestamp,
 )
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 
@@ -94,6 +97,7 @@ T = TypeVar("T")
 OFFSET_VERSION = 1
 ACK_TXN = 0x2
 NO_PRODUCER = bytes(6)
+_new_tuple = tuple.__new__
 STREAM_SCHEMA = (
     "journal STRING, offset LONG, end LONG, producer STRING, clock LONG, flags INT, "
     "uuid STRING, content STRING, timestamp TIMESTAMP"
@@ -349,6 +353,53 @@ class Decoder:
         self.dicts = DictMessages(tuple(uuid_path.split(".")))
         self.csv = CSVMessages()
         self.csv_fields = uuid_fields_of(self.csv)
+        # JSON lines, a chunk's lines at once: msgspec decodes only their UUIDs, in C.
+        self.uuids = _uuid_decoder(uuid_path) if kind == "lines" else None
+        self.depth = len(uuid_path.split(".")) - 1
+        self.parse = TextParser().fields
+
+    def lines(
+        self, journal: str, base: int, lines: list[bytes], bad: Callable[[int, str], None]
+    ) -> list[Envelope]:
+        """The envelopes of complete JSON lines (without their newlines) from offset `base`:
+        all at once, or, when any is unusual (not JSON, an odd UUID), one at a time, which
+        says why."""
+        import msgspec
+
+        assert self.uuids is not None
+        try:
+            docs = self.uuids.decode(b"[" + b",".join(lines) + b"]")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            docs = None
+        out: list[Envelope] = []
+        begin = base
+        if docs is not None:
+            keep, parse, depth, new = self.keep, self.parse, self.depth, _new_tuple
+            try:
+                for line, doc in zip(lines, docs, strict=True):
+                    end = begin + len(line) + 1
+                    text = _uuid_text_of(doc, depth)
+                    if text is None:
+                        fields: tuple[bytes, int, int] = (NO_PRODUCER, 0, 0)
+                    else:
+                        fields = parse(text)
+                    out.append(
+                        new(Envelope, (journal, begin, end, *fields, line if keep else None))
+                    )
+                    begin = end
+                return out
+            except ValueError:
+                out.clear()
+                begin = base
+        for line in lines:  # The one-at-a-time path words what is wrong.
+            end = begin + len(line) + 1
+            env = self.envelope(journal, Frame(begin, end, line + b"\n"))
+            if isinstance(env, str):
+                bad(begin, env)
+            else:
+                out.append(env)
+            begin = end
+        return out
 
     def envelope(self, journal: str, frame: Frame) -> Envelope | str:
         """The frame's envelope, or why it cannot be read (a bad frame)."""
@@ -422,12 +473,19 @@ async def envelopes(
     async for chunk in _until_suspended(chunks):
         head = max(head, chunk.write_head)
         out: list[Envelope] = []
-        for frame in frames.feed(chunk.offset, chunk.content):
-            env = decoder.envelope(journal, frame)
-            if isinstance(env, str):
-                bad(frame.offset, env)
-            else:
-                out.append(env)
+        if decoder.uuids is not None:
+            errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
+            for frame in errors:
+                bad(frame.offset, frame.error or "a partial frame")
+            if lines:
+                out = decoder.lines(journal, base, lines, bad)
+        else:
+            for frame in frames.feed(chunk.offset, chunk.content):
+                env = decoder.envelope(journal, frame)
+                if isinstance(env, str):
+                    bad(frame.offset, env)
+                else:
+                    out.append(env)
         through = frames.offset if frames.offset is not None else begin
         yield out, head, through
     if end:  # A range the planner ended at a frame boundary: nothing should be left over.
@@ -996,7 +1054,8 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
     decoder = Decoder(part.kind, o.uuid_path, keep=True)
     reading = Reading(o.broker, o.file_root, o.fail_on_data_loss)
     schema = stream_arrow_schema()
-    columns: dict[str, list[Any]] = {name: [] for name in schema.names}
+    rows: list[Envelope] = []
+    hexes: dict[bytes, str] = {}
 
     def bad(offset: int, reason: str) -> None:
         message = f"journal {part.journal}: bad frame at offset {offset}: {reason}"
@@ -1004,31 +1063,39 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
             raise JobError(message)
         log.warning("%s (skipped)", message)
 
-    def add(env: Envelope) -> None:
-        columns["journal"].append(part.journal)
-        columns["offset"].append(env.begin)
-        columns["end"].append(env.end)
-        if env.clock:
-            producer = env.producer.hex()
-            columns["producer"].append(producer)
-            columns["clock"].append(env.clock)
-            columns["flags"].append(env.flags)
-            columns["uuid"].append(text_of(producer, env.clock, env.flags))
-            columns["timestamp"].append(to_unix_ns(env.clock) // 1000)
-        else:
-            for name in ("producer", "uuid", "timestamp"):
-                columns[name].append(None)
-            columns["clock"].append(0)
-            columns["flags"].append(0)
-        columns["content"].append(env.message.decode("utf-8", "replace"))
-
+    add = rows.append
     fields = json_fields(o.json_schema)
 
     def batch() -> Any:
-        out = pa.RecordBatch.from_pydict(columns, schema=schema)
-        for values in columns.values():
-            values.clear()
-        return with_json_columns(out, fields)
+        """The rows held, as an Arrow batch (columns built a list at a time)."""
+        producers: list[str | None] = []
+        texts: list[str | None] = []
+        for env in rows:
+            if env.clock:
+                hexed = hexes.get(env.producer)
+                if hexed is None:
+                    hexed = hexes[env.producer] = env.producer.hex()
+                producers.append(hexed)
+                texts.append(text_of(hexed, env.clock, env.flags))
+            else:
+                producers.append(None)
+                texts.append(None)
+        content = pa.array([env.message for env in rows], pa.binary()).cast(pa.string())
+        out = pa.RecordBatch.from_arrays(
+            [
+                pa.array([part.journal] * len(rows), pa.string()),
+                pa.array([env.begin for env in rows], pa.int64()),
+                pa.array([env.end for env in rows], pa.int64()),
+                pa.array(producers, pa.string()),
+                pa.array([env.clock for env in rows], pa.int64()),
+                pa.array([env.flags for env in rows], pa.int32()),
+                pa.array(texts, pa.string()),
+                content,
+            ],
+            schema=schema,
+        )
+        rows.clear()
+        return with_json_columns(with_timestamp(out), fields)
 
     async with JournalsClient(o.broker) as client:
 
@@ -1051,11 +1118,11 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
                 for d in delivered or ():
                     if d.flags != ACK_TXN:
                         add(d)
-            if len(columns["journal"]) >= BATCH_ROWS:
+            if len(rows) >= BATCH_ROWS:
                 yield batch()
         if through < part.end:  # The range was planned, so it was there: now it is not.
             reading.hole(part.journal, through, part.end)
-    if columns["journal"]:
+    if rows:
         yield batch()
 
 
@@ -1086,6 +1153,5 @@ def stream_arrow_schema() -> Any:
             pa.field("flags", pa.int32()),
             pa.field("uuid", pa.string()),
             pa.field("content", pa.string()),
-            pa.field("timestamp", pa.timestamp("us", tz="UTC")),
         ]
     )

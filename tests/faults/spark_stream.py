@@ -38,7 +38,7 @@ from typing import Any
 from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import JournalsClient
-from broker.client.reader import read
+from broker.client.reader import read_retrying
 from broker.message.framing import DictMessages, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
@@ -172,7 +172,8 @@ async def publish(address: str, rng: random.Random, stop: asyncio.Event, outcome
             else:
                 await service.flush()
                 journal = rng.choice(SOURCES)
-                content = b"".join([c.content async for c in read(client.stub, journal, 0)])
+                chunks = read_retrying(lambda: client.stub, journal, 0, block=False)
+                content = b"".join([c.content async for c in chunks])
                 piece = content[max(0, len(content) - rng.randint(200, 3000)) :]
                 piece = piece[piece.find(b"\n") + 1 :] if b"\n" in piece else b""
                 if piece:

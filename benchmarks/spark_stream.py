@@ -1,0 +1,211 @@
+"""spark_stream: rows/s of a Structured Streaming query (`gazctl spark stream --once`: the gazette
+source read-committed into Parquet) over four journals of 250,000 200-byte JSON messages each
+(transactions of 100, four producers; 8 MiB zstd fragments in a file:// store, behind one broker),
+on local[2]. Baseline in the same run: `gazctl spark replay` of the same journals into Parquet,
+on the same session. Target: a ratio of at least 0.8. Small runs of both warm the session first.
+
+Then latency: messages published at a fixed rate (500/s) for 20 s while a query with a 1 s
+trigger streams them into Parquet; a message's latency is from its UUID time (when it was
+published) to when the batch that holds it was committed to the table (the batch's
+`_spark_metadata` entry). p50 and p99 are reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._cluster import percentile, start_broker, stop_brokers, wait_ready
+from benchmarks._messages import transactions
+from broker.client.journals import JournalsClient
+from broker.client.reader import write_head
+from broker.fragment.stores import close_stores, open_store
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer
+
+STORE = "file:///fragments/"
+FRAGMENT = 8 << 20
+CORES = 2
+JOURNALS = 4
+
+
+def write_fragments(root: Path, prefix: str, per_journal: int) -> int:
+    """Each journal's history as fragments in the store; the bytes in all."""
+    from tests.fragments_testing import put_fragment
+
+    (root / "fragments").mkdir(exist_ok=True)
+    store = open_store(STORE, file_root=root)
+    data, _ = transactions(per_journal, 100)
+    for j in range(JOURNALS):
+        begin = 0
+        while begin < len(data):
+            end = (
+                len(data)
+                if len(data) - begin <= FRAGMENT
+                else data.index(b"\n", begin + FRAGMENT) + 1
+            )
+            put_fragment(store, f"{prefix}/part-{j:03d}", begin, data[begin:end], pb.ZSTANDARD)
+            begin = end
+    return len(data) * JOURNALS
+
+
+def spec(name: str, topic: str) -> pb.JournalSpec:
+    out = pb.JournalSpec(name=name, replication=1)
+    out.labels.labels.add(name="content-type", value="application/x-ndjson")
+    out.labels.labels.add(name="topic", value=topic)
+    out.fragment.length = 64 << 20
+    out.fragment.compression_codec = pb.ZSTANDARD
+    out.fragment.stores.append(STORE)
+    out.fragment.refresh_interval.seconds = 1
+    return out
+
+
+async def placed(address: str, prefix: str, size: int) -> None:
+    """The topic's journals applied, and each write head at the end of its fragments."""
+    names = [f"{prefix}/part-{j:03d}" for j in range(JOURNALS)]
+    async with JournalsClient(address) as client:
+        await client.apply([pb.ApplyRequest.Change(upsert=spec(n, prefix)) for n in names])
+        for name in names:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if await write_head(client.stub, name) >= size // JOURNALS:
+                        break
+                except Exception:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: its head never reached its fragments' end")
+                await asyncio.sleep(0.1)
+
+
+def stream(session: Any, address: str, root: Path, prefix: str, out: Path) -> int:
+    from gazctl.spark.stream_cli import build_query
+
+    source = {"selector": f"topic={prefix}", "broker": address, "framing": "lines",
+              "file_root": str(root)}  # fmt: skip
+    query = build_query(session, source, "parquet", str(out), out.with_suffix(".ckpt"),
+                        trigger=1.0, once=True, key=None, broker=address)  # fmt: skip
+    query.awaitTermination()
+    return int(session.read.parquet(str(out)).count())
+
+
+def replay(session: Any, address: str, root: Path, prefix: str, out: Path) -> int:
+    from rich.progress import Progress
+
+    from gazctl.spark.jobs import replay_to_parquet
+
+    options = {"selector": f"topic={prefix}", "broker": address, "file_root": str(root),
+               "framing": "lines"}  # fmt: skip
+    with Progress(disable=True) as progress:
+        return replay_to_parquet(session, options, str(out), False, progress)
+
+
+async def publish_at(address: str, journal: str, rate: float, seconds: float) -> int:
+    from broker.client.append_service import AppendService
+    from broker.message.framing import DictMessages, JSONLines
+    from broker.message.mapping import Partition
+
+    part = Partition(journal, "application/x-ndjson")
+    sent = 0
+    start = time.monotonic()
+    async with JournalsClient(address) as client, AppendService(client.stub) as service:
+        from broker.message.publisher import Publisher
+
+        publisher = Publisher(service, DictMessages(), JSONLines())
+        while (elapsed := time.monotonic() - start) < seconds:
+            due = int(elapsed * rate) - sent
+            for _ in range(due):
+                await publisher.publish_committed(lambda _m: part, {"i": sent, "pad": "x" * 150})
+                sent += 1
+            await asyncio.sleep(0.005)
+        await service.flush()
+    return sent
+
+
+def latencies(table: Path) -> list[float]:
+    """Per row: its batch's commit time (its `_spark_metadata` entry's) less its UUID time."""
+    import pyarrow.parquet as pq
+
+    out: list[float] = []
+    for entry in (table / "_spark_metadata").iterdir():
+        if not entry.name.isdigit():
+            continue
+        committed = entry.stat().st_mtime
+        for line in entry.read_text().splitlines()[1:]:
+            path = json.loads(line)["path"].removeprefix("file://")
+            for stamp in pq.read_table(path, columns=["timestamp"]).column("timestamp").to_pylist():
+                out.append(committed - stamp.timestamp())
+    return sorted(out)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    from gazctl.spark.session import spark_session, stop_spark, use_in_this_thread
+
+    per_journal = 25_000 if quick else 250_000
+    latency_seconds = 8.0 if quick else 20.0
+    with EtcdServer() as etcd, tempfile.TemporaryDirectory(prefix="gazette-bench-stream-") as tmp:
+        root = Path(tmp)
+        (root / "fragments").mkdir()
+        warm_size = write_fragments(root, "warm", 5_000)
+        size = write_fragments(root, "bench", per_journal)
+        broker = start_broker(etcd, "broker-0", root / "broker.log", file_root=root)
+        session = spark_session(f"local[{CORES}]", "spark_stream benchmark")
+        try:
+            asyncio.run(wait_ready([broker]))
+            asyncio.run(placed(broker.address, "warm", warm_size))
+            asyncio.run(placed(broker.address, "bench", size))
+            use_in_this_thread(session)
+            stream(session, broker.address, root, "warm", root / "warm-stream")
+            replay(session, broker.address, root, "warm", root / "warm-replay")
+
+            start = time.perf_counter()
+            streamed = stream(session, broker.address, root, "bench", root / "stream")
+            stream_seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            replayed = replay(session, broker.address, root, "bench", root / "replay")
+            replay_seconds = time.perf_counter() - start
+
+            # Latency: a query with a 1 s trigger while messages arrive at a fixed rate.
+            from gazctl.spark.stream_cli import build_query
+
+            asyncio.run(placed(broker.address, "live", 0))
+            source = {"selector": "topic=live", "broker": broker.address, "framing": "lines",
+                      "file_root": str(root)}  # fmt: skip
+            table = root / "live"
+            query = build_query(session, source, "parquet", str(table), root / "live.ckpt",
+                                trigger=1.0, once=False, key=None, broker=broker.address)  # fmt: skip
+            sent = asyncio.run(publish_at(broker.address, "live/part-000", 500, latency_seconds))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if table.joinpath("_spark_metadata").is_dir() and len(latencies(table)) >= sent:
+                    break
+                time.sleep(0.5)
+            query.stop()
+            lags = latencies(table)
+        finally:
+            stop_spark(session)
+            stop_brokers([broker])
+            close_stores()
+    count = per_journal * JOURNALS
+    assert streamed == replayed == count, (streamed, replayed, count)
+    assert len(lags) == sent, (len(lags), sent)
+    value, base = count / stream_seconds, count / replay_seconds
+    return {
+        "value": round(value),
+        "unit": "rows/s",
+        "baseline": round(base),
+        "ratio": round(value / base, 2),
+        "target": 0.8,
+        "messages": count,
+        "bytes": size,
+        "latency_p50_s": round(percentile(lags, 0.5), 2),
+        "latency_p99_s": round(percentile(lags, 0.99), 2),
+        "latency_messages": sent,
+    }
+
+
+if __name__ == "__main__":
+    print(run())
