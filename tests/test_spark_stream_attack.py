@@ -29,6 +29,7 @@ from tests.test_spark_stream import (
     broker_with,
     committed,
     kinds_of,
+    persisted,
     run_batches,
     sink_checkpoint,
     spec,
@@ -531,7 +532,7 @@ async def test_a_journal_deleted_after_its_batch_was_planned_is_a_data_loss_line
     strict=True,
     reason="a bad frame failing a task (bad_frames=fail) logs an asyncio ERROR with a "
     "traceback ('aclose(): asynchronous generator is already running') as drive() closes the "
-    "reader's generators: the failure is not one line in the executor's log",
+    "store-read generator (stream_blocks): the failure is not one line in the log",
 )
 async def test_a_bad_frame_failure_logs_no_traceback(
     etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -539,9 +540,12 @@ async def test_a_bad_frame_failure_logs_no_traceback(
     root = tmp_path / "root"
     async with broker_with(etcd_server, etcd_prefix, root, [ONE]) as (address, stub):
         now = from_time(time.time())
-        await append(stub, ONE, line(PA, now, OUT, "good") + b"{not json\n")
-        with pytest.raises(JobError, match="bad frame at offset"):
-            await asyncio.to_thread(run_batches, options(address, root, bad_frames="fail"))
+        content = line(PA, now, OUT, "good") + b"{not json\n"
+        await append(stub, ONE, content)
+        await persisted(stub, ONE, len(content))  # Read from the store (where it happens).
+        for _ in range(3):
+            with pytest.raises(JobError, match="bad frame at offset"):
+                await asyncio.to_thread(run_batches, options(address, root, bad_frames="fail"))
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
         assert errors == [], [r.getMessage() for r in errors]
 
