@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ async def read(
     verify: bool = True,
     do_not_proxy: bool = False,
     on_hole: Callable[[int, int], None] | None = None,
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """Content of `journal` from `offset` (-1: the write head). Non-blocking reads end at the
     write head; blocking reads wait for new commits until cancelled. Offsets may jump forward
     where the journal holds nothing for a span (each chunk carries its own offset).
@@ -179,9 +180,13 @@ async def read(
             continue
         url, fragment, offset = follow
         try:
-            async for chunk in _read_url(url, fragment, offset, end_offset, file_root, head):
-                offset = chunk.offset + len(chunk.content)
-                yield chunk
+            # Closed here when the reader leaves: left to the loop's finalizer, its stream of
+            # blocks was closed while the loop shut down (asyncio logged the error).
+            stored = _read_url(url, fragment, offset, end_offset, file_root, head)
+            async with contextlib.aclosing(stored):
+                async for chunk in stored:
+                    offset = chunk.offset + len(chunk.content)
+                    yield chunk
         except StoreError as exc:
             log.warning("reading %s directly failed (%s): reading through the broker", url, exc)
             use_urls = False
@@ -212,7 +217,7 @@ async def _read_url(
     end_offset: int,
     file_root: Path | None,
     head: int,
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     end = min(fragment.end, end_offset) if end_offset else fragment.end
     blocks = stream_blocks(lambda: open_signed_url(url, fragment, offset, file_root))
     try:
@@ -275,11 +280,13 @@ async def read_retrying(
     told = False
     while True:
         try:
-            async for chunk in read(stubs(), journal, offset, block=block, **options):
-                offset = chunk.offset + len(chunk.content)
-                backoff.reset()
-                failing_since, told = None, False
-                yield chunk
+            reading = read(stubs(), journal, offset, block=block, **options)
+            async with contextlib.aclosing(reading):  # (As `read` closes its direct reads.)
+                async for chunk in reading:
+                    offset = chunk.offset + len(chunk.content)
+                    backoff.reset()
+                    failing_since, told = None, False
+                    yield chunk
             if not block:
                 return
             await backoff.sleep()  # A blocking read's stream ended (its replica moved).

@@ -228,6 +228,38 @@ def query_id(checkpoint: Path) -> str:
         ) from None
 
 
+def sink_id(checkpoint: Path) -> str:
+    """The sink's own id, made at its first batch and kept in `gazette-sink/identity.json`
+    with the checkpoint's path; its producers derive from it. Spark keeps a query's id in the
+    checkpoint, so a copy of it, started as a second query, would write under the first's
+    producers: Clocks of one below the other's acknowledgements, dropped as duplicates. A
+    checkpoint found at another path than it was made at is refused."""
+    folder = checkpoint / SINK_DIR
+    path = folder / "identity.json"
+    here = str(checkpoint.resolve())
+    try:
+        found = json.loads(path.read_text())
+    except FileNotFoundError:
+        found = None
+    except (OSError, ValueError) as exc:
+        raise JobError(f"cannot read the gazette sink's identity {path}: {exc}") from None
+    if found is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        made = {"id": f"{query_id(checkpoint)}/{os.urandom(8).hex()}", "checkpoint": here}
+        temp = path.with_suffix(f".tmp-{os.getpid()}")
+        temp.write_text(json.dumps(made))
+        os.replace(temp, path)
+        return str(made["id"])
+    if found.get("checkpoint") != here:
+        raise JobError(
+            f"this checkpoint was made at {found.get('checkpoint')} and is now at {here}: a "
+            "copy would write under the first query's producers, and readers would drop one "
+            "query's rows as the other's duplicates; start a new query with a new "
+            f"checkpointLocation (or, for a checkpoint moved on purpose, remove {path})"
+        )
+    return str(found["id"])
+
+
 # The writer -------------------------------------------------------------------------------
 
 
@@ -275,7 +307,7 @@ class GazetteStreamWriter(DataSourceStreamWriter):
         batch = log.current_batch()
         found = log.read(batch)
         journals = found.journals if found is not None else asyncio.run(_targets(parsed))
-        return cls(parsed, query_id(parsed.checkpoint), log.prepare(batch, journals))
+        return cls(parsed, sink_id(parsed.checkpoint), log.prepare(batch, journals))
 
     def write(self, iterator: Iterator[Any]) -> SinkCommit:
         from pyspark import TaskContext
@@ -306,6 +338,11 @@ class GazetteStreamWriter(DataSourceStreamWriter):
         key = self.options.key
         for row in iterator:
             content = row["content"]
+            if content is None:
+                raise JobError(
+                    "the gazette sink writes column content, and a row's is null: filter such "
+                    "rows out (or give them a JSON document) before the sink"
+                )
             data = content.encode() if isinstance(content, str) else bytes(content)
             if len(journals) == 1:
                 yield journals[0], data
@@ -394,7 +431,12 @@ def _framed(
             raise JobError(
                 f"the gazette sink writes JSON documents: row {data[:60]!r} is not one ({exc})"
             ) from None
-        messages.set_uuid_text(doc, text_of(hexed, base + i * TICK, int(Flags.CONTINUE_TXN)))
+        try:
+            messages.set_uuid_text(doc, text_of(hexed, base + i * TICK, int(Flags.CONTINUE_TXN)))
+        except ValueError as exc:
+            raise JobError(
+                f"the gazette sink cannot give row {data[:60]!r} its UUID: {exc}"
+            ) from None
         out.setdefault(journal, []).append(messages.encode(doc) + b"\n")
     return out
 

@@ -45,17 +45,20 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import difflib
 import heapq
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import grpc
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -205,7 +208,7 @@ def _count(given: dict[str, str], name: str) -> int | None:
     text = given.get(name)
     if text is None:
         return None
-    if not text.strip().isdigit() or int(text) <= 0:
+    if not re.fullmatch(r"\s*[0-9]+\s*", text) or int(text) <= 0:
         raise JobError(f"option {name} {text!r} is not a positive number of messages")
     return int(text)
 
@@ -234,9 +237,12 @@ def _duration(given: dict[str, str], name: str, default: float) -> float:
     if text is None:
         return default
     try:
-        return seconds_from_duration(parse_duration(text))
+        seconds = seconds_from_duration(parse_duration(text))
     except DurationError as exc:
         raise JobError(f"option {name} {text!r}: {exc}") from None
+    if seconds < 0:
+        raise JobError(f"option {name} {text!r} is negative: give a duration such as 24h")
+    return seconds
 
 
 def parse_starting(text: str) -> Starting:
@@ -262,9 +268,11 @@ def parse_starting(text: str) -> Starting:
             )
         return Starting("offsets", tuple(sorted(found.items())))
     try:
-        return Starting("time", time=float(word))
+        seconds = float(word)
     except ValueError:
         pass
+    else:
+        return Starting("time", time=_checked_time(text, seconds))
     try:
         when = datetime.fromisoformat(word.replace("Z", "+00:00"))
     except ValueError:
@@ -274,7 +282,17 @@ def parse_starting(text: str) -> Starting:
             f"option startingOffsets {text!r} is not earliest, latest, a JSON object of "
             "offsets, unix seconds, or an ISO 8601 time with a zone (2026-11-29T10:00:00Z)"
         )
-    return Starting("time", time=when.timestamp())
+    return Starting("time", time=_checked_time(text, when.timestamp()))
+
+
+def _checked_time(text: str, seconds: float) -> float:
+    try:
+        from_time(seconds)
+    except (ValueError, OverflowError) as exc:
+        raise JobError(
+            f"option startingOffsets {text!r} is not a time a UUID holds: {exc}"
+        ) from None
+    return seconds
 
 
 # Offsets ----------------------------------------------------------------------------------
@@ -318,11 +336,13 @@ class Position:
 @dataclass(frozen=True)
 class StreamOffset:
     journals: dict[str, Position]
-    ended: tuple[str, ...] = ()  # Journals deleted (or no longer selected) while read.
+    # Journals deleted, or no longer selected, while read: where each was. One selected again
+    # under the same create revision goes on from there (it was read that far).
+    ended: dict[str, Position] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ended": sorted(self.ended),
+            "ended": {name: self.ended[name].to_json() for name in sorted(self.ended)},
             "journals": {name: self.journals[name].to_json() for name in sorted(self.journals)},
             "v": OFFSET_VERSION,
         }
@@ -336,7 +356,8 @@ class StreamOffset:
                 f"{OFFSET_VERSION}): start the query with a new checkpoint location"
             )
         journals = {n: Position.from_json(n, p) for n, p in dict(found["journals"]).items()}
-        return cls(journals, tuple(found.get("ended", ())))
+        ended = {n: Position.from_json(n, p) for n, p in dict(found.get("ended") or {}).items()}
+        return cls(journals, ended)
 
 
 # Reading: frames to envelopes -------------------------------------------------------------
@@ -451,7 +472,7 @@ async def envelopes(
     *,
     bad: Callable[[int, str], None],
     first: bool = False,
-) -> AsyncIterator[tuple[list[Envelope], int, int]]:
+) -> AsyncGenerator[tuple[list[Envelope], int, int], None]:
     """The envelopes of the frames in [begin, end) (`end` 0: to the write head), a read chunk
     at a time, each list with the write head the chunk's response carried and the offset its
     frames end at (bad ones included). Persisted content is read from its store (the broker
@@ -470,38 +491,39 @@ async def envelopes(
         lambda: client.stub, journal, begin, block=False, end_offset=end, direct=True,
         file_root=root, on_hole=on_hole, wait=60.0,
     )  # fmt: skip
-    async for chunk in _until_suspended(chunks):
-        head = max(head, chunk.write_head)
-        out: list[Envelope] = []
-        if decoder.uuids is not None:
-            errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
-            for frame in errors:
-                bad(frame.offset, frame.error or "a partial frame")
-            if lines:
-                out = decoder.lines(journal, base, lines, bad)
-        else:
-            for frame in frames.feed(chunk.offset, chunk.content):
-                env = decoder.envelope(journal, frame)
-                if isinstance(env, str):
-                    bad(frame.offset, env)
+    # Closed here, whatever ends the read (a bad frame failing it, a consumer that stops):
+    # left to the event loop's finalizer, a store read's generator was closed while running.
+    async with contextlib.aclosing(cast(AsyncGenerator[Chunk, None], chunks)):
+        try:
+            async for chunk in chunks:
+                head = max(head, chunk.write_head)
+                out: list[Envelope] = []
+                if decoder.uuids is not None:
+                    errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
+                    for frame in errors:
+                        bad(frame.offset, frame.error or "a partial frame")
+                    if lines:
+                        out = decoder.lines(journal, base, lines, bad)
                 else:
-                    out.append(env)
-        through = frames.offset if frames.offset is not None else begin
-        yield out, head, through
+                    for frame in frames.feed(chunk.offset, chunk.content):
+                        env = decoder.envelope(journal, frame)
+                        if isinstance(env, str):
+                            bad(frame.offset, env)
+                        else:
+                            out.append(env)
+                through = frames.offset if frames.offset is not None else begin
+                yield out, head, through
+        except ReadError as exc:
+            if exc.status == pb.SUSPENDED:
+                return  # Fully suspended: its brokers hold nothing past its stores. Its end.
+            if exc.status != pb.JOURNAL_NOT_FOUND:
+                raise
+            if end:  # A planned range of a journal deleted since: what it held is gone.
+                reading.hole(journal, frames.offset if frames.offset is not None else begin, end)
+            return  # (Planning: the journal is gone; the next listing ends its stream.)
     if end:  # A range the planner ended at a frame boundary: nothing should be left over.
         for frame in frames.finish():
             bad(frame.offset, frame.error or "a partial frame at the end of the range")
-
-
-async def _until_suspended(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    """A read's chunks, ending where a fully suspended journal ends (its brokers hold nothing
-    past its stores: the read there is refused SUSPENDED, which is no failure)."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except ReadError as exc:
-        if exc.status != pb.SUSPENDED:
-            raise
 
 
 async def head_of(client: JournalsClient, spec: pb.JournalSpec) -> int:
@@ -596,7 +618,7 @@ class Sequencing:
         return out
 
     def position(self, at: int, rev: int, horizon: float) -> Position:
-        return Position.of(at, rev, self.seq.checkpoint(prune_horizon=horizon))
+        return Position.of(at, rev, pruned(self.seq.checkpoint(), horizon))
 
 
 class Planner:
@@ -733,6 +755,36 @@ class Planner:
             await seq.queue(env)
         return seq.position(cut, scan.start.rev, o.horizon)
 
+    async def boundary(
+        self, client: JournalsClient, spec: pb.JournalSpec, at: int, head: int
+    ) -> int:
+        """The first message boundary at or after `at` (an offset inside a message would read
+        its tail as a bad frame, and a CSV record's quotes the wrong way round): found by
+        framing from the start of the fragment that holds `at`, a boundary of appends."""
+        if at in (0, head):
+            return at
+        begin = 0
+        try:
+            listed = await client.stub.ListFragments(pb.FragmentsRequest(journal=spec.name))
+            begin = max(
+                (f.spec.begin for f in listed.fragments if f.spec.begin <= at < f.spec.end),
+                default=0,
+            )
+        except grpc.aio.AioRpcError:
+            pass  # From the journal's start, then: slower, as right.
+        decoder = Decoder(self.kind_of(spec), self.options.uuid_path, keep=False)
+        reading = Reading(self.options.broker, self.options.file_root, False)
+        async for batch, _, through in envelopes(
+            client, reading, spec.name, decoder, begin, head, bad=lambda o, r: None,
+            first=begin == 0,
+        ):  # fmt: skip
+            for env in batch:
+                if env.begin >= at:
+                    return env.begin
+            if through >= head:
+                break
+        return head
+
     async def start_of(
         self, client: JournalsClient, spec: pb.JournalSpec, rev: int, how: str, at: int = 0,
         when: float = 0.0,
@@ -750,7 +802,7 @@ class Planner:
                     f"option startingOffsets: journal {spec.name} offset {at} is past its write "
                     f"head {head}"
                 )
-            return Position(at, rev)
+            return Position(await self.boundary(client, spec, at, head), rev)
         # A time: the first message whose UUID time is at or after it.
         clock = from_time(when)
         decoder = Decoder(self.kind_of(spec), self.options.uuid_path, keep=False)
@@ -764,6 +816,26 @@ class Planner:
                     return Position(env.begin, rev)
             head = through
         return Position(head, rev)
+
+
+def pruned(
+    states: Mapping[JournalProducer, ProducerState], horizon: float
+) -> dict[JournalProducer, ProducerState]:
+    """`states` without producers whose last ACK is more than `horizon` seconds older than the
+    journal's newest, and which have no pending transaction (a pending one is kept, however
+    old: forgetting it would drop the transaction its ACK commits later). A function of the
+    states alone, so planning the same offset twice prunes the same way."""
+    if not horizon:
+        return dict(states)
+    units = (round(horizon * 1e9) // 100) << 4  # Clock units: 100 ns ticks over 4 counter bits.
+    newest: dict[str, int] = {}
+    for key, state in states.items():
+        newest[key.journal] = max(newest.get(key.journal, 0), state.last_ack)
+    return {
+        key: state
+        for key, state in states.items()
+        if state.begin != -1 or state.last_ack >= newest[key.journal] - units
+    }
 
 
 def choose_cuts(
@@ -878,7 +950,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begun, ended = StreamOffset.from_json(start), StreamOffset.from_json(end)
         out: list[InputPartition] = []
         for journal, to in ended.journals.items():
-            s = begun.journals.get(journal)
+            s = begun.journals.get(journal) or begun.ended.get(journal)  # (Selected again.)
             if s is None or s.rev != to.rev:
                 s = Position(0, to.rev)  # New, or made anew: from its earliest.
             if to.at <= s.at:
@@ -958,11 +1030,11 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         o = self.options
         async with JournalsClient(o.broker) as client:
             listed = await self._listed(client)
-            ended = set(begun.ended)
+            ended = dict(begun.ended)
             starts: dict[str, tuple[Position, bool]] = {}  # -> (position, read from earliest)
             for name, pos in begun.journals.items():
                 if name not in listed:
-                    ended.add(name)
+                    ended[name] = pos
                     if name not in self._told_ended:
                         self._told_ended.add(name)
                         log.warning("journal %s is gone (deleted, or no longer selected): its "
@@ -984,8 +1056,11 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     starts[name] = (pos, pos.at == 0)
             for name, (_, rev) in listed.items():
                 if name not in begun.journals and (self._target is None or name in self._target):
-                    ended.discard(name)
-                    starts[name] = (Position(0, rev), True)  # New: from its earliest.
+                    was = ended.pop(name, None)
+                    if was is not None and was.rev == rev:  # Selected again: on from there.
+                        starts[name] = (was, was.at == 0)
+                    else:
+                        starts[name] = (Position(0, rev), True)  # New: from its earliest.
 
             async def one(name: str) -> Scan:
                 pos, first = starts[name]
@@ -1010,9 +1085,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     positions[scan.journal] = await self.planner.position_at(
                         client, listed[scan.journal][0], scan, index
                     )
-        for name in ended:
-            positions.pop(name, None)
-        return StreamOffset(positions, tuple(sorted(ended)))
+        return StreamOffset(positions, ended)
 
 
 async def _gathered(coros: list[Any]) -> list[Any]:
@@ -1105,21 +1178,23 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
         start = Position(part.begin, part.rev, part.states)
         seq = None if o.read_uncommitted else Sequencing(part.journal, start, None, reread, 8192)
         through = part.begin
-        async for envs, _, reached in envelopes(
+        ranged = envelopes(
             client, reading, part.journal, decoder, part.begin, part.end, bad=bad,
             first=part.begin == 0,
-        ):  # fmt: skip
-            through = reached
-            for env in envs:
-                if seq is None:
-                    add(env)
-                    continue
-                delivered = await seq.queue(env)
-                for d in delivered or ():
-                    if d.flags != ACK_TXN:
-                        add(d)
-            if len(rows) >= BATCH_ROWS:
-                yield batch()
+        )  # fmt: skip
+        async with contextlib.aclosing(ranged):
+            async for envs, _, reached in ranged:
+                through = reached
+                for env in envs:
+                    if seq is None:
+                        add(env)
+                        continue
+                    delivered = await seq.queue(env)
+                    for d in delivered or ():
+                        if d.flags != ACK_TXN:
+                            add(d)
+                if len(rows) >= BATCH_ROWS:
+                    yield batch()
         if through < part.end:  # The range was planned, so it was there: now it is not.
             reading.hole(part.journal, through, part.end)
     if rows:

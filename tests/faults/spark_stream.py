@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from broker.client.append_service import AppendService
-from broker.client.appender import append
 from broker.client.journals import JournalsClient
 from broker.client.reader import read_retrying
 from broker.message.framing import DictMessages, JSONLines
@@ -176,8 +175,8 @@ async def publish(address: str, rng: random.Random, stop: asyncio.Event, outcome
                 content = b"".join([c.content async for c in chunks])
                 piece = content[max(0, len(content) - rng.randint(200, 3000)) :]
                 piece = piece[piece.find(b"\n") + 1 :] if b"\n" in piece else b""
-                if piece:
-                    await append(client.stub, journal, piece)
+                if piece:  # Raw, through the service: it retries through broker failures.
+                    await (await service.write(journal, piece))
             outcome.published[action] += 1
             await asyncio.sleep(rng.uniform(0.02, 0.2))
         await service.flush()
