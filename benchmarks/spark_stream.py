@@ -126,18 +126,26 @@ async def publish_at(address: str, journal: str, rate: float, seconds: float) ->
 
 
 def latencies(table: Path) -> list[float]:
-    """Per row: its batch's commit time (its `_spark_metadata` entry's) less its UUID time."""
+    """Per row: its batch's commit time (when the `_spark_metadata` entry naming its file was
+    written: `N`, or `N.compact` every tenth batch, which names earlier files too) less its
+    UUID time."""
     import pyarrow.parquet as pq
 
-    out: list[float] = []
+    entries = []
     for entry in (table / "_spark_metadata").iterdir():
-        if not entry.name.isdigit():
-            continue
+        number = entry.name.removesuffix(".compact")
+        if number.isdigit():
+            entries.append((int(number), entry))
+    first_named: dict[str, float] = {}
+    for _, entry in sorted(entries):
         committed = entry.stat().st_mtime
         for line in entry.read_text().splitlines()[1:]:
             path = json.loads(line)["path"].removeprefix("file://")
-            for stamp in pq.read_table(path, columns=["timestamp"]).column("timestamp").to_pylist():
-                out.append(committed - stamp.timestamp())
+            first_named.setdefault(path, committed)
+    out: list[float] = []
+    for path, committed in first_named.items():
+        for stamp in pq.read_table(path, columns=["timestamp"]).column("timestamp").to_pylist():
+            out.append(committed - stamp.timestamp())
     return sorted(out)
 
 

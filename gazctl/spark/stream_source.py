@@ -89,6 +89,7 @@ from gazctl.spark.source import (
     _uuid_decoder,
     _uuid_text_of,
     json_fields,
+    uuid_columns,
     with_json_columns,
     with_timestamp,
 )
@@ -101,6 +102,7 @@ OFFSET_VERSION = 1
 ACK_TXN = 0x2
 NO_PRODUCER = bytes(6)
 _new_tuple = tuple.__new__
+REPLAY = object()  # Sequencing.apply: the commit needs envelopes read again.
 STREAM_SCHEMA = (
     "journal STRING, offset LONG, end LONG, producer STRING, clock LONG, flags INT, "
     "uuid STRING, content STRING, timestamp TIMESTAMP"
@@ -396,6 +398,26 @@ class Decoder:
         begin = base
         if docs is not None:
             keep, parse, depth, new = self.keep, self.parse, self.depth, _new_tuple
+            texts = [_uuid_text_of(doc, depth) for doc in docs]
+            parsed = uuid_columns(texts) if None not in texts else None  # All at once (numpy).
+            if parsed is not None:
+                nodes, clocks, flags = parsed
+                producers: dict[int, bytes] = {}
+                for line, node, clock, flag in zip(
+                    lines, nodes.tolist(), clocks.tolist(), flags.tolist(), strict=True
+                ):
+                    end = begin + len(line) + 1
+                    producer = producers.get(node)
+                    if producer is None:
+                        producer = producers[node] = node.to_bytes(6, "big")
+                    out.append(
+                        new(
+                            Envelope,
+                            (journal, begin, end, producer, clock, flag, line if keep else None),
+                        )
+                    )
+                    begin = end
+                return out
             try:
                 for line, doc in zip(lines, docs, strict=True):
                     end = begin + len(line) + 1
@@ -602,19 +624,33 @@ class Sequencing:
 
     async def queue(self, env: Envelope) -> list[Envelope] | None:
         """Apply `env`; the envelopes it commits (ACKs included), or None if none."""
+        found = self.apply(env)
+        return await self.replayed() if found is REPLAY else cast(list[Envelope] | None, found)
+
+    def apply(self, env: Envelope) -> object:
+        """`queue` without a coroutine, for the hot path: REPLAY when the commit needs envelopes
+        read again (then await `replayed()`)."""
         seq = self.seq
         if seq.queue_uncommitted(env) not in COMMITTING:
             return None
+        if seq.replay_range() is not None:
+            return REPLAY
         out: list[Envelope] = []
+        step = seq.step
+        while (committed := step()) is not None:
+            out.append(committed)
+        return out
+
+    async def replayed(self) -> list[Envelope]:
+        """The envelopes of a commit whose messages are read again (after `apply` said REPLAY)."""
+        seq = self.seq
         replay = seq.replay_range()
-        if replay is None:
-            while (committed := seq.step()) is not None:
-                out.append(committed)
-        else:
-            _, begin, end = replay
-            seq.start_replay(self._replayed(begin, end))
-            while (committed := await seq.astep()) is not None:
-                out.append(committed)
+        assert replay is not None
+        _, begin, end = replay
+        seq.start_replay(self._replayed(begin, end))
+        out: list[Envelope] = []
+        while (committed := await seq.astep()) is not None:
+            out.append(committed)
         return out
 
     def position(self, at: int, rev: int, horizon: float) -> Position:
@@ -690,7 +726,12 @@ class Planner:
                 if seq is None:
                     delivered: list[Envelope] | None = [env]
                 else:
-                    delivered = await seq.queue(env)
+                    found = seq.apply(env)
+                    delivered = (
+                        await seq.replayed()
+                        if found is REPLAY
+                        else cast(list[Envelope] | None, found)
+                    )
                 out.through = env.end
                 if not delivered:
                     continue
@@ -1189,8 +1230,13 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
                     if seq is None:
                         add(env)
                         continue
-                    delivered = await seq.queue(env)
-                    for d in delivered or ():
+                    found = seq.apply(env)
+                    if found is None:
+                        continue
+                    delivered = (
+                        await seq.replayed() if found is REPLAY else cast(list[Envelope], found)
+                    )
+                    for d in delivered:
                         if d.flags != ACK_TXN:
                             add(d)
                 if len(rows) >= BATCH_ROWS:
