@@ -104,6 +104,8 @@ def test_what_spark_connect_cannot_run_is_refused_in_one_line(
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # Its server's Python worker failed to connect back under the parallel
+# suite's load (2026-11-29): it runs alone, after the parallel part.
 async def test_a_stream_runs_on_a_spark_connect_server(
     server: ConnectServer, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
 ) -> None:
