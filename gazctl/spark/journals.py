@@ -10,6 +10,7 @@ store's end is not persisted yet: with a broker to ask, `unpersisted` names thos
 from __future__ import annotations
 
 import asyncio
+import difflib
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,23 @@ FULLY_SUSPENDED = pb.JournalSpec.Suspend.FULL  # No replicas: everything is pers
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def known_options(options: Mapping[str, object], names: Sequence[str], what: str) -> dict[str, str]:
+    """The options given (empty ones left out), keyed by their names as `names` spell them
+    (Spark passes them case-insensitively); an unknown one is a JobError line naming the
+    closest known one."""
+    known = {name.lower(): name for name in names}
+    given: dict[str, str] = {}
+    for key, value in options.items():
+        name = known.get(str(key).lower())
+        if name is None:
+            close = difflib.get_close_matches(str(key).lower(), list(known), n=1)
+            hint = f" (did you mean {known[close[0]]}?)" if close else ""
+            raise JobError(f"unknown option {key!r} for {what}{hint}; it takes {', '.join(names)}")
+        if value is not None and str(value) != "":
+            given[name] = str(value)
+    return given
 
 
 def size_in_bytes(text: str) -> int | None:

@@ -33,7 +33,6 @@ for exactly-once sinks): a re-run batch must hold the same rows.
 from __future__ import annotations
 
 import asyncio
-import difflib
 import hashlib
 import json
 import os
@@ -52,7 +51,7 @@ from broker.message.mapping import fnv1a32
 from broker.message.uuid import TICK, Flags, build, from_time, text_of
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from gazctl.spark.journals import JobError
+from gazctl.spark.journals import JobError, known_options
 
 SINK_OPTIONS = ("journal", "selector", "key", "broker", "uuid_path", "checkpointLocation")
 SINK_DIR = "gazette-sink"
@@ -71,19 +70,7 @@ class SinkOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> SinkOptions:
-        known = {name.lower(): name for name in SINK_OPTIONS}
-        given: dict[str, str] = {}
-        for key, value in options.items():
-            name = known.get(str(key).lower())
-            if name is None:
-                close = difflib.get_close_matches(str(key).lower(), list(known), n=1)
-                hint = f" (did you mean {known[close[0]]}?)" if close else ""
-                raise JobError(
-                    f"unknown option {key!r} for the gazette sink{hint}; it takes "
-                    f"{', '.join(SINK_OPTIONS)}"
-                )
-            if value is not None and str(value) != "":
-                given[name] = str(value)
+        given = known_options(options, SINK_OPTIONS, "the gazette sink")
         journal, selector = given.get("journal"), given.get("selector")
         if (journal is None) == (selector is None):
             raise JobError(

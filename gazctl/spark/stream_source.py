@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import difflib
 import heapq
 import json
 import logging
@@ -81,7 +80,7 @@ from broker.message.sequencer import (
 from broker.message.uuid import TextParser, from_time, text_of
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from gazctl.spark.journals import JobError, size_in_bytes
+from gazctl.spark.journals import JobError, known_options, size_in_bytes
 from gazctl.spark.source import (
     BATCH_ROWS,
     _framing,
@@ -151,19 +150,7 @@ class StreamOptions:
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> StreamOptions:
         """The options, checked: each problem is one JobError line naming the option."""
-        known = {name.lower(): name for name in OPTIONS}
-        given: dict[str, str] = {}
-        for key, value in options.items():
-            name = known.get(str(key).lower())
-            if name is None:
-                close = difflib.get_close_matches(str(key).lower(), list(known), n=1)
-                hint = f" (did you mean {known[close[0]]}?)" if close else ""
-                raise JobError(
-                    f"unknown option {key!r} for the gazette stream source{hint}; it takes "
-                    f"{', '.join(OPTIONS)}"
-                )
-            if value is not None and str(value) != "":
-                given[name] = str(value)
+        given = known_options(options, OPTIONS, "the gazette stream source")
         selector = given.get("selector")
         if selector is None:
             raise JobError("the gazette stream source needs option selector (a label selector)")
