@@ -694,7 +694,7 @@ class Planner:
             pass  # Executors report bad frames (and fail on them, with bad_frames=fail).
 
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            return self._range(client, reading, journal, decoder, begin, end)
+            return _range_of(client, reading, journal, decoder, begin, end, _ignore)
 
         seq = (
             None
@@ -747,21 +747,6 @@ class Planner:
             out.final = seq.position(out.through, start.rev, o.horizon)
         return out
 
-    async def _range(
-        self,
-        client: JournalsClient,
-        reading: Reading,
-        journal: str,
-        decoder: Decoder,
-        begin: int,
-        end: int,
-    ) -> AsyncIterator[Envelope]:
-        async for batch, _, _ in envelopes(
-            client, reading, journal, decoder, begin, end, bad=lambda o, r: None
-        ):
-            for env in batch:
-                yield env
-
     async def position_at(
         self, client: JournalsClient, spec: pb.JournalSpec, scan: Scan, index: int
     ) -> Position:
@@ -776,7 +761,7 @@ class Planner:
         held = scan.envelopes[:index]
 
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            return self._range(client, reading, spec.name, decoder, begin, end)
+            return _range_of(client, reading, spec.name, decoder, begin, end, _ignore)
 
         seq = Sequencing(spec.name, scan.start, held, reread, DRIVER_RING)
         for env in held:
@@ -1232,6 +1217,10 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
             reading.hole(part.journal, through, part.end)
     if rows:
         yield batch()
+
+
+def _ignore(offset: int, reason: str) -> None:
+    """Bad frames the planner meets: executors report them (and fail on them when told)."""
 
 
 async def _range_of(
