@@ -378,7 +378,10 @@ class Consumer:
             await asyncio.sleep(ttl / 3 if loop.time() - answered < ttl / 3 else 0.25)
             sent = loop.time()
             try:
-                reply = await asyncio.wait_for(self.etcd.refresh_lease(self.lease_id), ttl / 5)
+                # (Not `asyncio.wait_for`: in Python 3.11 it can swallow a cancellation that
+                # meets the refresh's end, and this loop would go on through the consumer's stop.)
+                async with asyncio.timeout(ttl / 5):
+                    reply = await self.etcd.refresh_lease(self.lease_id)
             except Exception as exc:
                 if loop.time() - answered > ttl:
                     raise LeaseLost(f"no etcd lease refresh answered for {ttl}s: {exc}") from exc

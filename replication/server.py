@@ -394,7 +394,9 @@ class LocationServer:
             await asyncio.sleep(ttl / 3)
             try:
                 if lease_id:
-                    reply = await asyncio.wait_for(self._etcd.refresh_lease(lease_id), ttl / 3)
+                    # (Not `asyncio.wait_for`: see the consumer's keep-alive.)
+                    async with asyncio.timeout(ttl / 3):
+                        reply = await self._etcd.refresh_lease(lease_id)
                     if reply.TTL > 0:
                         continue
                     log.warning("%s: the endpoint's lease expired", self.name)
