@@ -31,7 +31,9 @@ class RaceEtcd:
         return SimpleNamespace(TTL=5)
 
 
-async def cancel_as_the_reply_lands(keep_alive: Callable[[RaceEtcd], Coroutine[Any, Any, None]]) -> RaceEtcd:
+async def cancel_as_the_reply_lands(
+    keep_alive: Callable[[RaceEtcd], Coroutine[Any, Any, None]],
+) -> RaceEtcd:
     etcd = RaceEtcd()
     task = asyncio.create_task(keep_alive(etcd))
     async with asyncio.timeout(10):
