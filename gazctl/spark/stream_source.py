@@ -44,9 +44,11 @@ logs the range and goes on.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
+import functools
+import gc
 import heapq
+import itertools
 import json
 import logging
 import os
@@ -70,14 +72,9 @@ from pyspark.sql.streaming.datasource import (
 from broker.client.journals import JournalsClient
 from broker.client.reader import Chunk, ReadError, read_retrying, write_head
 from broker.message.framing import CSVMessages, DictMessages, Frame, FrameReader, uuid_fields_of
-from broker.message.sequencer import (
-    COMMITTING,
-    Envelope,
-    JournalProducer,
-    ProducerState,
-    Sequencer,
-)
-from broker.message.uuid import TextParser, from_time, text_of
+from broker.message.sequencer import Envelope, JournalProducer, ProducerState
+from broker.message.tally import REPLAY, Tally
+from broker.message.uuid import TextParser, from_time
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError, known_options, size_in_bytes
@@ -89,6 +86,7 @@ from gazctl.spark.source import (
     _uuid_text_of,
     json_fields,
     uuid_columns,
+    uuid_texts,
     with_json_columns,
     with_timestamp,
 )
@@ -101,7 +99,7 @@ OFFSET_VERSION = 1
 ACK_TXN = 0x2
 NO_PRODUCER = bytes(6)
 _new_tuple = tuple.__new__
-REPLAY = object()  # Sequencing.apply: the commit needs envelopes read again.
+_new_envelope = functools.partial(tuple.__new__, Envelope)  # Envelope._make, in C.
 STREAM_SCHEMA = (
     "journal STRING, offset LONG, end LONG, producer STRING, clock LONG, flags INT, "
     "uuid STRING, content STRING, timestamp TIMESTAMP"
@@ -113,7 +111,6 @@ OPTIONS = (
 )  # fmt: skip
 DEFAULT_READ_AHEAD = 64 << 20  # Content a planning read goes past a journal's offset, at most.
 DEFAULT_HORIZON = 24 * 3600.0  # Producers idle this long are forgotten, as a consumer's are.
-DRIVER_RING = 1 << 16  # Envelopes the planner's Sequencer keeps (its replays are re-reads).
 PARALLEL_JOURNALS = 16
 
 
@@ -389,22 +386,22 @@ class Decoder:
             parsed = uuid_columns(texts) if None not in texts else None  # All at once (numpy).
             if parsed is not None:
                 nodes, clocks, flags = parsed
-                producers: dict[int, bytes] = {}
-                for line, node, clock, flag in zip(
-                    lines, nodes.tolist(), clocks.tolist(), flags.tolist(), strict=True
-                ):
-                    end = begin + len(line) + 1
-                    producer = producers.get(node)
-                    if producer is None:
-                        producer = producers[node] = node.to_bytes(6, "big")
-                    out.append(
-                        new(
-                            Envelope,
-                            (journal, begin, end, producer, clock, flag, line if keep else None),
-                        )
+                ids = {node: node.to_bytes(6, "big") for node in set(nodes.tolist())}
+                offsets = list(itertools.accumulate(map(len, lines), _past_newline, initial=base))
+                return list(
+                    map(
+                        _new_envelope,
+                        zip(
+                            itertools.repeat(journal),
+                            offsets,
+                            offsets[1:],
+                            map(ids.__getitem__, nodes.tolist()),
+                            clocks.tolist(),
+                            flags.tolist(),
+                            lines if keep else itertools.repeat(None),
+                        ),
                     )
-                    begin = end
-                return out
+                )
             try:
                 for line, doc in zip(lines, docs, strict=True):
                     end = begin + len(line) + 1
@@ -571,77 +568,32 @@ class Scan:
     final: Position | None = None  # The state at `through`.
 
 
-class Sequencing:
-    """A Sequencer restored from a position, its replays served from the envelopes the scan
-    holds, or re-read through the broker below them."""
+def _past_newline(offset: int, length: int) -> int:
+    return offset + length + 1
 
-    def __init__(
-        self,
-        journal: str,
-        start: Position,
-        held: list[Envelope] | None,
-        reread: Callable[[int, int], AsyncIterator[Envelope]],
-        ring: int,
-    ) -> None:
-        """`held`: the envelopes read from `start.at` on (the planner keeps them), or None
-        (an executor): replays past `start.at` are then read again too."""
-        self.journal = journal
-        self.seq = Sequencer(start.checkpoint(journal), offsets={journal: start.at}, ring_size=ring)
-        self.held = held
-        self.held_begins: list[int] = []
-        self.reread = reread
-        self.start = start
 
-    async def _replayed(self, begin: int, end: int) -> AsyncIterator[Envelope]:
-        if self.held is None:
-            async for env in self.reread(begin, end):
-                yield env
-            return
-        if begin < self.start.at:
-            async for env in self.reread(begin, min(end, self.start.at)):
-                yield env
-        if end > self.start.at:
-            if len(self.held_begins) < len(self.held):
-                self.held_begins.extend(e.begin for e in self.held[len(self.held_begins) :])
-            first = bisect.bisect_left(self.held_begins, max(begin, self.start.at))
-            for env in self.held[first:]:
-                if env.begin >= end:
-                    break
-                yield env
+def tally_of(journal: str, start: Position) -> Tally:
+    """What a Sequencer restored at `start` commits, for the envelopes read from there."""
+    return Tally(journal, start.checkpoint(journal), start.at)
 
-    async def queue(self, env: Envelope) -> list[Envelope] | None:
-        """Apply `env`; the envelopes it commits (ACKs included), or None if none."""
-        found = self.apply(env)
-        return await self.replayed() if found is REPLAY else cast(list[Envelope] | None, found)
 
-    def apply(self, env: Envelope) -> object:
-        """`queue` without a coroutine, for the hot path: REPLAY when the commit needs envelopes
-        read again (then await `replayed()`)."""
-        seq = self.seq
-        if seq.queue_uncommitted(env) not in COMMITTING:
-            return None
-        if seq.replay_range() is not None:
-            return REPLAY
-        out: list[Envelope] = []
-        step = seq.step
-        while (committed := step()) is not None:
-            out.append(committed)
-        return out
+async def committed(
+    tally: Tally,
+    found: list[int],
+    held: list[Envelope],
+    reread: Callable[[int, int], AsyncIterator[Envelope]],
+) -> list[Envelope]:
+    """The envelopes `tally.add` said commit (ACKs left out), indices into `held`; a span begun
+    before them (restored from the start position) is read again first."""
+    if found is REPLAY:
+        _, begin, end = tally.replay_range()
+        before, indices = tally.replayed([env async for env in reread(begin, end)])
+        return before + [held[i] for i in indices]
+    return [held[i] for i in found]
 
-    async def replayed(self) -> list[Envelope]:
-        """The envelopes of a commit whose messages are read again (after `apply` said REPLAY)."""
-        seq = self.seq
-        replay = seq.replay_range()
-        assert replay is not None
-        _, begin, end = replay
-        seq.start_replay(self._replayed(begin, end))
-        out: list[Envelope] = []
-        while (committed := await seq.astep()) is not None:
-            out.append(committed)
-        return out
 
-    def position(self, at: int, rev: int, horizon: float) -> Position:
-        return Position.of(at, rev, pruned(self.seq.checkpoint(), horizon))
+def position_of(tally: Tally, at: int, rev: int, horizon: float) -> Position:
+    return Position.of(at, rev, pruned(tally.checkpoint(), horizon))
 
 
 class Planner:
@@ -696,11 +648,8 @@ class Planner:
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
             return _range_of(client, reading, journal, decoder, begin, end, _ignore)
 
-        seq = (
-            None
-            if o.read_uncommitted
-            else Sequencing(journal, start, out.envelopes, reread, DRIVER_RING)
-        )
+        tally = None if o.read_uncommitted else tally_of(journal, start)
+        held = out.envelopes
         rows = size = 0
         stop = False
         async for batch, head, through in envelopes(
@@ -708,43 +657,36 @@ class Planner:
         ):
             out.head = max(out.head, head)
             for env in batch:
-                index = len(out.envelopes)
-                out.envelopes.append(env)
-                if seq is None:
-                    delivered: list[Envelope] | None = [env]
-                else:
-                    found = seq.apply(env)
-                    delivered = (
-                        await seq.replayed()
-                        if found is REPLAY
-                        else cast(list[Envelope] | None, found)
-                    )
+                index = len(held)
+                held.append(env)
                 out.through = env.end
-                if not delivered:
-                    continue
-                n = s = 0
-                for d in delivered:
-                    if seq is None or d.flags != ACK_TXN:
-                        n += 1
-                        s += d.end - d.begin
-                if n:
-                    out.events.append(Event(env.clock, n, s, index))
-                    rows, size = rows + n, size + s
-                    if (o.max_messages is not None and rows > o.max_messages) or (
-                        o.max_bytes is not None and size > o.max_bytes
-                    ):
-                        stop = True  # Nothing after this commit can join the batch.
-                        break
+                if tally is None:
+                    n, s = 1, env.end - env.begin
+                else:
+                    found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
+                    if not found and found is not REPLAY:
+                        continue  # Nothing, or an ACK alone, committed.
+                    delivered = await committed(tally, found, held, reread)
+                    n, s = len(delivered), sum(d.end - d.begin for d in delivered)
+                    if not n:
+                        continue
+                out.events.append(Event(env.clock, n, s, index))
+                rows, size = rows + n, size + s
+                if (o.max_messages is not None and rows > o.max_messages) or (
+                    o.max_bytes is not None and size > o.max_bytes
+                ):
+                    stop = True  # Nothing after this commit can join the batch.
+                    break
             if stop:
                 break
             out.through = through  # Bad frames after the last envelope included.
             if out.through - start.at >= o.read_ahead:
                 break
         out.head = max(out.head, out.through)
-        if seq is None:
+        if tally is None:
             out.final = Position(out.through, start.rev)
         else:
-            out.final = seq.position(out.through, start.rev, o.horizon)
+            out.final = position_of(tally, out.through, start.rev, o.horizon)
         return out
 
     async def position_at(
@@ -763,10 +705,12 @@ class Planner:
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
             return _range_of(client, reading, spec.name, decoder, begin, end, _ignore)
 
-        seq = Sequencing(spec.name, scan.start, held, reread, DRIVER_RING)
-        for env in held:
-            await seq.queue(env)
-        return seq.position(cut, scan.start.rev, o.horizon)
+        tally = tally_of(spec.name, scan.start)
+        for index, env in enumerate(held):
+            found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
+            if found is REPLAY:
+                await committed(tally, found, held, reread)
+        return position_of(tally, cut, scan.start.rev, o.horizon)
 
     async def boundary(
         self, client: JournalsClient, spec: pb.JournalSpec, at: int, head: int
@@ -885,6 +829,21 @@ def choose_cuts(
     return out
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for a while (then as it was): a range's
+    envelopes are many young objects that live until the range is read, which the collector
+    would traverse again and again (half an executor's time, measured); they hold no cycles,
+    and what cycles the reading leaves are collected afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def run_async(coro: Any) -> Any:
     """Run a coroutine to completion in a fresh event loop (each call of Spark's is sync)."""
     return asyncio.run(coro)
@@ -953,7 +912,8 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begun = StreamOffset.from_json(start)
-        end = run_async(self._latest(begun, not isinstance(limit, ReadAllAvailable)))
+        with collection_paused():
+            end = run_async(self._latest(begun, not isinstance(limit, ReadAllAvailable)))
         return start if end == begun else end.to_json()
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
@@ -974,7 +934,8 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, StreamPartition)
-        yield from drive(lambda: deliver(partition))
+        with collection_paused():
+            yield from drive(lambda: deliver(partition))
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # Nothing is held between batches: each call reads afresh.
@@ -1134,14 +1095,12 @@ def drive(make: Callable[[], AsyncGenerator[T, None]]) -> Iterator[T]:
 async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
     """The partition's rows as Arrow batches: its range read and sequenced from its start
     states, the committed messages (or, read-uncommitted, every message)."""
-    import pyarrow as pa
 
     o = part.options
     decoder = Decoder(part.kind, o.uuid_path, keep=True)
     reading = Reading(o.broker, o.file_root, o.fail_on_data_loss)
     schema = stream_arrow_schema()
     rows: list[Envelope] = []
-    hexes: dict[bytes, str] = {}
 
     def bad(offset: int, reason: str) -> None:
         message = f"journal {part.journal}: bad frame at offset {offset}: {reason}"
@@ -1149,37 +1108,11 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
             raise JobError(message)
         log.warning("%s (skipped)", message)
 
-    add = rows.append
     fields = json_fields(o.json_schema)
 
     def batch() -> Any:
-        """The rows held, as an Arrow batch (columns built a list at a time)."""
-        producers: list[str | None] = []
-        texts: list[str | None] = []
-        for env in rows:
-            if env.clock:
-                hexed = hexes.get(env.producer)
-                if hexed is None:
-                    hexed = hexes[env.producer] = env.producer.hex()
-                producers.append(hexed)
-                texts.append(text_of(hexed, env.clock, env.flags))
-            else:
-                producers.append(None)
-                texts.append(None)
-        content = pa.array([env.message for env in rows], pa.binary()).cast(pa.string())
-        out = pa.RecordBatch.from_arrays(
-            [
-                pa.array([part.journal] * len(rows), pa.string()),
-                pa.array([env.begin for env in rows], pa.int64()),
-                pa.array([env.end for env in rows], pa.int64()),
-                pa.array(producers, pa.string()),
-                pa.array([env.clock for env in rows], pa.int64()),
-                pa.array([env.flags for env in rows], pa.int32()),
-                pa.array(texts, pa.string()),
-                content,
-            ],
-            schema=schema,
-        )
+        """The rows held, as an Arrow batch."""
+        out = envelope_batch(part.journal, rows, schema)
         rows.clear()
         return with_json_columns(with_timestamp(out), fields)
 
@@ -1189,7 +1122,8 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
             return _range_of(client, reading, part.journal, decoder, begin, end, bad)
 
         start = Position(part.begin, part.rev, part.states)
-        seq = None if o.read_uncommitted else Sequencing(part.journal, start, None, reread, 8192)
+        tally = None if o.read_uncommitted else tally_of(part.journal, start)
+        held: list[Envelope] = []  # The range's envelopes, which the Tally's answers index.
         through = part.begin
         ranged = envelopes(
             client, reading, part.journal, decoder, part.begin, part.end, bad=bad,
@@ -1198,25 +1132,64 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
         async with contextlib.aclosing(ranged):
             async for envs, _, reached in ranged:
                 through = reached
-                for env in envs:
-                    if seq is None:
-                        add(env)
-                        continue
-                    found = seq.apply(env)
-                    if found is None:
-                        continue
-                    delivered = (
-                        await seq.replayed() if found is REPLAY else cast(list[Envelope], found)
-                    )
-                    for d in delivered:
-                        if d.flags != ACK_TXN:
-                            add(d)
+                if tally is None:
+                    rows.extend(envs)
+                else:
+                    await _sequenced(tally, envs, held, rows, reread)
                 if len(rows) >= BATCH_ROWS:
                     yield batch()
         if through < part.end:  # The range was planned, so it was there: now it is not.
             reading.hole(part.journal, through, part.end)
     if rows:
         yield batch()
+
+
+async def _sequenced(
+    tally: Tally,
+    envs: list[Envelope],
+    held: list[Envelope],
+    rows: list[Envelope],
+    reread: Callable[[int, int], AsyncIterator[Envelope]],
+) -> None:
+    """Hold `envs` (the next of the range) and add to `rows` the envelopes they commit."""
+    add, keep = rows.append, held.append
+    index = len(held)
+    for env in envs:
+        keep(env)
+        found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
+        index += 1
+        if found:
+            for i in found:
+                add(held[i])
+        elif found is REPLAY:
+            rows.extend(await committed(tally, found, held, reread))
+
+
+def envelope_batch(journal: str, rows: list[Envelope], schema: Any) -> Any:
+    """Envelopes of `journal` as an Arrow batch of the stream schema, a column at a time (the
+    UUID texts and producers formatted all at once, null where a message has no UUID)."""
+    import numpy as np
+    import pyarrow as pa
+
+    _, begins, ends, producers, clocks, flags, messages = zip(*rows, strict=True)
+    clock = np.array(clocks, np.int64)
+    flag = np.array(flags, np.int32)
+    texts, hexes = uuid_texts(b"".join(producers), clock, flag)
+    none = clock == 0
+    mask = none if none.any() else None
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.repeat(journal, len(rows)),
+            pa.array(begins, pa.int64()),
+            pa.array(ends, pa.int64()),
+            pa.array(hexes, pa.binary(), mask=mask).cast(pa.string()),
+            pa.array(clock, pa.int64()),
+            pa.array(flag, pa.int32()),
+            pa.array(texts, pa.binary(), mask=mask).cast(pa.string()),
+            pa.array(messages, pa.binary()).cast(pa.string()),
+        ],
+        schema=schema,
+    )
 
 
 def _ignore(offset: int, reason: str) -> None:

@@ -1,0 +1,179 @@
+"""Tally: the Sequencer's decisions for one journal, as indices rather than envelopes.
+
+A reader that holds a whole range of a journal (the Spark stream source's planner and its
+executors) does not need the Sequencer's ring or its replays to know what commits: it only needs,
+per producer, the Clock of the last acknowledgement, the pending span's begin, and which of the
+messages it holds belong to that span. `Tally.add` takes the messages in journal order, each by
+its index in the caller's columns, and answers what the Sequencer's `queue_uncommitted` and
+`step()` would deliver: the indices of the committed messages, in the order the Sequencer
+dequeues them (ACKs left out), or None when nothing commits.
+
+One case needs messages the caller does not hold: a span restored from a checkpoint
+(`ProducerState.begin` set) began before the range the caller reads. Its commit says `REPLAY`;
+the caller reads `replay_range()` again and passes the envelopes to `replayed()`, which answers
+the envelopes delivered from that range and the held indices after them.
+
+The rules are the Sequencer's (see its module): a Clock at or below the last ACK is a duplicate;
+a span only grows by Clocks above its largest; an ACK commits the span's messages at or below its
+Clock and rolls back the rest; an ACK not above the last ACK rolls back everything pending; an
+OUTSIDE_TXN message commits itself and discards a pending span; a message without a UUID (Clock
+0) is always delivered. `tests/test_tally.py` checks the two agree on random histories.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable, Mapping
+
+from broker.message.sequencer import Envelope, JournalProducer, ProducerState
+
+__all__ = ["REPLAY", "Tally"]
+
+_log = logging.getLogger(__name__)
+
+_CONTINUE_TXN = 0x1
+_ACK_TXN = 0x2
+
+REPLAY: list[int] = []  # `Tally.add`: the commit needs `replay_range()` read again (an identity).
+
+
+class _Span:
+    """A producer's state: its last ACK, its span's largest Clock and begin, and the held
+    messages of its span (indices and Clocks, Clocks strictly increasing)."""
+
+    __slots__ = ("begin", "clocks", "first", "indices", "last_ack", "restored", "top")
+
+    def __init__(self, last_ack: int, begin: int, restored: bool) -> None:
+        self.last_ack = last_ack
+        self.top = last_ack
+        self.begin = begin
+        self.restored = restored  # The span began before the held range.
+        self.first = -1  # The begin offset of its first held message.
+        self.indices: list[int] = []
+        self.clocks: list[int] = []
+
+    def reset(self, clock: int) -> None:
+        self.last_ack = self.top = clock
+        self.begin = -1
+        self.restored = False
+        self.first = -1
+        if self.indices:
+            self.indices = []
+            self.clocks = []
+
+
+class Tally:
+    """What a Sequencer restored from `checkpoint` at offset `start` of `journal` commits, for
+    the messages added from there in journal order."""
+
+    def __init__(
+        self, journal: str, checkpoint: Mapping[JournalProducer, ProducerState], start: int
+    ) -> None:
+        self.journal = journal
+        self.start = start
+        self._spans: dict[bytes, _Span] = {}
+        for key, state in checkpoint.items():
+            if key[0] == journal:
+                self._spans[key[1]] = _Span(state.last_ack, state.begin, state.begin != -1)
+        self._replay: tuple[_Span, int, int, int] | None = None  # span, ack clock, from, to.
+        self._replay_at = 0  # Where in the span's held indices the replayed part ends.
+
+    def add(self, index: int, producer: bytes, clock: int, flags: int, begin: int) -> list[int] | None:  # fmt: skip
+        """The message at `index` (of Clock, flags and begin offset given): the held indices it
+        commits, in delivery order (an empty list when an ACK commits nothing else), None when
+        nothing commits, or `REPLAY` (then call `replayed()` before adding more)."""
+        if clock == 0:
+            return [index]  # No UUID: delivered, not tracked.
+        span = self._spans.get(producer)
+        if span is None:
+            span = self._spans[producer] = _Span(clock - 1, -1, False)
+        if flags == _CONTINUE_TXN:
+            if clock > span.top:
+                if span.begin == -1:
+                    span.begin = begin
+                if not span.indices:
+                    span.first = begin
+                span.indices.append(index)
+                span.clocks.append(clock)
+                span.top = clock
+            return None
+        if flags == _ACK_TXN:
+            if clock <= span.last_ack:
+                if clock < span.last_ack:
+                    self._error(producer, clock, flags, begin, span, "ACK_TXN below the last ACK")
+                span.reset(clock)
+                return None
+            if span.begin == -1:
+                span.reset(clock)
+                return []
+            if span.restored:
+                first = span.first if span.indices else begin
+                if span.begin != first:  # Its messages before the held ones are read again.
+                    self._replay = (span, clock, span.begin, first)
+                    return REPLAY
+            clocks = span.clocks
+            if clocks and clocks[-1] > clock:
+                out = span.indices[: bisect.bisect_right(clocks, clock)]
+            else:
+                out = span.indices
+            span.reset(clock)
+            return out
+        if flags != 0:
+            self._error(producer, clock, flags, begin, span, "unexpected UUID flags")
+        if clock <= span.last_ack:
+            return None
+        if span.begin != -1 and span.top > span.last_ack:
+            self._error(producer, clock, flags, begin, span, "OUTSIDE_TXN after a pending span")
+        span.reset(clock)
+        return [index]
+
+    def replay_range(self) -> tuple[str, int, int]:
+        """The (journal, begin, end) offsets to read again after `add` said REPLAY."""
+        assert self._replay is not None, "no replay is due"
+        _, _, begin, end = self._replay
+        return self.journal, begin, end
+
+    def replayed(self, envelopes: Iterable[Envelope]) -> tuple[list[Envelope], list[int]]:
+        """The commit `add` deferred: the envelopes delivered from `replay_range()` (given in
+        journal order, every producer's), then the held indices delivered after them."""
+        assert self._replay is not None, "no replay is due"
+        span, ack, begin, end = self._replay
+        self._replay = None
+        producer = next(p for p, s in self._spans.items() if s is span)
+        last = span.last_ack
+        before: list[Envelope] = []
+        for env in envelopes:
+            if env.begin < begin or env.end > end:
+                raise ValueError(
+                    f"replayed envelope [{env.begin}, {env.end}) is outside [{begin}, {end})"
+                )
+            if env.producer != producer:
+                continue
+            if (env.clock == 0 or env.clock > last) and env.clock <= ack:
+                before.append(env)
+                last = env.clock
+        held: list[int] = []
+        for index, clock in zip(span.indices, span.clocks, strict=True):
+            if last < clock <= ack:
+                held.append(index)
+                last = clock
+        span.reset(ack)
+        return [e for e in before if e.flags != _ACK_TXN], held
+
+    def checkpoint(self) -> dict[JournalProducer, ProducerState]:
+        """Each producer's state now, as `Sequencer.checkpoint()` gives it."""
+        return {
+            JournalProducer(self.journal, producer): ProducerState(span.last_ack, span.begin)
+            for producer, span in self._spans.items()
+        }
+
+    def _error(
+        self, producer: bytes, clock: int, flags: int, begin: int, span: _Span, message: str
+    ) -> None:
+        _log.error(
+            "%s: journal %s offset %d producer %s clock %d flags %#x (last ack %d, span max %d,"
+            " span begin %d)",
+            message, self.journal, begin, producer.hex(), clock, flags, span.last_ack, span.top,
+            span.begin,
+        )  # fmt: skip
