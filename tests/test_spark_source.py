@@ -21,7 +21,7 @@ from broker.fragment.stores import open_store
 from broker.message.framing import DictMessages
 from broker.message.uuid import Flags, build, new_producer_id, parse_text
 from broker.protocol import protocol_pb2 as pb
-from gazctl.spark.source import hex_ids, uuid_columns
+from gazctl.spark.source import hex_ids, uuid_columns, uuid_texts
 from tests.fragments_testing import put_fragment, put_pieces
 
 JOURNAL = "source/events"
@@ -176,6 +176,31 @@ def test_uuid_columns_parse_as_parse_text(uuids: list[tuple[bytes, int, int]], u
     assert clocks.tolist() == [w[1] for w in want]
     assert flags.tolist() == [w[2] for w in want]
     assert list(hex_ids(nodes)) == [w[0].hex() for w in want]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    uuids=st.lists(
+        st.tuples(
+            st.binary(min_size=6, max_size=6),
+            st.integers(1, (1 << 63) - 1),
+            st.integers(0, 0x3FF),
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_uuid_texts_format_as_build(uuids: list[tuple[bytes, int, int]]) -> None:
+    """The stream source's columns: each UUID's text and producer, formatted all at once."""
+    import numpy as np
+
+    texts, producers = uuid_texts(
+        b"".join(u[0] for u in uuids),
+        np.array([u[1] for u in uuids], np.int64),
+        np.array([u[2] for u in uuids], np.int32),
+    )
+    assert [t.decode() for t in texts] == [str(build(*u)) for u in uuids]
+    assert [p.decode() for p in producers] == [u[0].hex() for u in uuids]
 
 
 @pytest.mark.parametrize(
