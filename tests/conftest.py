@@ -25,6 +25,13 @@ from broker.testing import EtcdServer
 from broker.testing import start_broker_process as start_broker_process
 from broker.testing import stop_process as stop_process
 
+# Helper modules whose asserts are the tests' own: rewritten as test modules are, so that a
+# failure says what differed rather than a bare AssertionError.
+pytest.register_assert_rewrite(
+    *(f"tests.{path.stem}" for path in Path(__file__).parent.glob("*.py")
+      if not path.stem.startswith(("test_", "conftest", "__")))
+)  # fmt: skip
+
 # Hypothesis's per-example deadline is a wall-clock assertion, and tests never assert speed: on a
 # shared machine one example of a selector parse took 386 ms under load (deadline 200 ms) and
 # failed a clean-clone run. Every property test runs without one.
@@ -104,24 +111,34 @@ pytest_plugins = [
 
 # How `nox -s tests` (`--dist loadgroup`) spreads tests over xdist workers: one test at a time,
 # except that a module with module-scoped fixtures runs on one worker (its fixtures, brokers among
-# them, start once rather than once per worker), and every test of these files shares one worker
-# and its one Spark JVM (each JVM costs some 20 s of CPU to start). pytest 9.2 no longer lets
-# xdist's own `xdist_group` marker rename node ids, so the grouping is decided here, by file.
-SPARK_FILES = frozenset(
-    {"tests/test_spark_compact.py", "tests/test_spark_replay.py", "tests/test_spark_source.py"}
-)
+# them, start once rather than once per worker), and every test that takes the session's `spark`
+# fixture shares one worker and its one Spark JVM (each JVM costs some 20 s of CPU to start, and
+# more under load: spread, five workers started one each). pytest 9.2 no longer lets xdist's own
+# `xdist_group` marker rename node ids, so the grouping is decided here, from the test files.
 
 
 def _xdist_scope(nodeid: str, module_scoped: frozenset[str]) -> str:
     path = nodeid.split("::", 1)[0]
-    if path in SPARK_FILES:
+    name = nodeid.split("::", 2)[1].split("[", 1)[0] if "::" in nodeid else ""
+    if (path, name) in _spark_tests():
         return "spark"
     if path == "tests/test_tenant_escape.py":
         # It collects the tests of tests/escape_*.py: those of a module with a module-scoped
         # fixture stay together (one fixture per worker), the rest spread.
-        name = nodeid.split("::", 2)[1].split("[", 1)[0] if "::" in nodeid else ""
         return _escape_module_scoped().get(name, nodeid)
     return path if path in module_scoped else nodeid
+
+
+@functools.cache
+def _spark_tests() -> frozenset[tuple[str, str]]:
+    """(file, test function) of each test that takes the `spark` fixture."""
+    signature = re.compile(r"^(?:async )?def (test_\w+)\(([^)]*)\)", re.MULTILINE)
+    out = set()
+    for p in Path(__file__).parent.glob("test_*.py"):
+        for name, parameters in signature.findall(p.read_text()):
+            if re.search(r"\bspark\s*:", parameters):
+                out.add((f"tests/{p.name}", name))
+    return frozenset(out)
 
 
 @functools.cache

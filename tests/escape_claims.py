@@ -135,7 +135,8 @@ async def refused_everywhere(world: ClaimsWorld, metadata: Any) -> None:
         assert THEIRS not in details
     statuses, content = await read_all(world.journals, THEIRS, metadata)
     assert statuses == [-grpc.StatusCode.UNAUTHENTICATED.value[0]] and not content, statuses
-    assert await appended(world.journals, THEIRS, metadata) == grpc.StatusCode.UNAUTHENTICATED
+    answer = await appended(world.journals, THEIRS, metadata)
+    assert answer == grpc.StatusCode.UNAUTHENTICATED, answer
 
 
 MALFORMED = [
