@@ -22,10 +22,11 @@ its acknowledgement (its messages read by earlier batches are read again then: a
 
 **The driver plans, executors deliver.** End offsets must be in Spark's offset log before a
 batch runs, and the limits count messages delivered, so the driver (`latestOffset`) reads each
-journal from its offset (UUIDs and frame sizes; content is not kept) through a Sequencer and
-cuts it. Executors (`read`) read [start.at, end.at) again, content and all, straight from the
-fragment stores where it is persisted and through a broker past that (one byte range, wherever
-it is read from: no gap, no overlap), and sequence it from the start states.
+journal from its offset (UUIDs and frame sizes; content is not kept) and cuts it. Executors
+(`read`) read [start.at, end.at) again, content and all, straight from the fragment stores
+where it is persisted and through a broker past that (one byte range, wherever it is read from:
+no gap, no overlap). Both decide what commits with a Tally restored from the start states: the
+Sequencer's decisions over the range they hold, without its ring or its replays.
 
 **Limits, exactly.** With `maxMessagesPerTrigger` and/or `maxBytesPerTrigger` (the sum of the
 delivered messages' frame sizes), a batch never holds more, unless it holds a single commit (one
