@@ -5,6 +5,7 @@ spark compact` in its own process, its tasks on the workers' executors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +15,13 @@ import pytest
 
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer
 from gazctl.spark.testing import StandaloneCluster, standalone_cluster
 from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces
 from tests.test_spark_compact import JOURNAL, content, journal_bytes, specs_file
 from tests.test_spark_replay import local_events, sequenced_offline
+from tests.test_spark_stream import TOPIC, broker_with, committed, ordered, write_history
 
 
 @pytest.fixture(scope="module")  # Three JVMs, started once for the module's tests.
@@ -106,3 +109,33 @@ def test_compact_runs_on_a_standalone_cluster_of_two_workers(
     assert journal_bytes(store, JOURNAL) == data
     # The executors wrote, verified and removed the fragments: one on each worker.
     assert executors_of(cluster, "gazctl spark compact") == [0, 1]
+
+
+@pytest.mark.slow
+async def test_a_stream_runs_on_a_standalone_cluster_of_two_workers(
+    cluster: StandaloneCluster, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
+) -> None:
+    """`gazctl spark stream --master spark://...`: the planner in the driver, the journals' reads
+    on the workers' executors, each committed message once in the table, and a second run
+    from the checkpoint adds nothing."""
+    root = tmp_path / "root"
+    async with broker_with(etcd_server, etcd_prefix, root, TOPIC) as (address, stub):
+        await write_history(stub, rounds=3)
+        want = []
+        for journal in TOPIC:
+            want += await committed(stub, journal)
+        table = tmp_path / "table"
+        args = ("gazctl", "spark", "stream", "-l", "topic=stream", "--file-root", str(root),
+                "--broker.address", address, "--once", "--to", f"parquet:{table}",
+                "--checkpoint", str(tmp_path / "checkpoint"), "--master", cluster.url)  # fmt: skip
+        result = await asyncio.to_thread(run_cli, *args, timeout=300)
+        assert result.code == 0, result.err
+        assert f"streamed {len(want)} messages in " in result.err, result.err
+        rows = pq.read_table(table).to_pylist()
+        got = [(r["journal"], r["offset"], json.dumps(json.loads(r["content"]), sort_keys=True)) for r in rows]  # fmt: skip
+        assert ordered(got) == ordered(want)
+        assert executors_of(cluster, "gazctl spark stream") == [0, 1]
+
+        again = await asyncio.to_thread(run_cli, *args, timeout=300)
+        assert again.code == 0 and "streamed 0 messages" in again.err, again.err
+        assert len(pq.read_table(table)) == len(want)
