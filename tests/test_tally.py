@@ -61,7 +61,10 @@ def by_sequencer(envs: list[Envelope], start: int, seq: Sequencer) -> list[list[
 
 
 def by_tally(envs: list[Envelope], start: int, tally: Tally) -> list[list[int]]:
+    """As `by_sequencer`; and no commit delivers a message before what `oldest_held()` said
+    could be let go."""
     commits: list[list[int]] = []
+    floor = 0
     for index, env in enumerate(envs[start:]):
         found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
         if found is REPLAY:
@@ -69,7 +72,14 @@ def by_tally(envs: list[Envelope], start: int, tally: Tally) -> list[list[int]]:
             before, held = tally.replayed([x for x in envs if b <= x.begin and x.end <= e])
             commits.append([x.begin for x in before] + [envs[start + i].begin for i in held])
         elif found is not None:
+            held = found
             commits.append([envs[start + i].begin for i in found])
+        else:
+            held = []
+        assert all(i >= floor for i in held), (held, floor)
+        oldest = tally.oldest_held()
+        assert oldest is None or oldest >= floor
+        floor = index + 1 if oldest is None else oldest
     return commits
 
 

@@ -161,6 +161,11 @@ class Tally:
         span.reset(ack)
         return [e for e in before if e.flags != _ACK_TXN], held
 
+    def oldest_held(self) -> int | None:
+        """The smallest held index a later commit may still deliver (None: none): the caller
+        may let go of the messages before it."""
+        return min((s.indices[0] for s in self._spans.values() if s.indices), default=None)
+
     def checkpoint(self) -> dict[JournalProducer, ProducerState]:
         """Each producer's state now, as `Sequencer.checkpoint()` gives it."""
         return {

@@ -578,10 +578,37 @@ def tally_of(journal: str, start: Position) -> Tally:
     return Tally(journal, start.checkpoint(journal), start.at)
 
 
+class Held:
+    """The envelopes of a range read so far, by index from the range's first, that a later
+    commit may still deliver: those from the oldest pending span's first on (an executor lets
+    the others go as it reads, so a range costs the memory of its longest pending span, not
+    its own)."""
+
+    __slots__ = ("base", "items")
+
+    def __init__(self) -> None:
+        self.items: list[Envelope] = []
+        self.base = 0  # The index of items[0].
+
+    def __len__(self) -> int:
+        return self.base + len(self.items)
+
+    def __getitem__(self, index: int) -> Envelope:
+        return self.items[index - self.base]
+
+    def release(self, oldest: int | None) -> None:
+        """Let go of the envelopes before index `oldest` (all, if None), once they are at least
+        half of those held (so each is moved at most a few times)."""
+        cut = len(self) if oldest is None else oldest
+        if (cut - self.base) * 2 >= len(self.items) and cut > self.base:
+            del self.items[: cut - self.base]
+            self.base = cut
+
+
 async def committed(
     tally: Tally,
     found: list[int],
-    held: list[Envelope],
+    held: list[Envelope] | Held,
     reread: Callable[[int, int], AsyncIterator[Envelope]],
 ) -> list[Envelope]:
     """The envelopes `tally.add` said commit (ACKs left out), indices into `held`; a span begun
@@ -1124,7 +1151,7 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
 
         start = Position(part.begin, part.rev, part.states)
         tally = None if o.read_uncommitted else tally_of(part.journal, start)
-        held: list[Envelope] = []  # The range's envelopes, which the Tally's answers index.
+        held = Held()  # The range's envelopes that the Tally's answers may yet index.
         through = part.begin
         ranged = envelopes(
             client, reading, part.journal, decoder, part.begin, part.end, bad=bad,
@@ -1148,12 +1175,13 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
 async def _sequenced(
     tally: Tally,
     envs: list[Envelope],
-    held: list[Envelope],
+    held: Held,
     rows: list[Envelope],
     reread: Callable[[int, int], AsyncIterator[Envelope]],
 ) -> None:
     """Hold `envs` (the next of the range) and add to `rows` the envelopes they commit."""
-    add, keep = rows.append, held.append
+    add, items, base = rows.append, held.items, held.base
+    keep = items.append
     index = len(held)
     for env in envs:
         keep(env)
@@ -1161,9 +1189,10 @@ async def _sequenced(
         index += 1
         if found:
             for i in found:
-                add(held[i])
+                add(items[i - base])
         elif found is REPLAY:
             rows.extend(await committed(tally, found, held, reread))
+    held.release(tally.oldest_held())
 
 
 def envelope_batch(journal: str, rows: list[Envelope], schema: Any) -> Any:
