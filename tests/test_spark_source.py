@@ -213,6 +213,8 @@ def test_uuid_texts_format_as_build(uuids: list[tuple[bytes, int, int]]) -> None
         "0b1c0a9e-8a2d-21ef-8000-0123456789ab",  # version 2
         "0b1c0a9e-8a2d-11ef-c000-0123456789ab",  # another variant
         "0b1c0a9é-8a2d-11ef-8000-0123456789ab",  # not ASCII
+        "0b1c0a9e-8a2d-11ef-8000-0123456789ab\x00",  # a trailing NUL
+        "0b1c0a9e-8a2d-11ef-8000-0123456789a\x00",  # a NUL for a digit
     ],
 )
 def test_uuid_columns_refuse_what_parse_text_refuses(bad: str) -> None:

@@ -32,6 +32,7 @@ two bad frames. Clocks are read as signed 64-bit longs, which hold every Clock u
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -554,6 +555,16 @@ def _fast_fields(
 _HEXITS = [i for i in range(36) if i not in (8, 13, 18, 23)]
 
 
+@functools.cache
+def _hex_values() -> Any:
+    import numpy as np
+
+    out = np.full(256, 255, np.uint8)  # Each byte's hex digit value, 255 if it is not one.
+    for value, char in enumerate("0123456789abcdef"):
+        out[ord(char)] = out[ord(char.upper())] = value
+    return out
+
+
 def uuid_columns(texts: list[str]) -> tuple[Any, Any, Any] | None:
     """Each canonical message UUID text's node (the ProducerID, as an integer), Clock and
     flags, as numpy arrays computed all at once: what `parse_text` gives one at a time. None if
@@ -562,13 +573,13 @@ def uuid_columns(texts: list[str]) -> tuple[Any, Any, Any] | None:
 
     if not texts:
         return None
-    chars = np.array(texts, dtype="U37").view(np.uint32).reshape(len(texts), 37)
-    if chars[:, 36].any():
-        return None  # Longer than 36 characters.
-    lookup = np.full(128, 255, np.uint8)
-    for value, char in enumerate("0123456789abcdef"):
-        lookup[ord(char)] = lookup[ord(char.upper())] = value
-    digits = lookup[np.minimum(chars[:, _HEXITS], 127)]
+    if (np.fromiter(map(len, texts), np.int64, len(texts)) != 36).any():
+        return None  # (A trailing NUL would pass for padding below.)
+    try:  # As bytes (ASCII: a UUID's text is), a quarter of what numpy's str takes.
+        chars = np.array(texts, dtype="S36").view(np.uint8).reshape(len(texts), 36)
+    except UnicodeEncodeError:
+        return None  # Not ASCII.
+    digits = _hex_values()[chars[:, _HEXITS]]
     if (digits > 15).any() or (chars[:, [8, 13, 18, 23]] != ord("-")).any():
         return None
     if (digits[:, 12] != 1).any() or ((digits[:, 16] >> 2) != 0b10).any():
