@@ -788,8 +788,11 @@ def send_append(live: Live, kind: str, payloads: Sequence[bytes]) -> None:
     )
     responses, _ = call(live, "Append", kind, payloads, may_wait=waits)
     if first is not None and responses and responses[0].status == pb.OK:
-        committed = b""
-        for message in parsed[1:]:
+        # A first message with content is the whole append (the one-message form: the broker
+        # refuses a stream that goes on after it); otherwise the content messages up to the
+        # first empty one.
+        committed = first.content
+        for message in [] if first.content else parsed[1:]:
             if not message.content:
                 break
             committed += message.content
