@@ -4,6 +4,9 @@ source read-committed into Parquet) over four journals of 250,000 200-byte JSON 
 on local[2]. Baseline in the same run: `gazctl spark replay` of the same journals into Parquet,
 on the same session. Target: a ratio of at least 0.8. Small runs of both warm the session first.
 
+Also in the same run: the floor, the same rows from a Python streaming source that does no work
+(ready Arrow batches), as `floor_ratio` against the replay: the most this source could reach.
+
 Then latency: messages published at a fixed rate (500/s) for 20 s while a query with a 1 s
 trigger streams them into Parquet; a message's latency is from its UUID time (when it was
 published) to when the batch that holds it was committed to the table (the batch's
@@ -92,6 +95,77 @@ def stream(session: Any, address: str, root: Path, prefix: str, out: Path) -> in
     return int(session.read.parquet(str(out)).count())
 
 
+def floor(session: Any, rows: int, out: Path) -> float:
+    """Seconds a streaming query takes to write `rows` rows of the stream source's schema into
+    Parquet from a Python source that does no work (its executors yield ready Arrow batches of
+    200-byte JSON content, four partitions): what Spark itself costs, before any reading. The
+    classes are defined here, so that Spark pickles them whole to its Python workers."""
+    from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+
+    from gazctl.spark.stream_source import STREAM_SCHEMA
+
+    class Part(InputPartition):
+        pass
+
+    class Reader(DataSourceStreamReader):
+        def initialOffset(self) -> dict[str, Any]:
+            return {"v": 0}
+
+        def latestOffset(self, start: Any = None, limit: Any = None) -> dict[str, Any]:
+            return {"v": 1}
+
+        def partitions(self, start: Any, end: Any) -> list[Any]:
+            return [Part(i) for i in range(JOURNALS)]
+
+        def read(self, partition: Any) -> Any:
+            import numpy as np
+            import pyarrow as pa
+
+            from gazctl.spark.source import with_timestamp
+            from gazctl.spark.stream_source import stream_arrow_schema
+
+            n = 8192
+            text = "0b1c0a9e-8a2d-11ef-8000-0123456789ab"
+            content = [f'{{"_meta":{{"uuid":"{text}"}},"i":{i},"pad":"{"x" * 130}"}}' for i in range(n)]  # fmt: skip
+            offsets = np.arange(n, dtype=np.int64) * 200
+            batch = with_timestamp(pa.RecordBatch.from_arrays(
+                [pa.repeat("bench/part-000", n), pa.array(offsets), pa.array(offsets + 200),
+                 pa.repeat("0123456789ab", n), pa.array(offsets + (1 << 59)),
+                 pa.array(np.ones(n, np.int32)), pa.repeat(text, n), pa.array(content)],
+                schema=stream_arrow_schema(),
+            ))  # fmt: skip
+            left = rows // JOURNALS
+            while left > 0:
+                yield batch.slice(0, min(n, left))
+                left -= n
+
+        def commit(self, end: Any) -> None:
+            pass
+
+    class Floor(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "bench_floor"
+
+        def schema(self) -> str:
+            return STREAM_SCHEMA
+
+        def streamReader(self, schema: Any) -> Any:
+            return Reader()
+
+    session.dataSource.register(Floor)
+    start = time.perf_counter()
+    query = (
+        session.readStream.format("bench_floor").load().writeStream.format("parquet")
+        .option("path", str(out)).option("checkpointLocation", str(out.with_suffix(".ckpt")))
+        .trigger(availableNow=True).start()
+    )  # fmt: skip
+    query.awaitTermination()
+    seconds = time.perf_counter() - start
+    assert session.read.parquet(str(out)).count() == rows
+    return seconds
+
+
 def replay(session: Any, address: str, root: Path, prefix: str, out: Path) -> int:
     from rich.progress import Progress
 
@@ -175,6 +249,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             start = time.perf_counter()
             replayed = replay(session, broker.address, root, "bench", root / "replay")
             replay_seconds = time.perf_counter() - start
+            floor(session, 10_000, root / "warm-floor")
+            floor_seconds = floor(session, per_journal * JOURNALS, root / "floor")
 
             # Latency: a query with a 1 s trigger while messages arrive at a fixed rate.
             from gazctl.spark.stream_cli import build_query
@@ -212,6 +288,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "latency_p50_s": round(percentile(lags, 0.5), 2),
         "latency_p99_s": round(percentile(lags, 0.99), 2),
         "latency_messages": sent,
+        # Spark's own cost: a source that does no work, against the same replay.
+        "floor_ratio": round(replay_seconds / floor_seconds, 2),
     }
 
 
