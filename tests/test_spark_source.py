@@ -223,3 +223,29 @@ def test_uuid_columns_refuse_what_parse_text_refuses(bad: str) -> None:
     assert uuid_columns([good, bad]) is None
     with pytest.raises(ValueError):
         parse_text(bad)
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [b'{"_meta":{"uuid":"%s"}},{"a":1}' % str(build(bytes(range(1, 7)), 100, 0)).encode(),
+         b'{"_meta":{"uuid":"%s"}}' % str(build(bytes(range(1, 7)), 101, 0)).encode()],
+        [b'{"_meta":{"uuid":"%s"}, "x": [1' % str(build(bytes(range(1, 7)), 100, 0)).encode(),
+         b"2]}", b'{"_meta":{"uuid":"%s"}}' % str(build(bytes(range(1, 7)), 101, 0)).encode()],
+    ],
+    ids=["two documents on one line", "one document over two lines"],
+)  # fmt: skip
+def test_json_lines_that_are_not_one_document_each_are_bad_frames(lines: list[bytes]) -> None:
+    """The batch source's chunk path, on lines that decode to another number of documents
+    than there are lines: each odd line is a bad frame, the good one a message at its offsets
+    (found by review of the stream source's same path: the batch failed on mismatched column
+    lengths)."""
+    from gazctl.spark.source import FragmentPartition, _json_line_batches
+
+    data = b"".join(line + b"\n" for line in lines)
+    fragment = pb.Fragment(journal=JOURNAL, begin=0, end=len(data), compression_codec=pb.NONE)
+    part = FragmentPartition(fragment.SerializeToString(), "lines", None, "_meta.uuid",
+                             "skip", 0, len(data))  # fmt: skip
+    rows = [r for b in _json_line_batches(fragment, iter([data]), part, 0) for r in b.to_pylist()]
+    last = len(data) - len(lines[-1]) - 1
+    assert [(r["offset"], r["clock"]) for r in rows if r["clock"]] == [(last, 101)], rows

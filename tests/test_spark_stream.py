@@ -25,16 +25,17 @@ from broker.client.appender import append
 from broker.client.journals import JournalsClient, dial
 from broker.client.reader import read
 from broker.fragment.content import fragment_path
-from broker.message.framing import DictMessages, JSONLines
+from broker.message.framing import DictMessages, Frame, JSONLines
 from broker.message.mapping import Partition, modulo_mapping
 from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.uuid import TICK
+from broker.message.uuid import TICK, build
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.spark.journals import JobError
 from gazctl.spark.session import use_in_this_thread
 from gazctl.spark.stream_source import (
+    Decoder,
     Event,
     GazetteStreamReader,
     Position,
@@ -654,7 +655,7 @@ async def test_gazctl_spark_stream_once_into_parquet_and_into_a_journal(
         for journal in TOPIC:
             want += await committed(stub, journal)
         common = ["-l", "topic=stream", "--file-root", str(root), "--broker.address", address,
-                  "--once", "--max-messages-per-batch", "6"]  # fmt: skip
+                  "--once", "--max-messages-per-batch", "15"]  # fmt: skip
         table = tmp_path / "table"
         result = await asyncio.to_thread(
             gazctl_stream, *common, "--to", f"parquet:{table}", "--checkpoint",
@@ -821,3 +822,66 @@ async def test_the_sink_maps_rows_to_a_topics_journals_as_a_publisher_does(
             await asyncio.to_thread(
                 GazetteStreamWriter.create, {**options, "jounral": "x"}, schema, False
             )
+
+
+P1, P2 = bytes.fromhex("0102030405a6"), bytes.fromhex("f1f2f3f4f5f6")
+
+
+def uuid_of(producer: bytes, clock: int, flags: int) -> bytes:
+    return str(build(producer, clock, flags)).encode()
+
+
+ODD_CHUNKS = {
+    "two documents on one line": [
+        b'{"_meta":{"uuid":"%s"}},{"_meta":{"uuid":"%s"}}' % (uuid_of(P1, 100, 1), uuid_of(P2, 7, 2)),
+        b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, 101, 2),
+    ],
+    "one document over two lines": [
+        b'{"_meta":{"uuid":"%s"}, "x": [1' % uuid_of(P1, 100, 1),
+        b"2]}",
+        b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, 101, 2),
+    ],
+    "a Clock past what a row holds": [
+        b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, (1 << 63) + 5, 1),
+        b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, 101, 2),
+    ],
+    "duplicate keys": [
+        b'{"_meta":{"uuid":"%s"},"_meta":{"uuid":"%s"}}' % (uuid_of(P1, 100, 1), uuid_of(P2, 200, 2)),
+    ],
+}  # fmt: skip
+
+
+def framed(decoder: Decoder, lines: list[bytes], base: int) -> tuple[list[Any], list[int]]:
+    """(envelope fields, bad frame offsets) of JSON lines read a chunk at a time."""
+    bad: list[int] = []
+    envs = decoder.lines("a/journal", base, lines, lambda at, why: bad.append(at))
+    return [(e.begin, e.end, e.producer, e.clock, e.flags) for e in envs], bad
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("case", list(ODD_CHUNKS))
+def test_a_chunk_of_odd_lines_is_framed_as_one_line_at_a_time_frames_it(
+    case: str, keep: bool
+) -> None:
+    """The planner and the executors cut chunks in different places, so a chunk's envelopes must
+    be those of its lines one at a time (found by review: a line holding two documents, or a
+    document over two lines, shifted every later line's UUID by one)."""
+    lines = ODD_CHUNKS[case]
+    decoder = Decoder("lines", "_meta.uuid", keep=keep)
+    want: list[Any] = []
+    bad: list[int] = []
+    at = 100
+    for line in lines:
+        env = decoder.envelope("a/journal", Frame(at, at + len(line) + 1, line + b"\n"))
+        if isinstance(env, str):
+            bad.append(at)
+        else:
+            want.append((env.begin, env.end, env.producer, env.clock, env.flags))
+        at += len(line) + 1
+    assert framed(decoder, lines, 100) == (want, bad)
+    # Any cut of the chunk gives the same.
+    for cut in range(1, len(lines)):
+        first = framed(decoder, lines[:cut], 100)
+        second = framed(decoder, lines[cut:], 100 + sum(len(x) + 1 for x in lines[:cut]))
+        assert (first[0] + second[0], first[1] + second[1]) == (want, bad)
+    assert all(clock < 1 << 63 for _, _, _, clock, _ in want)

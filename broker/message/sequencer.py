@@ -543,8 +543,9 @@ class Sequencer:
         ring_begin = self._ring_begin(emit.ring_start)
         if env.end > ring_begin:
             raise ReplayError(f"replay has wrong end ({env.end}; expected <= {ring_begin})")
-        # Other producers' envelopes are interleaved in the replayed range.
-        return env.producer == emit.producer
+        # Other producers' envelopes are interleaved in the replayed range. One without a Clock
+        # was delivered when it was read: not again, and it must not reset the duplicate bound.
+        return env.producer == emit.producer and env.clock != 0
 
     def _deliver(self, emit: _Partial, env: Envelope) -> bool:
         clock = env.clock

@@ -83,8 +83,8 @@ class Tally:
         """The message at `index` (of Clock, flags and begin offset given): the held indices it
         commits, in delivery order (an empty list when an ACK commits nothing else), None when
         nothing commits, or `REPLAY` (then call `replayed()` before adding more)."""
-        if clock == 0:
-            return [index]  # No UUID: delivered, not tracked.
+        if clock == 0:  # No UUID (or a Clock of 0): delivered, not tracked; an ACK is no row.
+            return [] if flags == _ACK_TXN else [index]
         span = self._spans.get(producer)
         if span is None:
             span = self._spans[producer] = _Span(clock - 1, -1, False)
@@ -148,9 +148,9 @@ class Tally:
                 raise ValueError(
                     f"replayed envelope [{env.begin}, {env.end}) is outside [{begin}, {end})"
                 )
-            if env.producer != producer:
-                continue
-            if (env.clock == 0 or env.clock > last) and env.clock <= ack:
+            if env.producer != producer or env.clock == 0:
+                continue  # (One without a Clock was delivered when it was read.)
+            if last < env.clock <= ack:
                 before.append(env)
                 last = env.clock
         held: list[int] = []

@@ -486,6 +486,8 @@ def _json_line_batches(
             docs = decoder.decode(b"[" + b",".join(lines) + b"]")
         except (msgspec.DecodeError, msgspec.ValidationError):
             docs = None
+        if docs is not None and len(docs) != len(lines):
+            docs = None  # A line of two documents, or a document over lines: frame by frame.
         fields = _fast_fields(docs, depth, parse) if docs is not None else None
         if fields is None:  # The per-frame path finds and reports what is unusual.
             frames = []

@@ -99,6 +99,7 @@ T = TypeVar("T")
 OFFSET_VERSION = 1
 ACK_TXN = 0x2
 NO_PRODUCER = bytes(6)
+MAX_CLOCK = (1 << 63) - 1  # A row's `clock` is a LONG.
 _new_tuple = tuple.__new__
 _new_envelope = functools.partial(tuple.__new__, Envelope)  # Envelope._make, in C.
 STREAM_SCHEMA = (
@@ -379,12 +380,16 @@ class Decoder:
             docs = self.uuids.decode(b"[" + b",".join(lines) + b"]")
         except (msgspec.DecodeError, msgspec.ValidationError):
             docs = None
+        if docs is not None and len(docs) != len(lines):
+            docs = None  # A line of two documents, or a document over lines: one at a time.
         out: list[Envelope] = []
         begin = base
         if docs is not None:
             keep, parse, depth, new = self.keep, self.parse, self.depth, _new_tuple
             texts = [_uuid_text_of(doc, depth) for doc in docs]
             parsed = uuid_columns(texts) if None not in texts else None  # All at once (numpy).
+            if parsed is not None and (parsed[1] < 0).any():
+                parsed = None  # A Clock past a row's int64: said one at a time, below.
             if parsed is not None:
                 nodes, clocks, flags = parsed
                 ids = {node: node.to_bytes(6, "big") for node in set(nodes.tolist())}
@@ -411,6 +416,8 @@ class Decoder:
                         fields: tuple[bytes, int, int] = (NO_PRODUCER, 0, 0)
                     else:
                         fields = parse(text)
+                        if fields[1] > MAX_CLOCK:
+                            raise ValueError(text)  # Said one at a time, below.
                     out.append(
                         new(Envelope, (journal, begin, end, *fields, line if keep else None))
                     )
@@ -442,6 +449,11 @@ class Decoder:
         except (ValueError, TypeError, KeyError) as exc:
             return f"cannot decode the message: {exc}"
         message = payload if self.keep else None
+        if fields is not None and fields[1] > MAX_CLOCK:
+            return (
+                f"its UUID's Clock {fields[1]} is past what a row holds (a 64-bit signed "
+                "integer: a time after the year 3400)"
+            )
         if fields is None:
             return Envelope(journal, frame.offset, frame.end, NO_PRODUCER, 0, 0, message)
         return Envelope(journal, frame.offset, frame.end, *fields, message)
