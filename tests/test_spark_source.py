@@ -151,19 +151,18 @@ def test_missing_java_and_unreachable_stores_are_one_line(tmp_path: Path) -> Non
     assert result.stderr.count("\n") == 1, result.stderr
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    uuids=st.lists(
-        st.tuples(
-            st.binary(min_size=6, max_size=6),
-            st.integers(1, (1 << 63) - 1),
-            st.integers(0, 0x3FF),
-        ),
-        min_size=1,
-        max_size=20,
+# Lists of (producer, Clock, flags) a UUID carries.
+UUID_PARTS = st.lists(
+    st.tuples(
+        st.binary(min_size=6, max_size=6), st.integers(1, (1 << 63) - 1), st.integers(0, 0x3FF)
     ),
-    upper=st.booleans(),
+    min_size=1,
+    max_size=20,
 )
+
+
+@settings(max_examples=300, deadline=None)
+@given(uuids=UUID_PARTS, upper=st.booleans())
 def test_uuid_columns_parse_as_parse_text(uuids: list[tuple[bytes, int, int]], upper: bool) -> None:
     texts = [str(build(producer, clock, flags)) for producer, clock, flags in uuids]
     if upper:
@@ -179,17 +178,7 @@ def test_uuid_columns_parse_as_parse_text(uuids: list[tuple[bytes, int, int]], u
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    uuids=st.lists(
-        st.tuples(
-            st.binary(min_size=6, max_size=6),
-            st.integers(1, (1 << 63) - 1),
-            st.integers(0, 0x3FF),
-        ),
-        min_size=1,
-        max_size=20,
-    )
-)
+@given(uuids=UUID_PARTS)
 def test_uuid_texts_format_as_build(uuids: list[tuple[bytes, int, int]]) -> None:
     """The stream source's columns: each UUID's text and producer, formatted all at once."""
     import numpy as np
