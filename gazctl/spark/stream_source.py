@@ -674,7 +674,7 @@ class Planner:
         *,
         first: bool,
     ) -> Scan:
-        """Read the journal from `start` (to `bound`, or its head if 0) through a Sequencer,
+        """Read the journal from `start` (to `bound`, or its head if 0) deciding what commits with a Tally,
         recording each commit; stop past the limits or the read-ahead."""
         o = self.options
         journal = spec.name
