@@ -674,8 +674,8 @@ class Planner:
         *,
         first: bool,
     ) -> Scan:
-        """Read the journal from `start` (to `bound`, or its head if 0) deciding what commits with a Tally,
-        recording each commit; stop past the limits or the read-ahead."""
+        """Read the journal from `start` (to `bound`, or its head if 0), deciding what commits
+        with a Tally and recording each commit; stop past the limits or the read-ahead."""
         o = self.options
         journal = spec.name
         out = Scan(journal, start, through=start.at, head=start.at)
