@@ -76,8 +76,8 @@ class Tally:
         for key, state in checkpoint.items():
             if key[0] == journal:
                 self._spans[key[1]] = _Span(state.last_ack, state.begin, state.begin != -1)
-        self._replay: tuple[_Span, int, int, int] | None = None  # span, ack clock, from, to.
-        self._replay_at = 0  # Where in the span's held indices the replayed part ends.
+        # A deferred commit: producer, span, ACK Clock, the offsets to read again [from, to).
+        self._replay: tuple[bytes, _Span, int, int, int] | None = None
 
     def add(self, index: int, producer: bytes, clock: int, flags: int, begin: int) -> list[int] | None:  # fmt: skip
         """The message at `index` (of Clock, flags and begin offset given): the held indices it
@@ -110,7 +110,7 @@ class Tally:
             if span.restored:
                 first = span.first if span.indices else begin
                 if span.begin != first:  # Its messages before the held ones are read again.
-                    self._replay = (span, clock, span.begin, first)
+                    self._replay = (producer, span, clock, span.begin, first)
                     return REPLAY
             clocks = span.clocks
             if clocks and clocks[-1] > clock:
@@ -131,16 +131,15 @@ class Tally:
     def replay_range(self) -> tuple[str, int, int]:
         """The (journal, begin, end) offsets to read again after `add` said REPLAY."""
         assert self._replay is not None, "no replay is due"
-        _, _, begin, end = self._replay
+        _, _, _, begin, end = self._replay
         return self.journal, begin, end
 
     def replayed(self, envelopes: Iterable[Envelope]) -> tuple[list[Envelope], list[int]]:
         """The commit `add` deferred: the envelopes delivered from `replay_range()` (given in
         journal order, every producer's), then the held indices delivered after them."""
         assert self._replay is not None, "no replay is due"
-        span, ack, begin, end = self._replay
+        producer, span, ack, begin, end = self._replay
         self._replay = None
-        producer = next(p for p, s in self._spans.items() if s is span)
         last = span.last_ack
         before: list[Envelope] = []
         for env in envelopes:

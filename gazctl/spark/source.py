@@ -452,6 +452,20 @@ def _uuid_decoder(uuid_path: str) -> Any:
     return msgspec.json.Decoder(list[inner])
 
 
+def uuid_docs(decoder: Any, lines: list[bytes]) -> list[Any] | None:
+    """The UUID documents (`_uuid_decoder`) of complete JSON lines, one per line, decoded in
+    one msgspec call; None when the lines are not each exactly one JSON document (a line of
+    two, or one over two lines, would shift every later line's UUID): the caller then frames
+    them one at a time, which says what is wrong."""
+    import msgspec
+
+    try:
+        docs = decoder.decode(b"[" + b",".join(lines) + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return docs if len(docs) == len(lines) else None
+
+
 def _uuid_text_of(doc: Any, depth: int) -> Any:
     for _ in range(depth):
         doc = doc.child
@@ -466,7 +480,6 @@ def _json_line_batches(
     """JSON lines a batch of lines at a time: lines cut in C, their UUIDs decoded by msgspec in
     one call per batch (nothing else of the documents), columns built by Arrow. A batch holding
     anything unusual (a bad line, an odd UUID) goes through the per-frame path instead."""
-    import msgspec
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -482,12 +495,7 @@ def _json_line_batches(
             yield from _message_batches(fragment, errors, partition)
         if not lines:
             continue
-        try:
-            docs = decoder.decode(b"[" + b",".join(lines) + b"]")
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            docs = None
-        if docs is not None and len(docs) != len(lines):
-            docs = None  # A line of two documents, or a document over lines: frame by frame.
+        docs = uuid_docs(decoder, lines)
         fields = _fast_fields(docs, depth, parse) if docs is not None else None
         if fields is None:  # The per-frame path finds and reports what is unusual.
             frames = []

@@ -87,6 +87,7 @@ from gazctl.spark.source import (
     _uuid_text_of,
     json_fields,
     uuid_columns,
+    uuid_docs,
     uuid_texts,
     with_json_columns,
     with_timestamp,
@@ -97,7 +98,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 OFFSET_VERSION = 1
-ACK_TXN = 0x2
 NO_PRODUCER = bytes(6)
 MAX_CLOCK = (1 << 63) - 1  # A row's `clock` is a LONG.
 _new_tuple = tuple.__new__
@@ -373,15 +373,8 @@ class Decoder:
         """The envelopes of complete JSON lines (without their newlines) from offset `base`:
         all at once, or, when any is unusual (not JSON, an odd UUID), one at a time, which
         says why."""
-        import msgspec
-
         assert self.uuids is not None
-        try:
-            docs = self.uuids.decode(b"[" + b",".join(lines) + b"]")
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            docs = None
-        if docs is not None and len(docs) != len(lines):
-            docs = None  # A line of two documents, or a document over lines: one at a time.
+        docs = uuid_docs(self.uuids, lines)
         out: list[Envelope] = []
         begin = base
         if docs is not None:
@@ -392,7 +385,8 @@ class Decoder:
                 parsed = None  # A Clock past a row's int64: said one at a time, below.
             if parsed is not None:
                 nodes, clocks, flags = parsed
-                ids = {node: node.to_bytes(6, "big") for node in set(nodes.tolist())}
+                node_list = nodes.tolist()
+                ids = {node: node.to_bytes(6, "big") for node in set(node_list)}
                 offsets = list(itertools.accumulate(map(len, lines), _past_newline, initial=base))
                 return list(
                     map(
@@ -401,7 +395,7 @@ class Decoder:
                             itertools.repeat(journal),
                             offsets,
                             offsets[1:],
-                            map(ids.__getitem__, nodes.tolist()),
+                            map(ids.__getitem__, node_list),
                             clocks.tolist(),
                             flags.tolist(),
                             lines if keep else itertools.repeat(None),
@@ -682,9 +676,6 @@ class Planner:
         decoder = Decoder(self.kind_of(spec), o.uuid_path, keep=False)
         reading = self.reading()
 
-        def bad(offset: int, reason: str) -> None:
-            pass  # Executors report bad frames (and fail on them, with bad_frames=fail).
-
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
             return _range_of(client, reading, journal, decoder, begin, end, _ignore)
 
@@ -693,7 +684,7 @@ class Planner:
         rows = size = 0
         stop = False
         async for batch, head, through in envelopes(
-            client, reading, journal, decoder, start.at, bound, bad=bad, first=first
+            client, reading, journal, decoder, start.at, bound, bad=_ignore, first=first
         ):
             out.head = max(out.head, head)
             for env in batch:
