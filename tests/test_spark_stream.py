@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -43,6 +43,7 @@ from gazctl.spark.stream_source import (
     StreamOffset,
     StreamOptions,
     choose_cuts,
+    collection_paused,
 )
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed
@@ -885,3 +886,31 @@ def test_a_chunk_of_odd_lines_is_framed_as_one_line_at_a_time_frames_it(
         second = framed(decoder, lines[cut:], 100 + sum(len(x) + 1 for x in lines[:cut]))
         assert (first[0] + second[0], first[1] + second[1]) == (want, bad)
     assert all(clock < 1 << 63 for _, _, _, clock, _ in want)
+
+
+def test_the_collector_is_paused_while_a_range_is_read_and_back_when_its_reader_leaves() -> None:
+    """`read` pauses Python's cyclic collector for a partition; a consumer that stops early
+    (a task cancelled, a limit reached) or fails must not leave the worker process without it,
+    and a collector already off stays off."""
+    import gc
+
+    def rows() -> Iterator[int]:
+        with collection_paused():
+            yield 1
+            yield 2
+
+    assert gc.isenabled()
+    reading = rows()
+    assert next(reading) == 1 and not gc.isenabled()
+    reading.close()  # The reader leaves mid-range.
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collection_paused():
+        raise RuntimeError("a task that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
