@@ -475,26 +475,23 @@ class Reading:
             self.losses.append((begin, end))
 
 
-async def envelopes(
+async def chunks_of(
     client: JournalsClient,
     reading: Reading,
     journal: str,
-    decoder: Decoder,
     begin: int,
     end: int,
     *,
-    bad: Callable[[int, str], None],
     first: bool = False,
-) -> AsyncGenerator[tuple[list[Envelope], int, int], None]:
-    """The envelopes of the frames in [begin, end) (`end` 0: to the write head), a read chunk
-    at a time, each list with the write head the chunk's response carried and the offset its
-    frames end at (bad ones included). Persisted content is read from its store (the broker
-    names the fragment), the rest through the broker; a broker that goes away mid-read is
-    retried at the next offset. With `first` (a journal read from its earliest), the content
-    beginning past offset 0 is no loss: the journal begins there."""
-    frames = FrameReader(decoder.framing, begin)
+) -> AsyncGenerator[Chunk, None]:
+    """The journal's content [begin, end) (`end` 0: to the write head), a read chunk at a time.
+    Persisted content is read from its store (the broker names the fragment), the rest through
+    the broker; a broker that goes away mid-read is retried at the next offset. Content no
+    longer held is a hole (`reading.hole`: a failure, or skipped), except with `first` (a
+    journal read from its earliest) the content beginning past offset 0: the journal begins
+    there. A fully suspended journal, or one deleted, ends the read."""
     root = None if reading.file_root is None else Path(reading.file_root)
-    head = 0
+    at = begin
 
     def on_hole(a: int, b: int) -> None:
         if not (first and a == begin == 0):
@@ -509,32 +506,57 @@ async def envelopes(
     async with contextlib.aclosing(cast(AsyncGenerator[Chunk, None], chunks)):
         try:
             async for chunk in chunks:
-                head = max(head, chunk.write_head)
-                out: list[Envelope] = []
-                if decoder.uuids is not None:
-                    errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
-                    for frame in errors:
-                        bad(frame.offset, frame.error or "a partial frame")
-                    if lines:
-                        out = decoder.lines(journal, base, lines, bad)
-                else:
-                    for frame in frames.feed(chunk.offset, chunk.content):
-                        env = decoder.envelope(journal, frame)
-                        if isinstance(env, str):
-                            bad(frame.offset, env)
-                        else:
-                            out.append(env)
-                through = frames.offset if frames.offset is not None else begin
-                yield out, head, through
+                at = chunk.offset + len(chunk.content)
+                yield chunk
         except ReadError as exc:
             if exc.status == pb.SUSPENDED:
                 return  # Fully suspended: its brokers hold nothing past its stores. Its end.
             if exc.status != pb.JOURNAL_NOT_FOUND:
                 raise
             if end:  # A planned range of a journal deleted since: what it held is gone.
-                reading.hole(journal, frames.offset if frames.offset is not None else begin, end)
-            return  # (Planning: the journal is gone; the next listing ends its stream.)
-    if end:  # A range the planner ended at a frame boundary: nothing should be left over.
+                reading.hole(journal, at, end)
+            # (Planning: the journal is gone; the next listing ends its stream.)
+
+
+async def envelopes(
+    client: JournalsClient,
+    reading: Reading,
+    journal: str,
+    decoder: Decoder,
+    begin: int,
+    end: int,
+    *,
+    bad: Callable[[int, str], None],
+    first: bool = False,
+) -> AsyncGenerator[tuple[list[Envelope], int, int], None]:
+    """The envelopes of the frames in [begin, end) (`end` 0: to the write head), read as
+    `chunks_of` reads, a chunk at a time: each list with the write head the chunk's response
+    carried and the offset its frames end at (bad ones included)."""
+    frames = FrameReader(decoder.framing, begin)
+    head, read_to = 0, begin
+    read = chunks_of(client, reading, journal, begin, end, first=first)
+    async with contextlib.aclosing(read):
+        async for chunk in read:
+            head = max(head, chunk.write_head)
+            read_to = chunk.offset + len(chunk.content)
+            out: list[Envelope] = []
+            if decoder.uuids is not None:
+                errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
+                for frame in errors:
+                    bad(frame.offset, frame.error or "a partial frame")
+                if lines:
+                    out = decoder.lines(journal, base, lines, bad)
+            else:
+                for frame in frames.feed(chunk.offset, chunk.content):
+                    env = decoder.envelope(journal, frame)
+                    if isinstance(env, str):
+                        bad(frame.offset, env)
+                    else:
+                        out.append(env)
+            through = frames.offset if frames.offset is not None else begin
+            yield out, head, through
+    if end and read_to >= end:
+        # A range the planner ended at a frame boundary, read whole: nothing is left over.
         for frame in frames.finish():
             bad(frame.offset, frame.error or "a partial frame at the end of the range")
 
@@ -560,6 +582,7 @@ class Event:
     rows: int
     size: int
     index: int  # Of its envelope in Scan.envelopes.
+    row: int = 0  # Of its first row in Scan.delivered.
 
 
 @dataclass
@@ -570,9 +593,19 @@ class Scan:
     start: Position
     envelopes: list[Envelope] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    delivered: list[Envelope] = field(default_factory=list)  # The rows, in delivery order.
+    bad: list[tuple[int, str]] = field(default_factory=list)  # Bad frames read: offset, why.
     through: int = 0  # Where the envelopes read end (a frame boundary).
     head: int = 0
     final: Position | None = None  # The state at `through`.
+
+    def plan(self, event: Event | None) -> Plan:
+        """What the batch delivers of this journal when it ends before `event` (None: at
+        `through`)."""
+        if event is None:
+            return Plan.of(self.delivered, self.bad)
+        cut = self.envelopes[event.index].begin
+        return Plan.of(self.delivered[: event.row], [b for b in self.bad if b[0] < cut])
 
 
 def _past_newline(offset: int, length: int) -> int:
@@ -584,37 +617,10 @@ def tally_of(journal: str, start: Position) -> Tally:
     return Tally(journal, start.checkpoint(journal), start.at)
 
 
-class Held:
-    """The envelopes of a range read so far, by index from the range's first, that a later
-    commit may still deliver: those from the oldest pending span's first on (an executor lets
-    the others go as it reads, so a range costs the memory of its longest pending span, not
-    its own)."""
-
-    __slots__ = ("base", "items")
-
-    def __init__(self) -> None:
-        self.items: list[Envelope] = []
-        self.base = 0  # The index of items[0].
-
-    def __len__(self) -> int:
-        return self.base + len(self.items)
-
-    def __getitem__(self, index: int) -> Envelope:
-        return self.items[index - self.base]
-
-    def release(self, oldest: int | None) -> None:
-        """Let go of the envelopes before index `oldest` (all, if None), once they are at least
-        half of those held (so each is moved at most a few times)."""
-        cut = len(self) if oldest is None else oldest
-        if (cut - self.base) * 2 >= len(self.items) and cut > self.base:
-            del self.items[: cut - self.base]
-            self.base = cut
-
-
 async def committed(
     tally: Tally,
     found: list[int],
-    held: list[Envelope] | Held,
+    held: list[Envelope],
     reread: Callable[[int, int], AsyncIterator[Envelope]],
 ) -> list[Envelope]:
     """The envelopes `tally.add` said commit (ACKs left out), indices into `held`; a span begun
@@ -662,56 +668,65 @@ class Planner:
     async def scan(
         self,
         client: JournalsClient,
-        spec: pb.JournalSpec,
+        journal: str,
+        kind: str,
         start: Position,
         bound: int,
         *,
         first: bool,
+        exact: bool = False,
     ) -> Scan:
         """Read the journal from `start` (to `bound`, or its head if 0), deciding what commits
-        with a Tally and recording each commit; stop past the limits or the read-ahead."""
+        with a Tally and recording each commit and the rows it delivers; stop past the limits
+        or the read-ahead, unless `exact` (a planned range planned again: read to `bound`)."""
         o = self.options
-        journal = spec.name
         out = Scan(journal, start, through=start.at, head=start.at)
-        decoder = Decoder(self.kind_of(spec), o.uuid_path, keep=False)
+        decoder = Decoder(kind, o.uuid_path, keep=False)
         reading = self.reading()
 
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
             return _range_of(client, reading, journal, decoder, begin, end, _ignore)
 
+        def bad(offset: int, reason: str) -> None:
+            out.bad.append((offset, reason))  # Executors report them (or fail on them).
+
         tally = None if o.read_uncommitted else tally_of(journal, start)
-        held = out.envelopes
+        held, delivered = out.envelopes, out.delivered
         rows = size = 0
         stop = False
         async for batch, head, through in envelopes(
-            client, reading, journal, decoder, start.at, bound, bad=_ignore, first=first
+            client, reading, journal, decoder, start.at, bound, bad=bad, first=first
         ):
             out.head = max(out.head, head)
             for env in batch:
                 index = len(held)
                 held.append(env)
                 out.through = env.end
+                row = len(delivered)
                 if tally is None:
+                    delivered.append(env)
                     n, s = 1, env.end - env.begin
                 else:
                     found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
                     if not found and found is not REPLAY:
                         continue  # Nothing, or an ACK alone, committed.
-                    delivered = await committed(tally, found, held, reread)
-                    n, s = len(delivered), sum(d.end - d.begin for d in delivered)
+                    rows_of = await committed(tally, found, held, reread)
+                    n, s = len(rows_of), sum(d.end - d.begin for d in rows_of)
                     if not n:
                         continue
-                out.events.append(Event(env.clock, n, s, index))
+                    delivered += rows_of
+                out.events.append(Event(env.clock, n, s, index, row))
                 rows, size = rows + n, size + s
-                if (o.max_messages is not None and rows > o.max_messages) or (
-                    o.max_bytes is not None and size > o.max_bytes
+                if not exact and (
+                    (o.max_messages is not None and rows > o.max_messages)
+                    or (o.max_bytes is not None and size > o.max_bytes)
                 ):
                     stop = True  # Nothing after this commit can join the batch.
                     break
             if stop:
                 break
             out.through = through  # Bad frames after the last envelope included.
-            if out.through - start.at >= o.read_ahead:
+            if not exact and out.through - start.at >= o.read_ahead:
                 break
         out.head = max(out.head, out.through)
         if tally is None:
@@ -721,7 +736,7 @@ class Planner:
         return out
 
     async def position_at(
-        self, client: JournalsClient, spec: pb.JournalSpec, scan: Scan, index: int
+        self, client: JournalsClient, kind: str, scan: Scan, index: int
     ) -> Position:
         """The journal's position just before its envelope `index`: the scan's start replayed
         through the envelopes before it."""
@@ -729,14 +744,14 @@ class Planner:
         cut = scan.envelopes[index].begin
         if o.read_uncommitted:
             return Position(cut, scan.start.rev)
-        decoder = Decoder(self.kind_of(spec), o.uuid_path, keep=False)
+        decoder = Decoder(kind, o.uuid_path, keep=False)
         reading = self.reading()
         held = scan.envelopes[:index]
 
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            return _range_of(client, reading, spec.name, decoder, begin, end, _ignore)
+            return _range_of(client, reading, scan.journal, decoder, begin, end, _ignore)
 
-        tally = tally_of(spec.name, scan.start)
+        tally = tally_of(scan.journal, scan.start)
         for index, env in enumerate(held):
             found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
             if found is REPLAY:
@@ -828,8 +843,8 @@ def pruned(
 
 def choose_cuts(
     scans: list[Scan], max_rows: int | None, max_bytes: int | None
-) -> dict[str, int | None]:
-    """Per journal, the index of the first envelope left out of the batch (None: none is):
+) -> dict[str, Event | None]:
+    """Per journal, the first commit left out of the batch (None: none is):
     commits are taken across journals in Clock order while the batch stays within both
     limits; the first that does not fit ends the batch, unless the batch is empty, when it
     is taken alone."""
@@ -853,10 +868,10 @@ def choose_cuts(
             break  # An oversized commit, alone.
         if k + 1 < len(scans[i].events):
             heapq.heappush(heap, (scans[i].events[k + 1].clock, i, k + 1))
-    out: dict[str, int | None] = {}
+    out: dict[str, Event | None] = {}
     for i, scan in enumerate(scans):
         k = taken.get(i, 0)
-        out[scan.journal] = scan.events[k].index if k < len(scan.events) else None
+        out[scan.journal] = scan.events[k] if k < len(scan.events) else None
     return out
 
 
@@ -885,30 +900,22 @@ def run_async(coro: Any) -> Any:
 
 @dataclass
 class StreamPartition(InputPartition):
-    """One journal's bytes [begin, end) and its producers' states at `begin` (pickled to the
+    """One journal's bytes [begin, end) and the rows the driver planned of them (pickled to the
     executor)."""
 
     journal: str
-    kind: str
     begin: int
     end: int
-    states: tuple[tuple[bytes, int, int], ...]
-    rev: int
     options: StreamOptions
+    plan: Plan
 
     def __init__(
-        self,
-        journal: str,
-        kind: str,
-        begin: int,
-        end: int,
-        states: tuple[tuple[bytes, int, int], ...],
-        rev: int,
-        options: StreamOptions,
+        self, journal: str, begin: int, end: int, options: StreamOptions, plan: Plan
     ) -> None:
         super().__init__((journal, begin, end))
-        self.journal, self.kind, self.begin, self.end = journal, kind, begin, end
-        self.states, self.rev, self.options = states, rev, options
+        self.journal, self.begin, self.end, self.options, self.plan = (
+            journal, begin, end, options, plan,
+        )  # fmt: skip
 
 
 class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -922,6 +929,8 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._heads: dict[str, int] = {}
         self._kinds: dict[str, str] = {}
         self._told_ended: set[str] = set()
+        # The last batch planned: journal -> (start, end offset, plan).
+        self._planned: dict[str, tuple[Position, int, Plan]] = {}
 
     # Spark's calls.
 
@@ -952,16 +961,27 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
         begun, ended = StreamOffset.from_json(start), StreamOffset.from_json(end)
-        out: list[InputPartition] = []
+        ranges: dict[str, tuple[Position, int]] = {}
         for journal, to in ended.journals.items():
             s = begun.journals.get(journal) or begun.ended.get(journal)  # (Selected again.)
             if s is None or s.rev != to.rev:
                 s = Position(0, to.rev)  # New, or made anew: from its earliest.
-            if to.at <= s.at:
-                continue
-            kind = self._kinds.get(journal) or self._kind(journal)
-            out.append(StreamPartition(journal, kind, s.at, to.at, s.states, to.rev, self.options))
-        return out
+            if to.at > s.at:
+                ranges[journal] = (s, to.at)
+        plans = {
+            journal: self._planned[journal][2]
+            for journal, (s, at) in ranges.items()
+            if self._planned.get(journal, (None, 0))[:2] == (s, at)
+        }
+        missing = sorted(set(ranges) - set(plans))
+        if missing:  # Planned by a driver before this one (restarted): plan them again.
+            kinds = {j: self._kinds.get(j) or self._kind(j) for j in missing}
+            with collection_paused():
+                plans.update(run_async(self._plans_again({j: ranges[j] for j in missing}, kinds)))
+        return [
+            StreamPartition(journal, s.at, at, self.options, plans[journal])
+            for journal, (s, at) in ranges.items()
+        ]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, StreamPartition)
@@ -983,6 +1003,25 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         self._kinds[journal] = run_async(find())
         return self._kinds[journal]
+
+    async def _plans_again(
+        self, ranges: dict[str, tuple[Position, int]], kinds: dict[str, str]
+    ) -> dict[str, Plan]:
+        """The plans of ranges planned before: each read again from its start position to its
+        end, which delivers what it did then (the same bytes, from the same states)."""
+        async with JournalsClient(self.options.broker) as client:
+
+            async def one(journal: str) -> tuple[str, Plan]:
+                start, at = ranges[journal]
+                scan = await self.planner.scan(
+                    client, journal, kinds[journal], start, at, first=start.at == 0, exact=True
+                )
+                if scan.through < at:  # (failOnDataLoss=false: what was left of it.)
+                    log.warning("journal %s: planning [%d, %d) again read to %d only", journal,
+                                start.at, at, scan.through)  # fmt: skip
+                return journal, scan.plan(None)
+
+            return dict(await _gathered([one(journal) for journal in sorted(ranges)]))
 
     async def _initial_offset(self) -> StreamOffset:
         starting = self.options.starting
@@ -1074,22 +1113,29 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     bound = self._target.get(name, pos.at)
                     if bound <= pos.at:
                         return Scan(name, pos, through=pos.at, head=pos.at, final=pos)
-                return await self.planner.scan(client, listed[name][0], pos, bound, first=first)
+                return await self.planner.scan(
+                    client, name, self._kinds[name], pos, bound, first=first
+                )
 
             scans = await _gathered([one(name) for name in sorted(starts)])
             for scan in scans:
                 self._heads[scan.journal] = scan.head
             positions: dict[str, Position] = {}
+            planned: dict[str, tuple[Position, int, Plan]] = {}
             cuts = choose_cuts(scans, o.max_messages, o.max_bytes) if limited and o.limited else {}
             for scan in scans:
-                index = cuts.get(scan.journal)
-                if index is None:
+                event = cuts.get(scan.journal)
+                if event is None:
                     assert scan.final is not None
                     positions[scan.journal] = scan.final
                 else:
                     positions[scan.journal] = await self.planner.position_at(
-                        client, listed[scan.journal][0], scan, index
+                        client, self._kinds[scan.journal], scan, event.index
                     )
+                at = positions[scan.journal].at
+                if at > scan.start.at:
+                    planned[scan.journal] = (scan.start, at, scan.plan(event))
+            self._planned = planned
         return StreamOffset(positions, ended)
 
 
@@ -1123,106 +1169,235 @@ def drive(make: Callable[[], AsyncGenerator[T, None]]) -> Iterator[T]:
         loop.close()
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The rows a batch delivers of one journal, in delivery order, as the driver decided them
+    (the executors only take their content): each row's frame [begin, end), its producer (an
+    index into `ids`, the producers' 6-byte ids end to end), Clock and flags; and the bad
+    frames the range holds (offset, why), which executors report, or fail on."""
+
+    begins: Any  # numpy int64
+    ends: Any  # numpy int64
+    producers: Any  # numpy uint32
+    ids: bytes
+    clocks: Any  # numpy int64
+    flags: Any  # numpy int32
+    bad: tuple[tuple[int, str], ...] = ()
+
+    @classmethod
+    def of(cls, rows: list[Envelope], bad: list[tuple[int, str]]) -> Plan:
+        import numpy as np
+
+        if not rows:
+            empty = np.zeros(0, np.int64)
+            return cls(empty, empty, empty.astype(np.uint32), b"", empty, empty.astype(np.int32),
+                       tuple(bad))  # fmt: skip
+        _, begins, ends, producers, clocks, flags, _ = zip(*rows, strict=True)
+        ids: dict[bytes, int] = {}
+        index = [ids.setdefault(p, len(ids)) for p in producers]
+        return cls(
+            np.array(begins, np.int64),
+            np.array(ends, np.int64),
+            np.array(index, np.uint32),
+            b"".join(ids),
+            np.array(clocks, np.int64),
+            np.array(flags, np.int32),
+            tuple(bad),
+        )
+
+    def __len__(self) -> int:
+        return len(self.begins)
+
+
+Special = tuple[list[int], list[bytes]]  # Rows around a hole, and their contents.
+
+
+class Taker:
+    """A plan's rows out of its range's bytes as they are read: each row once all the bytes up
+    to its frame's end are read, in the plan's order; bytes kept only from the first frame a
+    row not yet taken begins at (so a range costs the memory of its longest pending
+    transaction, not its own)."""
+
+    def __init__(self, plan: Plan, base: int) -> None:
+        import numpy as np
+
+        self.plan = plan
+        self.reach = np.maximum.accumulate(plan.ends) if len(plan) else plan.ends
+        self.need = np.minimum.accumulate(plan.begins[::-1])[::-1] if len(plan) else plan.begins
+        self.buf = bytearray()
+        self.base = base  # The offset of buf[0].
+        self.next = 0  # The first row not yet taken.
+        # Rows around a hole (failOnDataLoss=false): taken before it, or lost in it.
+        self.early: dict[int, bytes] = {}
+        self.lost: set[int] = set()
+
+    @property
+    def top(self) -> int:
+        return self.base + len(self.buf)
+
+    def feed(self, offset: int, content: bytes) -> Iterator[tuple[int, int, Special | None]]:
+        """Hold the content read at `offset`; yield the rows it completes, at most BATCH_ROWS
+        at a time: (first, stop, special), where special is None when the rows' frames are
+        all held, and otherwise the rows a hole leaves and their contents."""
+        import numpy as np
+
+        if offset > self.top:
+            self._skip(offset)
+        elif offset < self.top:
+            content = content[self.top - offset :]  # (Read again: a retried read.)
+        self.buf += content
+        stop = int(np.searchsorted(self.reach, self.top, side="right"))
+        while self.next < stop:
+            first = self.next
+            self.next = min(stop, first + BATCH_ROWS)
+            yield first, self.next, self._special(first, self.next)
+        self._release()
+
+    def rest(self) -> range:
+        """The rows not yet taken (when the read is over: it ended short of them)."""
+        return range(self.next, len(self.plan))
+
+    def finish(self, end: int) -> Iterator[tuple[int, int, Special | None]]:
+        """The read ended short of `end`, past the bytes read: the rows it leaves that are
+        whole, as `feed` gives rows (those touching the bytes not read lost)."""
+        if self.rest():
+            self._skip(end)
+            stop = len(self.plan)
+            while self.next < stop:
+                first = self.next
+                self.next = min(stop, first + BATCH_ROWS)
+                yield first, self.next, self._special(first, self.next)
+
+    def contents(self, first: int, stop: int) -> Any:
+        """The contents of rows [first, stop), all held, as an Arrow array: each frame without
+        its trailing newline (as the framings unmarshal it), cut out in C."""
+        import numpy as np
+        import pyarrow as pa
+
+        begins = self.plan.begins[first:stop] - self.base
+        ends = self.plan.ends[first:stop] - self.base
+        order = np.argsort(begins, kind="stable")
+        begins, ends = begins[order], ends[order]
+        low, high = int(begins[0]), int(ends.max())
+        data = bytes(self.buf[low:high])
+        chars = np.frombuffer(data, np.uint8)
+        ends = ends - (chars[ends - low - 1] == ord("\n"))
+        # Values alternate: a row's content, then what lies between it and the next row's.
+        bounds = np.empty(2 * len(order), np.int64)
+        bounds[0::2], bounds[1::2] = begins - low, ends - low
+        spans = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), len(bounds) - 1, [None, pa.py_buffer(bounds), pa.py_buffer(data)]
+        )
+        where = np.empty(len(order), np.int64)
+        where[order] = np.arange(0, 2 * len(order), 2)
+        return spans.take(pa.array(where)).cast(pa.binary())
+
+    def _special(self, first: int, stop: int) -> Special | None:
+        if not (self.early or self.lost):
+            return None
+        rows: list[int] = []
+        out: list[bytes] = []
+        for row in range(first, stop):
+            if row in self.lost:
+                self.lost.discard(row)
+                continue
+            found = self.early.pop(row, None)
+            if found is None:
+                b, e = int(self.plan.begins[row]) - self.base, int(self.plan.ends[row]) - self.base
+                found = bytes(self.buf[b:e])
+            rows.append(row)
+            out.append(found[:-1] if found.endswith(b"\n") else found)
+        return rows, out
+
+    def _skip(self, offset: int) -> None:
+        """Bytes [top, offset) are a hole: rows whose frames it touches are lost, and rows
+        already whole are taken now, before the bytes they need are let go."""
+        top = self.top
+        for row in range(self.next, len(self.plan)):
+            b, e = int(self.plan.begins[row]), int(self.plan.ends[row])
+            if b < offset and e > top:
+                self.lost.add(row)
+            elif e <= top and row not in self.lost and row not in self.early:
+                self.early[row] = bytes(self.buf[b - self.base : e - self.base])
+        self.buf = bytearray()
+        self.base = offset
+
+    def _release(self) -> None:
+        """Let go of the bytes no row still to take needs, once they are at least half of
+        those held (so each byte is moved at most a few times)."""
+        cut = int(self.need[self.next]) if self.next < len(self.plan) else self.top
+        drop = min(cut, self.top) - self.base
+        if drop > 0 and drop * 2 >= len(self.buf):
+            del self.buf[:drop]
+            self.base += drop
+
+
 async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
-    """The partition's rows as Arrow batches: its range read and sequenced from its start
-    states, the committed messages (or, read-uncommitted, every message)."""
-
-    o = part.options
-    decoder = Decoder(part.kind, o.uuid_path, keep=True)
-    reading = Reading(o.broker, o.file_root, o.fail_on_data_loss)
-    schema = stream_arrow_schema()
-    rows: list[Envelope] = []
-
-    def bad(offset: int, reason: str) -> None:
+    """The partition's rows as Arrow batches: its plan's rows, their content read from the
+    range (and, for a transaction begun before it, from where the transaction begins)."""
+    o, plan = part.options, part.plan
+    for offset, reason in plan.bad:
         message = f"journal {part.journal}: bad frame at offset {offset}: {reason}"
         if o.bad_frames == "fail":
             raise JobError(message)
         log.warning("%s (skipped)", message)
-
-    fields = json_fields(o.json_schema)
-
-    def batch() -> Any:
-        """The rows held, as an Arrow batch."""
-        out = envelope_batch(part.journal, rows, schema)
-        rows.clear()
-        return with_json_columns(with_timestamp(out), fields)
-
+    if not len(plan):
+        return
+    reading = Reading(o.broker, o.file_root, o.fail_on_data_loss)
+    schema, fields = stream_arrow_schema(), json_fields(o.json_schema)
+    begin = min(part.begin, int(plan.begins.min()))
+    taker = Taker(plan, begin)
     async with JournalsClient(o.broker) as client:
-
-        def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            return _range_of(client, reading, part.journal, decoder, begin, end, bad)
-
-        start = Position(part.begin, part.rev, part.states)
-        tally = None if o.read_uncommitted else tally_of(part.journal, start)
-        held = Held()  # The range's envelopes that the Tally's answers may yet index.
-        through = part.begin
-        ranged = envelopes(
-            client, reading, part.journal, decoder, part.begin, part.end, bad=bad,
-            first=part.begin == 0,
-        )  # fmt: skip
-        async with contextlib.aclosing(ranged):
-            async for envs, _, reached in ranged:
-                through = reached
-                if tally is None:
-                    rows.extend(envs)
-                else:
-                    await _sequenced(tally, envs, held, rows, reread)
-                if len(rows) >= BATCH_ROWS:
-                    yield batch()
-        if through < part.end:  # The range was planned, so it was there: now it is not.
-            reading.hole(part.journal, through, part.end)
-    if rows:
-        yield batch()
+        read = chunks_of(client, reading, part.journal, begin, part.end, first=begin == 0)
+        async with contextlib.aclosing(read):
+            async for chunk in read:
+                for first, stop, special in taker.feed(chunk.offset, chunk.content):
+                    yield planned_batch(part.journal, taker, first, stop, special, schema, fields)
+    if taker.rest():  # The range was planned, so it was there: now it is not.
+        reading.hole(part.journal, taker.top, part.end)
+        for first, stop, special in taker.finish(part.end):
+            yield planned_batch(part.journal, taker, first, stop, special, schema, fields)
 
 
-async def _sequenced(
-    tally: Tally,
-    envs: list[Envelope],
-    held: Held,
-    rows: list[Envelope],
-    reread: Callable[[int, int], AsyncIterator[Envelope]],
-) -> None:
-    """Hold `envs` (the next of the range) and add to `rows` the envelopes they commit."""
-    add, items, base = rows.append, held.items, held.base
-    keep = items.append
-    index = len(held)
-    for env in envs:
-        keep(env)
-        found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
-        index += 1
-        if found:
-            for i in found:
-                add(items[i - base])
-        elif found is REPLAY:
-            rows.extend(await committed(tally, found, held, reread))
-    held.release(tally.oldest_held())
-
-
-def envelope_batch(journal: str, rows: list[Envelope], schema: Any) -> Any:
-    """Envelopes of `journal` as an Arrow batch of the stream schema, a column at a time (the
-    UUID texts and producers formatted all at once, null where a message has no UUID)."""
+def planned_batch(
+    journal: str,
+    taker: Taker,
+    first: int,
+    stop: int,
+    special: Special | None,
+    schema: Any,
+    fields: Any,
+) -> Any:
+    """Rows [first, stop) of the taker's plan as an Arrow batch of the stream schema, a column
+    at a time (the UUID texts and producers formatted all at once, null where a message has no
+    UUID); `special`, when given, names the rows a hole leaves, and their contents."""
     import numpy as np
     import pyarrow as pa
 
-    _, begins, ends, producers, clocks, flags, messages = zip(*rows, strict=True)
-    clock = np.array(clocks, np.int64)
-    flag = np.array(flags, np.int32)
-    texts, hexes = uuid_texts(b"".join(producers), clock, flag)
+    plan = taker.plan
+    if special is None:
+        rows, content = np.arange(first, stop), taker.contents(first, stop)
+    else:
+        rows, content = np.array(special[0], np.int64), pa.array(special[1], pa.binary())
+    table = np.frombuffer(plan.ids, np.uint8).reshape(-1, 6)
+    clock, flag = plan.clocks[rows], plan.flags[rows]
+    texts, hexes = uuid_texts(table[plan.producers[rows]].tobytes(), clock, flag)
     none = clock == 0
     mask = none if none.any() else None
-    return pa.RecordBatch.from_arrays(
+    out = pa.RecordBatch.from_arrays(
         [
             pa.repeat(journal, len(rows)),
-            pa.array(begins, pa.int64()),
-            pa.array(ends, pa.int64()),
+            pa.array(plan.begins[rows], pa.int64()),
+            pa.array(plan.ends[rows], pa.int64()),
             pa.array(hexes, pa.binary(), mask=mask).cast(pa.string()),
             pa.array(clock, pa.int64()),
             pa.array(flag, pa.int32()),
             pa.array(texts, pa.binary(), mask=mask).cast(pa.string()),
-            pa.array(messages, pa.binary()).cast(pa.string()),
+            content.cast(pa.string()),
         ],
         schema=schema,
     )
+    return with_json_columns(with_timestamp(out), fields)
 
 
 def _ignore(offset: int, reason: str) -> None:
