@@ -232,7 +232,7 @@ def test_choose_cuts_takes_commits_in_clock_order_within_both_limits() -> None:
 
     def indices(cuts: dict[str, Event | None]) -> dict[str, int | None]:
         """Each journal's cut as the index of the first envelope left out."""
-        return {name: None if event is None else event.index for name, event in cuts.items()}
+        return {name: None if event is None else event.at for name, event in cuts.items()}
 
     a = scan("a", [(1, 2, 20), (4, 2, 20), (6, 1, 10)])
     b = scan("b", [(2, 1, 10), (3, 5, 50), (9, 1, 10)])

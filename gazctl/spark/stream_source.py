@@ -581,31 +581,21 @@ class Event:
     clock: int
     rows: int
     size: int
-    index: int  # Of its envelope in Scan.envelopes.
-    row: int = 0  # Of its first row in Scan.delivered.
+    at: int  # Where its envelope begins: a batch that leaves it out ends there.
 
 
 @dataclass
 class Scan:
-    """A journal read from its position as far as planning needs."""
+    """A journal read from its position as far as planning needs: its commits, and what a
+    batch ending at `through` delivers of it."""
 
     journal: str
     start: Position
-    envelopes: list[Envelope] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
-    delivered: list[Envelope] = field(default_factory=list)  # The rows, in delivery order.
-    bad: list[tuple[int, str]] = field(default_factory=list)  # Bad frames read: offset, why.
     through: int = 0  # Where the envelopes read end (a frame boundary).
     head: int = 0
     final: Position | None = None  # The state at `through`.
-
-    def plan(self, event: Event | None) -> Plan:
-        """What the batch delivers of this journal when it ends before `event` (None: at
-        `through`)."""
-        if event is None:
-            return Plan.of(self.delivered, self.bad)
-        cut = self.envelopes[event.index].begin
-        return Plan.of(self.delivered[: event.row], [b for b in self.bad if b[0] < cut])
+    plan: Plan | None = None  # The rows of [start.at, through).
 
 
 def _past_newline(offset: int, length: int) -> int:
@@ -678,7 +668,7 @@ class Planner:
     ) -> Scan:
         """Read the journal from `start` (to `bound`, or its head if 0), deciding what commits
         with a Tally and recording each commit and the rows it delivers; stop past the limits
-        or the read-ahead, unless `exact` (a planned range planned again: read to `bound`)."""
+        or the read-ahead, unless `exact` (a range planned anew: read to `bound`)."""
         o = self.options
         out = Scan(journal, start, through=start.at, head=start.at)
         decoder = Decoder(kind, o.uuid_path, keep=False)
@@ -687,22 +677,21 @@ class Planner:
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
             return _range_of(client, reading, journal, decoder, begin, end, _ignore)
 
-        def bad(offset: int, reason: str) -> None:
-            out.bad.append((offset, reason))  # Executors report them (or fail on them).
-
+        bad: list[tuple[int, str]] = []  # Executors report them (or fail on them).
         tally = None if o.read_uncommitted else tally_of(journal, start)
-        held, delivered = out.envelopes, out.delivered
+        held: list[Envelope] = []  # The range's envelopes: the Tally's answers index them.
+        delivered: list[Envelope] = []
         rows = size = 0
         stop = False
         async for batch, head, through in envelopes(
-            client, reading, journal, decoder, start.at, bound, bad=bad, first=first
-        ):
+            client, reading, journal, decoder, start.at, bound,
+            bad=lambda offset, why: bad.append((offset, why)), first=first,
+        ):  # fmt: skip
             out.head = max(out.head, head)
             for env in batch:
                 index = len(held)
                 held.append(env)
                 out.through = env.end
-                row = len(delivered)
                 if tally is None:
                     delivered.append(env)
                     n, s = 1, env.end - env.begin
@@ -715,7 +704,8 @@ class Planner:
                     if not n:
                         continue
                     delivered += rows_of
-                out.events.append(Event(env.clock, n, s, index, row))
+                if not exact:
+                    out.events.append(Event(env.clock, n, s, env.begin))
                 rows, size = rows + n, size + s
                 if not exact and (
                     (o.max_messages is not None and rows > o.max_messages)
@@ -733,30 +723,8 @@ class Planner:
             out.final = Position(out.through, start.rev)
         else:
             out.final = position_of(tally, out.through, start.rev, o.horizon)
+        out.plan = Plan.of(delivered, [b for b in bad if b[0] < out.through])
         return out
-
-    async def position_at(
-        self, client: JournalsClient, kind: str, scan: Scan, index: int
-    ) -> Position:
-        """The journal's position just before its envelope `index`: the scan's start replayed
-        through the envelopes before it."""
-        o = self.options
-        cut = scan.envelopes[index].begin
-        if o.read_uncommitted:
-            return Position(cut, scan.start.rev)
-        decoder = Decoder(kind, o.uuid_path, keep=False)
-        reading = self.reading()
-        held = scan.envelopes[:index]
-
-        def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            return _range_of(client, reading, scan.journal, decoder, begin, end, _ignore)
-
-        tally = tally_of(scan.journal, scan.start)
-        for index, env in enumerate(held):
-            found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
-            if found is REPLAY:
-                await committed(tally, found, held, reread)
-        return position_of(tally, cut, scan.start.rev, o.horizon)
 
     async def boundary(
         self, client: JournalsClient, spec: pb.JournalSpec, at: int, head: int
@@ -1019,7 +987,8 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 if scan.through < at:  # (failOnDataLoss=false: what was left of it.)
                     log.warning("journal %s: planning [%d, %d) again read to %d only", journal,
                                 start.at, at, scan.through)  # fmt: skip
-                return journal, scan.plan(None)
+                assert scan.plan is not None
+                return journal, scan.plan
 
             return dict(await _gathered([one(journal) for journal in sorted(ranges)]))
 
@@ -1112,7 +1081,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 if self._target is not None:
                     bound = self._target.get(name, pos.at)
                     if bound <= pos.at:
-                        return Scan(name, pos, through=pos.at, head=pos.at, final=pos)
+                        return Scan(name, pos, [], pos.at, pos.at, pos, Plan.of([], []))
                 return await self.planner.scan(
                     client, name, self._kinds[name], pos, bound, first=first
                 )
@@ -1120,22 +1089,26 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             scans = await _gathered([one(name) for name in sorted(starts)])
             for scan in scans:
                 self._heads[scan.journal] = scan.head
-            positions: dict[str, Position] = {}
-            planned: dict[str, tuple[Position, int, Plan]] = {}
             cuts = choose_cuts(scans, o.max_messages, o.max_bytes) if limited and o.limited else {}
-            for scan in scans:
+
+            async def cut(scan: Scan) -> Scan:
+                """The scan, or, if the batch ends inside it, its range to there read again."""
                 event = cuts.get(scan.journal)
                 if event is None:
-                    assert scan.final is not None
-                    positions[scan.journal] = scan.final
-                else:
-                    positions[scan.journal] = await self.planner.position_at(
-                        client, self._kinds[scan.journal], scan, event.index
-                    )
-                at = positions[scan.journal].at
-                if at > scan.start.at:
-                    planned[scan.journal] = (scan.start, at, scan.plan(event))
-            self._planned = planned
+                    return scan
+                return await self.planner.scan(
+                    client, scan.journal, self._kinds[scan.journal], scan.start, event.at,
+                    first=starts[scan.journal][1], exact=True,
+                )  # fmt: skip
+
+            scans = await _gathered([cut(scan) for scan in scans])
+        positions: dict[str, Position] = {}
+        self._planned = {}
+        for scan in scans:
+            assert scan.final is not None and scan.plan is not None
+            positions[scan.journal] = scan.final
+            if scan.final.at > scan.start.at:
+                self._planned[scan.journal] = (scan.start, scan.final.at, scan.plan)
         return StreamOffset(positions, ended)
 
 
