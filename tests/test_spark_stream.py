@@ -861,6 +861,12 @@ ODD_CHUNKS = {
         b"2]}",
         b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, 101, 2),
     ],
+    "both, so the count of documents is the count of lines": [
+        b'{"_meta":{"uuid":"%s"}},{"_meta":{"uuid":"%s"}}' % (uuid_of(P1, 100, 1), uuid_of(P2, 7, 2)),
+        b'{"_meta":{"uuid":"%s"}, "x": [{"a": 1}' % uuid_of(P1, 102, 1),
+        b'{"b": 2}]}',
+        b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, 103, 2),
+    ],
     "a Clock past what a row holds": [
         b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, (1 << 63) + 5, 1),
         b'{"_meta":{"uuid":"%s"}}' % uuid_of(P1, 101, 2),

@@ -436,7 +436,7 @@ def _arrow_schema(ddl: str) -> Any:
 
 
 def _uuid_decoder(uuid_path: str) -> Any:
-    """A msgspec decoder of a JSON array of documents into structs holding only the UUID at
+    """A msgspec decoder of one JSON document into a struct holding only the UUID at
     `uuid_path` (every other field skipped, in C): the fast path of JSON lines. The structs
     are not tracked by the garbage collector (they hold no cycles), which halves their cost."""
     import msgspec
@@ -449,21 +449,35 @@ def _uuid_decoder(uuid_path: str) -> Any:
         inner = msgspec.defstruct(
             f"Node{i}", [("child", inner | None, None)], rename={"child": key}, gc=False
         )
-    return msgspec.json.Decoder(list[inner])
+    return msgspec.json.Decoder(inner)
 
 
 def uuid_docs(decoder: Any, lines: list[bytes]) -> list[Any] | None:
-    """The UUID documents (`_uuid_decoder`) of complete JSON lines, one per line, decoded in
-    one msgspec call; None when the lines are not each exactly one JSON document (a line of
-    two, or one over two lines, would shift every later line's UUID): the caller then frames
-    them one at a time, which says what is wrong."""
+    """The UUID documents (`_uuid_decoder`) of complete JSON lines, each line decoded on its
+    own, in C; None when a line is not exactly one JSON document (decoded together, a line of
+    two and one over two lines could make up each other's count and shift later lines'
+    UUIDs): the caller then frames them one at a time, which says what is wrong."""
     import msgspec
 
     try:
-        docs = decoder.decode(b"[" + b",".join(lines) + b"]")
+        return list(map(decoder.decode, lines))
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return docs if len(docs) == len(lines) else None
+
+
+def uuid_texts_of(docs: list[Any], depth: int) -> list[Any]:
+    """Each UUID document's text (None where it has none), `depth` structs down."""
+    try:
+        return list(map(_uuid_getter(depth), docs))
+    except AttributeError:  # A struct on the path is missing (None): one at a time.
+        return [_uuid_text_of(doc, depth) for doc in docs]
+
+
+@functools.cache
+def _uuid_getter(depth: int) -> Any:
+    import operator
+
+    return operator.attrgetter(".".join(["child"] * depth + ["value"]))
 
 
 def _uuid_text_of(doc: Any, depth: int) -> Any:
@@ -536,7 +550,7 @@ def _fast_fields(
     if depth == 1:
         texts = [None if (doc := d.child) is None else doc.value for d in docs]
     else:
-        texts = [_uuid_text_of(d, depth) for d in docs]
+        texts = uuid_texts_of(docs, depth)
     if None not in texts:
         parsed = uuid_columns(cast("list[str]", texts))
         if parsed is None:
@@ -581,35 +595,36 @@ def uuid_columns(texts: list[str]) -> tuple[Any, Any, Any] | None:
     any text is not one (the caller then takes the one-at-a-time path, which says why)."""
     import numpy as np
 
-    if not texts:
+    n = len(texts)
+    if not n:
         return None
-    if (np.fromiter(map(len, texts), np.int64, len(texts)) != 36).any():
-        return None  # (A trailing NUL would pass for padding below.)
-    try:  # As bytes (ASCII: a UUID's text is), a quarter of what numpy's str takes.
-        chars = np.array(texts, dtype="S36").view(np.uint8).reshape(len(texts), 36)
-    except UnicodeEncodeError:
-        return None  # Not ASCII.
+    try:
+        if (np.fromiter(map(len, texts), np.int64, n) != 36).any():
+            return None  # (Joined, they must each be 36 characters, or they would shift.)
+        joined = "".join(texts).encode("ascii")
+    except (TypeError, UnicodeEncodeError):
+        return None  # A text missing, or not ASCII (a UUID's text is).
+    chars = np.frombuffer(joined, np.uint8).reshape(n, 36)
     digits = _hex_values()[chars[:, _HEXITS]]
     if (digits > 15).any() or (chars[:, [8, 13, 18, 23]] != ord("-")).any():
         return None
     if (digits[:, 12] != 1).any() or ((digits[:, 16] >> 2) != 0b10).any():
         return None  # Not version 1 with the RFC 4122 variant.
-    wide = digits.astype(np.uint64)
-
-    def number(first: int, stop: int) -> Any:
-        weights = np.uint64(16) ** np.arange(stop - first - 1, -1, -1, dtype=np.uint64)
-        return wide[:, first:stop] @ weights
-
-    time_low, time_mid, time_hi = number(0, 8), number(8, 12), number(13, 16)
-    sequence = number(16, 20)
+    # The UUID's 16 bytes, then its two halves as big-endian integers.
+    octets = np.ascontiguousarray((digits[:, 0::2] << 4) | digits[:, 1::2])
+    high = octets[:, :8].copy().view(">u8").ravel().astype(np.uint64)
+    low = octets[:, 8:].copy().view(">u8").ravel().astype(np.uint64)
+    u = np.uint64
+    time_low, time_mid, time_hi = high >> u(32), (high >> u(16)) & u(0xFFFF), high & u(0x0FFF)
+    sequence = low >> u(48)
     clocks = (
-        (time_low << np.uint64(4))
-        | (time_mid << np.uint64(36))
-        | (time_hi << np.uint64(52))
-        | ((sequence >> np.uint64(10)) & np.uint64(0xF))
+        (time_low << u(4))
+        | (time_mid << u(36))
+        | (time_hi << u(52))
+        | ((sequence >> u(10)) & u(0xF))
     )
-    flags = (sequence & np.uint64(0x3FF)).astype(np.int32)
-    return number(20, 32), clocks.view(np.int64), flags
+    flags = (sequence & u(0x3FF)).astype(np.int32)
+    return low & u(0xFFFF_FFFF_FFFF), clocks.view(np.int64), flags
 
 
 def uuid_texts(producers: bytes, clocks: Any, flags: Any) -> tuple[Any, Any]:

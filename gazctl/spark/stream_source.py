@@ -89,6 +89,7 @@ from gazctl.spark.source import (
     uuid_columns,
     uuid_docs,
     uuid_texts,
+    uuid_texts_of,
     with_json_columns,
     with_timestamp,
 )
@@ -379,7 +380,7 @@ class Decoder:
         begin = base
         if docs is not None:
             keep, parse, depth, new = self.keep, self.parse, self.depth, _new_tuple
-            texts = [_uuid_text_of(doc, depth) for doc in docs]
+            texts = uuid_texts_of(docs, depth)
             parsed = uuid_columns(texts) if None not in texts else None  # All at once (numpy).
             if parsed is not None and (parsed[1] < 0).any():
                 parsed = None  # A Clock past a row's int64: said one at a time, below.
@@ -688,24 +689,28 @@ class Planner:
             bad=lambda offset, why: bad.append((offset, why)), first=first,
         ):  # fmt: skip
             out.head = max(out.head, head)
-            for env in batch:
-                index = len(held)
-                held.append(env)
-                out.through = env.end
-                if tally is None:
-                    delivered.append(env)
-                    n, s = 1, env.end - env.begin
+            add = tally.add if tally is not None else None
+            first_index = len(held)
+            held += batch
+            for index, (_, begin, end, producer, clock, flags, _) in enumerate(batch, first_index):
+                out.through = end
+                if add is None:
+                    delivered.append(held[index])
+                    n, s = 1, end - begin
                 else:
-                    found = tally.add(index, env.producer, env.clock, env.flags, env.begin)
+                    found = add(index, producer, clock, flags, begin)
                     if not found and found is not REPLAY:
                         continue  # Nothing, or an ACK alone, committed.
-                    rows_of = await committed(tally, found, held, reread)
+                    if found is REPLAY:
+                        rows_of = await committed(cast(Tally, tally), found, held, reread)
+                    else:
+                        rows_of = [held[i] for i in found]
                     n, s = len(rows_of), sum(d.end - d.begin for d in rows_of)
                     if not n:
                         continue
                     delivered += rows_of
                 if not exact:
-                    out.events.append(Event(env.clock, n, s, env.begin))
+                    out.events.append(Event(clock, n, s, begin))
                 rows, size = rows + n, size + s
                 if not exact and (
                     (o.max_messages is not None and rows > o.max_messages)
