@@ -5,6 +5,7 @@ producer states."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -151,3 +152,121 @@ def test_a_message_without_a_clock_is_delivered_once_whatever_the_cut() -> None:
     envs = envelopes_of([(ZERO, 41, 0x1), (ZERO, 0, 0x0), (ZERO, 41, 0x1), (ZERO, 45, 0x2)])
     for cut in range(1, len(envs)):
         assert sorted(two_batches(envs, cut)) == [0, 10], cut
+
+
+# Runs at once (`add_run`) ------------------------------------------------------------------
+
+
+def orderly(rng: random.Random, length: int, odd: float) -> list[Envelope]:
+    """Messages of a few producers mostly in order (what add_run takes), now and then one that
+    is not: a re-send, an OUTSIDE_TXN inside a transaction, a message without a UUID."""
+    producers = [bytes([0, 0, 0, 0, 0, i + 1]) for i in range(rng.randint(1, 5))]
+    clocks = dict.fromkeys(producers, 100)
+    sent: dict[bytes, list[tuple[int, int]]] = {p: [] for p in producers}
+    pending = dict.fromkeys(producers, False)
+    out: list[Envelope] = []
+    at = 0
+    while len(out) < length:
+        p = rng.choice(producers)
+        if rng.random() < odd and sent[p]:
+            clock, flags = rng.choice(sent[p]) if rng.random() < 0.7 else (0, 0)
+            producer = p if clock else bytes(6)
+        else:
+            clocks[p] += rng.randint(1, 3)
+            clock, flags, producer = clocks[p], rng.choices([1, 2, 0], [70, 22, 8])[0], p
+            if flags == 0 and pending[p] and rng.random() >= odd:
+                flags = 2  # (An OUTSIDE_TXN inside a transaction: now and then only.)
+            pending[p] = flags == 1
+        if clock:
+            sent[producer].append((clock, flags))
+        out.append(Envelope(J, at, at + 10, producer, clock, flags, None))
+        at += 10
+    return out
+
+
+def by_runs(
+    envs: list[Envelope], start: int, tally: Tally, rng: random.Random
+) -> tuple[list[int], int, int]:
+    """Begins delivered feeding envs[start:] to `tally` in runs of random lengths, each at once
+    if add_run takes it, else one at a time; how many runs it declined, and how many there
+    were."""
+    import numpy as np
+
+    out: list[int] = []
+    held = envs[start:]
+    declined = runs = 0
+    i = 0
+    while i < len(held):
+        run = held[i : i + rng.randint(1, 40)]
+        producers = sorted({e.producer for e in run})
+        got = tally.add_run(
+            i,
+            producers,
+            np.array([producers.index(e.producer) for e in run], np.int64),
+            np.array([e.clock for e in run], np.int64),
+            np.array([e.flags for e in run], np.int64),
+            np.array([e.begin for e in run], np.int64),
+        )
+        runs += 1
+        if got is not None:
+            out += [held[j].begin for j in got.tolist()]
+        else:
+            declined += 1
+            for k, env in enumerate(run, i):
+                found = tally.add(k, env.producer, env.clock, env.flags, env.begin)
+                if found is REPLAY:
+                    _, b, e = tally.replay_range()
+                    before, indices = tally.replayed(
+                        [x for x in envs if b <= x.begin and x.end <= e]
+                    )
+                    out += [x.begin for x in before] + [held[j].begin for j in indices]
+                elif found:
+                    out += [held[j].begin for j in found]
+        i += len(run)
+    return out, declined, runs
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_runs_at_once_commit_what_one_at_a_time_does(seed: int) -> None:
+    """add_run on runs of in-order (and sometimes not) histories, from a checkpoint taken
+    anywhere: the same messages in the same order, and the same states, as add. In order, it
+    takes every run but those where a span restored from the checkpoint commits (which may
+    need what was read before the range)."""
+    rng = random.Random(seed)
+    odd = [0.0, 0.0, 0.01, 0.05][seed % 4]
+    envs = orderly(rng, rng.randint(1, 300), odd) if seed % 5 else history(rng, rng.randint(1, 120))
+    cut = rng.randint(0, len(envs))
+    first = Tally(J, {}, 0)
+    for i, env in enumerate(envs[:cut]):
+        assert first.add(i, env.producer, env.clock, env.flags, env.begin) is not REPLAY
+    states = first.checkpoint()
+    at = envs[cut].begin if cut < len(envs) else (envs[-1].end if envs else 0)
+    one, runs = Tally(J, states, at), Tally(J, states, at)
+    want = [b for commit in by_tally(envs, cut, one) for b in commit]
+    got, declined, count = by_runs(envs, cut, runs, rng)
+    assert got == want
+    assert runs.checkpoint() == one.checkpoint()
+    assert runs.oldest_held() == one.oldest_held()
+    if seed % 5 and not odd:
+        restored = sum(1 for s in states.values() if s.begin != -1)
+        assert declined <= restored, (declined, count)
+
+
+def test_a_run_it_declines_changes_nothing() -> None:
+    import numpy as np
+
+    p = bytes([0, 0, 0, 0, 0, 1])
+    tally = Tally(J, {}, 0)
+    assert tally.add(0, p, 10, 1, 0) is None  # A span: Clock 10 pending.
+    before = tally.checkpoint(), tally.oldest_held()
+    # Clock 12 pending, then a re-send of 12: declined.
+    col = functools.partial(np.array, dtype=np.int64)
+    assert tally.add_run(1, [p], col([0, 0]), col([12, 12]), col([1, 1]), col([10, 20])) is None
+    assert (tally.checkpoint(), tally.oldest_held()) == before
+    # An OUTSIDE_TXN while Clock 10 is pending: declined (add logs it).
+    assert tally.add_run(1, [p], col([0]), col([13]), col([0]), col([10])) is None
+    assert (tally.checkpoint(), tally.oldest_held()) == before
+    # In order: the ACK commits the held span and the run's.
+    got = tally.add_run(1, [p], col([0, 0]), col([12, 14]), col([1, 2]), col([10, 20]))
+    assert got is not None and got.tolist() == [0, 1]
+    assert tally.oldest_held() is None

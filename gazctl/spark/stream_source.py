@@ -367,6 +367,9 @@ class Decoder:
         self.uuids = _uuid_decoder(uuid_path) if kind == "lines" else None
         self.depth = len(uuid_path.split(".")) - 1
         self.parse = TextParser().fields
+        # The columns of the envelopes the last `lines` returned, when it decoded them all at
+        # once: (begins, producers' nodes, Clocks, flags), numpy arrays. Else None.
+        self.run: tuple[Any, Any, Any, Any] | None = None
 
     def lines(
         self, journal: str, base: int, lines: list[bytes], bad: Callable[[int, str], None]
@@ -374,7 +377,10 @@ class Decoder:
         """The envelopes of complete JSON lines (without their newlines) from offset `base`:
         all at once, or, when any is unusual (not JSON, an odd UUID), one at a time, which
         says why."""
+        import numpy as np
+
         assert self.uuids is not None
+        self.run = None
         docs = uuid_docs(self.uuids, lines)
         out: list[Envelope] = []
         begin = base
@@ -389,6 +395,7 @@ class Decoder:
                 node_list = nodes.tolist()
                 ids = {node: node.to_bytes(6, "big") for node in set(node_list)}
                 offsets = list(itertools.accumulate(map(len, lines), _past_newline, initial=base))
+                self.run = (np.array(offsets[:-1], np.int64), nodes, clocks, flags)
                 return list(
                     map(
                         _new_envelope,
@@ -603,6 +610,17 @@ def _past_newline(offset: int, length: int) -> int:
     return offset + length + 1
 
 
+def _run_columns(run: tuple[Any, Any, Any, Any]) -> tuple[list[bytes], Any, Any, Any, Any]:
+    """A decoded run's columns as `Tally.add_run` takes them: its producers' ids, which of them
+    each message's is, Clocks, flags, begins."""
+    import numpy as np
+
+    begins, nodes, clocks, flags = run
+    unique, which = np.unique(nodes, return_inverse=True)
+    producers = [node.to_bytes(6, "big") for node in unique.tolist()]
+    return producers, which, clocks, flags, begins
+
+
 def tally_of(journal: str, start: Position) -> Tally:
     """What a Sequencer restored at `start` commits, for the envelopes read from there."""
     return Tally(journal, start.checkpoint(journal), start.at)
@@ -676,10 +694,13 @@ class Planner:
         reading = self.reading()
 
         def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            return _range_of(client, reading, journal, decoder, begin, end, _ignore)
+            again = Decoder(kind, o.uuid_path, keep=False)
+            return _range_of(client, reading, journal, again, begin, end, _ignore)
 
         bad: list[tuple[int, str]] = []  # Executors report them (or fail on them).
         tally = None if o.read_uncommitted else tally_of(journal, start)
+        # Without limits to keep to, a run of in-order messages goes to the Tally at once.
+        at_once = tally is not None and (exact or not o.limited)
         held: list[Envelope] = []  # The range's envelopes: the Tally's answers index them.
         delivered: list[Envelope] = []
         rows = size = 0
@@ -692,6 +713,14 @@ class Planner:
             add = tally.add if tally is not None else None
             first_index = len(held)
             held += batch
+            if at_once and decoder.run is not None and len(decoder.run[0]) == len(batch):
+                found = cast(Tally, tally).add_run(first_index, *_run_columns(decoder.run))
+                if found is not None:
+                    delivered += map(held.__getitem__, found.tolist())
+                    out.through = through
+                    if not exact and out.through - start.at >= o.read_ahead:
+                        break
+                    continue
             for index, (_, begin, end, producer, clock, flags, _) in enumerate(batch, first_index):
                 out.through = end
                 if add is None:
