@@ -352,6 +352,56 @@ class StreamOffset:
 # Reading: frames to envelopes -------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Messages as numpy columns: each one's frame [begin, end), producer (its 6-byte id as an
+    integer, 0 without a UUID), Clock and flags."""
+
+    begins: Any
+    ends: Any
+    nodes: Any
+    clocks: Any
+    flags: Any
+
+    @classmethod
+    def of(cls, envs: list[Envelope]) -> Columns:
+        import numpy as np
+
+        if not envs:
+            return cls.joined([])
+        _, begins, ends, producers, clocks, flags, _ = zip(*envs, strict=True)
+        nodes = [int.from_bytes(p, "big") for p in producers]
+        return cls(
+            np.array(begins, np.int64), np.array(ends, np.int64), np.array(nodes, np.uint64),
+            np.array(clocks, np.int64), np.array(flags, np.int32),
+        )  # fmt: skip
+
+    @classmethod
+    def joined(cls, parts: list[Columns]) -> Columns:
+        import numpy as np
+
+        if len(parts) == 1:
+            return parts[0]
+        types = (np.int64, np.int64, np.uint64, np.int64, np.int32)
+        return cls(
+            *(
+                np.concatenate([getattr(p, f) for p in parts]).astype(t, copy=False)
+                if parts
+                else np.zeros(0, t)
+                for f, t in zip(("begins", "ends", "nodes", "clocks", "flags"), types, strict=True)
+            )
+        )
+
+    def take(self, index: Any) -> Columns:
+        return Columns(
+            self.begins[index], self.ends[index], self.nodes[index], self.clocks[index],
+            self.flags[index],
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.begins)
+
+
 class Decoder:
     """A frame's envelope: its UUID fields, and its content if `keep` (executors) or None (the
     planner, which only counts)."""
@@ -367,9 +417,6 @@ class Decoder:
         self.uuids = _uuid_decoder(uuid_path) if kind == "lines" else None
         self.depth = len(uuid_path.split(".")) - 1
         self.parse = TextParser().fields
-        # The columns of the envelopes the last `lines` returned, when it decoded them all at
-        # once: (begins, producers' nodes, Clocks, flags), numpy arrays. Else None.
-        self.run: tuple[Any, Any, Any, Any] | None = None
 
     def lines(
         self, journal: str, base: int, lines: list[bytes], bad: Callable[[int, str], None]
@@ -377,39 +424,65 @@ class Decoder:
         """The envelopes of complete JSON lines (without their newlines) from offset `base`:
         all at once, or, when any is unusual (not JSON, an odd UUID), one at a time, which
         says why."""
+        fast, docs = self._at_once(base, lines)
+        if fast is None:
+            return self._one_at_a_time(journal, base, lines, bad, docs)
+        node_list = fast.nodes.tolist()
+        ids = {node: node.to_bytes(6, "big") for node in set(node_list)}
+        return list(
+            map(
+                _new_envelope,
+                zip(
+                    itertools.repeat(journal),
+                    fast.begins.tolist(),
+                    fast.ends.tolist(),
+                    map(ids.__getitem__, node_list),
+                    fast.clocks.tolist(),
+                    fast.flags.tolist(),
+                    lines if self.keep else itertools.repeat(None),
+                ),
+            )
+        )
+
+    def columns(
+        self, journal: str, base: int, lines: list[bytes], bad: Callable[[int, str], None]
+    ) -> Columns:
+        """As `lines`, as columns (no envelope is made when all are decoded at once)."""
+        fast, docs = self._at_once(base, lines)
+        if fast is None:
+            return Columns.of(self._one_at_a_time(journal, base, lines, bad, docs))
+        return fast
+
+    def _at_once(self, base: int, lines: list[bytes]) -> tuple[Columns | None, list[Any] | None]:
+        """The lines' columns decoded all at once (msgspec, numpy), or None if any line is
+        unusual; and their UUID documents, if each line is one."""
         import numpy as np
 
         assert self.uuids is not None
-        self.run = None
         docs = uuid_docs(self.uuids, lines)
+        if docs is None:
+            return None, None
+        texts = uuid_texts_of(docs, self.depth)
+        parsed = uuid_columns(texts) if None not in texts else None
+        if parsed is None or (parsed[1] < 0).any():
+            return None, docs  # (A Clock past a row's int64 is said one at a time.)
+        nodes, clocks, flags = parsed
+        sizes = np.fromiter(map(len, lines), np.int64, len(lines)) + 1
+        ends = base + np.cumsum(sizes)
+        return Columns(ends - sizes, ends, nodes, clocks, flags), docs
+
+    def _one_at_a_time(
+        self,
+        journal: str,
+        base: int,
+        lines: list[bytes],
+        bad: Callable[[int, str], None],
+        docs: list[Any] | None,
+    ) -> list[Envelope]:
         out: list[Envelope] = []
         begin = base
         if docs is not None:
             keep, parse, depth, new = self.keep, self.parse, self.depth, _new_tuple
-            texts = uuid_texts_of(docs, depth)
-            parsed = uuid_columns(texts) if None not in texts else None  # All at once (numpy).
-            if parsed is not None and (parsed[1] < 0).any():
-                parsed = None  # A Clock past a row's int64: said one at a time, below.
-            if parsed is not None:
-                nodes, clocks, flags = parsed
-                node_list = nodes.tolist()
-                ids = {node: node.to_bytes(6, "big") for node in set(node_list)}
-                offsets = list(itertools.accumulate(map(len, lines), _past_newline, initial=base))
-                self.run = (np.array(offsets[:-1], np.int64), nodes, clocks, flags)
-                return list(
-                    map(
-                        _new_envelope,
-                        zip(
-                            itertools.repeat(journal),
-                            offsets,
-                            offsets[1:],
-                            map(ids.__getitem__, node_list),
-                            clocks.tolist(),
-                            flags.tolist(),
-                            lines if keep else itertools.repeat(None),
-                        ),
-                    )
-                )
             try:
                 for line, doc in zip(lines, docs, strict=True):
                     end = begin + len(line) + 1
@@ -419,7 +492,7 @@ class Decoder:
                     else:
                         fields = parse(text)
                         if fields[1] > MAX_CLOCK:
-                            raise ValueError(text)  # Said one at a time, below.
+                            raise ValueError(text)  # Said one frame at a time, below.
                     out.append(
                         new(Envelope, (journal, begin, end, *fields, line if keep else None))
                     )
@@ -428,7 +501,7 @@ class Decoder:
             except ValueError:
                 out.clear()
                 begin = base
-        for line in lines:  # The one-at-a-time path words what is wrong.
+        for line in lines:  # The one-frame-at-a-time path words what is wrong.
             end = begin + len(line) + 1
             env = self.envelope(journal, Frame(begin, end, line + b"\n"))
             if isinstance(env, str):
@@ -540,6 +613,48 @@ async def envelopes(
     """The envelopes of the frames in [begin, end) (`end` 0: to the write head), read as
     `chunks_of` reads, a chunk at a time: each list with the write head the chunk's response
     carried and the offset its frames end at (bad ones included)."""
+    decoded = _decoded(client, reading, journal, decoder, begin, end, bad, first,
+                       decoder.lines, _as_they_are)  # fmt: skip
+    async with contextlib.aclosing(decoded):
+        async for item in decoded:
+            yield item
+
+
+def _as_they_are(envs: list[Envelope]) -> list[Envelope]:
+    return envs
+
+
+async def columns(
+    client: JournalsClient,
+    reading: Reading,
+    journal: str,
+    decoder: Decoder,
+    begin: int,
+    end: int,
+    *,
+    bad: Callable[[int, str], None],
+    first: bool = False,
+) -> AsyncGenerator[tuple[Columns, int, int], None]:
+    """As `envelopes`, each chunk's messages as columns."""
+    decoded = _decoded(client, reading, journal, decoder, begin, end, bad, first,
+                       decoder.columns, Columns.of)  # fmt: skip
+    async with contextlib.aclosing(decoded):
+        async for item in decoded:
+            yield item
+
+
+async def _decoded(
+    client: JournalsClient,
+    reading: Reading,
+    journal: str,
+    decoder: Decoder,
+    begin: int,
+    end: int,
+    bad: Callable[[int, str], None],
+    first: bool,
+    lines_of: Callable[[str, int, list[bytes], Callable[[int, str], None]], T],
+    framed: Callable[[list[Envelope]], T],
+) -> AsyncGenerator[tuple[T, int, int], None]:
     frames = FrameReader(decoder.framing, begin)
     head, read_to = 0, begin
     read = chunks_of(client, reading, journal, begin, end, first=first)
@@ -547,20 +662,20 @@ async def envelopes(
         async for chunk in read:
             head = max(head, chunk.write_head)
             read_to = chunk.offset + len(chunk.content)
-            out: list[Envelope] = []
             if decoder.uuids is not None:
                 errors, base, lines = frames.feed_lines(chunk.offset, chunk.content)
                 for frame in errors:
                     bad(frame.offset, frame.error or "a partial frame")
-                if lines:
-                    out = decoder.lines(journal, base, lines, bad)
+                out = lines_of(journal, base, lines, bad) if lines else framed([])
             else:
+                envs: list[Envelope] = []
                 for frame in frames.feed(chunk.offset, chunk.content):
                     env = decoder.envelope(journal, frame)
                     if isinstance(env, str):
                         bad(frame.offset, env)
                     else:
-                        out.append(env)
+                        envs.append(env)
+                out = framed(envs)
             through = frames.offset if frames.offset is not None else begin
             yield out, head, through
     if end and read_to >= end:
@@ -610,35 +725,49 @@ def _past_newline(offset: int, length: int) -> int:
     return offset + length + 1
 
 
-def _run_columns(run: tuple[Any, Any, Any, Any]) -> tuple[list[bytes], Any, Any, Any, Any]:
-    """A decoded run's columns as `Tally.add_run` takes them: its producers' ids, which of them
-    each message's is, Clocks, flags, begins."""
-    import numpy as np
-
-    begins, nodes, clocks, flags = run
-    unique, which = np.unique(nodes, return_inverse=True)
-    producers = [node.to_bytes(6, "big") for node in unique.tolist()]
-    return producers, which, clocks, flags, begins
-
-
 def tally_of(journal: str, start: Position) -> Tally:
     """What a Sequencer restored at `start` commits, for the envelopes read from there."""
     return Tally(journal, start.checkpoint(journal), start.at)
 
 
-async def committed(
-    tally: Tally,
-    found: list[int],
-    held: list[Envelope],
-    reread: Callable[[int, int], AsyncIterator[Envelope]],
-) -> list[Envelope]:
-    """The envelopes `tally.add` said commit (ACKs left out), indices into `held`; a span begun
-    before them (restored from the start position) is read again first."""
-    if found is REPLAY:
-        _, begin, end = tally.replay_range()
-        before, indices = tally.replayed([env async for env in reread(begin, end)])
-        return before + [held[i] for i in indices]
-    return [held[i] for i in found]
+class Rows:
+    """The rows a scan delivers, in delivery order: indices of the range's messages (held as
+    columns, a chunk at a time), and messages read again from before the range."""
+
+    def __init__(self) -> None:
+        self.held: list[Columns] = []
+        self.parts: list[Any] = []  # numpy arrays of indices, and Columns, in order.
+        self._indices: list[int] = []  # The next part, while it grows.
+
+    def hold(self, cols: Columns) -> None:
+        self.held.append(cols)
+
+    def add(self, indices: Any) -> None:
+        """Rows by their indices (a list, or a numpy array)."""
+        if isinstance(indices, list):
+            self._indices += indices
+        else:
+            self._flush()
+            self.parts.append(indices)
+
+    def add_columns(self, cols: Columns) -> None:
+        if len(cols):
+            self._flush()
+            self.parts.append(cols)
+
+    def columns(self) -> Columns:
+        self._flush()
+        held = Columns.joined(self.held)
+        return Columns.joined(
+            [part if isinstance(part, Columns) else held.take(part) for part in self.parts]
+        )
+
+    def _flush(self) -> None:
+        import numpy as np
+
+        if self._indices:
+            self.parts.append(np.array(self._indices, np.int64))
+            self._indices = []
 
 
 def position_of(tally: Tally, at: int, rev: int, horizon: float) -> Position:
@@ -688,62 +817,65 @@ class Planner:
         """Read the journal from `start` (to `bound`, or its head if 0), deciding what commits
         with a Tally and recording each commit and the rows it delivers; stop past the limits
         or the read-ahead, unless `exact` (a range planned anew: read to `bound`)."""
+        import numpy as np
+
         o = self.options
         out = Scan(journal, start, through=start.at, head=start.at)
         decoder = Decoder(kind, o.uuid_path, keep=False)
         reading = self.reading()
-
-        def reread(begin: int, end: int) -> AsyncIterator[Envelope]:
-            again = Decoder(kind, o.uuid_path, keep=False)
-            return _range_of(client, reading, journal, again, begin, end, _ignore)
-
         bad: list[tuple[int, str]] = []  # Executors report them (or fail on them).
         tally = None if o.read_uncommitted else tally_of(journal, start)
-        # Without limits to keep to, a run of in-order messages goes to the Tally at once.
-        at_once = tally is not None and (exact or not o.limited)
-        held: list[Envelope] = []  # The range's envelopes: the Tally's answers index them.
-        delivered: list[Envelope] = []
-        rows = size = 0
+        limited = o.limited and not exact
+        rows = Rows()
+        sizes: list[int] = []  # Of the range's messages, by index.
+        taken = taken_bytes = 0  # The rows delivered, and their frames' bytes.
         stop = False
-        async for batch, head, through in envelopes(
+        async for cols, head, through in columns(
             client, reading, journal, decoder, start.at, bound,
             bad=lambda offset, why: bad.append((offset, why)), first=first,
         ):  # fmt: skip
             out.head = max(out.head, head)
-            add = tally.add if tally is not None else None
-            first_index = len(held)
-            held += batch
-            if at_once and decoder.run is not None and len(decoder.run[0]) == len(batch):
-                found = cast(Tally, tally).add_run(first_index, *_run_columns(decoder.run))
+            first_index = len(sizes)
+            rows.hold(cols)
+            sizes += (cols.ends - cols.begins).tolist()
+            if not limited and tally is None:
+                rows.add(np.arange(first_index, first_index + len(cols)))
+                continue_at = len(cols)
+            elif not limited and tally is not None and len(cols):
+                # A run in order goes to the Tally at once.
+                unique, which = np.unique(cols.nodes, return_inverse=True)
+                producers = [node.to_bytes(6, "big") for node in unique.tolist()]
+                found = tally.add_run(
+                    first_index, producers, which, cols.clocks, cols.flags, cols.begins
+                )
                 if found is not None:
-                    delivered += map(held.__getitem__, found.tolist())
-                    out.through = through
-                    if not exact and out.through - start.at >= o.read_ahead:
-                        break
-                    continue
-            for index, (_, begin, end, producer, clock, flags, _) in enumerate(batch, first_index):
+                    rows.add(found)
+                continue_at = len(cols) if found is not None else 0
+            else:
+                continue_at = 0
+            for index, (begin, end, node, clock, flags) in enumerate(
+                zip(cols.begins[continue_at:].tolist(), cols.ends[continue_at:].tolist(),
+                    cols.nodes[continue_at:].tolist(), cols.clocks[continue_at:].tolist(),
+                    cols.flags[continue_at:].tolist(), strict=True),
+                first_index + continue_at,
+            ):  # fmt: skip
                 out.through = end
-                if add is None:
-                    delivered.append(held[index])
-                    n, s = 1, end - begin
+                if tally is None:
+                    rows.add([index])
+                    n, size = 1, end - begin
                 else:
-                    found = add(index, producer, clock, flags, begin)
-                    if not found and found is not REPLAY:
-                        continue  # Nothing, or an ACK alone, committed.
-                    if found is REPLAY:
-                        rows_of = await committed(cast(Tally, tally), found, held, reread)
-                    else:
-                        rows_of = [held[i] for i in found]
-                    n, s = len(rows_of), sum(d.end - d.begin for d in rows_of)
+                    n, size = await self._add(
+                        tally, index, node, clock, flags, begin, rows, sizes, client, reading,
+                        kind,
+                    )  # fmt: skip
                     if not n:
                         continue
-                    delivered += rows_of
-                if not exact:
-                    out.events.append(Event(clock, n, s, begin))
-                rows, size = rows + n, size + s
-                if not exact and (
-                    (o.max_messages is not None and rows > o.max_messages)
-                    or (o.max_bytes is not None and size > o.max_bytes)
+                if not limited:
+                    continue
+                out.events.append(Event(clock, n, size, begin))
+                taken, taken_bytes = taken + n, taken_bytes + size
+                if (o.max_messages is not None and taken > o.max_messages) or (
+                    o.max_bytes is not None and taken_bytes > o.max_bytes
                 ):
                     stop = True  # Nothing after this commit can join the batch.
                     break
@@ -757,8 +889,40 @@ class Planner:
             out.final = Position(out.through, start.rev)
         else:
             out.final = position_of(tally, out.through, start.rev, o.horizon)
-        out.plan = Plan.of(delivered, [b for b in bad if b[0] < out.through])
+        out.plan = Plan.of_columns(rows.columns(), [b for b in bad if b[0] < out.through])
         return out
+
+    async def _add(
+        self,
+        tally: Tally,
+        index: int,
+        node: int,
+        clock: int,
+        flags: int,
+        begin: int,
+        rows: Rows,
+        sizes: list[int],
+        client: JournalsClient,
+        reading: Reading,
+        kind: str,
+    ) -> tuple[int, int]:
+        """Add one message to the Tally, and what it commits to `rows`: how many, and their
+        frames' bytes."""
+        found = tally.add(index, node.to_bytes(6, "big"), clock, flags, begin)
+        if found is REPLAY:  # A span restored from the start position: read again first.
+            _, b, e = tally.replay_range()
+            again = Decoder(kind, self.options.uuid_path, keep=False)
+            envs = [env async for env in _range_of(client, reading, tally.journal, again, b, e,
+                                                   _ignore)]  # fmt: skip
+            before, indices = tally.replayed(envs)
+            rows.add_columns(Columns.of(before))
+            rows.add(indices)
+            size = sum(e.end - e.begin for e in before) + sum(map(sizes.__getitem__, indices))
+            return len(before) + len(indices), size
+        if not found:
+            return 0, 0  # Nothing, or an ACK alone, committed.
+        rows.add(found)
+        return len(found), sum(map(sizes.__getitem__, found))
 
     async def boundary(
         self, client: JournalsClient, spec: pb.JournalSpec, at: int, head: int
@@ -1193,24 +1357,18 @@ class Plan:
 
     @classmethod
     def of(cls, rows: list[Envelope], bad: list[tuple[int, str]]) -> Plan:
+        return cls.of_columns(Columns.of(rows), bad)
+
+    @classmethod
+    def of_columns(cls, rows: Columns, bad: list[tuple[int, str]]) -> Plan:
         import numpy as np
 
-        if not rows:
-            empty = np.zeros(0, np.int64)
-            return cls(empty, empty, empty.astype(np.uint32), b"", empty, empty.astype(np.int32),
-                       tuple(bad))  # fmt: skip
-        _, begins, ends, producers, clocks, flags, _ = zip(*rows, strict=True)
-        ids: dict[bytes, int] = {}
-        index = [ids.setdefault(p, len(ids)) for p in producers]
+        unique, which = np.unique(rows.nodes, return_inverse=True)
+        ids = b"".join(node.to_bytes(6, "big") for node in unique.tolist())
         return cls(
-            np.array(begins, np.int64),
-            np.array(ends, np.int64),
-            np.array(index, np.uint32),
-            b"".join(ids),
-            np.array(clocks, np.int64),
-            np.array(flags, np.int32),
+            rows.begins, rows.ends, which.astype(np.uint32), ids, rows.clocks, rows.flags,
             tuple(bad),
-        )
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.begins)
