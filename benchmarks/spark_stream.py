@@ -121,7 +121,7 @@ def floor(session: Any, rows: int, out: Path) -> float:
             import numpy as np
             import pyarrow as pa
 
-            from gazctl.spark.source import with_timestamp
+            from gazctl.spark.columns import with_timestamp
             from gazctl.spark.stream_source import stream_arrow_schema
 
             n = 8192

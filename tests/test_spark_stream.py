@@ -34,10 +34,9 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.spark.journals import JobError
 from gazctl.spark.session import use_in_this_thread
-from gazctl.spark.stream_source import (
+from gazctl.spark.stream_plan import (
     Decoder,
     Event,
-    GazetteStreamReader,
     Position,
     Scan,
     StreamOffset,
@@ -45,6 +44,7 @@ from gazctl.spark.stream_source import (
     choose_cuts,
     collection_paused,
 )
+from gazctl.spark.stream_source import GazetteStreamReader
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed
 

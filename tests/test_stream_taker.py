@@ -13,15 +13,9 @@ import pytest
 
 from broker.message.sequencer import Envelope
 from broker.message.uuid import text_of
-from gazctl.spark.source import json_fields
-from gazctl.spark.stream_source import (
-    BATCH_ROWS,
-    NO_PRODUCER,
-    Plan,
-    Taker,
-    planned_batch,
-    stream_arrow_schema,
-)
+from gazctl.spark.columns import BATCH_ROWS, json_fields
+from gazctl.spark.stream_plan import NO_PRODUCER, Plan
+from gazctl.spark.stream_source import Taker, planned_batch, stream_arrow_schema
 
 J = "a/journal"
 

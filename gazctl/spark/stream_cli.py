@@ -195,7 +195,7 @@ def _stream(
         raise click.BadParameter(
             f"--max-messages-per-batch {max_messages_per_batch}: give 1 or more"
         )
-    from gazctl.spark.stream_source import StreamOptions
+    from gazctl.spark.stream_plan import StreamOptions
 
     broker = str(opts["broker_address"])
     source = {"selector": selector, "broker": broker, "framing": framing,
