@@ -94,7 +94,7 @@ _new_envelope = functools.partial(tuple.__new__, Envelope)  # Envelope._make, in
 OPTIONS = (
     "selector", "broker", "file_root", "framing", "uuid_path", "bad_frames", "startingOffsets",
     "maxMessagesPerTrigger", "maxBytesPerTrigger", "readUncommitted", "failOnDataLoss",
-    "maxReadAhead", "producerHorizon", "json_schema",
+    "maxReadAhead", "producerHorizon", "json_schema", "planningProcesses",
 )  # fmt: skip
 
 
@@ -136,6 +136,7 @@ class StreamOptions:
     read_ahead: int
     horizon: float
     json_schema: str | None = None
+    planning_processes: int = 1
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> StreamOptions:
@@ -176,6 +177,8 @@ class StreamOptions:
             read_ahead=_size(given, "maxReadAhead") or DEFAULT_READ_AHEAD,
             horizon=_duration(given, "producerHorizon", DEFAULT_HORIZON),
             json_schema=given.get("json_schema"),
+            planning_processes=_count(given, "planningProcesses", "processes")
+            or min(os.cpu_count() or 1, 8),
         )
 
     @property
@@ -183,12 +186,12 @@ class StreamOptions:
         return self.max_messages is not None or self.max_bytes is not None
 
 
-def _count(given: dict[str, str], name: str) -> int | None:
+def _count(given: dict[str, str], name: str, what: str = "messages") -> int | None:
     text = given.get(name)
     if text is None:
         return None
     if not re.fullmatch(r"\s*[0-9]+\s*", text) or int(text) <= 0:
-        raise JobError(f"option {name} {text!r} is not a positive number of messages")
+        raise JobError(f"option {name} {text!r} is not a positive number of {what}")
     return int(text)
 
 
@@ -684,6 +687,18 @@ async def head_of(client: JournalsClient, spec: pb.JournalSpec) -> int:
 
 
 # Planning -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScanJob:
+    """One journal to scan: `Planner.scan`'s arguments."""
+
+    journal: str
+    kind: str
+    start: Position
+    bound: int
+    first: bool
+    exact: bool = False
 
 
 @dataclass

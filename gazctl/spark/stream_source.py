@@ -57,12 +57,14 @@ from gazctl.spark.columns import (
     with_timestamp,
 )
 from gazctl.spark.journals import JobError
+from gazctl.spark.planners import Scanners
 from gazctl.spark.stream_plan import (
     Plan,
     Planner,
     Position,
     Reading,
     Scan,
+    ScanJob,
     StreamOffset,
     StreamOptions,
     _gathered,
@@ -113,6 +115,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: StreamOptions) -> None:
         self.options = options
         self.planner = Planner(options)
+        self.scanners = Scanners(self.planner)  # (Processes start when a batch needs them.)
         self._initial: dict[str, Any] | None = None
         self._target: dict[str, int] | None = None  # AvailableNow: heads when it started.
         self._heads: dict[str, int] = {}
@@ -180,6 +183,9 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict[str, Any]) -> None:
         pass  # Nothing is held between batches: each call reads afresh.
 
+    def stop(self) -> None:
+        self.scanners.close()
+
     # The work.
 
     def _kind(self, journal: str) -> str:
@@ -198,20 +204,21 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     ) -> dict[str, Plan]:
         """The plans of ranges planned before: each read again from its start position to its
         end, which delivers what it did then (the same bytes, from the same states)."""
+        jobs = [
+            ScanJob(journal, kinds[journal], start, at, start.at == 0, exact=True)
+            for journal, (start, at) in sorted(ranges.items())
+        ]
         async with JournalsClient(self.options.broker) as client:
-
-            async def one(journal: str) -> tuple[str, Plan]:
-                start, at = ranges[journal]
-                scan = await self.planner.scan(
-                    client, journal, kinds[journal], start, at, first=start.at == 0, exact=True
-                )
-                if scan.through < at:  # (failOnDataLoss=false: what was left of it.)
-                    log.warning("journal %s: planning [%d, %d) again read to %d only", journal,
-                                start.at, at, scan.through)  # fmt: skip
-                assert scan.plan is not None
-                return journal, scan.plan
-
-            return dict(await _gathered([one(journal) for journal in sorted(ranges)]))
+            scans = await self.scanners.run(client, jobs, sum(j.bound - j.start.at for j in jobs))
+        plans: dict[str, Plan] = {}
+        for scan in scans:
+            start, at = ranges[scan.journal]
+            if scan.through < at:  # (failOnDataLoss=false: what was left of it.)
+                log.warning("journal %s: planning [%d, %d) again read to %d only", scan.journal,
+                            start.at, at, scan.through)  # fmt: skip
+            assert scan.plan is not None
+            plans[scan.journal] = scan.plan
+        return plans
 
     async def _initial_offset(self) -> StreamOffset:
         starting = self.options.starting
@@ -296,33 +303,41 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     else:
                         starts[name] = (Position(0, rev), True)  # New: from its earliest.
 
-            async def one(name: str) -> Scan:
+            done: dict[str, Scan] = {}  # AvailableNow: journals already at their target.
+            jobs: list[ScanJob] = []
+            for name in sorted(starts):
                 pos, first = starts[name]
                 bound = 0
                 if self._target is not None:
                     bound = self._target.get(name, pos.at)
                     if bound <= pos.at:
-                        return Scan(name, pos, [], pos.at, pos.at, pos, Plan.of([], []))
-                return await self.planner.scan(
-                    client, name, self._kinds[name], pos, bound, first=first
+                        done[name] = Scan(name, pos, [], pos.at, pos.at, pos, Plan.of([], []))
+                        continue
+                jobs.append(ScanJob(name, self._kinds[name], pos, bound, first))
+            pending = 0
+            if self.scanners.may_run_apart(jobs):  # Enough to read to pay for it? Ask.
+                heads = await _gathered([head_of(client, listed[j.journal][0]) for j in jobs])
+                pending = sum(
+                    min(o.read_ahead, max(0, (j.bound or head) - j.start.at))
+                    for j, head in zip(jobs, heads, strict=True)
                 )
-
-            scans = await _gathered([one(name) for name in sorted(starts)])
+            for scan in await self.scanners.run(client, jobs, pending):
+                done[scan.journal] = scan
+            scans = [done[name] for name in sorted(done)]
             for scan in scans:
                 self._heads[scan.journal] = scan.head
             cuts = choose_cuts(scans, o.max_messages, o.max_bytes) if limited and o.limited else {}
-
-            async def cut(scan: Scan) -> Scan:
-                """The scan, or, if the batch ends inside it, its range to there read again."""
-                event = cuts.get(scan.journal)
-                if event is None:
-                    return scan
-                return await self.planner.scan(
-                    client, scan.journal, self._kinds[scan.journal], scan.start, event.at,
-                    first=starts[scan.journal][1], exact=True,
-                )  # fmt: skip
-
-            scans = await _gathered([cut(scan) for scan in scans])
+            # A batch that ends inside a journal: its range to there, read again.
+            again = [
+                ScanJob(scan.journal, self._kinds[scan.journal], scan.start, event.at,
+                        starts[scan.journal][1], exact=True)
+                for scan in scans
+                if (event := cuts.get(scan.journal)) is not None
+            ]  # fmt: skip
+            pending = sum(j.bound - j.start.at for j in again)
+            for scan in await self.scanners.run(client, again, pending):
+                done[scan.journal] = scan
+            scans = [done[name] for name in sorted(done)]
         positions: dict[str, Position] = {}
         self._planned = {}
         for scan in scans:
