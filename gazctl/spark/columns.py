@@ -240,14 +240,26 @@ def uuid_texts(producers: bytes, clocks: Any, flags: Any) -> tuple[Any, Any]:
     )
     sequence = ((clock << u(10)) & u(0x3C00)) | flag | u(0x8000)
     low = (sequence << u(48)) | nodes
-    shifts = np.arange(60, -1, -4, dtype=np.uint64)
-    nibbles = np.empty((n, 32), np.uint8)
-    nibbles[:, :16] = (high[:, None] >> shifts) & u(0xF)
-    nibbles[:, 16:] = (low[:, None] >> shifts) & u(0xF)
-    digits = np.frombuffer(b"0123456789abcdef", np.uint8)[nibbles]
+    # The UUID's 16 bytes, each as its two hex digits (a table of 256 pairs), dashes between.
+    octets = np.stack([high, low], axis=1).astype(">u8").view(np.uint8).reshape(n, 16)
+    digits = _hex_pairs()[octets].view(np.uint8).reshape(n, 32)
     text = np.full((n, 36), ord("-"), np.uint8)
-    text[:, _HEXITS] = digits
+    for (a, b), (c, d) in _TEXT_SPANS:
+        text[:, a:b] = digits[:, c:d]
     return text.view("S36").ravel(), np.ascontiguousarray(text[:, 24:]).view("S12").ravel()
+
+
+# Where a UUID's 32 hex digits go in its 36 characters.
+_TEXT_SPANS = (((0, 8), (0, 8)), ((9, 13), (8, 12)), ((14, 18), (12, 16)), ((19, 23), (16, 20)),
+               ((24, 36), (20, 32)))  # fmt: skip
+
+
+@functools.cache
+def _hex_pairs() -> Any:
+    """Each byte's two lowercase hex digits, as the two bytes of a uint16."""
+    import numpy as np
+
+    return np.frombuffer(b"".join(b"%02x" % i for i in range(256)), np.uint16)
 
 
 def hex_ids(nodes: Any) -> Any:
