@@ -296,12 +296,20 @@ def test_parse_text_agrees_with_parse(producer: bytes, clock: int, flags: int) -
         "0075bcd1-0000-1000-9402-0102030405070",  # 37 characters
         "0075bcd100001000940201020304050700000",  # no hyphens
         "0075bcd1-0000-1000-9402-01020304-507",  # a hyphen out of place
+        "0x75bcd1-0000-1000-9402-010203040507",  # and a 0x (found by review)
     ],
 )
 def test_parse_text_rejects_what_is_not_a_canonical_message_uuid(text: str) -> None:
     with pytest.raises(ValueError) as err:
         mu.parse_text(text)
     assert "\n" not in str(err.value)
+    # The stream parser too, also once the text's tail is known from a good UUID.
+    parser = mu.TextParser()
+    good = "0075bcd1" + text[8:]
+    if len(text) == 36 and text[8:] == "-0000-1000-9402-010203040507":
+        parser.fields(good)
+    with pytest.raises(ValueError):
+        parser.fields(text)
 
 
 @given(producers, st.lists(st.tuples(clocks, flag_values), min_size=1, max_size=20))

@@ -225,8 +225,13 @@ def test_uuid_columns_refuse_what_parse_text_refuses(bad: str) -> None:
          b'{"_meta":{"uuid":"%s"}, "x": [{"a": 1}' % str(build(bytes(range(1, 7)), 99, 0)).encode(),
          b'{"b": 2}]}',
          b'{"_meta":{"uuid":"%s"}}' % str(build(bytes(range(1, 7)), 101, 0)).encode()],
+        [b'{"x":"\xff\xfe","_meta":{"uuid":"%s"}}' % str(build(bytes(range(1, 7)), 99, 0)).encode(),
+         b'{"_meta":{"uuid":"%s"}}' % str(build(bytes(range(1, 7)), 101, 0)).encode()],
+        [b'{"x":' + b"[" * 5000 + b"]" * 5000 + b"}",
+         b'{"_meta":{"uuid":"%s"}}' % str(build(bytes(range(1, 7)), 101, 0)).encode()],
     ],
-    ids=["two documents on one line", "one document over two lines", "both: as many as lines"],
+    ids=["two documents on one line", "one document over two lines", "both: as many as lines",
+         "not UTF-8 outside the UUID", "nested too deep"],
 )  # fmt: skip
 def test_json_lines_that_are_not_one_document_each_are_bad_frames(lines: list[bytes]) -> None:
     """The batch source's chunk path, on lines that decode to another number of documents

@@ -259,7 +259,7 @@ def test_choose_cuts_takes_commits_in_clock_order_within_both_limits() -> None:
         ({"startingOffsets": '{"a": -3}'}, "option startingOffsets: give a JSON object"),
         ({"startingOffsets": "yesterday"}, "option startingOffsets 'yesterday' is not earliest"),
         ({"maxMessagesPerTrigger": "0"}, "option maxMessagesPerTrigger '0' is not a positive"),
-        ({"planningProcesses": "0"}, "option planningProcesses '0' is not a positive number of proc"),
+        ({"planningProcesses": "0"}, "option planningProcesses '0' is not a positive number"),
         ({"maxBytesPerTrigger": "lots"}, "option maxBytesPerTrigger 'lots' is not a size"),
         ({"failOnDataLoss": "maybe"}, "option failOnDataLoss 'maybe' is not true or false"),
         ({"framing": "fixed"}, "option framing 'fixed': the gazette stream source reads messages"),

@@ -28,8 +28,12 @@ log = logging.getLogger(__name__)
 
 class ReadError(RuntimeError):
     def __init__(self, journal: str, status: int) -> None:
+        self.journal = journal
         self.status = status
         super().__init__(f"read of {journal}: {pb.Status.Name(status)}")
+
+    def __reduce__(self) -> tuple[type[ReadError], tuple[str, int]]:
+        return ReadError, (self.journal, self.status)  # (Pickled: a planning process's.)
 
 
 @dataclass(frozen=True)

@@ -651,9 +651,15 @@ def decode_message(framing: Framing, messages: MessageType[M], frame: Frame) -> 
 
 
 def _parse_uuid_text(text: str, where: str) -> uuid.UUID | None:
+    """A UUID in any of the spellings `uuid.UUID` takes (hyphens or none, braces, a urn: prefix),
+    its digits hex only: `uuid.UUID` alone, through int(), would also take a 0x, underscores
+    and spaces."""
     if not text:
         return None
+    digits = text.replace("urn:", "").replace("uuid:", "").strip("{}").replace("-", "")
     try:
+        if len(digits) != 32 or digits.strip("0123456789abcdefABCDEF"):
+            raise ValueError
         u = uuid.UUID(text)
     except ValueError:
         raise ValueError(f"{where} holds {text[:60]!r}, which is not a UUID") from None

@@ -345,8 +345,8 @@ def parse_text(text: str) -> tuple[bytes, int, int]:
     if len(text) != 36 or not text[8] == text[13] == text[18] == text[23] == "-":
         raise ValueError(f"{text[:60]!r} is not a UUID in its 36-character hyphenated form")
     hexits = text.replace("-", "")
-    # int() alone would also take spaces, underscores, signs and non-ASCII digits.
-    if len(hexits) != 32 or not (hexits.isascii() and hexits.isalnum()):
+    # int() alone would also take spaces, underscores, signs, a 0x and non-ASCII digits.
+    if len(hexits) != 32 or hexits.strip(_HEX_DIGITS):
         raise ValueError(f"{text!r} is not a UUID: it holds non-hex characters")
     try:
         n = int(hexits, 16)
@@ -381,8 +381,8 @@ class TextParser:
         known = self._tails.get(text[8:])
         if known is not None:
             head = text[:8]
-            # The tail was checked when remembered; int() alone would take signs and spaces.
-            if head.isascii() and head.isalnum():
+            # The tail was checked when remembered; int() alone would take signs, spaces, 0x.
+            if len(head) == 8 and not head.strip(_HEX_DIGITS):
                 producer, rest, flags = known
                 return producer, int(head, 16) << 4 | rest, flags
         producer, clock, flags = parse_text(text)
@@ -392,6 +392,7 @@ class TextParser:
 
 
 _MAX_TAILS = 4096
+_HEX_DIGITS = "0123456789abcdefABCDEF"
 _CLOCK_REST = ~(0xFFFF_FFFF << 4)  # A Clock without its low 32 bits of ticks.
 _VERSION_VARIANT_MASK = 0xF << 76 | 0x3 << 62
 _VERSION_VARIANT = 0x1 << 76 | 0b10 << 62

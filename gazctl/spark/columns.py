@@ -134,14 +134,21 @@ def _uuid_decoder(uuid_path: str) -> Any:
 
 def uuid_docs(decoder: Any, lines: list[bytes]) -> list[Any] | None:
     """The UUID documents (`_uuid_decoder`) of complete JSON lines, each line decoded on its
-    own, in C; None when a line is not exactly one JSON document (decoded together, a line of
-    two and one over two lines could make up each other's count and shift later lines'
-    UUIDs): the caller then frames them one at a time, which says what is wrong."""
+    own, in C; None when a line is not exactly one JSON document of UTF-8 text (decoded
+    together, a line of two and one over two lines could make up each other's count and shift
+    later lines' UUIDs), or nests too deep: the caller then frames them one at a time, which
+    says what is wrong."""
     import msgspec
 
+    if not all(map(bytes.isascii, lines)):  # The fields skipped are not checked: check here.
+        try:
+            for line in lines:
+                line.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
     try:
         return list(map(decoder.decode, lines))
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 

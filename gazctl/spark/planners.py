@@ -9,8 +9,8 @@ until the query stops (`Scanners.close`).
 A planning process is `python -m gazctl.spark.planners DRIVER_PID`: it imports no PySpark (a
 tenth of a second to start, where a `multiprocessing` child of Spark's driver-side Python would
 import Spark's own runner), takes each job as a length-prefixed pickle on its stdin and answers
-on its stdout, and dies with its driver however the driver ends (the kernel's parent-death
-signal, on Linux). A process whose call fails or is abandoned (the driver's call cancelled) is
+on its stdout, and ends within half a second of its driver however the driver ends (a thread
+watches its parent). A process whose call fails or is abandoned (the driver's call cancelled) is
 stopped, never reused: it may still be answering.
 """
 
@@ -24,6 +24,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
 from broker.client.journals import JournalsClient
@@ -87,8 +88,9 @@ class Scanners:
     async def here(self, client: JournalsClient, job: ScanJob) -> Scan:
         """A scan in this process."""
         return await self.planner.scan(
-            client, job.journal, job.kind, job.start, job.bound, first=job.first, exact=job.exact
-        )
+            client, job.journal, job.kind, job.start, job.bound, first=job.first,
+            exact=job.exact, limited=job.limited,
+        )  # fmt: skip
 
     def pids(self) -> list[int]:
         return [p.process.pid for p in self._all]
@@ -142,7 +144,13 @@ class PlanningProcess:
                     f"{job.journal} (exit status {self.process.poll()}): see its error above; "
                     "option planningProcesses=1 plans in the driver's own process"
                 )
-            kind, value = pickle.loads(answer)
+            try:
+                kind, value = pickle.loads(answer)
+            except Exception as exc:
+                raise JobError(
+                    f"a planning process (pid {self.process.pid}) answered what cannot be read "
+                    f"while planning journal {job.journal}: {type(exc).__name__}: {exc}"
+                ) from None
             if kind == "error":
                 raise value
             return value  # type: ignore[no-any-return]
@@ -204,15 +212,16 @@ def _scan(options: StreamOptions, job: ScanJob) -> Scan:
 
 
 def _dies_with(driver: int) -> None:
-    """This process dies when the driver does (on Linux, by the kernel's parent-death signal);
-    a driver gone already ends it now."""
-    import ctypes
-    import signal
+    """This process ends within half a second of its driver, however the driver ends: a thread
+    of its own watches its parent (the kernel's parent-death signal would follow the driver's
+    thread that started it, not the driver)."""
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != driver:
+    def watch() -> None:
+        while os.getppid() == driver:
+            time.sleep(0.5)
         os._exit(1)
+
+    threading.Thread(target=watch, name="driver-watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
@@ -227,7 +236,7 @@ def main(argv: list[str]) -> int:
             answer: tuple[str, Any] = ("ok", _scan(options, job))
         except Exception as exc:  # Raised again in the driver (a JobError: its one line).
             try:
-                pickle.dumps(exc)
+                pickle.loads(pickle.dumps(exc))  # (Some pickle, and then do not unpickle.)
             except Exception:
                 exc = RuntimeError(f"{type(exc).__name__}: {exc}")
             answer = ("error", exc)

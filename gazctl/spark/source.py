@@ -471,7 +471,7 @@ def _message_batches(
                 fields = messages.decode_frame(payload)[1]
             elif kind == "csv":
                 fields = uuid_fields(messages.decode(payload))
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             _bad(fragment, frame.offset, f"cannot decode the message: {exc}", partition.bad_frames)
             return
         producer: str | None = None

@@ -514,7 +514,7 @@ class Decoder:
                 fields = self.dicts.decode_frame(payload)[1]
             else:
                 fields = self.csv_fields(self.csv.decode(payload))
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             return f"cannot decode the message: {exc}"
         message = payload if self.keep else None
         if fields is not None and fields[1] > MAX_CLOCK:
@@ -699,6 +699,7 @@ class ScanJob:
     bound: int
     first: bool
     exact: bool = False
+    limited: bool = True  # False: Spark asked for all there is (Trigger.Once): no limits.
 
 
 @dataclass
@@ -817,6 +818,7 @@ class Planner:
         *,
         first: bool,
         exact: bool = False,
+        limited: bool = True,
     ) -> Scan:
         """Read the journal from `start` (to `bound`, or its head if 0), deciding what commits
         with a Tally and recording each commit and the rows it delivers; stop past the limits
@@ -829,7 +831,7 @@ class Planner:
         reading = self.reading()
         bad: list[tuple[int, str]] = []  # Executors report them (or fail on them).
         tally = None if o.read_uncommitted else tally_of(journal, start)
-        limited = o.limited and not exact
+        limited = limited and o.limited and not exact
         rows = Rows()
         sizes: list[int] = []  # Of the range's messages, by index.
         taken = taken_bytes = 0  # The rows delivered, and their frames' bytes.

@@ -91,21 +91,22 @@ STREAM_SCHEMA = (
 
 @dataclass
 class StreamPartition(InputPartition):
-    """One journal's bytes [begin, end) and the rows the driver planned of them (pickled to the
-    executor)."""
+    """One journal's bytes [begin, end), its create revision, and the rows the driver planned
+    of them (pickled to the executor)."""
 
     journal: str
     begin: int
     end: int
     options: StreamOptions
     plan: Plan
+    rev: int
 
     def __init__(
-        self, journal: str, begin: int, end: int, options: StreamOptions, plan: Plan
+        self, journal: str, begin: int, end: int, options: StreamOptions, plan: Plan, rev: int
     ) -> None:
         super().__init__((journal, begin, end))
-        self.journal, self.begin, self.end, self.options, self.plan = (
-            journal, begin, end, options, plan,
+        self.journal, self.begin, self.end, self.options, self.plan, self.rev = (
+            journal, begin, end, options, plan, rev,
         )  # fmt: skip
 
 
@@ -171,7 +172,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             with collection_paused():
                 plans.update(run_async(self._plans_again({j: ranges[j] for j in missing}, kinds)))
         return [
-            StreamPartition(journal, s.at, at, self.options, plans[journal])
+            StreamPartition(journal, s.at, at, self.options, plans[journal], s.rev)
             for journal, (s, at) in ranges.items()
         ]
 
@@ -313,7 +314,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     if bound <= pos.at:
                         done[name] = Scan(name, pos, [], pos.at, pos.at, pos, Plan.of([], []))
                         continue
-                jobs.append(ScanJob(name, self._kinds[name], pos, bound, first))
+                jobs.append(ScanJob(name, self._kinds[name], pos, bound, first, limited=limited))
             pending = 0
             if self.scanners.may_run_apart(jobs):  # Enough to read to pay for it? Ask.
                 heads = await _gathered([head_of(client, listed[j.journal][0]) for j in jobs])
@@ -327,13 +328,19 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for scan in scans:
                 self._heads[scan.journal] = scan.head
             cuts = choose_cuts(scans, o.max_messages, o.max_bytes) if limited and o.limited else {}
-            # A batch that ends inside a journal: its range to there, read again.
-            again = [
-                ScanJob(scan.journal, self._kinds[scan.journal], scan.start, event.at,
-                        starts[scan.journal][1], exact=True)
-                for scan in scans
-                if (event := cuts.get(scan.journal)) is not None
-            ]  # fmt: skip
+            # A batch that ends inside a journal: its range to there, read again; one that ends
+            # at its start holds nothing of it (a bound of 0 would read to the write head).
+            again = []
+            for scan in scans:
+                event = cuts.get(scan.journal)
+                if event is None:
+                    continue
+                if event.at <= scan.start.at:
+                    done[scan.journal] = Scan(scan.journal, scan.start, [], scan.start.at,
+                                              scan.head, scan.start, Plan.of([], []))  # fmt: skip
+                    continue
+                again.append(ScanJob(scan.journal, self._kinds[scan.journal], scan.start,
+                                     event.at, starts[scan.journal][1], exact=True))  # fmt: skip
             pending = sum(j.bound - j.start.at for j in again)
             for scan in await self.scanners.run(client, again, pending):
                 done[scan.journal] = scan
@@ -504,18 +511,44 @@ async def deliver(part: StreamPartition) -> AsyncGenerator[Any, None]:
         return
     reading = Reading(o.broker, o.file_root, o.fail_on_data_loss)
     schema, fields = stream_arrow_schema(), json_fields(o.json_schema)
-    begin = min(part.begin, int(plan.begins.min()))
+    # From the first planned row's frame: every byte read was there when the batch was planned,
+    # so any hole is a loss (a journal that begins past offset 0 included).
+    begin = int(plan.begins.min())
     taker = Taker(plan, begin)
     async with JournalsClient(o.broker) as client:
-        read = chunks_of(client, reading, part.journal, begin, part.end, first=begin == 0)
+        if not await _planned_journal(client, part, reading, begin):
+            return  # Gone, or made anew: skipped (failOnDataLoss=false).
+        read = chunks_of(client, reading, part.journal, begin, part.end)
         async with contextlib.aclosing(read):
             async for chunk in read:
                 for first, stop, special in taker.feed(chunk.offset, chunk.content):
                     yield planned_batch(part.journal, taker, first, stop, special, schema, fields)
+        await _planned_journal(client, part, reading, begin, after=True)
     if taker.rest():  # The range was planned, so it was there: now it is not.
         reading.hole(part.journal, taker.top, part.end)
         for first, stop, special in taker.finish(part.end):
             yield planned_batch(part.journal, taker, first, stop, special, schema, fields)
+
+
+async def _planned_journal(
+    client: JournalsClient, part: StreamPartition, reading: Reading, begin: int, after: bool = False
+) -> bool:
+    """Whether the journal is the one the batch was planned on (its create revision): a journal
+    deleted, or made anew under its name, holds none of the planned bytes. Before reading: a
+    loss (`reading.hole`: a failure, or False to skip the rows). After reading: the rows given
+    may be pieces of the new journal's, so the task fails, and its retry finds it before."""
+    name = pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=part.journal)]))
+    listed = await client.list(name)
+    rev = next((int(j.create_revision) for j in listed.journals if j.spec.name == part.journal), 0)
+    if rev == part.rev:
+        return True
+    if after:
+        raise JobError(
+            f"journal {part.journal} was deleted or made anew while offsets [{begin}, "
+            f"{part.end}) of it were read: the task fails, and its retry skips or fails them"
+        )
+    reading.hole(part.journal, begin, part.end)
+    return False
 
 
 def planned_batch(
