@@ -730,7 +730,12 @@ def test_the_servers_read_claims_as_the_go_model_reads_them() -> None:
     claims refused, claims confined by a selector, and claims selecting everything."""
     seen = {"refused": 0, "confined": 0, "open": 0}
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # Derandomized: the same 300 documents each run, so the count of each kind (checked below)
+    # does not depend on the seed (a random one once drew 12 claims selecting everything).
+    @settings(
+        max_examples=300, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )  # fmt: skip
     @given(tree=documents, slack=st.integers(0, 3))
     def agree(tree: Tree, slack: int) -> None:
         text = to_json(tree)
