@@ -591,7 +591,7 @@ async def chunks_of(
                 reading.hole(journal, at, end)
 
 
-async def envelopes(
+def envelopes(
     client: JournalsClient,
     reading: Reading,
     journal: str,
@@ -605,18 +605,15 @@ async def envelopes(
     """The envelopes of the frames in [begin, end) (`end` 0: to the write head), read as
     `chunks_of` reads, a chunk at a time: each list with the write head the chunk's response
     carried and the offset its frames end at (bad ones included)."""
-    decoded = _decoded(client, reading, journal, decoder, begin, end, bad, first,
-                       decoder.lines, _as_they_are)  # fmt: skip
-    async with contextlib.aclosing(decoded):
-        async for item in decoded:
-            yield item
+    return _decoded(client, reading, journal, decoder, begin, end, bad, first, decoder.lines,
+                    _as_they_are)  # fmt: skip
 
 
 def _as_they_are(envs: list[Envelope]) -> list[Envelope]:
     return envs
 
 
-async def columns(
+def columns(
     client: JournalsClient,
     reading: Reading,
     journal: str,
@@ -628,11 +625,8 @@ async def columns(
     first: bool = False,
 ) -> AsyncGenerator[tuple[Columns, int, int], None]:
     """As `envelopes`, each chunk's messages as columns."""
-    decoded = _decoded(client, reading, journal, decoder, begin, end, bad, first,
-                       decoder.columns, Columns.of)  # fmt: skip
-    async with contextlib.aclosing(decoded):
-        async for item in decoded:
-            yield item
+    return _decoded(client, reading, journal, decoder, begin, end, bad, first, decoder.columns,
+                    Columns.of)  # fmt: skip
 
 
 async def _decoded(
@@ -725,9 +719,10 @@ class Scan:
     final: Position | None = None  # The state at `through`.
     plan: Plan | None = None  # The rows of [start.at, through).
 
-
-def _past_newline(offset: int, length: int) -> int:
-    return offset + length + 1
+    @classmethod
+    def nothing(cls, journal: str, start: Position, head: int) -> Scan:
+        """A journal the batch takes nothing of: it stays at `start`."""
+        return cls(journal, start, [], start.at, head, start, Plan.of([], []))
 
 
 def tally_of(journal: str, start: Position) -> Tally:
@@ -833,7 +828,8 @@ class Planner:
         tally = None if o.read_uncommitted else tally_of(journal, start)
         limited = limited and o.limited and not exact
         rows = Rows()
-        sizes: list[int] = []  # Of the range's messages, by index.
+        held = 0  # Messages read so far: the next chunk's first index.
+        sizes: list[int] | None = [] if limited else None  # Of those messages, for the limits.
         taken = taken_bytes = 0  # The rows delivered, and their frames' bytes.
         stop = False
         async for cols, head, through in columns(
@@ -841,9 +837,10 @@ class Planner:
             bad=lambda offset, why: bad.append((offset, why)), first=first,
         ):  # fmt: skip
             out.head = max(out.head, head)
-            first_index = len(sizes)
+            first_index, held = held, held + len(cols)
             rows.hold(cols)
-            sizes += (cols.ends - cols.begins).tolist()
+            if sizes is not None:
+                sizes += (cols.ends - cols.begins).tolist()
             if not limited and tally is None:
                 rows.add(np.arange(first_index, first_index + len(cols)))
                 continue_at = len(cols)
@@ -907,13 +904,13 @@ class Planner:
         flags: int,
         begin: int,
         rows: Rows,
-        sizes: list[int],
+        sizes: list[int] | None,
         client: JournalsClient,
         reading: Reading,
         kind: str,
     ) -> tuple[int, int]:
         """Add one message to the Tally, and what it commits to `rows`: how many, and their
-        frames' bytes."""
+        frames' bytes (0 without `sizes`: no limit counts them)."""
         found = tally.add(index, node.to_bytes(6, "big"), clock, flags, begin)
         if found is REPLAY:  # A span restored from the start position: read again first.
             _, b, e = tally.replay_range()
@@ -923,12 +920,14 @@ class Planner:
             before, indices = tally.replayed(envs)
             rows.add_columns(Columns.of(before))
             rows.add(indices)
-            size = sum(e.end - e.begin for e in before) + sum(map(sizes.__getitem__, indices))
+            size = 0
+            if sizes is not None:
+                size = sum(e.end - e.begin for e in before) + sum(map(sizes.__getitem__, indices))
             return len(before) + len(indices), size
         if not found:
             return 0, 0  # Nothing, or an ACK alone, committed.
         rows.add(found)
-        return len(found), sum(map(sizes.__getitem__, found))
+        return len(found), sum(map(sizes.__getitem__, found)) if sizes is not None else 0
 
     async def boundary(
         self, client: JournalsClient, spec: pb.JournalSpec, at: int, head: int

@@ -312,7 +312,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 if self._target is not None:
                     bound = self._target.get(name, pos.at)
                     if bound <= pos.at:
-                        done[name] = Scan(name, pos, [], pos.at, pos.at, pos, Plan.of([], []))
+                        done[name] = Scan.nothing(name, pos, pos.at)
                         continue
                 jobs.append(ScanJob(name, self._kinds[name], pos, bound, first, limited=limited))
             pending = 0
@@ -336,8 +336,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 if event is None:
                     continue
                 if event.at <= scan.start.at:
-                    done[scan.journal] = Scan(scan.journal, scan.start, [], scan.start.at,
-                                              scan.head, scan.start, Plan.of([], []))  # fmt: skip
+                    done[scan.journal] = Scan.nothing(scan.journal, scan.start, scan.head)
                     continue
                 again.append(ScanJob(scan.journal, self._kinds[scan.journal], scan.start,
                                      event.at, starts[scan.journal][1], exact=True))  # fmt: skip
