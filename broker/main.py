@@ -11,10 +11,11 @@ from typing import Any
 
 import click
 
-from broker.server import PEER_TLS_FLAGS, AnnounceError, Broker, BrokerConfig
+from broker.server import PEER_TLS_FLAGS, Broker, BrokerConfig
 from plumbing import auth, metrics, runtime
 from plumbing import config as cfg
 from plumbing.etcd import etcd_tls
+from plumbing.membership import AnnounceError
 from plumbing.tasks import first_of
 from plumbing.tls import ClientTLS, ServerTLS, TLSConfigError
 

@@ -220,7 +220,7 @@ class Replica:
     def fence(self) -> None:
         """Take no more appends (and pulses) until `unfence`: the broker can no longer show that
         its etcd lease is alive, so another broker may soon lead this journal (see
-        `Broker._keep_lease_alive`). The pipeline slot is taken from appends: at once if it is
+        `Broker._on_fence`). The pipeline slot is taken from appends: at once if it is
         free, else as soon as the append that owns it returns it; the pipeline is torn down,
         which releases this replica's peers to whichever primary comes next. Appends wait for
         the slot meanwhile. Serving Replicate streams and reads goes on."""

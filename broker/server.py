@@ -11,17 +11,13 @@ import contextlib
 import logging
 import socket
 import tempfile
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aetcd
 import grpc
-from aetcd import exceptions as etcd_errors
-from aetcd import transactions
 
-from broker.allocator import MemberKeyMissing, allocate, broker_rules
+from broker.allocator import MemberKeyMissing, allocate, broker_rules, drained
 from broker.allocator import keyspace as aks
 from broker.client.dialer import Dialer
 from broker.fragment import spool
@@ -32,11 +28,10 @@ from broker.protocol import validate
 from broker.service import JournalService, add_journal_service
 from plumbing import auth, metrics
 from plumbing import etcd as etcdx
-from plumbing.backoff import Backoff
 from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.membership import LeaseLost, LeasePolicy, Membership, ProcessTasks
 from plumbing.servers import SERVER_OPTIONS
-from plumbing.tasks import TaskOwner
 from plumbing.tls import ClientTLS, ServerTLS
 
 log = logging.getLogger(__name__)
@@ -48,21 +43,7 @@ FLUSH_ON_EXIT_TIMEOUT = 20.0
 SERVICE_STOP_MARGIN = 20.0
 
 
-def lease_retry_backoff() -> Backoff:
-    """Between failed refreshes of the etcd lease: soon, as etcd usually answers again within
-    a second or two of a restart (and keeps every lease alive across it)."""
-    return Backoff(initial=0.2, factor=1.5, maximum=0.5)
-
-
 PEER_TLS_FLAGS = ("--broker.peer-cert-file", "--broker.peer-cert-key-file", "--broker.peer-ca-file")
-
-
-class AnnounceError(RuntimeError):
-    pass
-
-
-class LeaseLost(RuntimeError):
-    pass
 
 
 @dataclass
@@ -126,23 +107,6 @@ class BrokerConfig:
         return "0.0.0.0"
 
 
-def describe_refresh_failure(error: BaseException | None, bound: float) -> str:
-    """Why a lease refresh failed, never empty: its error's text, or its type's name when the
-    text is empty (`str(TimeoutError())` is ""), a timeout with the bound it ran out
-    ("TimeoutError after 2.0s"); a gRPC error as its code and first line of details."""
-    if error is None:
-        return "no answer"
-    if isinstance(error, grpc.aio.AioRpcError):
-        detail = (error.details() or "").split("\n")[0]
-        return f"{error.code().name}: {detail}" if detail else error.code().name
-    text = str(error)
-    if text:
-        return text
-    if isinstance(error, TimeoutError):
-        return f"{type(error).__name__} after {bound:.1f}s"
-    return type(error).__name__
-
-
 class Broker:
     """One broker's runtime. Every background task it starts is owned here and awaited on stop."""
 
@@ -155,18 +119,33 @@ class Broker:
         self.service: JournalService | None = None
         self._spool_dir: tempfile.TemporaryDirectory[str] | None = None
         self.port = 0
-        self.lease_id = 0
-        self.lease_ttl = 0  # As etcd granted it, in seconds.
-        # Until when (event loop clock) etcd cannot have expired our lease: the send time of the
-        # last refresh it answered, plus the TTL. Past it (less a margin), appends stop.
-        self.lease_valid_until = 0.0
-        self.fenced = False
+        # The member key under a lease. Past the TTL without etcd's answer, the broker is
+        # fenced: its replicas take no append (see `_on_fence`).
+        self.membership = Membership(
+            self.etcd,
+            self.member_key,
+            config.etcd_lease,
+            LeasePolicy.FENCE,
+            conflict="give this broker a different --broker.id or stop the other one",
+            on_fence=self._on_fence,
+        )
         # Keyspace watch, lease keep-alive, allocator: a failure of any stops the broker.
-        self.tasks = TaskOwner("broker")
+        self.tasks = ProcessTasks("broker", translate=self._name_failure)
+        self.done = self.tasks.done
         self._allocator: asyncio.Task[None] | None = None
         self.http: HTTPServers | None = None
-        self.done = asyncio.Event()
-        self.failure: BaseException | None = None
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.tasks.failure
+
+    @property
+    def lease_id(self) -> int:
+        return self.membership.lease_id
+
+    @property
+    def fenced(self) -> bool:
+        return self.membership.fenced
 
     @property
     def endpoint(self) -> str:
@@ -230,14 +209,17 @@ class Broker:
         try:
             await self.etcd.connect()
             await self.ks.load(self.etcd)
-            self._spawn(self.ks.watch(self.etcd), "keyspace watch")
-            await self._grant_lease()
-            self._spawn(self._keep_lease_alive(), "lease keep-alive")
-            await self._announce()
+            self.tasks.spawn(self.ks.watch(self.etcd), "keyspace watch")
+            deadline = self.membership.start_deadline()
+            await self.membership.grant(deadline)
+            self.tasks.spawn(self.membership.keep_alive(), "lease keep-alive")
+            await self.membership.announce(
+                self.spec().SerializeToString(), deadline, applied=self.ks.wait_for_revision
+            )
             await self.server.start()
             await self._start_http()
             if self.config.run_allocator:
-                self._allocator = self._spawn(
+                self._allocator = self.tasks.spawn(
                     allocate(
                         self.ks,
                         self.etcd,
@@ -255,7 +237,9 @@ class Broker:
     async def _start_http(self) -> None:
         """The HTTP and diagnostics ports, when configured, and this broker's gauges."""
         loop = asyncio.get_running_loop()
-        metrics.lease_remaining.set_function(lambda: max(0.0, self.lease_valid_until - loop.time()))
+        metrics.lease_remaining.set_function(
+            lambda: max(0.0, self.membership.valid_until - loop.time())
+        )
         metrics.watch_revision.set_function(lambda: self.ks.revision)
         metrics.spool_disk_bytes.set_function(spool.disk_bytes)
         if not self.config.http.enabled:
@@ -280,76 +264,24 @@ class Broker:
             return auth.NOOP_AUTH
         return auth.KeyedAuth.from_text(self.config.auth_keys, "--broker.auth-keys")
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = self.tasks.spawn(coro, name)
-        task.add_done_callback(self._on_task_done)
-        return task
-
-    def _on_task_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            if isinstance(exc, MemberKeyMissing):
-                # The allocator noticed first: the key went with our lease.
-                exc = LeaseLost(
-                    f"member key {self.member_key} vanished: its etcd lease expired or was revoked"
-                )
-            log.error("broker task %r failed: %s", task.get_name(), exc)
-            self.failure = self.failure or exc
-            self.done.set()
-
-    async def _grant_lease(self) -> None:
-        sent = asyncio.get_running_loop().time()
-        lease = await self.etcd.lease(max(1, round(self.config.etcd_lease)))
-        self.lease_id = lease.id
-        self.lease_ttl = int(lease.ttl) or max(1, round(self.config.etcd_lease))
-        self.lease_valid_until = sent + self.lease_ttl
-
-    async def _announce(self) -> None:
-        """Create our member key under a fresh lease. If a previous incarnation still holds it,
-        wait for its lease to expire rather than steal it."""
-        ttl = max(1, round(self.config.etcd_lease))
-        key = self.member_key.encode()
-        deadline = asyncio.get_running_loop().time() + 2 * ttl + 2
-        while True:
-            result = await etcdx.txn(
-                self.etcd,
-                [transactions.Version(key) == 0],
-                [transactions.Put(key, self.spec().SerializeToString(), lease=self.lease_id)],
+    def _name_failure(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, MemberKeyMissing):  # The allocator noticed first.
+            return LeaseLost(
+                f"member key {self.member_key} vanished: its etcd lease expired or was revoked"
             )
-            if result.succeeded:
-                await self.ks.wait_for_revision(result.revision)
-                return
-            if asyncio.get_running_loop().time() > deadline:
-                raise AnnounceError(
-                    f"member key {self.member_key} is held by another live process: "
-                    "give this broker a different --broker.id or stop the other one"
-                )
-            log.warning("member key %s exists; waiting for its lease to expire", self.member_key)
-            await asyncio.sleep(1.0)
+        return exc
 
-    async def _keep_lease_alive(self) -> None:
-        """Refresh the lease every third of its TTL; after a failed refresh, retry soon (see
-        `lease_retry_backoff`), each attempt bounded so that one hung call cannot use up the TTL.
+    def _on_fence(self, _fenced: bool) -> None:
+        """Our lease may have lapsed in etcd (or is alive again): every local replica stops
+        (or resumes) taking appends.
 
-        The lease is lost only when etcd says so: a refresh answered with TTL <= 0 (expired or
-        revoked; etcd answers so for a lease it does not know). Then this raises LeaseLost, and
-        the broker exits, once its spools are persisted (`stop`: each replica's open fragment is
-        completed and the persister given `exit_flush_timeout`).
-
-        While etcd does not answer, the lease may still be alive: etcd keeps leases across its
-        own restart (a new leader extends each by its TTL), so an etcd outage, however long, is
-        survivable. But once our own clock passes the TTL since the last refresh etcd answered
-        (counted from when we sent it, so never later than etcd's own expiry, less a margin),
-        etcd may have expired the lease: then other brokers, connected to etcd, may take over our
-        journals. Upstream's broker exits at that point (its etcd session ends once the TTL
-        passes without a keep-alive answer), losing what its spools alone held; this one stays
-        alive but *fenced*: every local replica stops taking appends (they wait) and tears down
-        its pipeline (`Replica.fence`), while reads and the Replicate streams of other primaries
-        go on. When a refresh succeeds again, the lease never lapsed (no broker could have taken
-        over: assignments live under our lease), and appends resume; when etcd says the lease
-        is gone, the broker exits as above.
+        Upstream's broker exits once the TTL passes without a keep-alive answer, losing what
+        its spools alone held; this one stays alive but fenced: every local replica stops
+        taking appends (they wait) and tears down its pipeline (`Replica.fence`), while reads
+        and the Replicate streams of other primaries go on. When a refresh succeeds again, the
+        lease never lapsed (no broker could have taken over: assignments live under our
+        lease), and appends resume; when etcd says the lease is gone, the broker exits, once
+        its spools are persisted (`stop`).
 
         Why fence rather than carry on until etcd answers: carrying on would be consistent for
         a journal with peers (a new primary must synchronize the same replicas, whose spools our
@@ -360,75 +292,6 @@ class Broker:
         Fenced, no append is acknowledged here after etcd could have expired the lease (beyond
         one already committing when the fence fell), and our peers are free for the next
         primary at once."""
-        loop = asyncio.get_running_loop()
-        ttl = float(self.lease_ttl or max(1, round(self.config.etcd_lease)))
-        interval = max(0.1, ttl / 3)
-        attempt_bound = min(2.0, max(0.5, ttl / 5))
-        margin = min(1.0, ttl / 10)
-        backoff = lease_retry_backoff()
-        failing_since = 0.0
-        delay = interval
-
-        def fence_at() -> float:
-            return self.lease_valid_until - margin
-
-        while True:
-            if not self.fenced:
-                delay = min(delay, max(0.0, fence_at() - loop.time()))
-            await asyncio.sleep(delay)
-            if not self.fenced and loop.time() >= fence_at():
-                self._fence(ttl, loop.time() - self.lease_valid_until + ttl)
-            sent = loop.time()
-            bound = attempt_bound
-            if not self.fenced:
-                bound = min(bound, max(0.05, fence_at() - sent))
-            try:
-                # (Not `asyncio.wait_for`: in Python 3.11 it can swallow a cancellation that
-                # meets the refresh's end, and this loop would go on through the broker's stop.)
-                async with asyncio.timeout(bound):
-                    reply = await self.etcd.refresh_lease(self.lease_id)
-                error: BaseException | None = None
-            except (TimeoutError, etcd_errors.ClientError, grpc.aio.AioRpcError) as exc:
-                reply, error = None, exc
-            if reply is not None and reply.TTL <= 0:
-                raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
-            if reply is None:
-                metrics.lease_refresh_failures.inc()
-                if not failing_since:
-                    failing_since = sent
-                    log.warning(
-                        "refreshing the etcd lease failed (retrying): %s",
-                        describe_refresh_failure(error, bound),
-                    )
-                if not self.fenced and loop.time() >= fence_at():
-                    self._fence(ttl, loop.time() - self.lease_valid_until + ttl)
-                delay = backoff.next_delay()
-                continue
-            backoff.reset()
-            self.lease_valid_until = sent + reply.TTL
-            if failing_since:
-                log.info("etcd lease refreshed again after %.1fs", loop.time() - failing_since)
-                failing_since = 0.0
-            if self.fenced:
-                self._unfence()
-            delay = interval
-
-    def _fence(self, ttl: float, silent: float) -> None:
-        """Our lease may have lapsed in etcd: stop taking appends (see `_keep_lease_alive`)."""
-        self.fenced = True
-        metrics.fenced.set(1)
-        log.warning(
-            "etcd answered no lease refresh for %.1fs (TTL %gs): %s may have lost its lease; "
-            "appends are paused until etcd answers (the broker exits if etcd says the lease "
-            "is gone)",
-            silent, ttl, self.member_key,
-        )  # fmt: skip
-        self._apply_fence()
-
-    def _unfence(self) -> None:
-        self.fenced = False
-        metrics.fenced.set(0)
-        log.warning("etcd lease of %s is alive: appends resume", self.member_key)
         self._apply_fence()
 
     def _apply_fence(self) -> None:
@@ -443,47 +306,22 @@ class Broker:
         if self.fenced:
             self._apply_fence()  # Replicas started meanwhile.
 
-    async def _await_drain(self) -> bool:
-        """Until the allocator returns (drained), the timeout passes, or no live member is left
-        that could take our journals (then waiting cannot help). Whether the wait ended for
-        one of those reasons other than the timeout."""
-        assert self._allocator is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout
-        while not self._allocator.done():
-            if loop.time() >= deadline:
-                return False
-            others = [
-                kv
-                for kv in self.ks.prefixed(self.config.etcd_prefix + aks.MEMBERS)
-                if kv.key != self.member_key
-                and isinstance(kv.decoded, aks.Member)
-                and isinstance(kv.decoded.spec, pb.BrokerSpec)
-                and not kv.decoded.spec.exiting
-            ]
-            if not others:
-                return True  # Left to the exit flush.
-            await asyncio.wait({self._allocator}, timeout=min(0.25, deadline - loop.time()))
-        return True
-
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful exit: mark the member exiting, drain gRPC, revoke the lease, close etcd."""
         # etcd may be the reason we are stopping: bound every call to it.
         bound = max(1.0, min(5.0, self.config.etcd_lease / 2))
         if self.lease_id and self.failure is None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    self.etcd.put(
-                        self.member_key.encode(),
-                        self.spec(exiting=True).SerializeToString(),
-                        lease=self.lease_id,
-                    ),
-                    bound,
-                )
+            await self.membership.mark_exiting(self.spec(exiting=True).SerializeToString(), bound)
             # Marked exiting, the allocator moves our journals elsewhere (when the cluster has
             # room for them); it returns once we hold none. Wait for that, within a bound.
-            drained = self._allocator is None or self._allocator.done() or await self._await_drain()
-            if not drained:
+            allocator = self._allocator
+            if allocator is not None and not await drained(
+                allocator,
+                self.ks,
+                self.config.etcd_prefix,
+                self.member_key,
+                self.config.drain_timeout,
+            ):
                 log.warning(
                     "journals not drained from %s within %gs; stopping anyway",
                     self.member_key,
@@ -517,10 +355,7 @@ class Broker:
             self._spool_dir.cleanup()
             self._spool_dir = None
         await self.tasks.close()
-        if self.lease_id:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.etcd.revoke_lease(self.lease_id), bound)
-            self.lease_id = 0
+        await self.membership.revoke(bound)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.etcd.close(), bound)
         self.done.set()

@@ -34,7 +34,7 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker.allocator import MemberKeyMissing, allocate
+from broker.allocator import MemberKeyMissing, allocate, drained
 from broker.allocator import keyspace as aks
 from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
@@ -70,6 +70,14 @@ from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff
 from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.membership import (
+    ETCD_TRANSIENT,
+    LeaseLost,
+    LeasePolicy,
+    Membership,
+    ProcessTasks,
+    while_etcd_starts,
+)
 from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import TaskOwner, first_of, in_thread
 from plumbing.tls import ClientTLS, ServerTLS
@@ -83,11 +91,6 @@ T = TypeVar("T")
 # etcd's errors that a moment cures (refused connections of an etcd restarting, no leader, a
 # connection reset, a deadline): every etcd call on a replica's way to PRIMARY or STANDBY is
 # made through them (`Consumer._through_etcd`), so that a shard fails only for its own errors.
-ETCD_TRANSIENT = (*etcdx.UNREACHABLE, aetcd.exceptions.InternalError)
-
-
-class LeaseLost(RuntimeError):
-    """etcd says our lease is gone: our assignments went with it."""
 
 
 class ConsumerApplication(Application, Protocol):
@@ -199,17 +202,34 @@ class Consumer:
         self.server: grpc.aio.Server | None = None
         self.http: HTTPServers | None = None
         self.port = 0
-        self.lease_id = 0
-        self.tasks = TaskOwner("consumer")
+        # The member key under a lease: past the TTL without etcd's answer the lease counts as
+        # lost (other processes may run our shards by then: their stores' fences refuse our
+        # commits), and the consumer stops.
+        self.membership = Membership(
+            self.etcd,
+            self.member_key,
+            config.etcd_lease,
+            LeasePolicy.EXIT,
+            conflict="give this consumer a different --consumer.id or stop the other one",
+        )
+        # Keyspace watch, lease keep-alive, replicas, allocator: a failure of any stops it.
+        self.tasks = ProcessTasks("consumer", translate=self._name_failure)
+        self.done = self.tasks.done
         self.shards = TaskOwner("shards")
         self.replicas: dict[str, _Replica] = {}
         self._changed = asyncio.Event()
         self._allocator: asyncio.Task[None] | None = None
-        self.done = asyncio.Event()
-        self.failure: BaseException | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._app_started = False
         self.local_dir = Path(config.local_dir) if config.local_dir else None
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.tasks.failure
+
+    @property
+    def lease_id(self) -> int:
+        return self.membership.lease_id
 
     @property
     def endpoint(self) -> str:
@@ -247,31 +267,32 @@ class Consumer:
             raise OSError(f"cannot listen on {bind}: the port is in use or not permitted")
         # Started as etcd restarts (it refuses connections), the process waits for it, as
         # upstream's clientv3 does, rather than exiting; for as long as announcing waits.
-        deadline = asyncio.get_running_loop().time() + 2 * self.config.etcd_lease + 2
+        deadline = self.membership.start_deadline()
         try:
             await self.etcd.connect()
-            await self._starting("reading the keyspace", lambda: self.ks.load(self.etcd), deadline)
+            await while_etcd_starts(
+                "reading the keyspace", lambda: self.ks.load(self.etcd), deadline
+            )
             self.ks.add_observer(
                 lambda update: self._changed.set() if update.changes or update.reload else None
             )
             self._changed.set()  # Assignments we may hold already (a quick restart).
-            self._spawn(self.ks.watch(self.etcd), "keyspace watch")
-            ttl = max(1, round(self.config.etcd_lease))
-            # A grant whose reply was lost leaves a lease nothing refreshes: it lapses.
-            lease = await self._starting("granting a lease", lambda: self.etcd.lease(ttl), deadline)
-            self.lease_id = lease.id
-            self._spawn(self._keep_lease_alive(int(lease.ttl) or 1), "lease keep-alive")
-            await self._announce(deadline)
+            self.tasks.spawn(self.ks.watch(self.etcd), "keyspace watch")
+            await self.membership.grant(deadline)
+            self.tasks.spawn(self.membership.keep_alive(), "lease keep-alive")
+            await self.membership.announce(
+                self.spec().SerializeToString(), deadline, applied=self.ks.wait_for_revision
+            )
             init = getattr(self.app, "init_application", None)
             if init is not None:
                 await init(self)
             self._app_started = True
             await self.server.start()
             await self._start_http()
-            self._spawn(self._reconcile_loop(), "shard replicas")
+            self.tasks.spawn(self._reconcile_loop(), "shard replicas")
             if self.config.run_allocator:
                 rules = consumer_rules(self.config.max_hot_standbys)
-                self._allocator = self._spawn(
+                self._allocator = self.tasks.spawn(
                     allocate(self.ks, self.etcd, self.root, self.member_key, rules=rules),
                     "allocator",
                 )
@@ -298,113 +319,20 @@ class Consumer:
         with logs.bound(shard=shard_id):
             return self.shards.spawn(coro, shard_id)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = self.tasks.spawn(coro, name)
-        task.add_done_callback(self._on_task_done)
-        return task
-
-    def _on_task_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or (task is self._allocator and task.exception() is None):
-            return
-        exc = task.exception()
-        if exc is not None:
-            if isinstance(exc, MemberKeyMissing):
-                exc = LeaseLost(f"member key {self.member_key} vanished: its lease is gone")
-            log.error("consumer task %r failed: %s", task.get_name(), exc)
-            self.failure = self.failure or exc
-            self.done.set()
-
-    async def _starting(self, what: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
-        """`call` as the process starts, tried again (the project's backoff) while etcd is
-        unreachable, until `deadline` (then its error is raised)."""
-        backoff = Backoff(initial=0.1, maximum=2.0)
-        loop = asyncio.get_running_loop()
-        said = False
-        while True:
-            try:
-                return await call()
-            except (*ETCD_TRANSIENT, grpc.aio.AioRpcError) as exc:
-                raw = isinstance(exc, grpc.aio.AioRpcError)  # The keyspace reads etcd's stub.
-                if (raw and exc.code() != grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:
-                    raise
-                if not said:  # One line, once: the wait is bounded, and its end says why.
-                    said = True
-                    why = exc.details() if raw else str(exc)
-                    first = (why or type(exc).__name__).splitlines()[0]
-                    log.warning(
-                        "starting: %s: etcd unavailable (%s): waiting for it for up to %.0fs",
-                        what, first, max(0.0, deadline - loop.time()),
-                    )  # fmt: skip
-                await backoff.sleep()
-
-    async def _announce(self, deadline: float) -> None:
-        key = self.member_key.encode()
-        value = self.spec().SerializeToString()
-        while True:
-            result = await self._starting(
-                f"announcing {self.member_key}",
-                lambda: etcdx.txn(
-                    self.etcd,
-                    [transactions.Version(key) == 0],
-                    [transactions.Put(key, value, lease=self.lease_id)],
-                ),
-                deadline,
-            )
-            if result.succeeded:
-                await self.ks.wait_for_revision(result.revision)
-                return
-            # Held: by another process, or by us, a put whose reply was lost to etcd's kill
-            # (then it is under our lease).
-            held = await self._starting(
-                f"reading {self.member_key}", lambda: self.etcd.get(key), deadline
-            )
-            if held is not None and held.lease == self.lease_id:
-                await self.ks.wait_for_revision(held.mod_revision)
-                return
-            if asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError(
-                    f"member key {self.member_key} is held by another live process: give this "
-                    "consumer a different --consumer.id or stop the other one"
-                )
-            await asyncio.sleep(1.0)
-
-    async def _keep_lease_alive(self, ttl: int) -> None:
-        """Refresh every third of the TTL, retrying soon after a failure; the lease is lost when
-        etcd says so, or when no refresh was answered for a whole TTL (then other processes may
-        already run our shards: the stores' fences refuse our commits, and we stop)."""
-        loop = asyncio.get_running_loop()
-        answered = loop.time()
-        while True:
-            await asyncio.sleep(ttl / 3 if loop.time() - answered < ttl / 3 else 0.25)
-            sent = loop.time()
-            try:
-                # (Not `asyncio.wait_for`: in Python 3.11 it can swallow a cancellation that
-                # meets the refresh's end, and this loop would go on through the consumer's stop.)
-                async with asyncio.timeout(ttl / 5):
-                    reply = await self.etcd.refresh_lease(self.lease_id)
-            except Exception as exc:
-                if loop.time() - answered > ttl:
-                    raise LeaseLost(f"no etcd lease refresh answered for {ttl}s: {exc}") from exc
-                continue
-            if reply.TTL <= 0:
-                raise LeaseLost(f"etcd lease of {self.member_key} expired or was revoked")
-            answered = sent
+    def _name_failure(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, MemberKeyMissing):  # The allocator noticed first.
+            return LeaseLost(f"member key {self.member_key} vanished: its lease is gone")
+        return exc
 
     async def stop(self, grace: float = 5.0) -> None:
         """Graceful exit: mark the member exiting, let the allocator move our shards, stop the
         replicas, stop serving, revoke the lease."""
         if self.lease_id and self.failure is None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    self.etcd.put(
-                        self.member_key.encode(),
-                        self.spec(exiting=True).SerializeToString(),
-                        lease=self.lease_id,
-                    ),
-                    5.0,
-                )
-            draining = self._allocator is not None and not self._allocator.done()
-            if draining and not await self._await_drain():
+            await self.membership.mark_exiting(self.spec(exiting=True).SerializeToString(), 5.0)
+            allocator = self._allocator
+            if allocator is not None and not await drained(
+                allocator, self.ks, self.root, self.member_key, self.config.drain_timeout
+            ):
                 log.warning(
                     "shards not drained from %s within %gs; stopping anyway",
                     self.member_key, self.config.drain_timeout,
@@ -427,37 +355,13 @@ class Consumer:
             with contextlib.suppress(Exception):
                 await channel.close(None)
         self._channels.clear()
-        if self.lease_id:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.etcd.revoke_lease(self.lease_id), 5.0)
-            self.lease_id = 0
+        await self.membership.revoke(5.0)
         await self.router.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.etcd.close(), 5.0)
         if not self.config.local_dir and self.local_dir is not None:
             await in_thread(shutil.rmtree, self.local_dir, True)  # Its replicas': off the loop.
         self.done.set()
-
-    async def _await_drain(self) -> bool:
-        """Until the allocator returns (our shards moved), the drain timeout passes, or no
-        live member is left that could take them (then waiting cannot help); False only when
-        the timeout passed."""
-        assert self._allocator is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_timeout
-        while not self._allocator.done() and loop.time() < deadline:
-            others = [
-                kv
-                for kv in self.ks.prefixed(self.root + aks.MEMBERS)
-                if kv.key != self.member_key
-                and isinstance(kv.decoded, aks.Member)
-                and isinstance(kv.decoded.spec, cpb.ConsumerSpec)
-                and not kv.decoded.spec.exiting
-            ]
-            if not others:
-                return True
-            await asyncio.wait({self._allocator}, timeout=min(0.25, deadline - loop.time()))
-        return self._allocator.done()
 
     # ---- replicas ------------------------------------------------------------------------
 

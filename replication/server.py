@@ -43,7 +43,6 @@ from typing import Any
 
 import aetcd
 import grpc
-from aetcd import transactions
 from google.protobuf.message import DecodeError
 
 from broker.client import BrokerUnavailable, JournalsClient
@@ -54,6 +53,7 @@ from broker.protocol import protocol_pb2 as pb
 from plumbing import auth
 from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff
+from plumbing.membership import LeasePolicy, Membership
 from plumbing.servers import SERVER_OPTIONS
 from plumbing.tasks import first_of
 from plumbing.tls import ServerTLS
@@ -238,7 +238,9 @@ class LocationServer:
         self._topology_changed = asyncio.Event()
         self._failed = asyncio.Event()  # The writer failed (e.g. fenced): stop serving.
         self.failure = ""
-        self._lease_id = 0
+        # The endpoint's key under a lease (discovery only: the log's writer is fenced by the
+        # journal's register, not by this lease).
+        self.membership: Membership | None = None
         # Connections into this location taken from its neighbours' views by Recover (its own
         # view was lost with its log), until its own view has them again.
         self._adopted: dict[str, str] = {}
@@ -297,11 +299,11 @@ class LocationServer:
             self.endpoint = f"{scheme}://{cfg.host}:{self.port}"
             await server.start()
             stack.push_async_callback(server.stop, 1.0)
-            lease = await self._register()
+            membership = await self._register()
             await self._clock_round()  # Before it says it is ready: whether it may emit.
             async with asyncio.TaskGroup() as tasks:
                 background = [
-                    tasks.create_task(self._keep_lease(lease), name="lease keep-alive"),
+                    tasks.create_task(membership.keep_alive(), name="lease keep-alive"),
                     tasks.create_task(self._watch_clock(), name="clock check"),
                     tasks.create_task(self._watch_journal(), name="journal check"),
                     tasks.create_task(self._run_connections(), name="connections"),
@@ -318,10 +320,7 @@ class LocationServer:
                         task.cancel()
             # Revoking the lease deletes the endpoint only if it is still ours (a process that
             # took the location over put its own).
-            try:
-                await asyncio.wait_for(self._etcd.revoke_lease(self._lease_id), 2)
-            except Exception as exc:  # It expires anyway, within its TTL.
-                log.warning("%s: revoking the endpoint's lease failed: %s", self.name, exc)
+            await membership.revoke(2.0)
         if self.failure:
             raise WriterFailed(self.failure)
 
@@ -351,7 +350,7 @@ class LocationServer:
             "(gazctl replication add creates it; so does gazctl dev up --locations)"
         )
 
-    async def _register(self) -> int:
+    async def _register(self) -> Membership:
         assert self._etcd is not None
         cfg = self.config
         known = await registry.read_locations(self._etcd, cfg.prefix)
@@ -365,46 +364,22 @@ class LocationServer:
         if mine is None:  # Declared by its first start (`gazctl replication add` declares more).
             declaration = {"journal": cfg.journal, "broker": cfg.broker_address}
             await self._etcd.put(registry.location_key(cfg.prefix, self.name), json.dumps(declaration).encode())  # fmt: skip
-        return await self._put_endpoint()
-
-    async def _put_endpoint(self, if_absent: bool = False) -> int:
-        """Register this process's endpoint under a new lease (its id); with `if_absent`, only
-        if no process's endpoint is registered (0 if one is)."""
-        assert self._etcd is not None
-        lease = await self._etcd.lease(max(1, round(self.config.lease)))
+        # Its endpoint, under a lease: it replaces another process's (the newest process is
+        # the location's), and when the lease is lost (etcd was away, or this process paused,
+        # past its TTL) it is put again under a new one, unless another process put its own
+        # meanwhile (it took the location over).
+        self.membership = Membership(
+            self._etcd,
+            registry.endpoint_key(cfg.prefix, self.name).decode(),
+            cfg.lease,
+            LeasePolicy.RENEW,
+            take_over=True,
+        )
+        deadline = self.membership.start_deadline()
+        await self.membership.grant(deadline)
         body = json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}).encode()
-        key = registry.endpoint_key(self.config.prefix, self.name)
-        compare = [transactions.Version(key) == 0] if if_absent else []
-        result = await etcdx.txn(self._etcd, compare, [transactions.Put(key, body, lease=lease)])
-        if not result.succeeded:
-            await self._etcd.revoke_lease(lease.id)
-            return 0
-        self._lease_id = int(lease.id)
-        return self._lease_id
-
-    async def _keep_lease(self, lease_id: int) -> None:
-        """Refresh the endpoint's lease; if it was lost (etcd was away, or this process paused,
-        for longer than its TTL), register the endpoint again under a new one, unless another
-        process registered the location meanwhile (it took the location over: its endpoint is
-        not overwritten). The endpoint is for discovery only: the log's writer is fenced by the
-        journal's register, not by this lease."""
-        assert self._etcd is not None
-        ttl = max(1, round(self.config.lease))
-        while True:
-            await asyncio.sleep(ttl / 3)
-            try:
-                if lease_id:
-                    # (Not `asyncio.wait_for`: see the consumer's keep-alive.)
-                    async with asyncio.timeout(ttl / 3):
-                        reply = await self._etcd.refresh_lease(lease_id)
-                    if reply.TTL > 0:
-                        continue
-                    log.warning("%s: the endpoint's lease expired", self.name)
-                lease_id = await self._put_endpoint(if_absent=True)
-                if lease_id:
-                    log.warning("%s: its endpoint is registered again", self.name)
-            except Exception as exc:
-                log.warning("%s: refreshing the endpoint's lease failed: %s", self.name, exc)
+        await self.membership.announce(body, deadline)
+        return self.membership
 
     # ---- connections -----------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ async def test_member_key_announced_under_lease_and_removed_on_stop(
 async def test_second_broker_with_same_id_is_refused(
     etcd_server: EtcdServer, etcd_prefix: str, etcd: aetcd.Client, broker: BrokerHarness
 ) -> None:
-    from broker.server import AnnounceError
+    from plumbing.membership import AnnounceError
 
     twin = BrokerHarness(etcd_server.endpoint, etcd_prefix, lease=1.0)
     twin.broker.config.etcd_lease = 0.5  # Keep the refusal quick: it waits about 2 leases.

@@ -298,7 +298,7 @@ async def test_a_consumer_started_while_etcd_is_killed_waits_for_it_and_serves(
                 loop.call_soon_threadsafe(refused.set)
 
     handler = Refused()
-    logging.getLogger("consumer.runtime").addHandler(handler)
+    logging.getLogger("plumbing.membership").addHandler(handler)
     starting = asyncio.create_task(consumer.start())
     try:
         # The start meets the refusal and says it waits: it has not failed.
@@ -318,7 +318,7 @@ async def test_a_consumer_started_while_etcd_is_killed_waits_for_it_and_serves(
         assert await sums_in_store(consumer) == dict(expected)
         await channel.close()
     finally:
-        logging.getLogger("consumer.runtime").removeHandler(handler)
+        logging.getLogger("plumbing.membership").removeHandler(handler)
         if not starting.done():
             starting.cancel()
         with contextlib.suppress(BaseException):

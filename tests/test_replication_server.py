@@ -174,7 +174,7 @@ def test_a_process_whose_endpoint_lease_expired_does_not_take_back_anothers_endp
         etcd_client = aetcd.Client(host=etcd_server.host, port=etcd_server.client_port)
         async with etcd_client as etcd, serving(config) as a:
             # Its lease expires (the process was paused), and another takes the location.
-            await etcd.revoke_lease(a._lease_id)
+            await etcd.revoke_lease(a.membership.lease_id)
             other = await etcd.lease(30)
             theirs = json.dumps({"endpoint": "http://127.0.0.1:1", "pid": 1}).encode()
             await etcd.put(key, theirs, lease=other)

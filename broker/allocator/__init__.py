@@ -3,7 +3,7 @@
 `allocate` runs the loop; `State`, `solve` and `plan` are its pure parts, usable on their own.
 """
 
-from broker.allocator.allocate import MemberKeyMissing, Round, allocate
+from broker.allocator.allocate import MemberKeyMissing, Round, allocate, drained
 from broker.allocator.converge import MAX_TXN_OPS, Compare, Delete, Plan, Put, Txn, plan
 from broker.allocator.rules import (
     DEFAULT_MAX_REPLICATION,
@@ -31,6 +31,7 @@ __all__ = [
     "Txn",
     "allocate",
     "broker_rules",
+    "drained",
     "fair_shares",
     "journal_desired_replication",
     "journal_is_consistent",

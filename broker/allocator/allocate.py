@@ -35,6 +35,38 @@ class MemberKeyMissing(RuntimeError):
     """The local member key is not in the keyspace: its lease is gone, or it never announced."""
 
 
+async def drained(
+    allocator: asyncio.Task[None], ks: KeySpace, root: str, member_key: str, timeout: float
+) -> bool:
+    """For an exiting member: until its `allocate` task returns (its items moved elsewhere),
+    `timeout` seconds pass, or no live member of its kind (brokers', consumers') is left that
+    could take its items (then waiting cannot help). False only when the timeout passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    mine = ks.get(member_key)
+    kind = (
+        type(mine.decoded.spec) if mine is not None and isinstance(mine.decoded, Member) else None
+    )
+    while not allocator.done() and loop.time() < deadline:
+        others = [
+            kv
+            for kv in ks.prefixed(root + aks.MEMBERS)
+            if kv.key != member_key
+            and isinstance(kv.decoded, Member)
+            and (kind is None or isinstance(kv.decoded.spec, kind))
+            and not _spec_exiting(kv.decoded.spec)
+        ]
+        if not others:
+            return True
+        await asyncio.wait({allocator}, timeout=min(0.25, deadline - loop.time()))
+    return allocator.done()
+
+
+def _spec_exiting(spec: Any) -> bool:
+    """A BrokerSpec's or ConsumerSpec's `exiting`, which both carry."""
+    return bool(spec.exiting)
+
+
 @dataclass(frozen=True)
 class Round:
     """What one pass of the loop did, as given to `on_round`."""
