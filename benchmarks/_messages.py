@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.uuid import Flags, build, new_producer_id
+from message.framing import DictMessages, JSONLines
+from message.uuid import Flags, build, new_producer_id
 
 MESSAGE_SIZE = 200
 _BODY = "x" * 108  # With the id, key and _meta.uuid: 200 bytes framed, newline included.

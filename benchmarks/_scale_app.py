@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from broker.message.publisher import Publisher
-from broker.message.sequencer import Envelope
 from consumer.store import JSONFileStore
 from consumer.transaction import Shard
+from message.publisher import Publisher
+from message.sequencer import Envelope
 
 
 class Counter:

@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker.allocator import keyspace as aks
-from broker.allocator.converge import plan
-from broker.allocator.rules import broker_rules
-from broker.allocator.solver import solve
-from broker.allocator.state import State
-from broker.keyspace import KeyValue
+from allocator import keyspace as aks
+from allocator.converge import plan
+from allocator.solver import solve
+from allocator.state import State
+from broker.keyspace import broker_decoder, broker_rules
 from broker.protocol import protocol_pb2 as pb
+from keyspace import KeyValue
 
 ROOT = "/gazette/cluster"
 JOURNALS = 10_000
@@ -31,7 +31,7 @@ class Keys:
     """KeyValues as the keyspace would hold them, with increasing revisions."""
 
     def __init__(self) -> None:
-        self.decode = aks.broker_decoder(ROOT)
+        self.decode = broker_decoder(ROOT)
         self.revision = 0
 
     def kv(self, key: str, raw: bytes, lease: int = 0) -> KeyValue:

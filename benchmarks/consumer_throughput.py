@@ -22,14 +22,14 @@ from benchmarks._cluster import _journal, cluster, placed
 from benchmarks._messages import MESSAGE_SIZE, transactions
 from broker.client.append_service import AppendService
 from broker.client.appender import append
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.sequencer import Envelope
 from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb
 from consumer.store import JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher, Reader, read_committed
+from message.sequencer import Envelope
 
 SOURCE, OUTPUT, BASELINE_OUTPUT = "bench/source", "bench/output", "bench/baseline-output"
 APPEND_CHUNK = 16 << 20

@@ -19,7 +19,7 @@ from typing import Any
 
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from plumbing import etcd as etcdx

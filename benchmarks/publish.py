@@ -27,10 +27,10 @@ from benchmarks._rounds import median_round, paired
 from broker.client.append_service import AppendService, PendingSpan
 from broker.client.appender import append
 from broker.client.reader import read
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher
 
 JOURNAL = "bench/publish"
 RAW_CHUNK = 1 << 20

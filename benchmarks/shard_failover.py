@@ -25,13 +25,13 @@ from benchmarks._cluster import start_broker, stop_brokers, wait_ready
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.client.reader import write_head
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher
 from broker.testing import EtcdServer, free_port, stop_process
 from consumer.client import ShardsClient
 from consumer.examples.stream_sum import chunk_journal
 from consumer.protocol import cpb
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
 # Not under the brokers' /bench (as shard_scale's): a keyspace watches its root as a string

@@ -16,10 +16,10 @@ from typing import Any
 from benchmarks._messages import transactions
 from broker.fragment.content import open_in_store
 from broker.fragment.stores import close_stores, open_store
-from broker.message.framing import DictMessages, FrameReader, JSONLines
-from broker.message.publisher import Reader
-from broker.message.sequencer import Sequencer
 from broker.protocol import protocol_pb2 as pb
+from message.framing import DictMessages, FrameReader, JSONLines
+from message.publisher import Reader
+from message.sequencer import Sequencer
 
 JOURNAL = "bench/replay"
 STORE = "file:///fragments/"

@@ -179,14 +179,14 @@ def replay(session: Any, address: str, root: Path, prefix: str, out: Path) -> in
 
 async def publish_at(address: str, journal: str, rate: float, seconds: float) -> int:
     from broker.client.append_service import AppendService
-    from broker.message.framing import DictMessages, JSONLines
-    from broker.message.mapping import Partition
+    from message.framing import DictMessages, JSONLines
+    from message.mapping import Partition
 
     part = Partition(journal, "application/x-ndjson")
     sent = 0
     start = time.monotonic()
     async with JournalsClient(address) as client, AppendService(client.stub) as service:
-        from broker.message.publisher import Publisher
+        from message.publisher import Publisher
 
         publisher = Publisher(service, DictMessages(), JSONLines())
         while (elapsed := time.monotonic() - start) < seconds:

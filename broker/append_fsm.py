@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
-from broker.allocator.keyspace import route_equivalent
+from allocator import keyspace as aks
+from allocator.keyspace import route_equivalent
 from broker.fragment import fragments as frag
 from broker.group_commit import MAX_OFFSET, Group, Outcome, Refusal
 from broker.pipeline import Pipeline

@@ -23,7 +23,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from broker.allocator.keyspace import route_equivalent
+from allocator.keyspace import route_equivalent
 from broker.fragment import fragments as frag
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from broker.allocator.keyspace import route_equivalent
+from allocator.keyspace import route_equivalent
 from broker.client.dialer import Dialer
 from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb

@@ -18,9 +18,9 @@ from broker.flow_control import RateLimiter
 from broker.fragment.index import Index
 from broker.fragment.spool import CompletedFragment, Spool
 from broker.group_commit import GroupCommit
-from broker.keyspace import KeyValue
 from broker.pipeline import describe
 from broker.protocol import protocol_pb2 as pb
+from keyspace import KeyValue
 from plumbing.backoff import Backoff
 from plumbing.tasks import Event, Slot, TaskOwner, take_unless, wait_any
 

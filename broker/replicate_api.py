@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from broker.allocator.keyspace import route_equivalent
+from allocator.keyspace import route_equivalent
 from broker.fragment.spool import Spool, SpoolError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate

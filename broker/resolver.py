@@ -12,16 +12,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from broker.allocator import keyspace as aks
-from broker.keyspace import KeySpace, KeyValue, Update
+from allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
+from keyspace import KeySpace, KeyValue, Update
 from plumbing import logs
 from plumbing.auth import Claims
 from plumbing.tasks import TaskOwner
 
 if TYPE_CHECKING:
-    from broker.allocator.state import State
+    from allocator.state import State
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ class Resolver:
         """Why some journals' replicas cannot be placed, from the allocator's own view (etcd):
         the members' --broker.limit slots are fewer than the replicas wanted, or a journal's
         replication asks for more brokers than there are. None when neither is so."""
-        from broker.allocator.rules import broker_rules
-        from broker.allocator.state import State
+        from allocator.state import State
+        from broker.keyspace import broker_rules
 
         state = State.from_keyspace(self.ks, self.root, "", broker_rules(self.max_replication))
         return shortfall_of(state)

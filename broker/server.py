@@ -17,12 +17,13 @@ from pathlib import Path
 import aetcd
 import grpc
 
-from broker.allocator import MemberKeyMissing, allocate, broker_rules, drained
-from broker.allocator import keyspace as aks
+from allocator import MemberKeyMissing, allocate, drained
+from allocator import keyspace as aks
 from broker.client.dialer import Dialer
 from broker.fragment import spool
 from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
 from broker.gateway import Gateway
+from broker.keyspace import broker_keyspace, broker_rules
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
 from broker.service import JournalService, add_journal_service
@@ -114,7 +115,7 @@ class Broker:
         self.config = config
         self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
         self.etcd: aetcd.Client = etcdx.connect(config.etcd_address, tls=config.etcd_tls)
-        self.ks = aks.broker_keyspace(config.etcd_prefix, apply_delay=config.watch_delay)
+        self.ks = broker_keyspace(config.etcd_prefix, apply_delay=config.watch_delay)
         self.server: grpc.aio.Server | None = None
         self.service: JournalService | None = None
         self._spool_dir: tempfile.TemporaryDirectory[str] | None = None

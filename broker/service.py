@@ -18,7 +18,7 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.append_api import AppendFailed, serve_append
 from broker.append_fsm import FLUSH_TIMEOUT, AppendFSM, BrokerExiting, Chunk
 from broker.client.dialer import Dialer
@@ -46,7 +46,6 @@ from broker.fragment.stores.paths import (
     overlap,
 )
 from broker.fragments_api import serve_list_fragments, serve_store_health
-from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels, validate, wire
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
@@ -54,6 +53,7 @@ from broker.read_api import serve_read
 from broker.replica import IDLE_PIPELINE_RELEASE, PULSE_INTERVAL, Replica
 from broker.replicate_api import serve_replicate
 from broker.resolver import Resolver
+from keyspace import KeySpace, KeyValue
 from plumbing import auth, logs, metrics
 from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff

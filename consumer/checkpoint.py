@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from broker.message.sequencer import JournalProducer, ProducerState
 from consumer.protocol import cpb
+from message.sequencer import JournalProducer, ProducerState
 
 __all__ = ["build_checkpoint", "producer_states_of", "read_through_of"]
 

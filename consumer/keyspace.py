@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from broker.allocator import Rules
-from broker.allocator import keyspace as aks
-from broker.allocator.keyspace import Assignment, Item, Member
-from broker.keyspace import KeySpace, KeyValue
+from allocator import Rules
+from allocator import keyspace as aks
+from allocator.keyspace import Assignment, Item, Member
 from broker.protocol.validate import ValidationError
 from consumer.protocol import (
     DEFAULT_MAX_HOT_STANDBYS,
@@ -28,6 +27,7 @@ from consumer.protocol import (
     validate_replica_status,
     validate_shard_spec,
 )
+from keyspace import KeySpace, KeyValue
 
 __all__ = [
     "consumer_decoder",

@@ -27,7 +27,6 @@ import aetcd
 from aetcd import transactions
 
 from broker.client.append_service import AppendService
-from broker.keyspace import KeyValue
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import recorded_op_pb2 as rpb
 from consumer.protocol import cpb, hint_backup_keys, hint_primary_key, recovery_log
@@ -36,6 +35,7 @@ from consumer.recoverylog.hints import encode_hints, pick_first_hints
 from consumer.recoverylog.player import Player
 from consumer.recoverylog.recorder import Recorder
 from consumer.shard_api import ShardState, get_hints
+from keyspace import KeyValue
 from plumbing import etcd as etcdx
 from plumbing.tasks import first_of, in_thread
 

@@ -34,15 +34,12 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker.allocator import MemberKeyMissing, allocate, drained
-from broker.allocator import keyspace as aks
+from allocator import MemberKeyMissing, allocate, drained
+from allocator import keyspace as aks
 from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
 from broker.client.journals import BrokerUnavailable, JournalsClient
 from broker.client.routes import Router
-from broker.keyspace import KeyValue
-from broker.message.framing import DictMessages, JSONLines, MessageType, framing_for
-from broker.message.publisher import Publisher
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
@@ -65,6 +62,9 @@ from consumer.shard_api import (
 )
 from consumer.store import Store
 from consumer.transaction import Application, Progress, Shard, Source, run_shard
+from keyspace import KeyValue
+from message.framing import DictMessages, JSONLines, MessageType, framing_for
+from message.publisher import Publisher
 from plumbing import auth, logs, metrics
 from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff

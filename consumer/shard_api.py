@@ -36,9 +36,8 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client.journals import BrokerUnavailable, JournalsClient
-from broker.keyspace import KeySpace, KeyValue
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb
@@ -60,6 +59,7 @@ from consumer.protocol import (
     validate_shard_spec,
 )
 from consumer.recoverylog.hints import decode_hints, encode_hints, validate_hints
+from keyspace import KeySpace, KeyValue
 from plumbing import auth
 from plumbing import etcd as etcdx
 from plumbing.credentials import Credentials

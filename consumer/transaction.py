@@ -40,14 +40,14 @@ from typing import Any, Protocol
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError, read_retrying
-from broker.message.framing import FrameReader, Framing, MessageType
-from broker.message.publisher import Publisher, Reader, chunk_envelopes
-from broker.message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from consumer.checkpoint import build_checkpoint, producer_states_of, read_through_of
 from consumer.protocol import cpb
 from consumer.store import Store
+from message.framing import FrameReader, Framing, MessageType
+from message.publisher import Publisher, Reader, chunk_envelopes
+from message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
 from plumbing import metrics
 from plumbing.tasks import first_of
 

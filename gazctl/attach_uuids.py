@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 import click
 
-from broker.message.uuid import Clock, Flags, build, new_producer_id
+from message.uuid import Clock, Flags, build, new_producer_id
 
 DEFAULT_TEMPLATE = "{{.UUID}},{{.Line}}\n"
 # The fields of upstream's template data, with Go's whitespace-trimming markers.

@@ -35,7 +35,7 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.journals import ListSnapshot
 from broker.resolver import desired_replication

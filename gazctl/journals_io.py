@@ -127,7 +127,7 @@ async def _append_mapped(
     import binascii
 
     from broker.client.append_service import AppendService
-    from broker.message import mapping as maps
+    from message import mapping as maps
 
     partitions = maps.partitions_of(await matching(opts, selector))
     names = {p.journal for p in partitions}

@@ -15,7 +15,6 @@ from rich.table import Table
 
 from broker.client import ApplyConflict, ApplyTooLarge, JournalsClient
 from broker.client.reader import write_head
-from broker.message.framing import framing_for
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
@@ -30,6 +29,7 @@ from gazctl.journals import (
     read_specs,
     too_large_error,
 )
+from message.framing import framing_for
 from plumbing import config as cfg
 from spec import SpecError
 from spec import shards as sspec

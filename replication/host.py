@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import aetcd
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb

@@ -19,7 +19,7 @@ import aetcd
 import grpc
 import pytest
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.protocol import consumer_pb2 as cpb
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client.appender import AppendError, append
 from broker.client.routes import append_routed
 from broker.protocol import protocol_pb2 as pb

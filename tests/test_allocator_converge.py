@@ -9,13 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.allocator import keyspace as aks
-from broker.allocator.converge import Compare, Delete, Put, Txn, plan
-from broker.allocator.rules import Rules, broker_rules
-from broker.allocator.solver import solve
-from broker.allocator.state import State
-from broker.keyspace import KeyValue
+from allocator import keyspace as aks
+from allocator.converge import Compare, Delete, Put, Txn, plan
+from allocator.rules import Rules
+from allocator.solver import solve
+from allocator.state import State
+from broker.keyspace import broker_decoder, broker_rules
 from broker.protocol import protocol_pb2 as pb
+from keyspace import KeyValue
 
 ROOT = "/root"
 
@@ -49,7 +50,7 @@ def build(
 ) -> State:
     """A State of `items` (name -> replication), `members` ((zone, suffix, limit), the first
     the oldest) and `assignments`. Member n holds lease 100+n; revisions are distinct."""
-    decode = aks.broker_decoder(ROOT)
+    decode = broker_decoder(ROOT)
     revision = 0
 
     def kv(key: str, raw: bytes, lease: int = 0) -> KeyValue:
@@ -319,7 +320,7 @@ class Store:
         for group in state.orphans:
             for kv in group:
                 self.kvs[kv.key] = kv
-        self.decode = aks.broker_decoder(ROOT)
+        self.decode = broker_decoder(ROOT)
 
     def state(self) -> State:
         def under(prefix: str) -> list[KeyValue]:

@@ -16,11 +16,12 @@ import aetcd
 import pytest
 from aetcd import transactions
 
-from broker.allocator import MemberKeyMissing, Round, State, allocate, broker_rules, solve
-from broker.allocator import keyspace as aks
-from broker.allocator.allocate import _converge
-from broker.keyspace import KeySpace, KeyValue
+from allocator import MemberKeyMissing, Round, State, allocate, solve
+from allocator import keyspace as aks
+from allocator.allocate import _converge
+from broker.keyspace import broker_decoder, broker_rules
 from broker.protocol import protocol_pb2 as pb
+from keyspace import KeySpace, KeyValue
 from plumbing import etcd as etcdx
 
 WAIT = 15.0
@@ -33,7 +34,7 @@ class Cluster:
     def __init__(self, client: aetcd.Client, root: str) -> None:
         self.client = client
         self.root = root
-        self.ks = KeySpace(root + "/", aks.broker_decoder(root), apply_delay=0.005)
+        self.ks = KeySpace(root + "/", broker_decoder(root), apply_delay=0.005)
         self.leases: dict[str, int] = {}
         self.limits: dict[str, int] = {}
         self.written = 0
@@ -194,7 +195,7 @@ class Allocator:
         self.task = asyncio.create_task(
             allocate(
                 cluster.ks, cluster.client, cluster.root, key,
-                retry_delay=0.1, on_round=self._on_round,
+                rules=broker_rules(), retry_delay=0.1, on_round=self._on_round,
             )
         )  # fmt: skip
         self.task.add_done_callback(lambda _: self.changed.set())

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.allocator.solver import Problem, Solution, fair_shares, solve
+from allocator.solver import Problem, Solution, fair_shares, solve
 
 # ---- an independent reference: Edmonds-Karp on the explicit flow network --------------------
 

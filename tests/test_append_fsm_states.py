@@ -14,7 +14,7 @@ import grpc
 import pytest
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.append_fsm import AppendFSM, Chunk, State
 from broker.protocol import protocol_pb2 as pb
 from broker.service import JournalService

@@ -10,9 +10,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher
-from broker.message.sequencer import Envelope
 from broker.testing import BrokerHarness, BrokerProcess
 from consumer.store import JSONFileStore
 from consumer.testing import (
@@ -25,6 +22,9 @@ from consumer.testing import (
     shard_spec,
 )
 from consumer.transaction import Shard
+from message.mapping import Partition
+from message.publisher import Publisher
+from message.sequencer import Envelope
 
 
 class WordTotals:

@@ -91,7 +91,7 @@ async def ghost_primary(etcd: aetcd.Client, etcd_prefix: str, journal: str) -> a
     """`journal`, replicated by broker-b from a primary that is a member running no broker, so
     that broker-b's spool is free for a rogue (a live primary's pipeline would own it). The
     ghost lives as long as the lease returned."""
-    from broker.allocator import keyspace as aks
+    from allocator import keyspace as aks
 
     lease = await etcd.lease(30)
     ghost = pb.BrokerSpec(
@@ -239,7 +239,7 @@ async def test_a_peer_advertising_https_is_not_dialled_in_plaintext(
 ) -> None:
     # Another broker advertises an https:// endpoint but does not complete a TLS handshake:
     # replication to it and proxying to it fail, and nothing is sent to it in plaintext.
-    from broker.allocator import keyspace as aks
+    from allocator import keyspace as aks
 
     async with counting_listener() as (port, connections, first_bytes):
         endpoint = f"https://127.0.0.1:{port}"

@@ -8,7 +8,7 @@ import aetcd
 import grpc
 import pytest
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client import ApplyConflict, JournalsClient
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb

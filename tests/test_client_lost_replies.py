@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import aetcd
 import pytest
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.dialer import Dialer

@@ -12,8 +12,7 @@ from google.protobuf import duration_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.allocator import keyspace as aks
-from broker.keyspace import KeySpace, KeyValue
+from allocator import keyspace as aks
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError
@@ -33,6 +32,7 @@ from consumer.protocol import (
     validate_replica_status,
     validate_shard_spec,
 )
+from keyspace import KeySpace, KeyValue
 
 SECOND = duration_pb2.Duration(seconds=1)
 

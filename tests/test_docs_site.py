@@ -24,7 +24,7 @@ def test_the_site_builds_strict_with_the_api_reference(tmp_path: Path) -> None:
         "reference/consumer/index.html": ["ConsumerApplication", "new_store", "serve_command"],
         "reference/stores/index.html": ["JSONFileStore", "SQLStore", "SQLiteStore", "FencedOut"],
         "reference/broker-client/index.html": ["JournalsClient", "AppendService", "Router"],
-        "reference/broker-message/index.html": ["Publisher", "read_committed", "DictMessages"],
+        "reference/message/index.html": ["Publisher", "read_committed", "DictMessages"],
         "reference/testing/index.html": [
             "gazette_broker", "gazette_consumers", "gazette_consumer_processes", "ConsumerGroup",
             "create_journals", "read_committed_messages", "BrokerHarness",

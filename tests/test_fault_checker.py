@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.uuid import Flags, build
+from message.framing import DictMessages, JSONLines
+from message.uuid import Flags, build
 from tests.faults.checker import LEAVE_MARGIN, CommittedReader, Tape, check
 from tests.faults.history import (
     CHECKED,

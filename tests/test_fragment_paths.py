@@ -326,7 +326,7 @@ def test_the_file_store_never_resolves_a_key_through_dot_segments(tmp_path: Path
 
 
 def test_applies_share_a_path_lock_exactly_when_their_paths_could_meet() -> None:
-    from broker.allocator.keyspace import path_lock_key
+    from allocator.keyspace import path_lock_key
     from broker.fragment.stores.paths import lock_of
 
     journals = ["a", "a/b", "ab", "b/c", "x%2Fy", "x/y"]
@@ -351,7 +351,7 @@ async def test_path_locks_are_left_out_of_the_brokers_mirror_quietly(
 ) -> None:
     import grpc
 
-    from broker.allocator.keyspace import PATHS
+    from allocator.keyspace import PATHS
     from broker.protocol import protocol_pb2_grpc as pb_grpc
     from broker.testing import BrokerHarness
 

@@ -17,8 +17,8 @@ from google.protobuf.message import Message as ProtoMessage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.message import uuid as mu
-from broker.message.framing import (
+from message import uuid as mu
+from message.framing import (
     CSV,
     FIXED_FRAME_MAGIC,
     CSVMessages,

@@ -56,7 +56,7 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client import dial
 from broker.client.reader import read
 from broker.fragment import codecs

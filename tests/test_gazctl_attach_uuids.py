@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from broker.message.uuid import Flags, parse
+from message.uuid import Flags, parse
 from tests.conftest import run_cli
 
 

@@ -83,7 +83,7 @@ def test_append_errors(broker_process: BrokerProcess, tmp_path: Path) -> None:
 def test_mapped_appends_to_a_partitioned_topic(
     broker_process: BrokerProcess, tmp_path: Path
 ) -> None:
-    from broker.message.mapping import fnv1a32
+    from message.mapping import fnv1a32
 
     names = [f"topic/part-{i}" for i in range(3)]
     for name in names:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aetcd
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
 from tests.conftest import run_cli, start_broker_process, stop_process

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 import aetcd
 import pytest
 
-from broker.keyspace import IN_PLACE_RATIO, EtcdHeader, KeySpace, KeyValue, Update
 from broker.testing import EtcdServer
+from keyspace import IN_PLACE_RATIO, EtcdHeader, KeySpace, KeyValue, Update
 
 
 def decode(key: str, value: bytes) -> str:
@@ -197,7 +197,7 @@ async def test_decode_errors_leave_key_out_and_mirror_alive(
     await ks.load(etcd)
     assert len(ks) == 0
 
-    with caplog.at_level(logging.ERROR, logger="broker.keyspace"):
+    with caplog.at_level(logging.ERROR, logger="keyspace"):
         async with watching(ks, etcd):
             rev = await put(etcd, f"{root}k", b"bad one")
             await ks.wait_for_revision(rev, timeout=5)
@@ -356,7 +356,7 @@ async def test_watch_survives_etcd_restart(
 
     ks.add_observer(count)
     writes = 0
-    with caplog.at_level(logging.WARNING, logger="broker.keyspace"):
+    with caplog.at_level(logging.WARNING, logger="keyspace"):
         async with watching(ks, client):
             rev = await put(client, f"{root}before", b"1")
             writes += 1
@@ -404,7 +404,7 @@ async def test_restarted_watch_resumes_after_its_revision(
     await put(etcd, f"{root}a", b"1b")
     rev = await delete(etcd, f"{root}b")
     updates.clear()
-    with caplog.at_level(logging.WARNING, logger="broker.keyspace"):
+    with caplog.at_level(logging.WARNING, logger="keyspace"):
         async with watching(ks, etcd):
             await ks.wait_for_revision(rev, timeout=5)
             assert mirror_state(ks) == await etcd_state(etcd, root)
@@ -439,7 +439,7 @@ async def test_watch_reloads_after_compaction(
     assert compact_at > stopped_at + 1
 
     n = len(updates)
-    with caplog.at_level(logging.WARNING, logger="broker.keyspace"):
+    with caplog.at_level(logging.WARNING, logger="keyspace"):
         async with watching(ks, client):
             await ks.wait_for_revision(compact_at, timeout=5)
             assert mirror_state(ks) == await etcd_state(client, root)

@@ -40,6 +40,13 @@ def python_files(*folders: str) -> list[Path]:
     return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))]
 
 
+# The product's packages (what the wheel ships).
+PRODUCT = (
+    "broker", "allocator", "keyspace", "message", "plumbing", "consumer", "spec", "gazctl",
+    "replication",
+)  # fmt: skip
+
+
 # The test kit: a harness of brokers (broker.testing), of consumers (consumer.testing, which
 # builds on the brokers' and is the pytest plugin) and a standalone Spark cluster
 # (gazctl/spark/testing.py).
@@ -47,11 +54,7 @@ TEST_KITS = ("broker/testing", "consumer/testing", "gazctl/spark/testing.py")
 
 
 def test_production_code_never_imports_the_test_harness() -> None:
-    files = [
-        p
-        for p in python_files("broker", "plumbing", "consumer", "spec", "gazctl")
-        if not any(kit in p.as_posix() for kit in TEST_KITS)
-    ]
+    files = [p for p in python_files(*PRODUCT) if not any(kit in p.as_posix() for kit in TEST_KITS)]
     assert files and offenders(files, ("broker.testing", "consumer.testing", "tests")) == []
 
 
@@ -92,19 +95,45 @@ def test_the_client_library_imports_nothing_of_the_broker_server() -> None:
         "broker.append_fsm",
         "broker.context",
     )
-    assert offenders(python_files("broker/client", "broker/message"), forbidden) == []
+    assert offenders(python_files("broker/client", "message"), forbidden) == []
 
 
-# What consumers may use of `broker`: its client library, protocol, keyspace mirror, allocator
-# and messages. What every process shares (flags, the etcd connection, backoff, task ownership,
-# metrics, logs, TLS, tokens, the HTTP port) is plumbing's, open to all.
-CONSUMER_MAY_USE = (
-    "broker.client",
-    "broker.protocol",
-    "broker.keyspace",
-    "broker.allocator",
-    "broker.message",
-)
+# The packages brokers, consumers and locations share sit at the top, as upstream's do
+# (`allocator/`, `keyspace/`, `message/`), beneath the processes that use them: what each may
+# import of the product, beyond itself.
+SHARED_PACKAGES = {
+    "keyspace": ("plumbing",),
+    "allocator": ("keyspace", "plumbing", "broker.protocol"),
+    "message": ("keyspace", "plumbing", "broker.protocol", "broker.client"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(SHARED_PACKAGES))
+def test_the_shared_packages_sit_beneath_the_processes(package: str) -> None:
+    allowed = (package, *SHARED_PACKAGES[package])
+    found = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in python_files(package)
+        for module in sorted(imports_of(path))
+        if module.split(".")[0] in PRODUCT
+        and not any(module == a or module.startswith(a + ".") for a in allowed)
+        # (`from broker import client` records `broker` too: the dotted name is the one judged.)
+        and module != "broker"
+    ]
+    assert python_files(package) and found == []
+
+
+def test_the_broker_holds_none_of_the_shared_packages() -> None:
+    assert [n for n in ("allocator", "message") if (ROOT / "broker" / n).exists()] == []
+    text = (ROOT / "broker" / "keyspace.py").read_text()
+    assert "class KeySpace" not in text, "the keyspace mirror is the top-level keyspace package"
+
+
+# What consumers may use of `broker`: its client library and protocol (the keyspace mirror, the
+# allocator and messages are packages of their own). What every process shares (flags, the etcd
+# connection, backoff, task ownership and membership, metrics, logs, TLS, tokens, the HTTP port)
+# is plumbing's, open to all.
+CONSUMER_MAY_USE = ("broker.client", "broker.protocol")
 
 
 @pytest.mark.parametrize("package", ["consumer", "replication"])
@@ -130,7 +159,7 @@ def test_plumbing_is_beneath_every_process() -> None:
     found = [
         line
         for line in offenders(
-            python_files("plumbing"), ("broker", "consumer", "replication", "gazctl", "tests")
+            python_files("plumbing"), (*(p for p in PRODUCT if p != "plumbing"), "tests")
         )
         if not line.split(" imports ")[1].startswith("broker.protocol")
     ]
@@ -159,7 +188,7 @@ def test_one_helper_waits_for_the_first_of_several_awaitables() -> None:
     asyncio pattern, whose helper tasks each caller had to cancel and await, lives only there."""
     found = [
         str(path.relative_to(ROOT))
-        for path in python_files("broker", "plumbing", "consumer", "replication", "gazctl")
+        for path in python_files(*PRODUCT)
         if "FIRST_COMPLETED" in path.read_text() and path != ROOT / "plumbing" / "tasks.py"
     ]
     assert found == []
@@ -178,7 +207,7 @@ def test_production_code_draws_from_its_own_random_never_the_global_one() -> Non
     of the same test worker, failed `test_merge_is_the_least_upper_bound`). Tests that seed it
     on one worker also made another worker's `free_port` draw the same ports."""
     found = []
-    for path in python_files("broker", "consumer", "plumbing", "replication", "gazctl", "spark"):
+    for path in python_files(*PRODUCT):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Call)

@@ -17,7 +17,7 @@ import aetcd
 import pytest
 from aetcd import exceptions as etcd_errors
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.client import JournalsClient
 from broker.client.appender import append
 from broker.client.journals import dial

@@ -10,7 +10,10 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.message.mapping import (
+from broker.protocol import labels
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import EtcdServer
+from message.mapping import (
     Partition,
     WatchedPartitions,
     fnv1a32,
@@ -18,9 +21,6 @@ from broker.message.mapping import (
     random_mapping,
     rendezvous_mapping,
 )
-from broker.protocol import labels
-from broker.protocol import protocol_pb2 as pb
-from broker.testing import EtcdServer
 from tests.journals_testing import started_brokers
 
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker.message import uuid as mu
-from broker.message.uuid import Clock, Flags
+from message import uuid as mu
+from message.uuid import Clock, Flags
 
 producers = st.binary(min_size=6, max_size=6)
 clocks = st.integers(min_value=0, max_value=2**64 - 1)

@@ -14,20 +14,20 @@ from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import dial
 from broker.client.reader import read
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition, modulo_mapping
-from broker.message.publisher import (
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import EtcdServer
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition, modulo_mapping
+from message.publisher import (
     Publisher,
     Reader,
     read_committed,
     read_committed_batches,
     read_uncommitted,
 )
-from broker.message.sequencer import Sequencer
-from broker.message.uuid import Clock
-from broker.protocol import protocol_pb2 as pb
-from broker.protocol import protocol_pb2_grpc as pb_grpc
-from broker.testing import EtcdServer
+from message.sequencer import Sequencer
+from message.uuid import Clock
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed
 
@@ -151,7 +151,7 @@ async def test_one_producer_publishes_to_journals_of_different_content_types(
     its journal's messages, commits both journals' messages, and an abort rolls back both."""
     from google.protobuf import descriptor_pb2
 
-    from broker.message.framing import FixedProtobuf, ProtobufMessages
+    from message.framing import FixedProtobuf, ProtobufMessages
     from tests.test_framing import _proto_class
 
     lines, protos = "mixed/lines", "mixed/protos"
@@ -206,8 +206,8 @@ async def test_publishing_a_list_writes_what_publishing_each_message_writes(
     one-at-a-time path with the same clocks, the spans cover them, a transaction published as a
     list commits and aborts as one, and a message that cannot be encoded fails the call with
     nothing written or left pending."""
-    from broker.message.framing import CSV, CSVMessages
-    from broker.message.uuid import TICK, Flags, build, parse_text
+    from message.framing import CSV, CSVMessages
+    from message.uuid import TICK, Flags, build, parse_text
 
     csv_journal = "events/csv"
     async with started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True) as (

@@ -18,10 +18,10 @@ import pytest
 from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
 from broker.client.reader import read
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher, Reader, read_committed, read_uncommitted
 from broker.testing import EtcdServer, stop_processes
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher, Reader, read_committed, read_uncommitted
 from tests.conftest import BrokerProcess
 from tests.tcp_proxy import TcpProxy, host_port
 from tests.test_broker_failure import placed, start_brokers

@@ -12,11 +12,12 @@ import aetcd
 import pytest
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
-from broker.keyspace import KeySpace
+from allocator import keyspace as aks
+from broker.keyspace import broker_decoder
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.resolver import ResolveError, Resolver
+from keyspace import KeySpace
 from plumbing import etcd as etcdx
 from plumbing.tasks import TaskOwner
 from tests.journals_testing import journal_spec
@@ -28,7 +29,7 @@ LOCAL = pb.ProcessSpec.ID(zone="local", suffix="me")
 async def world(
     etcd: aetcd.Client, etcd_prefix: str, tmp_path: Path
 ) -> AsyncIterator[tuple[Resolver, aetcd.Client, str]]:
-    ks = KeySpace(etcd_prefix, aks.broker_decoder(etcd_prefix), apply_delay=0.0)
+    ks = KeySpace(etcd_prefix, broker_decoder(etcd_prefix), apply_delay=0.0)
     await ks.load(etcd)
     owner = TaskOwner("test keyspace")
     owner.spawn(ks.watch(etcd), "watch")

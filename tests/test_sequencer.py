@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.message.sequencer import (
+from message.sequencer import (
     COMMITTING,
     Envelope,
     JournalProducer,
@@ -306,7 +306,7 @@ def test_outside_txn_cases(caplog: pytest.LogCaptureFixture) -> None:
 
     # Preceding CONTINUE_TXN messages are discarded (and the mixed use is logged).
     a3, a4, a5 = gen(A, 3, CONTINUE), gen(A, 4, CONTINUE), gen(A, 5, OUTSIDE)
-    with caplog.at_level(logging.ERROR, logger="broker.message.sequencer"):
+    with caplog.at_level(logging.ERROR, logger="message.sequencer"):
         assert queue(seq, a3, a4, a5) == [
             Q.CONTINUE_BEGIN_SPAN,
             Q.CONTINUE_EXTEND_SPAN,
@@ -577,7 +577,7 @@ def test_ack_below_last_ack_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     a5, a3 = gen(A, 5, ACK), gen(A, 3, ACK)
     assert queue(seq, a5) == [Q.ACK_EMPTY]
     expect_deque(seq, a5)
-    with caplog.at_level(logging.ERROR, logger="broker.message.sequencer"):
+    with caplog.at_level(logging.ERROR, logger="message.sequencer"):
         assert queue(seq, a3) == [Q.ACK_ROLLBACK]
     assert "ACK_TXN below the last ACK (exactly-once lost)" in caplog.text
     assert seq.producer_states() == {(JOURNAL, A): ProducerState(3, -1)}

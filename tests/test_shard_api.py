@@ -12,7 +12,7 @@ import aetcd
 import pytest
 from google.protobuf import duration_pb2
 
-from broker.allocator import keyspace as aks
+from allocator import keyspace as aks
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import recorded_op_pb2 as rpb

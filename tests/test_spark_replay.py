@@ -22,17 +22,17 @@ from broker.client.journals import dial
 from broker.client.reader import read
 from broker.fragment.content import fragment_path
 from broker.fragment.stores import FragmentStore, open_store
-from broker.message.framing import DictMessages, FrameReader, JSONLines
-from broker.message.mapping import Partition, modulo_mapping
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.sequencer import Sequencer
-from broker.message.uuid import Flags, build, new_producer_id
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.replay import resolve, summary_of
 from gazctl.spark.source import FragmentPartition, GazetteReader
+from message.framing import DictMessages, FrameReader, JSONLines
+from message.mapping import Partition, modulo_mapping
+from message.publisher import Publisher, Reader, read_committed
+from message.sequencer import Sequencer
+from message.uuid import Flags, build, new_producer_id
 from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces
 from tests.journals_testing import started_brokers

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.message.sequencer import COMMITTING, Envelope, Sequencer
 from gazctl.spark.replay import (
     FragmentSummary,
     is_withdrawn,
     resolve,
     sequence_fragment,
 )
+from message.sequencer import COMMITTING, Envelope, Sequencer
 
 OUTSIDE, CONTINUE, ACK = 0, 1, 2
 JOURNAL = "a/journal"
@@ -35,7 +35,7 @@ class Message:
 @pytest.fixture(autouse=True)
 def _quiet_sequencer() -> None:
     # Odd histories make the Sequencer log errors (by design); keep test output readable.
-    logging.getLogger("broker.message.sequencer").setLevel(logging.CRITICAL)
+    logging.getLogger("message.sequencer").setLevel(logging.CRITICAL)
 
 
 @st.composite

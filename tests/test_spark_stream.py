@@ -25,10 +25,6 @@ from broker.client.appender import append
 from broker.client.journals import JournalsClient, dial
 from broker.client.reader import read
 from broker.fragment.content import fragment_path
-from broker.message.framing import DictMessages, Frame, JSONLines
-from broker.message.mapping import Partition, modulo_mapping
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.uuid import TICK, build
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
@@ -45,6 +41,10 @@ from gazctl.spark.stream_plan import (
     collection_paused,
 )
 from gazctl.spark.stream_source import GazetteStreamReader
+from message.framing import DictMessages, Frame, JSONLines
+from message.mapping import Partition, modulo_mapping
+from message.publisher import Publisher, Reader, read_committed
+from message.uuid import TICK, build
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed
 
@@ -799,8 +799,8 @@ async def test_the_sink_maps_rows_to_a_topics_journals_as_a_publisher_does(
 ) -> None:
     from pyspark.sql.types import StringType, StructField, StructType
 
-    from broker.message.mapping import fnv1a32
     from gazctl.spark.stream_sink import GazetteStreamWriter
+    from message.mapping import fnv1a32
 
     targets = ["out/part-000", "out/part-001", "out/part-002"]
     async with broker_with(etcd_server, etcd_prefix, tmp_path / "root", targets) as (

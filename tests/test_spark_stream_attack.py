@@ -18,13 +18,13 @@ import pytest
 
 from broker.client.appender import append
 from broker.client.journals import JournalsClient
-from broker.message.uuid import TICK, Flags, from_time, text_of
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from gazctl.spark.journals import JobError
 from gazctl.spark.stream_plan import StreamOptions
 from gazctl.spark.stream_source import GazetteStreamReader
+from message.uuid import TICK, Flags, from_time, text_of
 from tests.test_persistence import routed
 from tests.test_spark_stream import (
     broker_with,

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from broker.client.appender import append
-from broker.message.uuid import TICK, Flags, from_time, text_of
 from broker.testing import EtcdServer
 from gazctl.spark.journals import JobError
 from gazctl.spark.stream_plan import StreamOptions
 from gazctl.spark.stream_source import GazetteStreamReader
+from message.uuid import TICK, Flags, from_time, text_of
 from tests.test_spark_stream import broker_with, run_batches
 
 ONE = "attack/one"
@@ -89,7 +89,7 @@ def _hostile_history(rng: Any, n: int, producers: list[bytes], big: bool, odd: f
     """Many producers (beyond RUN_PRODUCERS at times), Clocks near 2^63; mostly in order, and
     at rate `odd`: ACKs at a pending Clock, re-sends, Clock 0, unknown flags, OUTSIDE_TXN
     inside transactions."""
-    from broker.message.sequencer import Envelope
+    from message.sequencer import Envelope
 
     base = (1 << 63) - 10 * n - 100 if big else 100
     clocks = dict.fromkeys(producers, base)
@@ -128,10 +128,10 @@ def test_add_run_is_add_on_hostile_histories(seed: int) -> None:
 
     import numpy as np
 
-    from broker.message.sequencer import JournalProducer, ProducerState
-    from broker.message.tally import REPLAY, Tally
+    from message.sequencer import JournalProducer, ProducerState
+    from message.tally import REPLAY, Tally
 
-    logging.getLogger("broker.message.tally").setLevel(logging.CRITICAL)
+    logging.getLogger("message.tally").setLevel(logging.CRITICAL)
     rng = random.Random(seed)
     count = rng.choice([1, 2, 3, 8, 63, 64, 65, 70])
     producers = [i.to_bytes(6, "big") for i in rng.sample(range(1, 1 << 20), count)]

@@ -19,16 +19,16 @@ import pytest
 from google.protobuf import duration_pb2
 
 from broker.client.append_service import AppendService
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher
-from broker.message.sequencer import Envelope
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from consumer.checkpoint import build_checkpoint, read_through_of
 from consumer.protocol import cpb
 from consumer.sqlstore import SQLStore
 from consumer.store import FencedOut
 from consumer.transaction import Shard, Source, run_shard
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher
+from message.sequencer import Envelope
 from tests.consumer_testing import INPUT, OUTPUT
 from tests.test_transactions import check_outputs, committed_outputs, publish_inputs, write_head
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from broker.message.sequencer import JournalProducer, ProducerState, Sequencer
 from consumer.checkpoint import build_checkpoint, producer_states_of, read_through_of
 from consumer.protocol import cpb
 from consumer.store import FencedOut, JSONFileStore
+from message.sequencer import JournalProducer, ProducerState, Sequencer
 
 P1, P2 = b"\x01" * 6, b"\x02" * 6
 

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from broker.message.sequencer import Envelope
-from broker.message.uuid import text_of
 from gazctl.spark.columns import BATCH_ROWS, json_fields
 from gazctl.spark.stream_plan import NO_PRODUCER, Plan
 from gazctl.spark.stream_source import Taker, planned_batch, stream_arrow_schema
+from message.sequencer import Envelope
+from message.uuid import text_of
 
 J = "a/journal"
 

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from broker.message.sequencer import COMMITTING, Envelope, Sequencer
-from broker.message.tally import REPLAY, Tally
+from message.sequencer import COMMITTING, Envelope, Sequencer
+from message.tally import REPLAY, Tally
 
 J = "a/journal"
 

@@ -20,15 +20,15 @@ import pytest
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.client.reader import write_head
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.sequencer import Sequencer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, stop_process
 from consumer.client import ShardsClient
 from consumer.examples.stream_sum import SUMS, journal_spec
 from consumer.protocol import cpb
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher, Reader, read_committed
+from message.sequencer import Sequencer
 from tests.conftest import BrokerProcess
 from tests.consumer_testing import ConsumerProcesses
 

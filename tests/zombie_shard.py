@@ -12,12 +12,12 @@ import sys
 
 from broker.client.append_service import AppendService
 from broker.client.routes import Router
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.publisher import Publisher
 from consumer.examples.stream_sum import Summer
 from consumer.protocol import cpb
 from consumer.store import FencedOut, JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
+from message.framing import DictMessages, JSONLines
+from message.publisher import Publisher
 
 
 class _Announcing(JSONFileStore):

@@ -37,10 +37,6 @@ import click
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
 from broker.client.reader import write_head
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition, modulo_mapping
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.sequencer import Envelope, Sequencer
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
@@ -50,6 +46,10 @@ from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition, modulo_mapping
+from message.publisher import Publisher, Reader, read_committed
+from message.sequencer import Envelope, Sequencer
 from plumbing import config as cfg
 
 PREFIX = "examples/stream-sum"

@@ -30,10 +30,6 @@ import grpc
 
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition, fnv1a32
-from broker.message.publisher import Publisher
-from broker.message.sequencer import Envelope
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import word_count_pb2 as wpb
@@ -45,6 +41,10 @@ from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore, Store
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition, fnv1a32
+from message.publisher import Publisher
+from message.sequencer import Envelope
 from plumbing import config as cfg
 from plumbing import credentials
 

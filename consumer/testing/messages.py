@@ -11,10 +11,10 @@ from typing import Any, cast
 
 from broker.client.append_service import AppendService
 from broker.client.routes import Router
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.sequencer import Envelope, Sequencer
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition
+from message.publisher import Publisher, Reader, read_committed
+from message.sequencer import Envelope, Sequencer
 
 NDJSON = "application/x-ndjson"
 

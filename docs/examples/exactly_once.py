@@ -20,10 +20,10 @@ from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.reader import read
 from broker.client.routes import Router
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import WatchedPartitions, modulo_mapping
-from broker.message.publisher import Publisher, Reader, read_committed, read_uncommitted
 from broker.protocol.labels import parse_selector
+from message.framing import DictMessages, JSONLines
+from message.mapping import WatchedPartitions, modulo_mapping
+from message.publisher import Publisher, Reader, read_committed, read_uncommitted
 
 
 async def main(address: str) -> int:

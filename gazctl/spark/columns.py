@@ -9,9 +9,9 @@ import functools
 import json
 from typing import Any
 
-from broker.message.framing import CSV, FixedProtobuf, Framing, JSONLines, framing_for
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError
+from message.framing import CSV, FixedProtobuf, Framing, JSONLines, framing_for
 
 BATCH_ROWS = 8192
 
@@ -104,7 +104,7 @@ def with_timestamp(batch: Any) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from broker.message.uuid import GREGORIAN_OFFSET
+    from message.uuid import GREGORIAN_OFFSET
 
     clocks = batch.column("clock")
     ticks = pc.subtract(pc.shift_right(clocks, 4), GREGORIAN_OFFSET)  # 100 ns since 1970.

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
+from message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
 
 COMMITTED_SCHEMA = (
     "journal STRING, offset LONG, end LONG, commit_offset LONG, producer STRING, clock LONG, "

@@ -48,16 +48,6 @@ from pyspark.sql.datasource import (
 )
 
 from broker.fragment.content import describe
-from broker.message.framing import (
-    CSVMessages,
-    DictMessages,
-    Frame,
-    FrameReader,
-    JSONLines,
-    UUIDFields,
-    uuid_fields_of,
-)
-from broker.message.uuid import TextParser, text_of
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.columns import (
     BATCH_ROWS,
@@ -81,6 +71,16 @@ from gazctl.spark.journals import (
     read_verified,
     select_journals,
 )
+from message.framing import (
+    CSVMessages,
+    DictMessages,
+    Frame,
+    FrameReader,
+    JSONLines,
+    UUIDFields,
+    uuid_fields_of,
+)
+from message.uuid import TextParser, text_of
 
 log = logging.getLogger(__name__)
 

@@ -52,10 +52,6 @@ import grpc
 
 from broker.client.journals import JournalsClient
 from broker.client.reader import Chunk, ReadError, read_retrying, write_head
-from broker.message.framing import CSVMessages, DictMessages, Frame, FrameReader, uuid_fields_of
-from broker.message.sequencer import Envelope, JournalProducer, ProducerState
-from broker.message.tally import REPLAY, Tally
-from broker.message.uuid import TextParser, from_time
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.columns import (
@@ -69,6 +65,10 @@ from gazctl.spark.columns import (
     uuid_texts_of,
 )
 from gazctl.spark.journals import JobError, known_options, size_in_bytes
+from message.framing import CSVMessages, DictMessages, Frame, FrameReader, uuid_fields_of
+from message.sequencer import Envelope, JournalProducer, ProducerState
+from message.tally import REPLAY, Tally
+from message.uuid import TextParser, from_time
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 
 T = TypeVar("T")

@@ -46,12 +46,12 @@ from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
 
 from broker.client.append_service import AppendService
 from broker.client.journals import JournalsClient
-from broker.message.framing import DictMessages, JSONLines, framing_for
-from broker.message.mapping import fnv1a32
-from broker.message.uuid import TICK, Flags, build, from_time, text_of
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError, known_options
+from message.framing import DictMessages, JSONLines, framing_for
+from message.mapping import fnv1a32
+from message.uuid import TICK, Flags, build, from_time, text_of
 
 SINK_OPTIONS = ("journal", "selector", "key", "broker", "uuid_path", "checkpointLocation")
 SINK_DIR = "gazette-sink"

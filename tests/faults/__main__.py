@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
     if not args.verbose:
         # Readers report frames torn by a reset-head's new epoch; the checker judges them.
-        logging.getLogger("broker.message").setLevel(logging.CRITICAL)
+        logging.getLogger("message").setLevel(logging.CRITICAL)
     if args.spark_stream:
         from tests.faults import spark_stream
 

@@ -45,9 +45,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.message.framing import DictMessages, FrameReader, JSONLines
-from broker.message.publisher import Reader
-from broker.message.sequencer import Envelope, Sequencer
+from message.framing import DictMessages, FrameReader, JSONLines
+from message.publisher import Reader
+from message.sequencer import Envelope, Sequencer
 from tests.faults.history import (
     CHECKED,
     FAIL,

@@ -34,15 +34,15 @@ import grpc
 
 from broker.client import JournalsClient
 from broker.client.append_service import AppendService
-from broker.message.framing import DictMessages, JSONLines
-from broker.message.mapping import Partition, modulo_mapping
-from broker.message.publisher import Publisher, Reader, read_committed
-from broker.message.sequencer import Sequencer
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import stream_sum
 from consumer.protocol import cpb
+from message.framing import DictMessages, JSONLines
+from message.mapping import Partition, modulo_mapping
+from message.publisher import Publisher, Reader, read_committed
+from message.sequencer import Sequencer
 from tests.faults.consumer_checker import OK, ChunkOp, ConsumerHistory, ShardStatus, SumRead
 from tests.faults.harness import (
     Cluster,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.message.framing import (
+from message.framing import (
     CSV,
     FIXED_FRAME_HEADER_LENGTH,
     FIXED_FRAME_MAGIC,
@@ -24,7 +24,7 @@ from broker.message.framing import (
     known_content_types,
     register_framing,
 )
-from broker.message.uuid import (
+from message.uuid import (
     Clock,
     Flags,
     build,

@@ -45,12 +45,12 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 
-from broker.message.uuid import TextParser, parse, parse_text
 from broker.protocol.labels import (
     CONTENT_TYPE_CSV,
     CONTENT_TYPE_JSON_LINES,
     CONTENT_TYPE_PROTO_FIXED,
 )
+from message.uuid import TextParser, parse, parse_text
 
 __all__ = [
     "CSV",

@@ -26,7 +26,8 @@ from typing import Any, Generic, TypeVar
 
 from broker.client.append_service import AppendService, PendingSpan, Span
 from broker.client.reader import read
-from broker.message.framing import (
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from message.framing import (
     Frame,
     FrameError,
     FrameReader,
@@ -35,10 +36,9 @@ from broker.message.framing import (
     MessageType,
     uuid_fields_of,
 )
-from broker.message.mapping import Partition
-from broker.message.sequencer import COMMITTING, Envelope, Sequencer
-from broker.message.uuid import TICK, Clock, Flags, TextFormatter, build, new_producer_id
-from broker.protocol import protocol_pb2_grpc as pb_grpc
+from message.mapping import Partition
+from message.sequencer import COMMITTING, Envelope, Sequencer
+from message.uuid import TICK, Clock, Flags, TextFormatter, build, new_producer_id
 
 M = TypeVar("M")
 N = TypeVar("N")

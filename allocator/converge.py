@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from broker.allocator import keyspace as aks
-from broker.allocator.keyspace import Assignment
-from broker.allocator.state import State
-from broker.keyspace import KeyValue
+from allocator import keyspace as aks
+from allocator.keyspace import Assignment
+from allocator.state import State
+from keyspace import KeyValue
 
 # etcd's default --max-txn-ops, which bounds both comparisons and operations of a transaction.
 MAX_TXN_OPS = 128

@@ -18,13 +18,13 @@ import aetcd
 import grpc
 from aetcd import transactions
 
-from broker.allocator import keyspace as aks
-from broker.allocator.converge import MAX_TXN_OPS, Plan, Put, Txn, plan
-from broker.allocator.keyspace import Assignment, Member
-from broker.allocator.rules import Rules, broker_rules
-from broker.allocator.solver import solve
-from broker.allocator.state import State
-from broker.keyspace import KeySpace
+from allocator import keyspace as aks
+from allocator.converge import MAX_TXN_OPS, Plan, Put, Txn, plan
+from allocator.keyspace import Assignment, Member
+from allocator.rules import Rules
+from allocator.solver import solve
+from allocator.state import State
+from keyspace import KeySpace
 from plumbing import etcd as etcdx
 from plumbing import metrics
 
@@ -90,7 +90,7 @@ async def allocate(
     root: str,
     member_key: str,
     *,
-    rules: Rules | None = None,
+    rules: Rules,
     max_txn_ops: int = MAX_TXN_OPS,
     retry_delay: float = 1.0,
     on_round: Callable[[Round], None] | None = None,
@@ -103,8 +103,8 @@ async def allocate(
     holds no assignment; raises MemberKeyMissing if its key disappears. Cancel to stop: no task
     is left behind.
 
-    `rules` reads specs (default: brokers' JournalSpec / BrokerSpec / Route, with upstream's
-    max replication of 9); `max_txn_ops` bounds each transaction's operations and comparisons
+    `rules` reads specs (brokers': `broker.keyspace.broker_rules`; consumers':
+    `consumer.keyspace.consumer_rules`); `max_txn_ops` bounds each transaction's operations and comparisons
     (etcd's --max-txn-ops); after an etcd error a round is retried within `retry_delay` seconds;
     `on_round`, if given, is called after every pass with what it did (tests wait on it);
     after each change the loop waits `settle` seconds, so a burst of changes costs one round.
@@ -113,7 +113,6 @@ async def allocate(
     keeps converging toward it: re-solving on every assignment change would chase a target
     that shifts as replicas move.
     """
-    rules = rules if rules is not None else broker_rules()
     desired: Sequence[Sequence[int]] = ()
     desired_for: tuple[Any, ...] | None = None
     number = 0

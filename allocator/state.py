@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from broker.allocator import keyspace as aks
-from broker.allocator.keyspace import Assignment, Item, Member
-from broker.allocator.rules import Rules
-from broker.allocator.solver import Problem
-from broker.keyspace import KeySpace, KeyValue
+from allocator import keyspace as aks
+from allocator.keyspace import Assignment, Item, Member
+from allocator.rules import Rules
+from allocator.solver import Problem
+from keyspace import KeySpace, KeyValue
 
 MemberId = tuple[str, str]  # (zone, suffix)
 

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from broker.message.sequencer import Envelope, JournalProducer, ProducerState
+from message.sequencer import Envelope, JournalProducer, ProducerState
 
 __all__ = ["REPLAY", "RUN_PRODUCERS", "Tally"]
 

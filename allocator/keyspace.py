@@ -6,7 +6,7 @@ primary). `#` separates because every token alphabet excludes it.
 
 Brokers also keep `paths/{storage}/{segment}` (escaped), empty keys which journal Applies bump to
 serialize only those that could claim meeting fragment paths (see `path_lock_key`); they are not
-mirrored (`broker_keyspace`).
+mirrored (`broker.keyspace.broker_keyspace`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ PATHS = "/paths/"
 SEP = "#"
 
 if TYPE_CHECKING:
-    from broker.keyspace import KeySpace
+    pass
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,6 @@ def path_lock_key(root: str, storage: str, segment: str) -> str:
     return f"{root}{PATHS}{quote(storage, safe='')}/{quote(segment, safe='')}"
 
 
-def broker_keyspace(root: str, *, apply_delay: float = 0.03) -> KeySpace:
-    """The brokers' mirror of the journal layout under `root`, without the path lock keys
-    (bumped at Applies; nothing reads them from the mirror, and the decoder knows no layout for
-    them)."""
-    from broker.keyspace import KeySpace
-
-    return KeySpace(root, broker_decoder(root), apply_delay=apply_delay, unmirrored=root + PATHS)
-
-
 def new_decoder(
     root: str,
     item_type: type[Message],
@@ -112,22 +103,6 @@ def new_decoder(
         raise ValueError(f"unexpected key {key!r} outside the allocator layout")
 
     return decode
-
-
-def broker_decoder(root: str) -> Callable[[str, bytes], object]:
-    from broker.fragment.stores.paths import canonical_spec_stores
-
-    decode = new_decoder(root, pb.JournalSpec, pb.BrokerSpec, pb.Route)
-
-    def canonical(key: str, raw: bytes) -> object:
-        # Specs that reached etcd other than through our Apply (older brokers, hand-written)
-        # may spell a store many ways: brokers use its one canonical spelling.
-        out = decode(key, raw)
-        if isinstance(out, Item) and isinstance(out.spec, pb.JournalSpec):
-            canonical_spec_stores(out.spec)
-        return out
-
-    return canonical
 
 
 class _DecodedKV(Protocol):
