@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from consumer.hooks import AppHooks, HookError
 from consumer.main import serve_command
 from consumer.runtime import ConsumerApplication
 
@@ -37,6 +38,10 @@ def load_application(target: str) -> ConsumerApplication:
             raise click.UsageError(
                 f"--app {target!r}: {attr}() is not a consumer application (no {method} method)"
             )
+    try:
+        AppHooks.of(app)
+    except HookError as exc:
+        raise click.UsageError(f"--app {target!r}: {exc}") from None
     return app  # type: ignore[no-any-return]
 
 

@@ -45,6 +45,7 @@ from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.validate import ValidationError, validate_process_id
 from consumer.client import PrimaryUnreachable
+from consumer.hooks import AppHooks, StoreHooks
 from consumer.keyspace import consumer_rules, replica_status, shard_keyspace
 from consumer.protocol import DEFAULT_MAX_HOT_STANDBYS, cpb, recovery_log, truncate_error
 from consumer.recovery import HINTS_INTERVAL, Playback, fetch_hints, rotate_hints, store_hints
@@ -105,7 +106,10 @@ class ConsumerApplication(Application, Protocol):
     `replication.host`) gives `async run_primary(consumer, spec, ready)`, run as the shard's
     primary instead of the transaction loop (it calls `await ready()` once it has fenced out
     any earlier primary and serves: only then is it advertised PRIMARY), and optionally `async
-    run_standby(consumer, spec)`, run by each standby (STANDBY) until the replica stops."""
+    run_standby(consumer, spec)`, run by each standby (STANDBY) until the replica stops.
+
+    Each optional hook is declared as a Protocol in `consumer.hooks`, and checked as the
+    application loads."""
 
     async def new_store(self, shard: Shard) -> Store: ...
 
@@ -184,6 +188,7 @@ class Consumer:
     def __init__(self, config: ConsumerConfig, app: ConsumerApplication) -> None:
         self.config = config
         self.app = app
+        self.hooks = AppHooks.of(app)  # Its optional hooks, checked (HookError names one amiss).
         self.process_id = pb.ProcessSpec.ID(zone=config.zone, suffix=config.id)
         self.root = config.etcd_prefix
         self.etcd: aetcd.Client = etcdx.connect(config.etcd_address, tls=config.etcd_tls)
@@ -283,9 +288,8 @@ class Consumer:
             await self.membership.announce(
                 self.spec().SerializeToString(), deadline, applied=self.ks.wait_for_revision
             )
-            init = getattr(self.app, "init_application", None)
-            if init is not None:
-                await init(self)
+            if self.hooks.init_application is not None:
+                await self.hooks.init_application(self)
             self._app_started = True
             await self.server.start()
             await self._start_http()
@@ -345,7 +349,7 @@ class Consumer:
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
-        close = getattr(self.app, "close_application", None)
+        close = self.hooks.close_application
         if self._app_started and close is not None:
             self._app_started = False
             with contextlib.suppress(Exception):
@@ -439,7 +443,7 @@ class Consumer:
             await self._set_status(
                 replica, cpb.ReplicaStatus(code=cpb.ReplicaStatus.STANDBY), assignment
             )
-            follow = getattr(self.app, "run_standby", None)
+            follow = self.hooks.run_standby
             if spec is not None and follow is not None:
                 try:
                     await follow(self, spec)
@@ -549,7 +553,7 @@ class Consumer:
             if journal is None:
                 raise ValueError(f"source journal {name} of shard {spec.id} does not exist")
             content_type = labels.value_of(journal.labels, "content-type")
-            chooser = getattr(self.app, "message_type", None)
+            chooser = self.hooks.message_type
             messages: MessageType[Any] = chooser(journal) if chooser else DictMessages()
             out.append(
                 Source(source.journal, messages, framing_for(content_type), source.min_offset)
@@ -558,7 +562,7 @@ class Consumer:
 
     async def _run_primary(self, replica: _Replica) -> None:
         spec = self._spec_of(replica.shard_id)
-        serve = getattr(self.app, "run_primary", None)
+        serve = self.hooks.run_primary
         if serve is not None:
             await self._serve_primary(replica, spec, serve)
             return
@@ -778,7 +782,7 @@ async def _current_hints(store: Store, recorder: Any) -> Any:
     handed to the loop yet (a WAL created at open, before any sync) is in the recorder's FSM but
     not in the log, and hints read on the loop would name it, failing every player of them
     with "possible data loss" until the store next syncs."""
-    build = getattr(store, "build_hints", None)
+    build = StoreHooks.of(store).build_hints
     if build is not None:
         return await build()
     return await recorder.build_hints()

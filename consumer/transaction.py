@@ -43,6 +43,7 @@ from broker.client.reader import ReadError, read_retrying
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from consumer.checkpoint import build_checkpoint, producer_states_of, read_through_of
+from consumer.hooks import AppHooks, StoreHooks
 from consumer.protocol import cpb
 from consumer.store import Store
 from message.framing import FrameReader, Framing, MessageType
@@ -227,6 +228,8 @@ class _Input:
 
 @dataclass
 class _Txn:
+    """The state of one transaction."""
+
     consumed: int = 0
     consumed_bytes: int = 0
     began_at: float = 0.0
@@ -252,6 +255,7 @@ async def run_shard(
     runs once the store is fenced and its checkpoint restored (the runtime advertises PRIMARY
     then, as upstream does)."""
     spec = shard.spec
+    hooks, store_hooks = AppHooks.of(app), StoreHooks.of(store)
     checkpoint = await store.restore_checkpoint()
     if restored is not None:
         await restored()
@@ -264,11 +268,9 @@ async def run_shard(
         ring_size=spec.ring_buffer_size or DEFAULT_RING_BUFFER_SIZE,
     )
     shard.progress.update(read_through_of(checkpoint), {})
-    by_journal = {s.journal: s for s in sources}
     queue: asyncio.Queue[list[Envelope] | BaseException] = asyncio.Queue(
         maxsize=max(1, (spec.read_channel_size or DEFAULT_READ_CHANNEL_SIZE) // 64)
     )
-    source_input = _Input(queue)
 
     async with asyncio.TaskGroup() as tasks:
         # ACK intents of the recovered checkpoint: written again (idempotent for readers).
@@ -276,11 +278,11 @@ async def run_shard(
             shard.service.write_nowait(journal, intent)
             for journal, intent in checkpoint.ack_intents.items()
         ]
-        # Commits in flight, oldest first (each completes only after those before it).
-        inflight: collections.deque[asyncio.Task[None]] = collections.deque(
-            [tasks.create_task(_await_acks(shard, acks, {}, recovered=True))]
-        )
-        depth = max(1, int(getattr(store, "pipelined_commits", 1)))
+        loop = _TransactionLoop(
+            shard, app, hooks, store, sequencer, _Input(queue), sources, stubs, tasks,
+            depth=store_hooks.pipelined_commits, recovery_log=recovery_log, now=now,
+        )  # fmt: skip
+        loop.inflight.append(tasks.create_task(_await_acks(shard, acks, {}, recovered=True)))
         for source in sources:
             tasks.create_task(
                 _read_source(
@@ -290,10 +292,7 @@ async def run_shard(
             )
         # Runs until cancelled or failed; either way the group cancels the readers and commits.
         while True:
-            await _transaction(
-                shard, app, store, sequencer, source_input, inflight, depth, by_journal, stubs,
-                tasks, recovery_log, now,
-            )  # fmt: skip
+            await loop.transaction()
 
 
 async def _await_acks(
@@ -330,76 +329,151 @@ async def _await_acks(
     shard.progress.update(read_through, publish_at)
 
 
-async def _transaction(
-    shard: Shard,
-    app: Application,
-    store: Store,
-    sequencer: Sequencer,
-    source_input: _Input,
-    inflight: collections.deque[asyncio.Task[None]],
-    depth: int,
-    sources: Mapping[str, Source],
-    stubs: Callable[[], pb_grpc.JournalStub],
-    tasks: asyncio.TaskGroup,
-    recovery_log: str,
-    now: Callable[[], float],
-) -> None:
-    """Run one transaction, and add the task that commits it and appends its ACKs to
-    `inflight` (the commits in flight, at most `depth` once it starts its commit)."""
-    spec = shard.spec
-    min_dur, max_dur = _duration(spec.min_txn_duration), _duration(spec.max_txn_duration)
-    wait_for_ack = not spec.disable_wait_for_ack
-    txn = _Txn()
-    pending, queue = source_input.pending, source_input.queue
+class _TransactionLoop:
+    """A shard's transactions, one after another (`transaction`), with the commits in flight
+    (`inflight`, oldest first, at most `depth` once a transaction starts its commit). Each
+    commit's task, and its ACKs', belong to the shard's task group (`tasks`)."""
 
-    def deadline() -> float | None:
+    def __init__(
+        self,
+        shard: Shard,
+        app: Application,
+        hooks: AppHooks,
+        store: Store,
+        sequencer: Sequencer,
+        source_input: _Input,
+        sources: Sequence[Source],
+        stubs: Callable[[], pb_grpc.JournalStub],
+        tasks: asyncio.TaskGroup,
+        *,
+        depth: int,
+        recovery_log: str,
+        now: Callable[[], float],
+    ) -> None:
+        self.shard, self.app, self.hooks, self.store = shard, app, hooks, store
+        self.sequencer, self.input, self.stubs, self.tasks = sequencer, source_input, stubs, tasks
+        self.sources = {s.journal: s for s in sources}
+        self.inflight: collections.deque[asyncio.Task[None]] = collections.deque()
+        self.depth, self.recovery_log, self.now = depth, recovery_log, now
+        spec = shard.spec
+        self.min_dur = _duration(spec.min_txn_duration)
+        self.max_dur = _duration(spec.max_txn_duration)
+        self.wait_for_ack = not spec.disable_wait_for_ack
+        self.txn = _Txn()
+
+    # ---- one transaction ----------------------------------------------------------------
+
+    async def transaction(self) -> None:
+        """Run one transaction, and add the task that commits it and appends its ACKs to
+        `inflight`."""
+        txn = self.txn = _Txn()
+        sequencer, pending, queue = self.sequencer, self.input.pending, self.input.queue
+        if sequencer.dequeued is not None:
+            # The last transaction ended on a deferred message: it begins this one.
+            await self._consume(sequencer.dequeued)
+            await _dequeue_rest(sequencer, self._consume)
+
+        while True:
+            self._reap()  # A failed commit (or an ACK that failed) fails the shard.
+            self._tick()
+            if txn.reading and pending:
+                envelope = pending.popleft()
+                outcome = sequencer.queue_uncommitted(envelope)
+                if outcome in COMMITTING:
+                    if not await _dequeue(sequencer, self._consume, self.sources, self.stubs):
+                        break  # Deferred: the next transaction begins with it.
+                    if txn.consumed == 0:
+                        # An ACK that committed nothing to consume (an aborted transaction's,
+                        # say): read, and no transaction's to report.
+                        self.shard.progress.read_past(envelope.journal, envelope.end)
+                elif txn.consumed == 0 and outcome in _DUPLICATES:
+                    # Read, and never to be part of a transaction: report it read, so that a
+                    # Stat waiting for it does not wait for good.
+                    self.shard.progress.read_past(envelope.journal, envelope.end)
+                continue
+            if txn.reading and not pending:
+                try:
+                    item = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    item = None
+                if item is not None:
+                    self.input.take(item)
+                    continue
+            if not self._blocks():
+                break  # Input stalled (or reading is over): commit.
+            # Wait for input, the next deadline, or the oldest commit in flight.
+            getting = txn.reading and not pending
+            waits: list[Awaitable[Any]] = [queue.get()] if getting else []
+            if running := self._unfinished():
+                waits.append(running[0])
+            until = self._deadline()
+            timeout = None if until is None else max(0.0, until - self.now())
+            if waits or timeout is not None:
+                done = await first_of(*waits, timeout=timeout)
+                if getting and done[0].done() and not done[0].cancelled():
+                    self.input.take(done[0].result())
+
+        if txn.consumed:
+            await self._commit()
+
+    def _deadline(self) -> float | None:
+        txn = self.txn
         if txn.consumed == 0:
             return None
         if not txn.min_done:
-            return txn.began_at + min_dur
+            return txn.began_at + self.min_dur
         if not txn.max_done:
-            return txn.began_at + max_dur
+            return txn.began_at + self.max_dur
         return None
 
-    def tick() -> None:
+    def _tick(self) -> None:
+        txn = self.txn
         if txn.consumed == 0:
             return
-        t = now()
-        if not txn.min_done and t >= txn.began_at + min_dur:
+        t = self.now()
+        if not txn.min_done and t >= txn.began_at + self.min_dur:
             txn.min_done = True
-        if not txn.max_done and t >= txn.began_at + max_dur:
+        if not txn.max_done and t >= txn.began_at + self.max_dur:
             txn.max_done = True
             txn.reading = False
 
-    def unfinished() -> list[asyncio.Task[None]]:
-        return [task for task in inflight if not task.done()]
+    def _unfinished(self) -> list[asyncio.Task[None]]:
+        return [task for task in self.inflight if not task.done()]
 
-    def reap() -> None:
+    def _reap(self) -> None:
         """Drop the commits done, oldest first; the failure of one fails the shard."""
-        while inflight and inflight[0].done():
-            inflight.popleft().result()
+        while self.inflight and self.inflight[0].done():
+            self.inflight.popleft().result()
 
-    def blocks() -> bool:
-        if len(unfinished()) >= depth:
+    def _blocks(self) -> bool:
+        """Whether the transaction waits (for input, its minimum duration, its ACKs' commit,
+        or room among the commits in flight) rather than commit now."""
+        txn = self.txn
+        if len(self._unfinished()) >= self.depth:
             return True
         if not txn.reading and txn.consumed == 0:
             return False
         return (
             txn.consumed == 0
             or not txn.min_done
-            or (wait_for_ack and txn.reading and not txn.max_done and sequencer.has_pending())
+            or (
+                self.wait_for_ack
+                and txn.reading
+                and not txn.max_done
+                and self.sequencer.has_pending()
+            )
         )
 
-    async def consume(envelope: Envelope) -> bool:
+    async def _consume(self, envelope: Envelope) -> bool:
         """The application consumes one committed message; False if it deferred it."""
+        txn, shard = self.txn, self.shard
         if txn.consumed == 0:
-            begin = getattr(app, "begin_txn", None)
-            if begin is not None:
-                await begin(shard, store)
-            txn.began_at = now()
+            if self.hooks.begin_txn is not None:
+                await self.hooks.begin_txn(shard, self.store)
+            txn.began_at = self.now()
             shard.publisher.clock.update()  # The message clock follows wall time.
         try:
-            await app.consume_message(shard, store, envelope, shard.publisher)
+            await self.app.consume_message(shard, self.store, envelope, shard.publisher)
         except DeferToNextTransaction:
             if txn.consumed == 0:
                 raise RuntimeError(
@@ -411,82 +485,40 @@ async def _transaction(
         txn.consumed_bytes += envelope.end - envelope.begin
         return True
 
-    if sequencer.dequeued is not None:
-        # The last transaction ended on a deferred message: it begins this one.
-        await consume(sequencer.dequeued)
-        await _dequeue_rest(sequencer, consume)
-
-    while True:
-        reap()  # A failed commit (or an ACK that failed) fails the shard.
-        tick()
-        if txn.reading and pending:
-            envelope = pending.popleft()
-            outcome = sequencer.queue_uncommitted(envelope)
-            if outcome in COMMITTING:
-                if not await _dequeue(sequencer, consume, sources, stubs):
-                    break  # Deferred: the next transaction begins with it.
-                if txn.consumed == 0:
-                    # An ACK that committed nothing to consume (an aborted transaction's, say):
-                    # read, and no transaction's to report.
-                    shard.progress.read_past(envelope.journal, envelope.end)
-            elif txn.consumed == 0 and outcome in _DUPLICATES:
-                # Read, and never to be part of a transaction: report it read, so that a Stat
-                # waiting for it does not wait for good.
-                shard.progress.read_past(envelope.journal, envelope.end)
-            continue
-        if txn.reading and not pending:
-            try:
-                item = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                item = None
-            if item is not None:
-                source_input.take(item)
-                continue
-        if not blocks():
-            break  # Input stalled (or reading is over): commit.
-        # Wait for input, the next deadline, or the oldest commit in flight.
-        getting = txn.reading and not pending
-        waits: list[Awaitable[Any]] = [queue.get()] if getting else []
-        if running := unfinished():
-            waits.append(running[0])
-        until = deadline()
-        timeout = None if until is None else max(0.0, until - now())
-        if waits or timeout is not None:
-            done = await first_of(*waits, timeout=timeout)
-            if getting and done[0].done() and not done[0].cancelled():
-                source_input.take(done[0].result())
-
-    if txn.consumed == 0:
-        return
-    # Room for this commit: the oldest ones first (their failure is ours).
-    while len(running := unfinished()) >= depth:
-        await running[0]
-    reap()
-    await app.finalize_txn(shard, store, shard.publisher)
-    states = sequencer.checkpoint(PRUNE_HORIZON)
-    read_through = sequencer.offsets
-    shard.progress.committing = read_through
-    _count(shard, txn, read_through, now() - txn.began_at)
-    intents = shard.publisher.build_ack_intents()
-    checkpoint = build_checkpoint(read_through, states, intents)
-    wait_for = shard.service.pending_except(*([recovery_log] if recovery_log else []))
-    # The snapshot is taken now; the commit's completion belongs to the shard's task group, so
-    # a shard that stops (cancelled anywhere from here on) has no commit still running.
-    committed = tasks.create_task(_durable(store.start_commit(checkpoint, wait_for)), name="store commit")  # fmt: skip
-    finished = getattr(app, "finished_txn", None)
-    if finished is not None:
-        await finished(shard, store, committed)
-    # Queued now, ahead of the next transaction's messages to the same journals (an ACK must
-    # precede them: readers roll back what a producer wrote past its ACK's clock before the
-    # ACK), and appended once the commit is durable.
-    acks = [shard.service.write_after(journal, intent, committed) for journal, intent in intents]
-    after = inflight[-1] if inflight else None
-    inflight.append(
-        tasks.create_task(
-            _await_acks(shard, acks, read_through, committed=committed, after=after),
-            name="commit",
+    async def _commit(self) -> None:
+        """Finalize the transaction and start its commit, then its ACKs after it."""
+        shard, store, txn = self.shard, self.store, self.txn
+        # Room for this commit: the oldest ones first (their failure is ours).
+        while len(running := self._unfinished()) >= self.depth:
+            await running[0]
+        self._reap()
+        await self.app.finalize_txn(shard, store, shard.publisher)
+        states = self.sequencer.checkpoint(PRUNE_HORIZON)
+        read_through = self.sequencer.offsets
+        shard.progress.committing = read_through
+        _count(shard, txn, read_through, self.now() - txn.began_at)
+        intents = shard.publisher.build_ack_intents()
+        checkpoint = build_checkpoint(read_through, states, intents)
+        log_ = self.recovery_log
+        wait_for = shard.service.pending_except(*([log_] if log_ else []))
+        # The snapshot is taken now; the commit's completion belongs to the shard's task group,
+        # so a shard that stops (cancelled anywhere from here on) has no commit still running.
+        committed = self.tasks.create_task(
+            _durable(store.start_commit(checkpoint, wait_for)), name="store commit"
         )
-    )
+        if self.hooks.finished_txn is not None:
+            await self.hooks.finished_txn(shard, store, committed)
+        # Queued now, ahead of the next transaction's messages to the same journals (an ACK
+        # must precede them: readers roll back what a producer wrote past its ACK's clock
+        # before the ACK), and appended once the commit is durable.
+        acks = [shard.service.write_after(journal, intent, committed) for journal, intent in intents]  # fmt: skip
+        after = self.inflight[-1] if self.inflight else None
+        self.inflight.append(
+            self.tasks.create_task(
+                _await_acks(shard, acks, read_through, committed=committed, after=after),
+                name="commit",
+            )
+        )
 
 
 async def _durable(commit: Awaitable[None]) -> None:
