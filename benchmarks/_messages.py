@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
+from message.types import DictMessages
 from message.uuid import Flags, build, new_producer_id
 
 MESSAGE_SIZE = 200

@@ -26,10 +26,11 @@ from broker.protocol import protocol_pb2 as pb
 from consumer.protocol import cpb
 from consumer.store import JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Envelope
+from message.types import DictMessages
 
 SOURCE, OUTPUT, BASELINE_OUTPUT = "bench/source", "bench/output", "bench/baseline-output"
 APPEND_CHUNK = 16 << 20

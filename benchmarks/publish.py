@@ -28,9 +28,10 @@ from broker.client.append_service import AppendService, PendingSpan
 from broker.client.appender import append
 from broker.client.reader import read
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher
+from message.types import DictMessages
 
 JOURNAL = "bench/publish"
 RAW_CHUNK = 1 << 20

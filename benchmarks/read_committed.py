@@ -16,8 +16,9 @@ from benchmarks._cluster import cluster
 from benchmarks._messages import MESSAGE_SIZE, transactions
 from broker.client.appender import append
 from broker.client.reader import read
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.publisher import Reader, read_committed, read_committed_batches
+from message.types import DictMessages
 
 JOURNAL = "bench/committed"
 APPEND_CHUNK = 16 << 20

@@ -29,9 +29,10 @@ from broker.testing import EtcdServer, free_port, stop_process
 from consumer.client import ShardsClient
 from consumer.examples.stream_sum import chunk_journal
 from consumer.protocol import cpb
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher
+from message.types import DictMessages
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
 # Not under the brokers' /bench (as shard_scale's): a keyspace watches its root as a string

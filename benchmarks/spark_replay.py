@@ -17,9 +17,10 @@ from benchmarks._messages import transactions
 from broker.fragment.content import open_in_store
 from broker.fragment.stores import close_stores, open_store
 from broker.protocol import protocol_pb2 as pb
-from message.framing import DictMessages, FrameReader, JSONLines
+from message.framing import FrameReader, JSONLines
 from message.publisher import Reader
 from message.sequencer import Sequencer
+from message.types import DictMessages
 
 JOURNAL = "bench/replay"
 STORE = "file:///fragments/"

@@ -179,8 +179,9 @@ def replay(session: Any, address: str, root: Path, prefix: str, out: Path) -> in
 
 async def publish_at(address: str, journal: str, rate: float, seconds: float) -> int:
     from broker.client.append_service import AppendService
-    from message.framing import DictMessages, JSONLines
+    from message.framing import JSONLines
     from message.mapping import Partition
+    from message.types import DictMessages
 
     part = Partition(journal, "application/x-ndjson")
     sent = 0

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from broker.protocol import protocol_pb2 as pb
     from consumer.protocol import cpb
-    from message.framing import MessageType
+    from message.types import MessageType
 
 
 @runtime_checkable

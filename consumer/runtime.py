@@ -64,8 +64,9 @@ from consumer.shard_api import (
 from consumer.store import Store
 from consumer.transaction import Application, Progress, Shard, Source, run_shard
 from keyspace import KeyValue
-from message.framing import DictMessages, JSONLines, MessageType, framing_for
+from message.framing import JSONLines, framing_for
 from message.publisher import Publisher
+from message.types import DictMessages, MessageType
 from plumbing import auth, logs, metrics
 from plumbing import etcd as etcdx
 from plumbing.backoff import Backoff

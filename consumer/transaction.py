@@ -46,9 +46,10 @@ from consumer.checkpoint import build_checkpoint, producer_states_of, read_throu
 from consumer.hooks import AppHooks, StoreHooks
 from consumer.protocol import cpb
 from consumer.store import Store
-from message.framing import FrameReader, Framing, MessageType
+from message.framing import FrameReader, Framing
 from message.publisher import Publisher, Reader, chunk_envelopes
 from message.sequencer import COMMITTING, Envelope, QueueOutcome, Sequencer
+from message.types import MessageType
 from plumbing import metrics
 from plumbing.tasks import first_of
 

@@ -27,17 +27,10 @@ from typing import Any, Generic, TypeVar
 from broker.client.append_service import AppendService, PendingSpan, Span
 from broker.client.reader import read
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from message.framing import (
-    Frame,
-    FrameError,
-    FrameReader,
-    Framing,
-    JSONLines,
-    MessageType,
-    uuid_fields_of,
-)
+from message.framing import Frame, FrameError, FrameReader, Framing, JSONLines
 from message.mapping import Partition
 from message.sequencer import COMMITTING, Envelope, Sequencer
+from message.types import MessageType, uuid_fields_of
 from message.uuid import TICK, Clock, Flags, TextFormatter, build, new_producer_id
 
 M = TypeVar("M")

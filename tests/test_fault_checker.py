@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
+from message.types import DictMessages
 from message.uuid import Flags, build
 from tests.faults.checker import LEAVE_MARGIN, CommittedReader, Tape, check
 from tests.faults.history import (

@@ -21,20 +21,22 @@ from message import uuid as mu
 from message.framing import (
     CSV,
     FIXED_FRAME_MAGIC,
-    CSVMessages,
-    DataclassMessages,
-    DictMessages,
     FixedProtobuf,
     Frame,
     FrameError,
     FrameReader,
     Framing,
     JSONLines,
+    framing_for,
+    known_content_types,
+)
+from message.types import (
+    CSVMessages,
+    DataclassMessages,
+    DictMessages,
     ProtobufMessages,
     decode_message,
     encode_message,
-    framing_for,
-    known_content_types,
 )
 
 MAGIC = FIXED_FRAME_MAGIC

@@ -17,7 +17,7 @@ from broker.client.reader import read
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import (
     Publisher,
@@ -27,6 +27,7 @@ from message.publisher import (
     read_uncommitted,
 )
 from message.sequencer import Sequencer
+from message.types import DictMessages
 from message.uuid import Clock
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed
@@ -151,7 +152,8 @@ async def test_one_producer_publishes_to_journals_of_different_content_types(
     its journal's messages, commits both journals' messages, and an abort rolls back both."""
     from google.protobuf import descriptor_pb2
 
-    from message.framing import FixedProtobuf, ProtobufMessages
+    from message.framing import FixedProtobuf
+    from message.types import ProtobufMessages
     from tests.test_framing import _proto_class
 
     lines, protos = "mixed/lines", "mixed/protos"
@@ -206,7 +208,8 @@ async def test_publishing_a_list_writes_what_publishing_each_message_writes(
     one-at-a-time path with the same clocks, the spans cover them, a transaction published as a
     list commits and aborts as one, and a message that cannot be encoded fails the call with
     nothing written or left pending."""
-    from message.framing import CSV, CSVMessages
+    from message.framing import CSV
+    from message.types import CSVMessages
     from message.uuid import TICK, Flags, build, parse_text
 
     csv_journal = "events/csv"

@@ -19,9 +19,10 @@ from broker.client.append_service import AppendService
 from broker.client.dialer import Dialer
 from broker.client.reader import read
 from broker.testing import EtcdServer, stop_processes
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed, read_uncommitted
+from message.types import DictMessages
 from tests.conftest import BrokerProcess
 from tests.tcp_proxy import TcpProxy, host_port
 from tests.test_broker_failure import placed, start_brokers

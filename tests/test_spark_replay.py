@@ -28,10 +28,11 @@ from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.replay import resolve, summary_of
 from gazctl.spark.source import FragmentPartition, GazetteReader
-from message.framing import DictMessages, FrameReader, JSONLines
+from message.framing import FrameReader, JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Sequencer
+from message.types import DictMessages
 from message.uuid import Flags, build, new_producer_id
 from tests.conftest import run_cli
 from tests.fragments_testing import put_pieces

@@ -20,7 +20,7 @@ from broker.fragment.content import fragment_path
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.columns import hex_ids, uuid_columns, uuid_texts
-from message.framing import DictMessages
+from message.types import DictMessages
 from message.uuid import Flags, build, new_producer_id, parse_text
 from tests.fragments_testing import put_fragment, put_pieces
 

@@ -41,9 +41,10 @@ from gazctl.spark.stream_plan import (
     collection_paused,
 )
 from gazctl.spark.stream_source import GazetteStreamReader
-from message.framing import DictMessages, Frame, JSONLines
+from message.framing import Frame, JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
+from message.types import DictMessages
 from message.uuid import TICK, build
 from tests.journals_testing import started_brokers
 from tests.test_persistence import routed

@@ -25,10 +25,11 @@ from consumer.protocol import cpb
 from consumer.sqlstore import SQLStore
 from consumer.store import FencedOut
 from consumer.transaction import Shard, Source, run_shard
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher
 from message.sequencer import Envelope
+from message.types import DictMessages
 from tests.consumer_testing import INPUT, OUTPUT
 from tests.test_transactions import check_outputs, committed_outputs, publish_inputs, write_head
 

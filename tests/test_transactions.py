@@ -20,10 +20,11 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from consumer.protocol import cpb
 from consumer.store import FencedOut, JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Envelope, Sequencer
+from message.types import DictMessages
 from tests.consumer_testing import INPUT, OUTPUT
 
 KEYS = [f"key-{i}" for i in range(5)]
@@ -323,7 +324,8 @@ async def test_a_shard_publishes_two_content_types_under_one_producer(
     from google.protobuf import descriptor_pb2
 
     from broker.protocol import protocol_pb2 as pb
-    from message.framing import FixedProtobuf, ProtobufMessages
+    from message.framing import FixedProtobuf
+    from message.types import ProtobufMessages
     from tests.consumer_testing import spec as journal_spec
     from tests.test_framing import _proto_class
     from tests.test_persistence import routed

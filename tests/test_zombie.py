@@ -25,10 +25,11 @@ from broker.testing import EtcdServer, stop_process
 from consumer.client import ShardsClient
 from consumer.examples.stream_sum import SUMS, journal_spec
 from consumer.protocol import cpb
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Sequencer
+from message.types import DictMessages
 from tests.conftest import BrokerProcess
 from tests.consumer_testing import ConsumerProcesses
 

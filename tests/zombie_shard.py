@@ -16,8 +16,9 @@ from consumer.examples.stream_sum import Summer
 from consumer.protocol import cpb
 from consumer.store import FencedOut, JSONFileStore
 from consumer.transaction import Shard, Source, run_shard
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.publisher import Publisher
+from message.types import DictMessages
 
 
 class _Announcing(JSONFileStore):

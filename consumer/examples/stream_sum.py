@@ -46,10 +46,11 @@ from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Envelope, Sequencer
+from message.types import DictMessages
 from plumbing import config as cfg
 
 PREFIX = "examples/stream-sum"

@@ -41,10 +41,11 @@ from consumer.sqlstore import SQLStore, ensure_table
 from consumer.store import JSONFileStore, Store
 from consumer.store_sqlite import SQLiteStore, wants_sqlite
 from consumer.transaction import Shard
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition, fnv1a32
 from message.publisher import Publisher
 from message.sequencer import Envelope
+from message.types import DictMessages
 from plumbing import config as cfg
 from plumbing import credentials
 

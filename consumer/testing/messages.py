@@ -11,10 +11,11 @@ from typing import Any, cast
 
 from broker.client.append_service import AppendService
 from broker.client.routes import Router
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Envelope, Sequencer
+from message.types import DictMessages
 
 NDJSON = "application/x-ndjson"
 

@@ -21,9 +21,10 @@ from broker.client.appender import append
 from broker.client.reader import read
 from broker.client.routes import Router
 from broker.protocol.labels import parse_selector
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import WatchedPartitions, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed, read_uncommitted
+from message.types import DictMessages
 
 
 async def main(address: str) -> int:

@@ -71,15 +71,8 @@ from gazctl.spark.journals import (
     read_verified,
     select_journals,
 )
-from message.framing import (
-    CSVMessages,
-    DictMessages,
-    Frame,
-    FrameReader,
-    JSONLines,
-    UUIDFields,
-    uuid_fields_of,
-)
+from message.framing import Frame, FrameReader, JSONLines
+from message.types import CSVMessages, DictMessages, UUIDFields, uuid_fields_of
 from message.uuid import TextParser, text_of
 
 log = logging.getLogger(__name__)

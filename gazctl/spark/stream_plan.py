@@ -65,9 +65,10 @@ from gazctl.spark.columns import (
     uuid_texts_of,
 )
 from gazctl.spark.journals import JobError, known_options, size_in_bytes
-from message.framing import CSVMessages, DictMessages, Frame, FrameReader, uuid_fields_of
+from message.framing import Frame, FrameReader
 from message.sequencer import Envelope, JournalProducer, ProducerState
 from message.tally import REPLAY, Tally
+from message.types import CSVMessages, DictMessages, uuid_fields_of
 from message.uuid import TextParser, from_time
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 

@@ -49,8 +49,9 @@ from broker.client.journals import JournalsClient
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.journals import JobError, known_options
-from message.framing import DictMessages, JSONLines, framing_for
+from message.framing import JSONLines, framing_for
 from message.mapping import fnv1a32
+from message.types import DictMessages
 from message.uuid import TICK, Flags, build, from_time, text_of
 
 SINK_OPTIONS = ("journal", "selector", "key", "broker", "uuid_path", "checkpointLocation")

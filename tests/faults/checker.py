@@ -45,9 +45,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from message.framing import DictMessages, FrameReader, JSONLines
+from message.framing import FrameReader, JSONLines
 from message.publisher import Reader
 from message.sequencer import Envelope, Sequencer
+from message.types import DictMessages
 from tests.faults.history import (
     CHECKED,
     FAIL,

@@ -39,10 +39,11 @@ from broker.protocol import protocol_pb2 as pb
 from consumer.client import ShardsClient
 from consumer.examples import stream_sum
 from consumer.protocol import cpb
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Sequencer
+from message.types import DictMessages
 from tests.faults.consumer_checker import OK, ChunkOp, ConsumerHistory, ShardStatus, SumRead
 from tests.faults.harness import (
     Cluster,

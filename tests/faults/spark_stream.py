@@ -40,9 +40,10 @@ from broker.client.journals import JournalsClient
 from broker.client.reader import read_retrying
 from broker.protocol import protocol_pb2 as pb
 from gazctl.dev import ClusterState, is_running
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
+from message.types import DictMessages
 
 SOURCES = [f"fs/part-{i:03d}" for i in range(3)]
 TARGETS = [f"fsout/part-{i:03d}" for i in range(2)]

@@ -39,9 +39,10 @@ from broker.client.append_service import AppendService
 from broker.client.appender import AppendError, append
 from broker.client.reader import Chunk, read
 from broker.protocol import protocol_pb2 as pb
-from message.framing import DictMessages, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher
+from message.types import DictMessages
 from tests.faults.checker import CommittedReader, message_id
 from tests.faults.harness import CONTENT_TYPE, Cluster, describe
 from tests.faults.history import (
