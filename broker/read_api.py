@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 # Content bytes per Read response. Upstream's Go broker sends 32 KiB; Python pays per message
 # (a 1 GiB read is 32,768 of them at that size), so we send 256 KiB, well within the 4 MiB that
-# gRPC clients (ours and Go's) accept by default (docs/benchmarks.md, read_broker, has figures).
+# gRPC clients (ours and Go's) accept by default (read_broker in docs/benchmarks-history.md has
+# figures).
 CHUNK = 1 << 18
 # Lifetime of the fragment URLs returned with persisted fragments, as upstream.
 SIGNED_URL_TTL = timedelta(minutes=1)

@@ -538,7 +538,8 @@ class Consumer:
     async def _sources(self, spec: cpb.ShardSpec) -> list[Source]:
         # Each source's spec by its name, as upstream's fetchJournalSpec: a broker answers a
         # List of one name from its index, where a List of every journal, once per shard
-        # started, made starting N shards O(N x journals) (shard_scale, docs/benchmarks.md).
+        # started, made starting N shards O(N x journals) (shard_scale,
+        # docs/benchmarks-history.md).
         names = sorted({source.journal.partition(";")[0] for source in spec.sources})
         specs: dict[str, pb.JournalSpec] = {}
         async with JournalsClient(

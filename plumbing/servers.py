@@ -8,8 +8,8 @@ from typing import Any
 # `grpc.server.max_pending_requests` (default 1,000) wait for the application to take them: some
 # calls above it, every call above the hard limit (default 3,000). An asyncio server takes calls
 # only as its loop gets to them, so a burst (a consumer process starting 1,667 shards, each
-# listing its sources' specs; shard_scale in docs/benchmarks.md) was cut off at random, and
-# those shards FAILED. Go's gRPC server, upstream's, has no such limit: neither do ours, in
+# listing its sources' specs; shard_scale in docs/benchmarks-history.md) was cut off at random,
+# and those shards FAILED. Go's gRPC server, upstream's, has no such limit: neither do ours, in
 # effect (calls wait their turn, as they do on the loop once taken).
 MAX_PENDING_REQUESTS = 1 << 20
 

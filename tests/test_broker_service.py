@@ -219,7 +219,8 @@ async def test_broker_survives_an_etcd_restart(tmp_path: object) -> None:
 async def test_a_burst_of_calls_past_grpcs_pending_limit_is_served(broker: BrokerHarness) -> None:
     """4,000 Lists sent at once: more than gRPC core lets wait for an asyncio server to take
     them by default (1,000, and every one past 3,000 is cancelled), as a consumer process
-    starting thousands of shards sends (shard_scale, docs/benchmarks.md). Each is answered."""
+    starting thousands of shards sends (shard_scale, docs/benchmarks-history.md). Each is
+    answered."""
     async with JournalsClient(broker.endpoint) as client:
         await client.apply([upsert(spec("burst/one"))])
         selector = labels.selector(labels.label_set(("name", "burst/one")))

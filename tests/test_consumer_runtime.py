@@ -569,7 +569,7 @@ async def test_a_primary_fetches_its_sources_specs_by_name(
     """Starting a shard lists its sources' specs by name (as upstream's fetchJournalSpec), never
     every journal: with one List of all journals per shard, starting N shards of N journals
     was quadratic, and at 1,000 shards the brokers' answers outlived the 30 s deadline and
-    shards FAILED (shard_scale, docs/benchmarks.md)."""
+    shards FAILED (shard_scale, docs/benchmarks-history.md)."""
     from broker.client.journals import JournalsClient
     from broker.protocol import labels
 
@@ -609,7 +609,7 @@ async def test_a_primary_waits_through_brokers_that_do_not_answer_its_sources_sp
     """A broker too busy to answer in time (5,000 shards starting at once on a loaded machine:
     the List of their sources' specs past its 30 s deadline), or unreachable a moment, is no
     failure of the shard: it asks again, and is PRIMARY once answered, not FAILED until an
-    operator unassigns it (shard_scale, docs/benchmarks.md)."""
+    operator unassigns it (shard_scale, docs/benchmarks-history.md)."""
     from broker.client.journals import BrokerUnavailable, JournalsClient
 
     refusals = 2
