@@ -247,16 +247,21 @@ class Membership:
         failing_since = 0.0
         failed_why = ""  # The last refresh's failure, while they fail.
         delay = interval
-        watching = self.policy is not LeasePolicy.RENEW  # Whether silence matters.
+        # Under FENCE, silence is judged on our own clock, before asking again (no append is
+        # acknowledged past the point etcd may have expired the lease); under EXIT, only once a
+        # refresh failed: a process paused past its TTL asks etcd first, which may still hold
+        # the lease (it counts the TTL from when it got the last refresh).
+        fencing = self.policy is LeasePolicy.FENCE
+        watching = self.policy is not LeasePolicy.RENEW  # Whether silence matters at all.
 
         def lapse_at() -> float:
             return self.valid_until - margin
 
         while True:
-            if watching and not self.fenced:
+            if fencing and not self.fenced:
                 delay = min(delay, max(0.0, lapse_at() - loop.time()))
             await asyncio.sleep(delay)
-            if watching:
+            if fencing:
                 self._check_silence(loop.time() >= lapse_at(), ttl, failed_why)
             if not self.lease_id:  # RENEW: not registered again yet; try again.
                 await self._renew_logged()
@@ -264,7 +269,7 @@ class Membership:
                 continue
             sent = loop.time()
             bound = attempt_bound
-            if watching and not self.fenced:
+            if fencing and not self.fenced:
                 bound = min(bound, max(0.05, lapse_at() - sent))
             error: BaseException | None = None
             try:

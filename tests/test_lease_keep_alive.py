@@ -146,6 +146,23 @@ async def test_under_exit_a_ttl_without_an_answer_loses_the_lease() -> None:
             await member(fake, LeasePolicy.EXIT).keep_alive()
 
 
+async def test_under_exit_a_process_paused_past_its_ttl_asks_etcd_before_giving_up() -> None:
+    """Paused (SIGSTOP, a long GC) past the TTL since its last answered refresh, the process
+    may still hold its lease: etcd counts the TTL from when it got the refresh, and may not
+    have expired it. Resumed, a consumer asks etcd first, and goes on when etcd answers that
+    the lease is alive (`gazctl dev kill --signal STOP` then `CONT` once stopped consumers)."""
+    fake = FakeLeases(ttl=1)
+    m = member(fake, LeasePolicy.EXIT)
+    m.valid_until = asyncio.get_running_loop().time() - 0.5  # The pause outlasted the TTL.
+    task = asyncio.create_task(m.keep_alive())
+    try:
+        await until(lambda: fake.refreshes >= 2 or task.done(), timeout=10)
+        assert not task.done(), task.exception()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_under_fence_silence_fences_and_an_answer_unfences() -> None:
     fake = FakeLeases()
     fake.error = etcd_errors.ConnectionFailedError("connection refused (test)")
