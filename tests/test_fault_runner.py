@@ -7,16 +7,21 @@ campaign's scenario run replaced by a fake that writes into its directory."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Iterator
+import random
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tests.faults.__main__ as faults
-from tests.faults import spark_stream
+from tests.faults import runner, spark_stream
 from tests.faults.checker import Report
 from tests.faults.consumer_checker import ConsumerHistory
 from tests.faults.consumer_checker import Report as ConsumerReport
@@ -24,7 +29,7 @@ from tests.faults.consumer_checker import Violation as ConsumerViolation
 from tests.faults.history import History
 from tests.faults.replication_checker import ReplicationHistory
 from tests.faults.replication_checker import Report as ReplicationReport
-from tests.faults.scenarios import ScenarioSkipped
+from tests.faults.runner import ScenarioSkipped
 
 # (campaign, a scenario of it, the name its run has in tests.faults.__main__, its history file)
 CAMPAIGNS = [
@@ -227,7 +232,19 @@ def test_a_skipped_scenario_is_no_failure(
 # ---- spark-stream ------------------------------------------------------------------------------
 
 
-def fake_once(outside: Path, seen: list[list[str]], *, ok: bool = True) -> Any:
+def made_at(root: Path) -> Callable[..., str]:
+    """A tempfile.mkdtemp making `root`."""
+
+    def mkdtemp(**_: Any) -> str:
+        root.mkdir()
+        return str(root)
+
+    return mkdtemp
+
+
+def fake_once(
+    outside: Path, seen: list[list[str]], *, ok: bool = True
+) -> Callable[[int, Path], Awaitable[spark_stream.Outcome]]:
     async def run_once(seed: int, work: Path) -> spark_stream.Outcome:
         seen.append(sorted(os.listdir(work)))
         (work / "ckpt-parquet").mkdir()
@@ -261,7 +278,7 @@ def test_spark_stream_runs_that_pass_leave_nothing_and_follow_no_symlink(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     root = tmp_path / "spark-stream-root"
-    monkeypatch.setattr(spark_stream.tempfile, "mkdtemp", lambda **_: str(root.mkdir() or root))
+    monkeypatch.setattr(tempfile, "mkdtemp", made_at(root))
     monkeypatch.setattr(spark_stream, "run_once", fake_once(outside, []))
     assert spark_stream.main(["--runs", "2", "--seed", "3"]) == 0
     assert not root.exists()
@@ -302,7 +319,7 @@ def test_a_failing_spark_stream_run_names_where_its_files_are(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     root = tmp_path / "spark-stream-root"
-    monkeypatch.setattr(spark_stream.tempfile, "mkdtemp", lambda **_: str(root.mkdir() or root))
+    monkeypatch.setattr(tempfile, "mkdtemp", made_at(root))
     monkeypatch.setattr(spark_stream, "run_once", fake_once(outside, [], ok=False))
     assert spark_stream.main(["--runs", "1", "--seed", "3"]) == 1
     out = capsys.readouterr().out
@@ -310,3 +327,159 @@ def test_a_failing_spark_stream_run_names_where_its_files_are(
     assert f"kept in {root / 'run-0'}" in out
     assert "replay: python -m tests.faults.spark_stream --seed 3" in out
     assert (root / "run-0" / "ckpt-parquet" / "0").exists()
+
+
+# ---- the shared runner's pieces ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("campaign", "name", "attribute", "history"), CAMPAIGNS)
+def test_the_replay_names_the_flags_that_shape_the_run(
+    campaign: str,
+    name: str,
+    attribute: str,
+    history: str,
+    tmp_path: Path,
+    outside: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = run_main(
+        monkeypatch, attribute, fake_run(campaign, outside, ok=False),
+        "--scenario", name, "--seed", "7", "--workdir", str(tmp_path / "work"), "--loopback",
+        "--cycles", "3", "--budget", "42.5",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1, out
+    replay = f"python -m tests.faults --scenario {name} --seed 7 --loopback --cycles 3 --budget 42.5"  # fmt: skip
+    assert f"  replay: {replay}\n" in out
+
+
+def test_cleaning_a_directory_removes_symlinks_and_follows_none(
+    tmp_path: Path, outside: Path
+) -> None:
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "logs" / "a.log").write_text("")
+    (work / "logs" / "out").symlink_to(outside, target_is_directory=True)  # Nested.
+    (work / "real").mkdir()
+    (work / "real" / "x").write_text("")
+    (work / "in").symlink_to(work / "real", target_is_directory=True)
+    (work / "out").symlink_to(outside, target_is_directory=True)
+    (work / "file").symlink_to(outside / "precious")
+    (work / "dangling").symlink_to(tmp_path / "nothing")
+    (work / "history.json").write_text("{}")
+    runner.clean_workdir(work, keep=("history.json",))
+    assert sorted(os.listdir(work)) == ["history.json"]
+    assert sorted(os.listdir(outside)) == ["precious"]
+    assert (outside / "precious").read_text() == "keep me"
+
+
+def test_a_fresh_directory_replaces_a_symlink_or_a_file_and_empties_a_directory(
+    tmp_path: Path, outside: Path
+) -> None:
+    (tmp_path / "link").symlink_to(outside, target_is_directory=True)
+    (tmp_path / "file").write_text("")
+    (tmp_path / "full" / "sub").mkdir(parents=True)
+    for name in ("link", "file", "full", "new/deeper"):
+        made = runner.fresh_workdir(tmp_path / name)
+        assert made.is_dir() and not made.is_symlink() and list(made.iterdir()) == []
+    assert sorted(os.listdir(outside)) == ["precious"]
+
+
+@dataclass
+class Recorder:
+    cycles: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+async def test_cycles_run_to_their_count_each_noted() -> None:
+    done: list[str] = []
+
+    async def kill(ctx: list[str]) -> None:
+        ctx.append("kill")
+
+    async def stop(ctx: list[str]) -> None:
+        ctx.append("stop")
+
+    history = Recorder()
+    far = time.monotonic() + 3600
+    await runner.run_cycles(done, history, random.Random(1), count=3, deadline=far, cycle=kill)
+    assert done == ["kill"] * 3 and history.cycles == 3
+    assert history.notes == ["cycle 1: kill", "cycle 2: kill", "cycle 3: kill"]
+    # Mixed: drawn by the rng, as rng.choice draws them (a seed replays the same schedule).
+    mixed = Recorder()
+    done.clear()
+    await runner.run_cycles(
+        done, mixed, random.Random(2), count=6, deadline=far, cycle=None, mixed=(kill, stop)
+    )
+    expected = random.Random(2)
+    assert done == [expected.choice(["kill", "stop"]) for _ in range(6)]
+    assert mixed.cycles == 6
+
+
+async def test_cycles_stop_at_the_deadline_and_say_so() -> None:
+    ran: list[int] = []
+    history = Recorder()
+
+    async def cycle(ctx: list[int]) -> None:
+        ctx.append(1)
+
+    past = time.monotonic() - 1
+    await runner.run_cycles(ran, history, random.Random(1), count=5, deadline=past, cycle=cycle)
+    assert ran == [] and history.cycles == 0
+    assert history.notes == ["time budget reached after 0 cycles"]
+
+
+def test_every_campaign_runs_through_the_one_runner() -> None:
+    """Each campaign of `python -m tests.faults` is a `Campaign` of the shared runner, and no
+    module of the campaigns removes a directory or makes a work directory on its own."""
+    assert [c.name for c in faults.CAMPAIGNS] == ["brokers", "replication", "consumers"]
+    assert sorted(n for c in faults.CAMPAIGNS for n in c.scenarios) == sorted(faults.ALL_SCENARIOS)  # fmt: skip
+    for module in (faults, spark_stream):
+        source = Path(module.__file__ or "").read_text()
+        assert "rmtree" not in source and "mkdtemp" not in source, module.__name__
+
+
+def test_a_run_of_two_campaigns_prints_their_tables_in_order_and_writes_them(
+    tmp_path: Path,
+    outside: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The runner alone, with campaigns of fake scenarios: a table per campaign that ran one,
+    in the campaigns' order, also written to --table; a passing run's root removed."""
+
+    @dataclass
+    class Fake:
+        name: str
+        summary: str
+        default: bool = True
+
+    def campaign(label: str, ok: bool) -> runner.Campaign[Any]:
+        async def run(scenario: Fake, seed: int, workdir: Path, options: runner.Options) -> Any:
+            (workdir / "out").symlink_to(outside, target_is_directory=True)
+            history, report = outcome("brokers", scenario.name, seed, ok)
+            return history, report, 2.0
+
+        def table(rows: list[tuple[Any, float]]) -> str:
+            return f"{label}: " + ", ".join(f"{r.scenario} {w:.0f} s" for r, w in rows)
+
+        return runner.Campaign(label, {f"{label}-a": Fake(f"{label}-a", "a fake")}, run, "h.json", table)  # fmt: skip
+
+    first, second, third = campaign("one", True), campaign("two", True), campaign("three", True)
+    root, table_file = tmp_path / "root", tmp_path / "table.md"
+    monkeypatch.setattr(tempfile, "mkdtemp", made_at(root))
+    run = runner.Runner(None, prefix="faults-", keep=False)
+    code = asyncio.run(
+        runner.run_campaigns(
+            [first, second, third], ["two-a", "one-a"], 9, runner.Options(), run, str(table_file)
+        )
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.endswith("\none: one-a 2 s\n\ntwo: two-a 2 s\n")
+    assert table_file.read_text() == "one: one-a 2 s\n\ntwo: two-a 2 s\n"
+    assert not root.exists() and sorted(os.listdir(outside)) == ["precious"]
