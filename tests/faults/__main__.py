@@ -14,6 +14,9 @@ broker clusters of their own, under location faults) run after the broker ones a
 of their own, and so do the consumer scenarios (`tests/faults/consumer_scenarios.py`: stream-sum
 on each store under consumer, broker, etcd and PostgreSQL faults); `--brokers`, `--replication`
 and `--consumers` run only that group (any two together, those two).
+
+Each group is a `Campaign` of the one runner (`tests/faults/runner.py`), which makes and cleans
+the scenarios' directories, reports failures and their replays, and sets the exit status.
 """
 
 from __future__ import annotations
@@ -21,28 +24,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import secrets
-import shutil
-import signal
 import sys
-import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 from tests.faults.checker import Report, check
 from tests.faults.consumer_checker import ConsumerHistory
 from tests.faults.consumer_checker import Report as ConsumerReport
 from tests.faults.consumer_checker import check as check_consumers
 from tests.faults.consumer_harness import EVIDENCE
-from tests.faults.consumer_scenarios import CONSUMER_SCENARIOS, run_consumer_scenario
+from tests.faults.consumer_scenarios import (
+    CONSUMER_SCENARIOS,
+    ConsumerScenario,
+    run_consumer_scenario,
+)
 from tests.faults.history import History, read_json_bytes
 from tests.faults.network import namespaces_unavailable
 from tests.faults.replication_checker import ReplicationHistory
 from tests.faults.replication_checker import Report as ReplicationReport
 from tests.faults.replication_checker import check as check_replication
-from tests.faults.replication_scenarios import REPLICATION_SCENARIOS, run_replication_scenario
-from tests.faults.scenarios import SCENARIOS, ScenarioSkipped, run_scenario
+from tests.faults.replication_scenarios import (
+    REPLICATION_SCENARIOS,
+    ReplicationScenario,
+    run_replication_scenario,
+)
+from tests.faults.runner import (
+    Campaign,
+    Options,
+    Runner,
+    configure_logging,
+    dump_tasks_on_sigusr1,
+    pick_seed,
+    run_campaigns,
+)
+from tests.faults.scenarios import SCENARIOS, Scenario, run_scenario
 
 ALL_SCENARIOS = [*SCENARIOS, *REPLICATION_SCENARIOS, *CONSUMER_SCENARIOS]
 
@@ -135,199 +152,58 @@ def _evidence(counts: dict[str, int]) -> str:
     return " / ".join(str(counts.get(k, 0)) for k in EVIDENCE)
 
 
-def _dump_tasks() -> None:
-    """SIGUSR1: print every task's stack (what a stuck run waits for)."""
-    for task in asyncio.all_tasks():
-        print(f"--- {task.get_name()}", file=sys.stderr)
-        task.print_stack(limit=12, file=sys.stderr)
-    sys.stderr.flush()
+def _run_brokers(scenario: Scenario, seed: int, workdir: Path, o: Options) -> Awaitable[Any]:
+    return run_scenario(
+        scenario, seed, workdir, cycles=o.cycles, budget=o.budget, namespaces=o.namespaces,
+        tls=o.tls, auth=o.auth,
+    )  # fmt: skip
+
+
+def _run_replication(
+    scenario: ReplicationScenario, seed: int, workdir: Path, o: Options
+) -> Awaitable[Any]:
+    return run_replication_scenario(
+        scenario, seed, workdir, cycles=o.cycles, budget=o.budget, namespaces=o.namespaces
+    )
+
+
+def _run_consumers(scenario: ConsumerScenario, seed: int, workdir: Path, o: Options) -> Awaitable[Any]:  # fmt: skip
+    return run_consumer_scenario(
+        scenario, seed, workdir, cycles=o.cycles, budget=o.budget, namespaces=o.namespaces
+    )
+
+
+# The campaigns, in the order of a default run and of its tables. Only the broker scenarios take
+# --tls and --auth (the other harnesses run without them).
+CAMPAIGNS: list[Campaign[Any]] = [
+    Campaign("brokers", SCENARIOS, _run_brokers, "history.json.gz", table),
+    Campaign("replication", REPLICATION_SCENARIOS, _run_replication, "history.json", replication_table),
+    Campaign("consumers", CONSUMER_SCENARIOS, _run_consumers, "history.json", consumer_table),
+]  # fmt: skip
 
 
 async def campaign(args: argparse.Namespace) -> int:
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
+    dump_tasks_on_sigusr1()
     if args.scenario:
         names = args.scenario
     else:
-        groups = {"brokers": args.brokers, "replication": args.replication, "consumers": args.consumers}  # fmt: skip
-        every = not any(groups.values())
-        names = [
-            *(SCENARIOS if every or args.brokers else []),
-            *(
-                [n for n, s in REPLICATION_SCENARIOS.items() if s.default]
-                if every or args.replication
-                else []
-            ),
-            *(
-                [n for n, s in CONSUMER_SCENARIOS.items() if s.default]
-                if every or args.consumers
-                else []
-            ),
-        ]
+        chosen = [c for c in CAMPAIGNS if getattr(args, c.name)] or CAMPAIGNS
+        names = [n for c in chosen for n in c.default_scenarios()]
     unknown = [n for n in names if n not in ALL_SCENARIOS]
     if unknown:
         print(f"unknown scenario(s) {unknown}; known: {', '.join(ALL_SCENARIOS)}", file=sys.stderr)
         return 2
-    seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
-    namespaces = False if args.loopback else None
+    seed = pick_seed(args.seed)
+    options = Options(
+        cycles=args.cycles, budget=args.budget, namespaces=False if args.loopback else None,
+        tls=args.tls, auth=args.auth,
+    )  # fmt: skip
     secure = " with TLS" * args.tls + " with authorization" * args.auth
     print(f"fault campaign{secure}: seed {seed}, scenarios {', '.join(names)}")
     if not args.loopback and namespaces_unavailable():
         print(f"  network namespaces unavailable ({namespaces_unavailable()}): loopback only")
-    root = Path(args.workdir or tempfile.mkdtemp(prefix="gazette-faults-"))
-    rows: list[tuple[Report, float]] = []
-    replication_rows: list[tuple[ReplicationReport, float]] = []
-    consumer_rows: list[tuple[ConsumerReport, float]] = []
-    failed = False
-    for name in names:
-        if name in CONSUMER_SCENARIOS:
-            failed |= not await _consumers(args, name, seed, root, namespaces, consumer_rows)
-            continue
-        if name in REPLICATION_SCENARIOS:
-            failed |= not await _replication(args, name, seed, root, namespaces, replication_rows)
-            continue
-        scenario = SCENARIOS[name]
-        workdir = root / name
-        if workdir.exists():
-            shutil.rmtree(workdir)
-        workdir.mkdir(parents=True)
-        print(f"{name} (seed {seed}): {scenario.summary}", flush=True)
-        try:
-            history, report, wall = await run_scenario(
-                scenario, seed, workdir, cycles=args.cycles, budget=args.budget or 60.0,
-                namespaces=namespaces, tls=args.tls, auth=args.auth,
-            )  # fmt: skip
-        except ScenarioSkipped as exc:
-            print(f"  skipped: {exc}")
-            continue
-        except Exception as exc:
-            failed = True
-            print(f"  FAILED to run: {type(exc).__name__}: {exc}")
-            print(
-                f"  logs in {workdir}; replay: python -m tests.faults --scenario {name} --seed {seed}"
-            )
-            continue
-        history.save(workdir / "history.json.gz")
-        rows.append((report, wall))
-        print("  " + report.summary().replace("\n", "\n  "))
-        if not report.ok:
-            failed = True
-            print(f"  history and logs kept in {workdir}")
-            print(f"  replay: python -m tests.faults --scenario {name} --seed {seed}")
-        elif not args.keep:
-            # Keep the history (the table's evidence), not the logs, spools and stores.
-            for child in workdir.iterdir():
-                if child.name != "history.json.gz":
-                    if child.is_dir():
-                        shutil.rmtree(child, ignore_errors=True)
-                    else:
-                        child.unlink()
-        sys.stdout.flush()
-    print()
-    tables = []
-    if rows:
-        tables.append(table(rows))
-    if replication_rows:
-        tables.append(replication_table(replication_rows))
-    if consumer_rows:
-        tables.append(consumer_table(consumer_rows))
-    print("\n\n".join(tables))
-    if args.table:
-        Path(args.table).write_text("\n\n".join(tables) + "\n")
-    if not failed and not args.keep and not args.workdir:
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        print(f"histories under {root}")
-    return 1 if failed else 0
-
-
-async def _replication(
-    args: argparse.Namespace,
-    name: str,
-    seed: int,
-    root: Path,
-    namespaces: bool | None,
-    rows: list[tuple[ReplicationReport, float]],
-) -> bool:
-    """Run replication scenario `name` as `campaign` runs a broker one; whether it passed."""
-    scenario = REPLICATION_SCENARIOS[name]
-    workdir = root / name
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
-    print(f"{name} (seed {seed}): {scenario.summary}", flush=True)
-    replay = f"python -m tests.faults --scenario {name} --seed {seed}"
-    try:
-        history, report, wall = await run_replication_scenario(
-            scenario, seed, workdir, cycles=args.cycles, budget=args.budget, namespaces=namespaces
-        )
-    except ScenarioSkipped as exc:
-        print(f"  skipped: {exc}")
-        return True
-    except Exception as exc:
-        print(f"  FAILED to run: {type(exc).__name__}: {exc}")
-        print(f"  logs in {workdir}; replay: {replay}")
-        return False
-    history.save(workdir / "history.json")
-    rows.append((report, wall))
-    print("  " + report.summary().replace("\n", "\n  "))
-    if not report.ok:
-        print(f"  history and logs kept in {workdir}")
-        print(f"  replay: {replay}")
-        return False
-    if not args.keep:
-        for child in workdir.iterdir():
-            if child.name != "history.json":
-                if child.is_dir():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink()
-    sys.stdout.flush()
-    return True
-
-
-async def _consumers(
-    args: argparse.Namespace,
-    name: str,
-    seed: int,
-    root: Path,
-    namespaces: bool | None,
-    rows: list[tuple[ConsumerReport, float]],
-) -> bool:
-    """Run consumer scenario `name` as `campaign` runs a broker one; whether it passed."""
-    scenario = CONSUMER_SCENARIOS[name]
-    workdir = root / name
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
-    print(f"{name} (seed {seed}): {scenario.summary}", flush=True)
-    replay = f"python -m tests.faults --scenario {name} --seed {seed}"
-    try:
-        history, report, wall = await run_consumer_scenario(
-            scenario, seed, workdir, cycles=args.cycles, budget=args.budget, namespaces=namespaces
-        )
-    except ScenarioSkipped as exc:
-        print(f"  skipped: {exc}")
-        return True
-    except Exception as exc:
-        print(f"  FAILED to run: {type(exc).__name__}: {exc}")
-        print(f"  logs in {workdir}; replay: {replay}")
-        return False
-    history.save(workdir / "history.json")
-    rows.append((report, wall))
-    print("  " + report.summary().replace("\n", "\n  "))
-    if not report.ok:
-        print(f"  history and logs kept in {workdir}")
-        print(f"  replay: {replay}")
-        return False
-    if not args.keep:
-        for child in workdir.iterdir():
-            if child.name != "history.json":
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink()
-    sys.stdout.flush()
-    return True
+    runner = Runner(args.workdir, prefix="gazette-faults-", keep=args.keep)
+    return await run_campaigns(CAMPAIGNS, names, seed, options, runner, args.table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,17 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", help="check a saved history.json again, and exit")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
-    if not args.verbose:
-        # Readers report frames torn by a reset-head's new epoch; the checker judges them.
-        logging.getLogger("message").setLevel(logging.CRITICAL)
+    configure_logging(args.verbose)
     if args.spark_stream:
         from tests.faults import spark_stream
 
         runs = ["--runs", str(args.cycles or 5)]
         seed = ["--seed", str(args.seed)] if args.seed is not None else []
         workdir = ["--workdir", args.workdir] if args.workdir else []
-        return spark_stream.main([*runs, *seed, *workdir])
+        verbose = ["--verbose"] if args.verbose else []
+        return spark_stream.main([*runs, *seed, *workdir, *verbose])
     if args.check:
         document = json.loads(read_json_bytes(Path(args.check)))
         if "sums" in document:  # A consumer scenario's history.

@@ -28,9 +28,11 @@ from tests.faults.consumer_harness import (
 )
 from tests.faults.harness import HarnessError, describe
 from tests.faults.network import ETCD, namespaces_unavailable
-from tests.faults.scenarios import ScenarioSkipped
+from tests.faults.runner import ScenarioSkipped, run_cycles
 
-# Kept at the end of a budget for healing, the workload's last streams, and reading the sums.
+# A scenario's time budget (--budget), and the time kept at its end for healing, the workload's
+# last streams, and reading the sums.
+BUDGET = 85.0
 RESERVE = 20.0
 
 
@@ -313,9 +315,10 @@ async def run_consumer_scenario(
     namespaces: bool | None = None,
     say: Callable[[str], None] = print,
 ) -> tuple[ConsumerHistory, Report, float]:
-    """Run `scenario` under `seed` in `workdir`; its history, report and wall time."""
+    """Run `scenario` under `seed` in `workdir`; its history, report and wall time. `budget`:
+    seconds (default 85)."""
     began = time.monotonic()
-    budget = budget or 85.0
+    budget = budget or BUDGET
     rng = random.Random(f"{seed}/{scenario.name}")
     history = ConsumerHistory(scenario=scenario.name, seed=seed, store=scenario.store)
     history.own_faults = list(scenario.own_faults)
@@ -347,15 +350,10 @@ async def run_consumer_scenario(
         ctx = Context(harness, history, rng, config.lease)
         try:
             await ctx.hold(1.0, 2.0)
-            deadline = began + budget - RESERVE
-            for n in range(scenario.cycles if cycles is None else cycles):
-                if time.monotonic() > deadline:
-                    history.note(f"time budget reached after {n} cycles")
-                    break
-                cycle = scenario.cycle or rng.choice(mixed)
-                history.note(f"cycle {n + 1}: {cycle.__name__}")
-                await cycle(ctx)
-                history.cycles = n + 1
+            await run_cycles(
+                ctx, history, rng, count=scenario.cycles if cycles is None else cycles,
+                deadline=began + budget - RESERVE, cycle=scenario.cycle, mixed=mixed,
+            )  # fmt: skip
         finally:
             await harness.heal_all()
             history.healed = history.now()

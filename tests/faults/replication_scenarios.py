@@ -23,7 +23,7 @@ from typing import Any
 from tests.faults.network import namespaces_unavailable
 from tests.faults.replication_checker import Disaster, ReplicationHistory, Report, check
 from tests.faults.replication_harness import Emitters, NetworkConfig, ReplicationNetwork
-from tests.faults.scenarios import ScenarioSkipped
+from tests.faults.runner import ScenarioSkipped, run_cycles
 
 # Kept at the end of a budget for healing, probes, quiescence and collection.
 RESERVE = 35.0
@@ -535,7 +535,8 @@ async def run_replication_scenario(
     namespaces: bool | None = None,
     say: Callable[[str], None] = print,
 ) -> tuple[ReplicationHistory, Report, float]:
-    """Run `scenario` under `seed` in `workdir`; its history, report and wall time."""
+    """Run `scenario` under `seed` in `workdir`; its history, report and wall time. `budget`:
+    seconds (default the scenario's own)."""
     began = time.monotonic()
     budget = budget or scenario.budget
     rng = random.Random(f"{seed}/{scenario.name}")
@@ -557,13 +558,10 @@ async def run_replication_scenario(
         try:
             ctx = Context(net, history, rng, scenario.lease)
             await ctx.hold(1.0, 2.0)
-            deadline = began + budget - RESERVE
-            for n in range(scenario.cycles if cycles is None else cycles):
-                if time.monotonic() > deadline:
-                    history.note(f"time budget reached after {n} cycles")
-                    break
-                await scenario.cycle(ctx)
-                history.cycles += 1
+            await run_cycles(
+                ctx, history, rng, count=scenario.cycles if cycles is None else cycles,
+                deadline=began + budget - RESERVE, cycle=scenario.cycle,
+            )  # fmt: skip
             net.nodes.mend_all()
             await net.ensure_running()
             await net.wait_served(timeout=60)

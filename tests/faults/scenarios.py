@@ -21,6 +21,7 @@ from tests.faults.checker import Report, check
 from tests.faults.harness import Cluster, ClusterConfig
 from tests.faults.history import History
 from tests.faults.network import ETCD, namespaces_unavailable
+from tests.faults.runner import ScenarioSkipped, run_cycles
 from tests.faults.workload import Workload
 
 # Rate-limited journals: one for the crowds (many small appends at once), one for the held
@@ -30,12 +31,10 @@ APPEND_RATE = 2 << 20  # max_append_rate of both, bytes/s.
 RAW_JOURNALS = [f"faults/raw/{i}" for i in range(4)] + [CROWD_JOURNAL, LEAVE_JOURNAL]
 MESSAGE_JOURNALS = ["faults/msg/0", "faults/msg/1"]
 JOURNALS = RAW_JOURNALS + MESSAGE_JOURNALS
-# Time kept at the end of a scenario's budget for healing, probing, collecting and stopping.
+# A scenario's time budget (--budget), and the time kept at its end for healing, probing,
+# collecting and stopping.
+BUDGET = 60.0
 RESERVE = 16.0
-
-
-class ScenarioSkipped(RuntimeError):
-    pass
 
 
 @dataclass
@@ -332,16 +331,18 @@ async def run_scenario(
     workdir: Path,
     *,
     cycles: int | None = None,
-    budget: float = 60.0,
+    budget: float | None = None,
     namespaces: bool | None = None,
     say: Callable[[str], None] = print,
     tls: bool = False,
     auth: bool = False,
     crowd: tuple[int, int] = (32, 100),
 ) -> tuple[History, Report, float]:
-    """Run `scenario` under `seed` in `workdir`; its history, report and wall time. `crowd`:
-    how many clients each of the crowds' waves has at once (least, most)."""
+    """Run `scenario` under `seed` in `workdir`; its history, report and wall time. `budget`:
+    seconds (default 60). `crowd`: how many clients each of the crowds' waves has at once
+    (least, most)."""
     began = time.monotonic()
+    budget = budget or BUDGET
     rng = random.Random(f"{seed}/{scenario.name}")
     history = History(scenario=scenario.name, seed=seed)
     if namespaces is None:
@@ -389,14 +390,10 @@ async def run_scenario(
         try:
             ctx = Context(cluster, history, rng, scenario.lease)
             await ctx.hold(0.5, 1.0)
-            deadline = began + budget - RESERVE
-            for n in range(scenario.cycles if cycles is None else cycles):
-                if time.monotonic() > deadline:
-                    history.note(f"time budget reached after {n} cycles")
-                    break
-                cycle = rng.choice(scenario.mixed) if scenario.mixed else scenario.cycle
-                await cycle(ctx)
-                history.cycles += 1
+            await run_cycles(
+                ctx, history, rng, count=scenario.cycles if cycles is None else cycles,
+                deadline=began + budget - RESERVE, cycle=scenario.cycle, mixed=scenario.mixed,
+            )  # fmt: skip
             await cluster.heal_all()
             history.healed = history.now()
             await asyncio.sleep(1.0)

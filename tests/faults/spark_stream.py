@@ -12,7 +12,10 @@ Checked: the Parquet table (the files Spark's `_spark_metadata` log names) holds
 messages a read-committed reader of the topic gets, each once, none aborted; and a read-committed
 reader of the output topic gets each of those messages once.
 
-    python -m tests.faults.spark_stream [--runs 5] [--seed N] [--workdir DIR]
+    python -m tests.faults.spark_stream [--runs 5] [--seed N] [--workdir DIR] [-v]
+
+Its runs go through the campaigns' runner (`tests/faults/runner.py`): each in a fresh `run-N`
+directory, a failing one (or one that raised) named with its files and the command replaying it.
 """
 
 from __future__ import annotations
@@ -23,12 +26,9 @@ import contextlib
 import json
 import os
 import random
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ from message.framing import JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
 from message.types import DictMessages
+from tests.faults.runner import Runner, configure_logging, dump_tasks_on_sigusr1, pick_seed
 
 SOURCES = [f"fs/part-{i:03d}" for i in range(3)]
 TARGETS = [f"fsout/part-{i:03d}" for i in range(2)]
@@ -352,19 +353,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--seed", type=int, help="the first run's seed (then +1 each)")
     parser.add_argument("--workdir", type=Path, help="keep each run's files here")
+    parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
-    failed = 0
-    for run in range(args.runs):
-        work = (args.workdir or Path(tempfile.mkdtemp(prefix="spark-stream-"))) / f"run-{run}"
-        work.mkdir(parents=True, exist_ok=True)
-        outcome = asyncio.run(run_once(seed + run, work))
-        print(outcome.summary(), flush=True)
-        if outcome.ok and args.workdir is None:
-            shutil.rmtree(work.parent, ignore_errors=True)
-        failed += not outcome.ok
-    print(f"spark-stream: {args.runs - failed} of {args.runs} runs passed")
-    return 1 if failed else 0
+    configure_logging(args.verbose)
+    return asyncio.run(runs(args.runs, pick_seed(args.seed), args.workdir))
+
+
+async def runs(count: int, seed: int, workdir: Path | None) -> int:
+    """`count` runs, the first under `seed`, each in `run-N` under `workdir` (which keeps every
+    run's files) or a temporary directory (removed if every run passed); the exit status."""
+    dump_tasks_on_sigusr1()
+    # No history: a run's files are its evidence, all kept when it fails or `workdir` is given.
+    runner = Runner(workdir, prefix="spark-stream-", keep=workdir is not None)
+    passed = 0
+    for run in range(count):
+
+        async def attempt(work: Path, seed: int = seed + run) -> tuple[None, Outcome, float]:
+            outcome = await run_once(seed, work)
+            return None, outcome, outcome.seconds
+
+        replay = f"python -m tests.faults.spark_stream --seed {seed + run}"
+        result = await runner.attempt(
+            f"run-{run}", replay, attempt, history=None, indent="", kept="files"
+        )
+        passed += result is not None and result[0].ok
+    print(f"spark-stream: {passed} of {count} runs passed")
+    return runner.finish("files")
 
 
 if __name__ == "__main__":
