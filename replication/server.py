@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
+import enum
 import json
 import logging
 import os
@@ -43,10 +43,9 @@ from typing import Any
 
 import aetcd
 import grpc
-from google.protobuf.message import DecodeError
 
 from broker.client import BrokerUnavailable, JournalsClient
-from broker.client.append_service import AppendService, ServiceClosed
+from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
 from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
@@ -64,7 +63,6 @@ from replication.journal_log import JournalEventLog, LineBatch, SourceReader, se
 from replication.journals import journal_listed
 from replication.location import EventFilter, check_fail_over
 from replication.rpc import (
-    SERVICE,
     LocationClient,
     LocationError,
     change_message,
@@ -72,9 +70,9 @@ from replication.rpc import (
     clock_message,
     clock_of,
     key_message,
-    named_locations,
     topology_of_status,
 )
+from replication.service import CALLER, LocationService
 from replication.system import passes, system_payload
 from replication.topology import (
     Change,
@@ -99,7 +97,15 @@ __all__ = [
 
 log = logging.getLogger("replication")
 
-_RETRY = 0.5  # Seconds between attempts of a connection that waits or fails.
+_RETRY = 0.5  # At most this many seconds between attempts of a loop that waits or fails.
+
+
+def _retry_backoff() -> Backoff:
+    """Between attempts of a connection (or round) that waits or fails: soon at first, then
+    every `_RETRY` seconds; reset once it makes progress."""
+    return Backoff(initial=0.05, maximum=_RETRY)
+
+
 # Seconds a call waits for another location's journal to be listed, to authorize naming it.
 _AUTHORIZE_LISTING = 5.0
 _NEIGHBOUR_WAIT = 5.0  # Seconds a deletion waits for a neighbour's vectors before refusing.
@@ -161,14 +167,19 @@ class LocationConfig:
 # The most events one Read reply carries, whatever its `limit` (the rest comes with the next).
 MAX_READ_EVENTS = 10_000
 
-# The claims of the Location service call being served (unrestricted outside one): what the
-# registry's names in an answer are filtered by.
-_CALLER: contextvars.ContextVar[auth.Claims] = contextvars.ContextVar("caller", default=auth.UNRESTRICTED)  # fmt: skip
-
 
 def batch_of(source: str, reply: lpb.ReadResponse) -> LineBatch:
     """The batch a Read reply carries."""
     return LineBatch(source, reply.records, reply.through, clock_of(reply.cvv, "cvv"))
+
+
+class Phase(enum.Enum):
+    """What a connection into this location is doing."""
+
+    STARTING = "starting"
+    REPLICATING = "replicating"
+    WAITING = "waiting"  # For what its `why` says.
+    RETRYING = "retrying"  # After the error its `error` says.
 
 
 @dataclass
@@ -177,12 +188,21 @@ class ConnectionState:
 
     source: str
     filter: str
-    state: str = "starting"
+    phase: Phase = Phase.STARTING
+    why: str = ""  # What a WAITING connection waits for.
     via: str = ""  # "location" (filtered at the source) or "journal" (its process is down).
     source_last_seq: int = 0
     read: int = 0
     written: int = 0
     error: str = ""
+
+    def enter(self, phase: Phase, why: str = "", error: str = "") -> None:
+        self.phase, self.why, self.error = phase, why, error
+
+    @property
+    def state(self) -> str:
+        """As Status shows it: the phase, and what a waiting connection waits for."""
+        return f"{self.phase.value}: {self.why}" if self.why else self.phase.value
 
     def message(self, progress: int) -> lpb.ConnectionStatus:
         return lpb.ConnectionStatus(
@@ -287,7 +307,7 @@ class LocationServer:
                 options=SERVER_OPTIONS,
                 interceptors=auth.call_bounds(self.verifier),  # A call ends when its token does.
             )
-            server.add_generic_rpc_handlers((self._handlers(),))
+            server.add_generic_rpc_handlers((LocationService(self).handlers(),))
             bind = f"{cfg.host}:{cfg.port}"
             if cfg.server_tls.enabled:
                 self.port = server.add_secure_port(bind, cfg.server_tls.grpc_credentials())
@@ -323,6 +343,13 @@ class LocationServer:
             await membership.revoke(2.0)
         if self.failure:
             raise WriterFailed(self.failure)
+
+    def writer_failed(self, exc: AppendError) -> str:
+        """The log's writer failed (fenced out by another process, say): the process stops
+        serving the location; what it says why."""
+        self.failure = _writer_failure(self.name, exc)
+        self._failed.set()
+        return self.failure
 
     def _stub(self) -> Any:
         assert self._client is not None
@@ -401,7 +428,7 @@ class LocationServer:
         """Every other location (of `known`, or of the registry) whose process answers, with
         its vectors and view."""
         if known is None:
-            known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+            known = await registry.read_locations(self.etcd_client(), self.config.prefix)
         out = []
         for entry in known.values():
             if entry.name == self.name or not entry.endpoint:
@@ -420,7 +447,7 @@ class LocationServer:
         assert self.log is not None
         if self.clock_ok or self.lost:
             return
-        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        known = await registry.read_locations(self.etcd_client(), self.config.prefix)
         pending = {n: e for n, e in known.items() if n not in self._heard | {self.name}}
         others = await self._others(pending)
         for other in others:
@@ -467,8 +494,9 @@ class LocationServer:
 
     async def _watch_clock(self) -> None:
         """Clock rounds until it may emit (or knows it lost events)."""
+        backoff = _retry_backoff()
         while not (self.clock_ok or self.lost):
-            await asyncio.sleep(_RETRY)
+            await backoff.sleep()
             try:
                 await self._clock_round()
             except (aetcd.exceptions.ClientError, LocationError) as exc:
@@ -547,9 +575,9 @@ class LocationServer:
     def _terminal(self) -> bool:
         """Connected to exactly one other location (in either direction)."""
         assert self.log is not None
-        return len(self._neighbour_names()) == 1
+        return len(self.neighbour_names()) == 1
 
-    def _neighbour_names(self) -> list[str]:
+    def neighbour_names(self) -> list[str]:
         assert self.log is not None
         view = self.log.topology
         names = {s if t == self.name else t for (s, t) in view.current if self.name in (s, t)}
@@ -571,11 +599,12 @@ class LocationServer:
         pending: Awaitable[Any] | None = None  # The last round's append, committing.
         entry: registry.LocationEntry | None = None  # The source, as registered (re-read now
         looked_up = 0.0  # and then, and after any failure).
+        backoff = _retry_backoff()
         loop = asyncio.get_running_loop()
         while True:
             try:
                 if entry is None or loop.time() - looked_up > _LOOKUP_EVERY:
-                    entry = (await registry.lookup(self._etcd_client(), self.config.prefix, source))[0]  # fmt: skip
+                    entry = (await registry.lookup(self.etcd_client(), self.config.prefix, source))[0]  # fmt: skip
                     looked_up = loop.time()
                 or_here = self._terminal() and bool(state.filter)
                 # A connection from outside this location's unfiltered group (filtered or not)
@@ -608,13 +637,14 @@ class LocationServer:
                     dvv, deleted_through, last_seq = direct.dvv, direct.deleted_through, direct.last_seq  # fmt: skip
                 state.source_last_seq = last_seq
                 if after < deleted_through and not dvv <= target.cvv:
-                    state.state = (
-                        f"waiting: DVV-{source} {dvv} is not <= CVV-{self.name} {target.cvv} "
-                        f"(events {source} deleted are not all here)"
+                    state.enter(
+                        Phase.WAITING,
+                        f"DVV-{source} {dvv} is not <= CVV-{self.name} {target.cvv} "
+                        f"(events {source} deleted are not all here)",
                     )
-                    await asyncio.sleep(_RETRY)
+                    await backoff.sleep()
                     continue
-                state.state, state.error = "replicating", ""
+                state.enter(Phase.REPLICATING)
                 if batch.through_seq > after or batch.data:
                     # Staged: the next round reads while this one's append commits. Only if
                     # the progress is still the one it was read from: `recover` of the
@@ -629,21 +659,23 @@ class LocationServer:
                     state.read += now - after
                     state.written += len(written)
                     if now == after:
-                        state.state = (
-                            f"waiting: the next event from {source} follows events of "
-                            f"{','.join(sorted(group))} that are not here yet"
+                        state.enter(
+                            Phase.WAITING,
+                            f"the next event from {source} follows events of "
+                            f"{','.join(sorted(group))} that are not here yet",
                         )
-                        await asyncio.sleep(_RETRY)
+                        await backoff.sleep()
+                    else:
+                        backoff.reset()
                 else:
                     if pending is not None:
                         await pending
                         pending = None
                     elif not entry.endpoint:
-                        await asyncio.sleep(_RETRY)  # The source's journal, polled.
+                        await backoff.sleep()  # The source's journal, polled.
             except AppendError as exc:
                 _raise_if_cancelling(exc)
-                self.failure = _writer_failure(self.name, exc)
-                self._failed.set()
+                self.writer_failed(exc)
                 return
             except (
                 LocationError, BrokerUnavailable, ReadError, grpc.aio.AioRpcError,
@@ -652,10 +684,10 @@ class LocationServer:
                 _raise_if_cancelling(exc)
                 # The source unreachable, its journal gone or made anew: read it afresh.
                 direct, entry = None, None
-                state.state, state.error = "retrying", str(exc).split("\n")[0]
-                await asyncio.sleep(_RETRY)
+                state.enter(Phase.RETRYING, error=str(exc).split("\n")[0])
+                await backoff.sleep()
 
-    def _etcd_client(self) -> aetcd.Client:
+    def etcd_client(self) -> aetcd.Client:
         assert self._etcd is not None
         return self._etcd
 
@@ -677,127 +709,7 @@ class LocationServer:
 
     # ---- the Location service ----------------------------------------------------------------------
 
-    def _handlers(self) -> Any:
-        """The Location service's methods, each taking its request as bytes, parsed only once
-        the caller's token checked out (`_guard`): an unauthenticated caller costs no parse."""
-        service = lpb.DESCRIPTOR.services_by_name["Location"]
-        handlers = {}
-        for name, method in self._methods().items():
-            described = service.methods_by_name[name]
-            request_type = getattr(lpb, described.input_type.name)
-            response_type = getattr(lpb, described.output_type.name)
-            handlers[name] = grpc.unary_unary_rpc_method_handler(
-                self._guard(name, method, request_type),
-                request_deserializer=None,
-                response_serializer=response_type.SerializeToString,
-            )
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
-
-    def _methods(self) -> dict[str, Any]:
-        return {
-            "Status": self.status,
-            "Emit": self.emit,
-            "Read": self.read,
-            "Change": self.change,
-            "Delete": self.delete,
-            "ResetProgress": self.reset_progress,
-            "Recover": self.recover,
-            "Join": self.join,
-            "TrustClock": self.trust_clock,
-        }
-
-    def _guard(self, name: str, method: Any, request_type: Any) -> Any:
-        """A method of the Location service: its caller's token verified (the capability the
-        method needs; a selector must select the location's log), then its request parsed
-        (`request_type` from bytes), its errors as statuses."""
-        capability = auth.METHOD_CAPABILITY[f"/{SERVICE}/{name}"]
-
-        async def handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            claims = await auth.verify_or_abort(self.verifier, context, capability)
-            # The log journal's labels and meta-labels, matched as the brokers match them.
-            if not claims.sees_journal(self.log_spec):
-                # A location whose log the caller may not see does not exist for it.
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no location {self.name}")
-            try:
-                request = request_type.FromString(raw)
-            except DecodeError as exc:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: not a {name} request: {exc}"
-                )
-            if not claims.unrestricted:
-                try:
-                    refusal = await self._refusal(claims, name, request)
-                except aetcd.exceptions.ClientError as exc:
-                    refusal = (
-                        grpc.StatusCode.UNAVAILABLE,
-                        (
-                            f"location {self.name}: cannot read the registry to authorize the "
-                            f"locations this call reaches: {str(exc).splitlines()[0]}"
-                        ),
-                    )
-                if refusal is not None:
-                    await context.abort(*refusal)
-            caller = _CALLER.set(claims)
-            try:
-                return await method(request)
-            except RuleViolation as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except registry.UnknownLocation as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            except (ValueError, KeyError, TypeError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: {exc}")
-            except LocationError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except ServiceClosed:
-                # This process is stopping the location (a zombie that found its lease gone,
-                # say): its writer closed while the server still took the call.
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"location {self.name} is stopping in this process (its log's writer is "
-                    "closed): call the process that serves it now",
-                )
-            except AppendError as exc:
-                self.failure = _writer_failure(self.name, exc)
-                self._failed.set()
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.failure)
-            finally:
-                _CALLER.reset(caller)
-            raise AssertionError("unreachable")
-
-        return handle
-
-    async def _refusal(
-        self, claims: auth.Claims, method: str, request: Any
-    ) -> tuple[grpc.StatusCode, str] | None:
-        """Why a restricted caller may not make this call beyond this location (None: it may).
-        Every location the request names must be one whose log journal the caller's claims
-        select, as this location's must: one it cannot be shown to select (hidden, unknown,
-        its brokers unreachable) does not exist for it, the answer being the one a location
-        gives for itself. Delete asks its neighbours' vectors (its rule's refusal names them),
-        so they must be selected too. Recover asks every registered location and may reset
-        their progress: refused unless all are selected, in a line that names none of them."""
-        names = named_locations(request)
-        if method == "Delete":
-            names += self._neighbour_names()
-        if not names and method != "Recover":
-            return None  # Most calls (Read, Emit, Status) name none: no registry read.
-        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
-        if method == "Recover":
-            for entry in known.values():
-                if not await self._selects(claims, entry):
-                    return grpc.StatusCode.PERMISSION_DENIED, (
-                        f"location {self.name}: recover asks every registered location and may "
-                        "reset their progress; this token does not select all their logs (use "
-                        "one that does)"
-                    )
-            return None
-        for name in names:
-            named = known.get(name)
-            if named is None or not await self._selects(claims, named):
-                return grpc.StatusCode.NOT_FOUND, f"no location {name}"
-        return None
-
-    async def _selects(self, claims: auth.Claims, entry: registry.LocationEntry) -> bool:
+    async def selects(self, claims: auth.Claims, entry: registry.LocationEntry) -> bool:
         """Whether `claims` select the log journal of location `entry`, its labels as its
         brokers list it now. False when that cannot be shown (the journal is not listed, or
         its brokers do not answer): an authorization fails closed."""
@@ -817,11 +729,11 @@ class LocationServer:
         """Of these registered locations' names (the registry's, not this log's), those the
         caller of the call being served may see: a list in an answer (those not heard from)
         names no location hidden from it."""
-        claims = _CALLER.get()
+        claims = CALLER.get()
         if claims.unrestricted or not names:
             return names
-        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
-        return [n for n in names if n in known and await self._selects(claims, known[n])]
+        known = await registry.read_locations(self.etcd_client(), self.config.prefix)
+        return [n for n in names if n in known and await self.selects(claims, known[n])]
 
     async def status(self, request: lpb.StatusRequest) -> lpb.StatusResponse:
         assert self.log is not None and self._reader is not None
@@ -906,14 +818,14 @@ class LocationServer:
             parse_filter(change.filter)  # FilterError (a ValueError) if it does not parse.
         if not request.record:
             # Checked on etcd's whole history (would a command be accepted?), then here.
-            history = await commands.read_history(self._etcd_client(), self.config.prefix)
+            history = await commands.read_history(self.etcd_client(), self.config.prefix)
             commands.check(history.view(), change)
             await self._live_check(change)
             return lpb.ChangeResponse(change=request.change, recorded=False)
         if request.op:
             recorded = await self._sync_topology(request.op)
             return lpb.ChangeResponse(change=request.change, recorded=recorded)
-        await registry.lookup(self._etcd_client(), self.config.prefix, *_names(change))
+        await registry.lookup(self.etcd_client(), self.config.prefix, *_names(change))
 
         async def live_check(changes: Any) -> None:
             for each in changes:
@@ -927,7 +839,7 @@ class LocationServer:
                     return []
             return [change]
 
-        done = await commands.command(self._etcd_client(), self.config.prefix, plan, live_check)
+        done = await commands.command(self.etcd_client(), self.config.prefix, plan, live_check)
         if done.recorded:
             await self._sync_topology(done.recorded[-1][0])
         return lpb.ChangeResponse(change=request.change, recorded=bool(done.recorded))
@@ -938,7 +850,7 @@ class LocationServer:
         await self._check_may_emit()  # It records the change as an event of its own.
         if isinstance(change, FailedOver) and change.target == self.name:
             # The rule of the cached CVV: the new source has seen what the old one sent here.
-            entry = (await registry.lookup(self._etcd_client(), self.config.prefix, change.source))[0]  # fmt: skip
+            entry = (await registry.lookup(self.etcd_client(), self.config.prefix, change.source))[0]  # fmt: skip
             check_fail_over(self.log, change.previous, await self._vectors(entry))
 
     async def _sync_topology(self, require: int = 0) -> bool:
@@ -948,7 +860,7 @@ class LocationServer:
         once it may), or if etcd's history does not hold `require`."""
         assert self.log is not None
         async with self._sync_lock:
-            history = await commands.read_history(self._etcd_client(), self.config.prefix)
+            history = await commands.read_history(self.etcd_client(), self.config.prefix)
             if require and all(op != require for op, _ in history.changes):
                 raise RuleViolation(
                     f"op {require} is not in etcd's topology history under {self.config.prefix}: "
@@ -982,7 +894,7 @@ class LocationServer:
         (polled every _RETRY seconds), and record what the log lacks; a round that fails (etcd
         away, this location may not emit yet) is tried again after the one backoff."""
         assert self.log is not None
-        etcd = self._etcd_client()
+        etcd = self.etcd_client()
         head = commands.head_key(self.config.prefix)
         synced = -1  # The head's mod revision as of the last round that recorded everything.
         backoff = Backoff(initial=_RETRY, maximum=5.0)
@@ -993,7 +905,7 @@ class LocationServer:
                     await self._sync_topology()
                     synced = current[0].mod_revision
                 backoff.reset()
-                await asyncio.sleep(_RETRY)
+                await asyncio.sleep(_RETRY)  # Its head, polled.
             except (RuleViolation, ValueError, aetcd.exceptions.ClientError, AppendError, LocationError) as exc:  # fmt: skip
                 log.info("%s: recording etcd's topology history: %s", self.name, str(exc).split("\n")[0])  # fmt: skip
                 await backoff.sleep()
@@ -1007,7 +919,7 @@ class LocationServer:
         return _Neighbour(entry, clock_of(status.cvv, "cvv"), clock_of(status.dvv, "dvv"), status)
 
     async def _vectors_of(self, *names: str) -> list[_Neighbour]:
-        entries = await registry.lookup(self._etcd_client(), self.config.prefix, *names)
+        entries = await registry.lookup(self.etcd_client(), self.config.prefix, *names)
         return [await self._vectors(entry) for entry in entries]
 
     async def delete(self, request: lpb.DeleteRequest) -> lpb.DeleteResponse:
@@ -1018,7 +930,7 @@ class LocationServer:
         if through <= self.log.deleted_through:
             raise ValueError(f"through {through}: deleted through {self.log.deleted_through} already")  # fmt: skip
         try:
-            entries = await registry.lookup(self._etcd_client(), self.config.prefix, *self._neighbour_names())  # fmt: skip
+            entries = await registry.lookup(self.etcd_client(), self.config.prefix, *self.neighbour_names())  # fmt: skip
             neighbours = [await self._vectors(e, timeout=_NEIGHBOUR_WAIT) for e in entries]
         except LocationError as exc:
             # A refusal, certain and at once: this location answers (UNAVAILABLE would say it
@@ -1079,7 +991,7 @@ class LocationServer:
         (their system events come back with the other events)."""
         assert self.log is not None
         lg = self.log
-        known = await registry.read_locations(self._etcd_client(), self.config.prefix)
+        known = await registry.read_locations(self.etcd_client(), self.config.prefix)
         others = await self._others(known)
         retired = set().union(*(o.status.retired for o in others))
         answered = {o.name for o in others}
