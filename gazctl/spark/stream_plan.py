@@ -46,7 +46,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, M
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 
@@ -578,7 +578,7 @@ async def chunks_of(
     )  # fmt: skip
     # Closed here, whatever ends the read (a bad frame failing it, a consumer that stops):
     # left to the event loop's finalizer, a store read's generator was closed while running.
-    async with contextlib.aclosing(cast(AsyncGenerator[Chunk, None], chunks)):
+    async with contextlib.aclosing(chunks):
         try:
             async for chunk in chunks:
                 at = chunk.offset + len(chunk.content)
