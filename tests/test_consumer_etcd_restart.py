@@ -29,7 +29,7 @@ from google.protobuf import duration_pb2
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
-from consumer import runtime
+from consumer import replicas as runtime  # Where the replicas read their hints.
 from consumer.protocol import cpb
 from consumer.runtime import Consumer, ConsumerConfig
 from tests.consumer_testing import INPUT

@@ -327,7 +327,7 @@ async def test_a_brief_etcd_error_writing_a_status_is_retried(
     assignment shows it starting."""
     import aetcd.exceptions
 
-    from consumer import runtime
+    from consumer import replicas as runtime  # Where the replicas call etcd.
     from plumbing import etcd as etcdx
 
     real_txn = etcdx.txn
