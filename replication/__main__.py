@@ -22,7 +22,7 @@ from plumbing import auth
 from plumbing import config as cfg
 from plumbing.tls import ServerTLS, TLSConfigError
 from replication import registry
-from replication.server import LocationConfig, LocationServer, StartError
+from replication.process import LocationConfig, LocationProcess, StartError
 from spec.durations import DurationError, parse_go_duration
 
 
@@ -121,7 +121,7 @@ async def _serve(config: LocationConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ready = asyncio.Event()
-    server = LocationServer(config)
+    server = LocationProcess(config)
     announce = asyncio.ensure_future(_announce(server, ready))
     try:
         await server.run(stop, ready)
@@ -136,7 +136,7 @@ async def _serve(config: LocationConfig) -> int:
     return 0
 
 
-async def _announce(server: LocationServer, ready: asyncio.Event) -> None:
+async def _announce(server: LocationProcess, ready: asyncio.Event) -> None:
     await ready.wait()
     print(f"location {server.name} serving at {server.endpoint}", flush=True)
 

@@ -13,7 +13,7 @@ A command reads the head and the whole history at one revision, folds it into a 
 its changes against that view (the rules of `replication.topology`, never an endpoint's partial
 view), runs the caller's live checks (which change nothing), and records its changes in one
 transaction: all or nothing. Only what etcd holds counts: locations then record it as system
-events (`LocationServer` reads this history when it starts and whenever the head moves), and
+events (`LocationProcess` reads this history when it starts and whenever the head moves), and
 never refuse a change etcd recorded.
 
 An op is greater than every earlier one and than the head's mod revision, so the changes an

@@ -13,7 +13,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from replication.journal_log import JournalEventLog, SourceReader, replicate_round
-from replication.location import EventFilter
+from replication.model import EventFilter
 
 __all__ = ["SourceReader", "run_connection"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from replication.location import Event, EventFilter
+from replication.model import Event, EventFilter
 
 __all__ = ["FilterError", "attributes", "parse_filter"]
 

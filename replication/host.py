@@ -5,7 +5,7 @@ shards are locations: shard `location/NAME` in the shard keyspace `PREFIX/hosts`
 replication network's registry. The framework's allocator assigns each location a primary and
 standbys among the hosts, by the same leases, slots and statuses as any consumer's shards:
 
-* the primary runs the location's process (`LocationServer`: it takes the log's writer, fencing
+* the primary runs the location's process (`LocationProcess`: it takes the log's writer, fencing
   out any earlier one, serves the Location service and runs the connections into it) and is
   advertised PRIMARY only once it serves;
 * a standby folds the location's log as it grows (its vectors, progress and topology view), so
@@ -41,7 +41,7 @@ from plumbing.tls import ServerTLS
 from replication import registry
 from replication.journal_log import JournalEventLog
 from replication.journals import journal_created
-from replication.server import LocationConfig, LocationServer
+from replication.process import LocationConfig, LocationProcess
 
 if TYPE_CHECKING:
     from consumer.runtime import Consumer
@@ -105,7 +105,7 @@ class LocationHost:
         self.settings = settings
         # Each location's log as this host's standby folded it, for its primary to take over.
         self._folded: dict[str, JournalEventLog] = {}
-        self.servers: dict[str, LocationServer] = {}  # The locations it runs as primary.
+        self.servers: dict[str, LocationProcess] = {}  # The locations it runs as primary.
 
     async def _entry(self, consumer: Consumer, name: str) -> registry.LocationEntry:
         return (await registry.lookup(consumer.etcd, self.settings.prefix, name))[0]
@@ -125,7 +125,7 @@ class LocationHost:
         the log: this one was fenced out); `ready()` once it serves."""
         name = location_of_shard(spec.id)
         entry = await self._entry(consumer, name)
-        server = LocationServer(self._config(consumer, entry))
+        server = LocationProcess(self._config(consumer, entry))
         folded = self._folded.pop(name, None)
         if folded is not None and folded.journal == entry.journal:
             server.folded = folded

@@ -49,7 +49,7 @@ from broker.client.append_service import AppendService, PendingSpan, Registers
 from broker.client.reader import read_retrying
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from replication.location import (
+from replication.model import (
     Event,
     EventFilter,
     ReplicationBatch,
@@ -821,7 +821,7 @@ async def recover_location(
     Then events, in rounds: from each
     unfiltered neighbour whose DVV ≤ CVV-recovering, again until no round adds any; the sources
     used, in order (a neighbour never allowed is left out: RuleViolation is not raised)."""
-    from replication.location import check_recover_from
+    from replication.model import check_recover_from
     from replication.topology import RuleViolation
 
     own = recovering.location

@@ -13,7 +13,7 @@ in a few minutes.
 The hand-written anomaly tests show each rule of the seed on one history, and the property tests
 sample histories at random; neither says that no interleaving up to some size breaks a promise.
 This explores every one, breadth first, with a visited set of canonical states, using the real
-model (`replication.location`, `replication.topology`) as the system under test: a bug found here
+model (`replication.model`, `replication.topology`) as the system under test: a bug found here
 is a bug in that code or in the rules, not in a re-implementation of them.
 
 Operations, in every order, up to the bound:
@@ -97,10 +97,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from replication.filters import parse_filter
-from replication.location import (
+from replication.model import (
     Event,
     EventFilter,
-    Location,
+    LocationModel,
     Stored,
     check_fail_over,
     check_may_start,
@@ -175,7 +175,7 @@ class Rules:
 
 
 class Place(NamedTuple):
-    """A location's state, canonical: what the visited set hashes, and what a `Location` is
+    """A location's state, canonical: what the visited set hashes, and what a `LocationModel` is
     rebuilt from."""
 
     log: tuple[tuple[int, EventKey], ...]
@@ -493,11 +493,11 @@ class Checker:
         return tuple(out)
 
     def start(self) -> State:
-        places = tuple(self._freeze(Location(n)) for n in self.names)
+        places = tuple(self._freeze(LocationModel(n)) for n in self.names)
         empty = tuple(frozenset[EventKey]() for _ in self.names)
         return State(places, self.start_history, empty, 0, frozenset())
 
-    def _freeze(self, loc: Location) -> Place:
+    def _freeze(self, loc: LocationModel) -> Place:
         return Place(
             tuple((s.seq, self._intern(s.event)) for s in loc.log),
             loc.cvv,
@@ -509,7 +509,7 @@ class Checker:
             tuple(sorted(loc.cached_cvv.items())) if self.bound.fail_over else (),
         )
 
-    def _thaw(self, state: State, i: int) -> Location:
+    def _thaw(self, state: State, i: int) -> LocationModel:
         place = state.places[i]
         log = []
         for entry in place.log:
@@ -517,7 +517,7 @@ class Checker:
             if stored is None:
                 stored = self._stored[entry] = Stored(entry[0], self._events[entry[1]])
             log.append(stored)
-        return Location(
+        return LocationModel(
             self.names[i], log, place.cvv, place.dvv, place.next_seq, place.deleted_through,
             place.local_time, {n: p for n, p in zip(self.names, place.progress, strict=True) if p},
             dict(place.cached),

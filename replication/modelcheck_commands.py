@@ -16,7 +16,7 @@ interleaving of its steps, breadth first, up to a bound:
 * gazctl dying before its next step (at most `deaths` times);
 * a location's process stopping (at most `stops` times) and starting again: a location that
   starts has not heard from those down at the time, and its clock is safe again once each has
-  started (the clock check of `LocationServer._check_may_emit`);
+  started (the clock check of `LocationProcess._check_may_emit`);
 * replication of one system event over a connection the target's own view holds, both ends
   running: the first change in the source's log order that the target lacks;
 * with the new protocol, a location catching up from etcd: one change of etcd's history that
@@ -24,8 +24,8 @@ interleaving of its steps, breadth first, up to a bound:
 
 The protocols (`--protocol`):
 
-* `old`, today's code (gazctl/replication.py `Network.changes`, replication/server.py
-  `LocationServer.change`): gazctl reads the target's view (connected already? a filter
+* `old`, today's code (gazctl/replication.py `Network.changes`, replication/process.py
+  `LocationProcess.change`): gazctl reads the target's view (connected already? a filter
   change?), asks every location the change involves to check it against its own view, joins
   for `--new-events-only`, then for each change has etcd issue an op (`registry.issue_op`) and
   records at the target, then the source; each record checks the location's view again and its
@@ -47,7 +47,7 @@ The protocols (`--protocol`):
   the recorded change carries its join floor, and the target's writer joins as it stores the
   change, whichever route brought it (replication/journal_log.py). Catch-up
   records every change of etcd's that the log lacks, in op order, whether it involves the
-  location or not (as `LocationServer` does). With `--no-cas`, the txn does not compare the head gazctl read: two operators'
+  location or not (as `LocationProcess` does). With `--no-cas`, the txn does not compare the head gazctl read: two operators'
   commands, each keeping the rules alone, are both recorded.
 
 The start network (`--start`), recorded with the protocol under check, each command run to its
@@ -385,7 +385,7 @@ class Checker:
 
     @staticmethod
     def _check(view: Topology, change: Change, *, op_held: bool = False) -> bool:
-        """`LocationServer.change`'s check on a location's view (RuleViolation if refused);
+        """`LocationProcess.change`'s check on a location's view (RuleViolation if refused);
         True if the change is in effect there already."""
         if op_held:
             return True

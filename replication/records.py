@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from replication.location import Event, Stored
+from replication.model import Event, Stored
 from replication.vclock import VectorClock
 
 __all__ = [

@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 from broker.client.journals import dial
 from replication import location_pb2 as lpb
 from replication import location_pb2_grpc as lpb_grpc
-from replication.location import Stored
+from replication.model import Stored
 from replication.topology import (
     Change,
     Connected,

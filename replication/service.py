@@ -3,7 +3,7 @@ a selector must select the location's log), its request parsed only then (an una
 caller costs no parse), a restricted caller refused any location it may not see, and the
 method's errors mapped to statuses, narrowly: a request's bad value is INVALID_ARGUMENT, a
 defect of ours INTERNAL (and logged). The methods themselves are the location process's
-(`replication.server.LocationServer`).
+(`replication.process.LocationProcess`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from replication.rpc import SERVICE, LocationError, named_locations
 from replication.topology import RuleViolation
 
 if TYPE_CHECKING:
-    from replication.server import LocationServer
+    from replication.process import LocationProcess
 
 log = logging.getLogger("replication")
 
@@ -37,7 +37,7 @@ CALLER: contextvars.ContextVar[auth.Claims] = contextvars.ContextVar("caller", d
 class LocationService:
     """The gRPC adapter of one location process's service."""
 
-    def __init__(self, server: LocationServer) -> None:
+    def __init__(self, server: LocationProcess) -> None:
         self.server = server
 
     def handlers(self) -> Any:

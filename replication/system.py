@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from replication.location import Event, EventFilter
+from replication.model import Event, EventFilter
 from replication.topology import (
     Change,
     Connected,

@@ -27,8 +27,8 @@ from plumbing import auth
 from plumbing.debug_http import HTTPConfig
 from replication import location_pb2 as lpb
 from replication.journals import apply_location_journals
+from replication.process import LocationConfig
 from replication.rpc import SERVICE as LOCATION_SERVICE
-from replication.server import LocationConfig
 from tests.test_application_guide import WordTotals
 from tests.test_replication_server import serving
 

@@ -28,7 +28,7 @@ from plumbing.membership import (
     ProcessTasks,
     describe_refresh_failure,
 )
-from replication.server import LocationServer
+from replication.process import LocationProcess
 from tests.helpers.waiting import until
 
 POLICIES = list(LeasePolicy)
@@ -120,7 +120,7 @@ async def test_a_keep_alive_stops_when_cancelled_whatever_etcd_does(
 async def test_the_processes_keep_alives_are_the_component() -> None:
     """Brokers, consumers and locations hold no keep-alive of their own (copies drifted: the
     defect this suite is for was fixed in one and not the others)."""
-    for process in (Broker, Consumer, LocationServer):
+    for process in (Broker, Consumer, LocationProcess):
         own = [name for name in vars(process) if "lease" in name and callable(vars(process)[name])]
         assert own == [], f"{process.__name__} keeps its own lease code: {own}"
 

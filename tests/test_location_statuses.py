@@ -13,7 +13,7 @@ import pytest
 from aetcd import exceptions as etcd_errors
 
 from replication import location_pb2 as lpb
-from replication.server import ConnectionState, LocationConfig, LocationServer, Phase
+from replication.process import ConnectionState, LocationConfig, LocationProcess, Phase
 from replication.service import LocationService
 
 
@@ -34,7 +34,7 @@ class FakeContext:
 
 
 async def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    server = LocationServer(LocationConfig("A", "http://127.0.0.1:1", "http://127.0.0.1:2"))
+    server = LocationProcess(LocationConfig("A", "http://127.0.0.1:1", "http://127.0.0.1:2"))
 
     async def failing(_request: Any) -> Any:
         raise exc

@@ -148,7 +148,7 @@ async def test_deletion_on_journals_follows_the_dvv_rules(
     """Deletion is recorded with the DVV it leaves, only once every neighbour holds what it
     deletes; readers skip deleted events; a new connection waits for DVV <= CVV-target; a
     writer that takes over knows the deletion."""
-    from replication.location import check_may_start
+    from replication.model import check_may_start
     from replication.topology import RuleViolation
 
     stub = recovery_stub

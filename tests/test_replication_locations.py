@@ -21,7 +21,7 @@ from broker.testing import EtcdServer, stop_process
 from replication import location_pb2 as lpb
 from replication import location_pb2_grpc as lpb_grpc
 from replication.journals import apply_location_journals
-from replication.location import Event
+from replication.model import Event
 from replication.records import encode_event
 from replication.registry import endpoint_key
 from replication.rpc import LocationClient, LocationError, clock_message

@@ -14,9 +14,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from replication.location import (
+from replication.model import (
     Event,
-    Location,
+    LocationModel,
     check_fail_over,
     check_may_start,
     check_recover_from,
@@ -29,7 +29,7 @@ from replication.location import (
 from replication.topology import Connected, RuleViolation, Topology
 
 
-def ids(location: Location) -> list[tuple[str, int]]:
+def ids(location: LocationModel) -> list[tuple[str, int]]:
     return [s.event.id for s in location.log]
 
 
@@ -37,8 +37,8 @@ def only(*names: str):  # type: ignore[no-untyped-def]
     return lambda e: e.payload.get("name") in names
 
 
-def net(*names: str) -> dict[str, Location]:
-    return {n: Location(n) for n in names}
+def net(*names: str) -> dict[str, LocationModel]:
+    return {n: LocationModel(n) for n in names}
 
 
 def test_filtered_cycle_anomaly_and_its_rule() -> None:
@@ -66,13 +66,13 @@ def test_cyclic_deletion_anomaly_and_its_rule() -> None:
         c.emit({"name": name})
     replicate(c, b)
     # Without the rule (no neighbours checked): B deletes e1, e2; B -> A; then C -> A.
-    b2 = Location("B", list(b.log), b.cvv, b.dvv, b.next_seq)
+    b2 = LocationModel("B", list(b.log), b.cvv, b.dvv, b.next_seq)
     b2.delete(2, neighbours=[])
     replicate(b2, a)
     replicate(c, a)
     assert [s.event.payload["name"] for s in a.log] == ["e3"]  # e1 and e2 lost for A.
     # With it: B may not delete while A (directly connected) lacks them.
-    a_fresh = Location("A")
+    a_fresh = LocationModel("A")
     with pytest.raises(RuleViolation, match=r"B may not delete through 2: its DVV would be"):
         b.delete(2, neighbours=[a_fresh, c])
     replicate(b, a_fresh)
@@ -98,10 +98,10 @@ def test_disaster_recovery_over_filtered_connections_anomaly_and_its_rule() -> N
     )  # fmt: skip
     assert len({y for x, y in topology.current if x == "A"}) == 2  # Not terminal.
     # And recovery from an unfiltered neighbour goes in rounds by the DVV rule.
-    d = Location("D")
+    d = LocationModel("D")
     replicate(b, d)
     b.delete(1, neighbours=[d])
-    fresh = Location("A2")
+    fresh = LocationModel("A2")
     with pytest.raises(RuleViolation, match="A2 may not recover from B yet"):
         check_recover_from(fresh, b)
     replicate(d, fresh)
@@ -121,7 +121,7 @@ def test_location_addition_with_deletion_anomaly_and_its_rule() -> None:
     replicate(b, c)
     assert [s.event.payload["name"] for s in c.log] == ["e3"]
     # With it: A -> D may not start before D has what A deleted; C -> D and D -> A may.
-    c2, d2 = Location("C"), Location("D")
+    c2, d2 = LocationModel("C"), LocationModel("D")
     with pytest.raises(RuleViolation, match="replication A -> D may not start yet"):
         check_may_start(a, d2)
     replicate(b, c2)
@@ -131,7 +131,7 @@ def test_location_addition_with_deletion_anomaly_and_its_rule() -> None:
     replicate(a, d2)
     assert sorted(s.event.payload["name"] for s in d2.log) == ["e1", "e2", "e3"]
     # A location that wants only new events starts from its neighbours' DVVs.
-    e = Location("E")
+    e = LocationModel("E")
     join_for_new_events(e, [a])
     check_may_start(a, e)
 
@@ -314,6 +314,6 @@ TestNetwork.settings = settings(max_examples=60, stateful_step_count=30, deadlin
 
 
 def test_events_are_identified_by_emitter_and_time() -> None:
-    a = Location("A")
+    a = LocationModel("A")
     e = a.emit()
     assert isinstance(e, Event) and e.id == ("A", 1) and a.local_time == 1

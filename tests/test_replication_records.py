@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replication.journal_log import _pass_events
-from replication.location import Event, Location, Stored, replicate
+from replication.model import Event, LocationModel, Stored, replicate
 from replication.records import (
     encode_event,
     index_records,
@@ -104,10 +104,10 @@ def test_payloads_that_mimic_record_fields_fool_nothing() -> None:
     assert [s.event() for s in systems] == [system]
 
 
-def model_history(rng: random.Random) -> list[Location]:
+def model_history(rng: random.Random) -> list[LocationModel]:
     """Four locations of the in-memory model after emits and replication rounds at random (a
     valid causal history)."""
-    locations = [Location(n) for n in ("A", "B", "C", "D")]
+    locations = [LocationModel(n) for n in ("A", "B", "C", "D")]
     for _ in range(rng.randrange(5, 60)):
         if rng.random() < 0.5:
             rng.choice(locations).emit({"n": rng.randrange(100)})
@@ -143,7 +143,7 @@ def test_the_group_rule_stops_where_the_model_stops(rng: random.Random) -> None:
     """A filtered connection into an unfiltered group: the batch stops at the first event whose
     timestamp restricted to the group is not <= the target's CVV, as the model's
     `write_batch(cycle=...)` does."""
-    from replication.location import read_batch, write_batch
+    from replication.model import read_batch, write_batch
 
     locations = model_history(rng)
     d, b = locations[3], locations[1]

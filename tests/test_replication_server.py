@@ -1,4 +1,4 @@
-"""A location's process in this test's own event loop (`LocationServer`), for the states of its
+"""A location's process in this test's own event loop (`LocationProcess`), for the states of its
 connection loop that a test cannot reach through a separate process: a peer's call that ends
 as the connection is cancelled."""
 
@@ -16,15 +16,15 @@ import pytest
 from broker.testing import EtcdServer
 from replication import location_pb2 as lpb
 from replication.journals import apply_location_journals
+from replication.process import LocationConfig, LocationProcess
 from replication.rpc import change_message
-from replication.server import LocationConfig, LocationServer
 from replication.topology import Connected, Disconnected
 from tests.conftest import BrokerProcess
 
 
 @contextlib.asynccontextmanager
-async def serving(config: LocationConfig) -> AsyncIterator[LocationServer]:
-    server = LocationServer(config)
+async def serving(config: LocationConfig) -> AsyncIterator[LocationProcess]:
+    server = LocationProcess(config)
     stop, ready = asyncio.Event(), asyncio.Event()
     async with asyncio.TaskGroup() as tasks:
         task = tasks.create_task(server.run(stop, ready))
@@ -60,11 +60,11 @@ class EndsAsAnErrorWhenCancelled:
         return getattr(self.inner, name)
 
 
-async def record(server: LocationServer, change: Any) -> None:
+async def record(server: LocationProcess, change: Any) -> None:
     await server.change(lpb.ChangeRequest(change=change_message(change), record=True))
 
 
-async def emit(server: LocationServer, *payloads: dict[str, Any]) -> lpb.EmitResponse:
+async def emit(server: LocationProcess, *payloads: dict[str, Any]) -> lpb.EmitResponse:
     return await server.emit(lpb.EmitRequest(payloads=[json.dumps(p).encode() for p in payloads]))
 
 
@@ -252,8 +252,8 @@ def test_the_location_service_checks_the_token_before_the_request_and_bounds_rea
     import base64
 
     from plumbing import auth
+    from replication.process import MAX_READ_EVENTS
     from replication.rpc import SERVICE
-    from replication.server import MAX_READ_EVENTS
 
     key = b"a key for the location service's tokens, 32+"
 

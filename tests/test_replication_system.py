@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replication.location import Event, Location, replicate
+from replication.model import Event, LocationModel, replicate
 from replication.system import (
     change_document,
     change_of,
@@ -76,7 +76,7 @@ def test_a_new_events_only_change_carries_its_join_and_older_records_do_not_join
 
 
 def test_every_location_builds_the_same_view_of_the_history() -> None:
-    loc = {n: Location(n) for n in "ABCD"}
+    loc = {n: LocationModel(n) for n in "ABCD"}
 
     def connect(source: str, target: str, filter: str = "") -> None:
         # Judged against the view of the location making the change, then recorded there.
@@ -126,7 +126,7 @@ def test_a_command_recorded_at_both_ends_is_one_change_whatever_order_it_arrives
     # in effect there and it records nothing; B reads A's log after that and stores A's older
     # Disconnected after its own Connected. Folded in storage order, B's view lost A -> B for
     # good while A's kept it (the intermittent filtered fail-over test's cause).
-    a, b = Location("A"), Location("B")
+    a, b = LocationModel("A"), LocationModel("B")
     for loc in (b, a):
         loc.emit(_command(Connected("A", "B"), 9))
     for loc in (b, a):

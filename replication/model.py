@@ -37,7 +37,7 @@ from replication.vclock import VectorClock, lub
 
 __all__ = [
     "Event",
-    "Location",
+    "LocationModel",
     "ReplicationBatch",
     "Stored",
     "Vectors",
@@ -56,7 +56,7 @@ EventFilter = Callable[["Event"], bool]
 
 
 class Vectors(Protocol):
-    """What the rules look at of a location: its name, CVV and DVV (an in-memory `Location`, or
+    """What the rules look at of a location: its name, CVV and DVV (an in-memory `LocationModel`, or
     a journal's `JournalEventLog`)."""
 
     @property
@@ -102,7 +102,7 @@ class ReplicationBatch:
 
 
 @dataclass
-class Location:
+class LocationModel:
     """One location's local event log and replication metadata."""
 
     name: str
@@ -180,8 +180,8 @@ def check_may_start(source: Vectors, target: Vectors) -> None:
 
 
 def read_batch(
-    source: Location,
-    target: Location,
+    source: LocationModel,
+    target: LocationModel,
     replication_filter: EventFilter | None = None,
     limit: int = 1000,
 ) -> ReplicationBatch:
@@ -200,7 +200,7 @@ def read_batch(
 
 
 def write_batch(
-    target: Location, batch: ReplicationBatch, *, cycle: Sequence[str] = ()
+    target: LocationModel, batch: ReplicationBatch, *, cycle: Sequence[str] = ()
 ) -> list[Stored]:
     """Write a batch to target (its causality filter again: the CVV may have moved), then record
     the progress. With `cycle` (a redundant filtered connection into that cycle), an event whose
@@ -220,8 +220,8 @@ def write_batch(
 
 
 def replicate(
-    source: Location,
-    target: Location,
+    source: LocationModel,
+    target: LocationModel,
     replication_filter: EventFilter | None = None,
     *,
     cycle: Sequence[str] = (),
@@ -233,7 +233,7 @@ def replicate(
 
 class CachesVectors(Protocol):
     """What the fail-over rule looks at of a target: its name, and the CVV each source sent
-    with its last batch (a `Location`, or a journal's `JournalEventLog`)."""
+    with its last batch (a `LocationModel`, or a journal's `JournalEventLog`)."""
 
     @property
     def name(self) -> str: ...
@@ -262,7 +262,9 @@ def check_recover_from(recovering: Vectors, source: Vectors) -> None:
         )
 
 
-def recover_metadata(recovering: Location, survivors: int, neighbours: Sequence[Location]) -> None:
+def recover_metadata(
+    recovering: LocationModel, survivors: int, neighbours: Sequence[LocationModel]
+) -> None:
     """After a disaster that kept the first `survivors` events (by seq): the local clock set to
     the maximum of its own time seen at directly connected locations, and their progress for it
     reset to the last surviving sequence number (0 if none)."""
@@ -278,7 +280,7 @@ def recover_metadata(recovering: Location, survivors: int, neighbours: Sequence[
             n.progress[recovering.name] = min(n.progress[recovering.name], survivors)
 
 
-def join_for_new_events(new: Location, neighbours: Sequence[Location]) -> None:
+def join_for_new_events(new: LocationModel, neighbours: Sequence[LocationModel]) -> None:
     """A new location that wants only new events: its CVV and DVV set to the least upper bound
     of its new neighbours' DVVs, before the start rule applies."""
     floor = lub(n.dvv for n in neighbours)

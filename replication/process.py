@@ -61,7 +61,7 @@ from replication import location_pb2 as lpb
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
 from replication.journals import journal_listed
-from replication.location import EventFilter, check_fail_over
+from replication.model import EventFilter, check_fail_over
 from replication.rpc import (
     LocationClient,
     LocationError,
@@ -89,7 +89,7 @@ from replication.vclock import VectorClock, lub
 
 __all__ = [
     "LocationConfig",
-    "LocationServer",
+    "LocationProcess",
     "StartError",
     "WriterFailed",
     "batch_of",
@@ -225,7 +225,7 @@ class _Neighbour:
         return self.entry.name
 
 
-class LocationServer:
+class LocationProcess:
     """One location's process. `run` serves until `stop` is set; nothing runs before it."""
 
     def __init__(self, config: LocationConfig) -> None:
