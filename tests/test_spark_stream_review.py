@@ -369,7 +369,10 @@ def _random_history(rng: Any, now: int, journal_count: int) -> list[list[bytes]]
     return appends
 
 
-@pytest.mark.parametrize("seed", [6, 8, 9, 0, 1])
+# Seeds 6, 8 and 9 found defects; more of them run with the fault scenarios (`-m faults`).
+@pytest.mark.parametrize(
+    "seed", [6, 8, 9, *(pytest.param(s, marks=pytest.mark.faults) for s in (0, 1))]
+)
 async def test_random_histories_batches_are_read_committed(
     etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, seed: int
 ) -> None:
@@ -492,7 +495,10 @@ def batches_with_appends(
         reader.stop()
 
 
-@pytest.mark.parametrize("seed", range(4))
+# One history in the suite; more with the fault scenarios (`-m faults`).
+@pytest.mark.parametrize(
+    "seed", [3, *(pytest.param(s, marks=pytest.mark.faults) for s in (0, 1, 2))]
+)
 async def test_random_histories_with_racing_appends_and_planning_processes(
     etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path, seed: int,
     monkeypatch: pytest.MonkeyPatch,
