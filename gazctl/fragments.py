@@ -29,8 +29,9 @@ from broker.fragment.stores import FragmentStore, StoreError, check_store_url, o
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from gazctl.journals import broker_options, client_of, file_root_option, journals, wait_option
+from gazctl.journals import journals
 from gazctl.journals_io import matching
+from gazctl.options import broker_options, client_of, file_root_option, wait_option
 from gazctl.render import console, err_console, note
 from spec.durations import DurationError, parse_duration, seconds_from_duration
 

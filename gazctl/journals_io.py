@@ -21,7 +21,8 @@ from broker.client.routes import append_routed, waiting
 from broker.fragment.content import FragmentCorrupt
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
-from gazctl.journals import broker_options, client_of, file_root_option, journals, wait_option
+from gazctl.journals import journals
+from gazctl.options import broker_options, client_of, file_root_option, wait_option
 from gazctl.render import err_console, note
 
 # An append of stdin is cut at this many bytes (at a line end with --framing lines), so an

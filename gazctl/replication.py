@@ -19,7 +19,7 @@ from rich.table import Table
 
 from broker.protocol import protocol_pb2 as pb
 from gazctl import render
-from gazctl.journals import file_root_option
+from gazctl.options import file_root_option
 from plumbing import config as cfg
 from plumbing import etcd as etcdx
 from replication import commands, registry

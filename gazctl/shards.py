@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from google.protobuf import json_format
@@ -21,8 +21,9 @@ from broker.protocol.validate import ValidationError
 from consumer.client import PrimaryUnreachable, ShardsClient
 from consumer.protocol import cpb, recovery_log, reduce_status, validate_shard_spec
 from gazctl import render
-from gazctl.journals import (
+from gazctl.options import (
     conflict_error,
+    consumer_options,
     file_root_option,
     max_txn_size_option,
     parse_selector,
@@ -30,30 +31,10 @@ from gazctl.journals import (
     too_large_error,
 )
 from message.framing import framing_for
-from plumbing import config as cfg
 from spec import SpecError
 from spec import shards as sspec
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 RECOVERY_LOG_CONTENT_TYPE = "application/x-gazette-recoverylog"
-
-
-def consumer_options(f: F) -> F:
-    """The Consumer and Broker option groups of upstream gazctl's `shards` commands."""
-    for decorator in reversed(
-        [
-            cfg.option("--consumer.address", default="http://localhost:8080", help="Service address of a Gazette consumer"),
-            cfg.option("--broker.address", default="http://localhost:8080", help="Service address of a Gazette broker"),
-            cfg.option("--broker.cache.size", default=0, type=int, help="Size of client route cache (0 disables it: the broker proxies)"),
-            cfg.option("--broker.cache.ttl", default="1m", help="Time-to-live of route cache entries"),
-            cfg.option("--zone", env="ZONE", default="local", help="Availability zone within which this process is running"),
-            cfg.option("--log.level", default="warn", type=click.Choice(["trace", "debug", "info", "warn", "error", "fatal"]), help="Logging level"),
-            cfg.option("--log.format", default="text", type=click.Choice(["json", "text", "color"]), help="Logging output format"),
-        ]
-    ):  # fmt: skip
-        f = decorator(f)
-    return cfg.client_credentials("consumer", "broker")(cfg.logging_from_options(f))
 
 
 @click.group()
@@ -396,7 +377,7 @@ EDIT_HEADER = """\
 async def _edit(
     opts: dict[str, Any], selector_text: str, max_txn_size: int
 ) -> list[render.PlannedChange]:
-    from gazctl.journals import edit_and_apply
+    from gazctl.editor import edit_and_apply
 
     async with shards_client(opts) as client:
         listed = await client.list(parse_selector(selector_text))

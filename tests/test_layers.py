@@ -230,3 +230,32 @@ def test_the_client_library_loads_no_server_machinery() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_gazctl_commands_share_options_through_their_own_module() -> None:
+    """The options and helpers gazctl's command groups share live in gazctl/options.py (and the
+    edit loop in gazctl/editor.py): of a group's module, another takes only the group, to add
+    commands to it (`journals fragments`, `journals read`, ...)."""
+    groups = {"gazctl.journals": "journals", "gazctl.shards": "shards"}
+    found = []
+    for path in python_files("gazctl"):
+        for module in sorted(imports_of(path)):
+            owner, _, name = module.rpartition(".")
+            if owner in groups and name != groups[owner]:
+                found.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert found == []
+
+
+# gazctl/dev/, each module on those before it.
+DEV_MODULES = ("state", "security", "ports", "supervisor", "processes", "cluster", "cli")
+
+
+def test_gazctl_dev_modules_build_on_those_before_them() -> None:
+    found = []
+    for i, name in enumerate(DEV_MODULES):
+        later = tuple(f"gazctl.dev.{m}" for m in DEV_MODULES[i:])
+        found += offenders([ROOT / "gazctl" / "dev" / f"{name}.py"], later)
+    assert sorted(p.stem for p in (ROOT / "gazctl" / "dev").glob("*.py")) == sorted(
+        ("__init__", *DEV_MODULES)
+    )
+    assert found == []

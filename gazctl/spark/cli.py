@@ -19,7 +19,7 @@ from broker.fragment.content import describe
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol.labels import SelectorError
 from broker.protocol.validate import ValidationError
-from gazctl.journals import broker_options, file_root_option
+from gazctl.options import broker_options, file_root_option
 from gazctl.render import console, err_console
 from gazctl.spark.compaction import Plan, plan_journal
 from gazctl.spark.journals import (

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from gazctl.journals import broker_options, file_root_option
+from gazctl.options import broker_options, file_root_option
 from gazctl.render import err_console
 
 TARGETS = ("parquet", "journal", "topic")
