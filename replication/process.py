@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import os
 import random
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +46,6 @@ import grpc
 from broker.client import BrokerUnavailable, JournalsClient
 from broker.client.append_service import AppendService
 from broker.client.appender import AppendError
-from broker.client.reader import ReadError
 from broker.protocol import protocol_pb2 as pb
 from plumbing import auth
 from plumbing import etcd as etcdx
@@ -58,10 +56,17 @@ from plumbing.tasks import first_of
 from plumbing.tls import ServerTLS
 from replication import commands, registry
 from replication import location_pb2 as lpb
+from replication.connections import (
+    RETRY,
+    ConnectionState,
+    event_filter,
+    replicate,
+    retry_backoff,
+)
 from replication.filters import parse_filter
 from replication.journal_log import JournalEventLog, LineBatch, SourceReader, select_lines
 from replication.journals import journal_listed
-from replication.model import EventFilter, check_fail_over
+from replication.model import check_fail_over
 from replication.rpc import (
     LocationClient,
     LocationError,
@@ -73,7 +78,7 @@ from replication.rpc import (
     topology_of_status,
 )
 from replication.service import CALLER, LocationService
-from replication.system import passes, system_payload
+from replication.system import system_payload
 from replication.topology import (
     Change,
     Connected,
@@ -92,24 +97,14 @@ __all__ = [
     "LocationProcess",
     "StartError",
     "WriterFailed",
-    "batch_of",
 ]
 
 log = logging.getLogger("replication")
-
-_RETRY = 0.5  # At most this many seconds between attempts of a loop that waits or fails.
-
-
-def _retry_backoff() -> Backoff:
-    """Between attempts of a connection (or round) that waits or fails: soon at first, then
-    every `_RETRY` seconds; reset once it makes progress."""
-    return Backoff(initial=0.05, maximum=_RETRY)
 
 
 # Seconds a call waits for another location's journal to be listed, to authorize naming it.
 _AUTHORIZE_LISTING = 5.0
 _NEIGHBOUR_WAIT = 5.0  # Seconds a deletion waits for a neighbour's vectors before refusing.
-_LOOKUP_EVERY = 5.0  # Seconds a connection goes on with its source's registry entry.
 
 
 class StartError(RuntimeError):
@@ -119,15 +114,6 @@ class StartError(RuntimeError):
 class WriterFailed(RuntimeError):
     """The location's writer failed an append (another process took the log: this one is a
     zombie, fenced out), so this process stops serving it."""
-
-
-def _raise_if_cancelling(exc: BaseException) -> None:
-    """Re-raise the cancellation of the current task if one is under way: a call that ends in
-    the same moment as its task is cancelled can surface as its own error (a gRPC call as
-    CANCELLED), and a loop that took it for a failure would go on as a zombie."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError() from exc
 
 
 def _writer_failure(name: str, exc: AppendError) -> str:
@@ -166,51 +152,6 @@ class LocationConfig:
 
 # The most events one Read reply carries, whatever its `limit` (the rest comes with the next).
 MAX_READ_EVENTS = 10_000
-
-
-def batch_of(source: str, reply: lpb.ReadResponse) -> LineBatch:
-    """The batch a Read reply carries."""
-    return LineBatch(source, reply.records, reply.through, clock_of(reply.cvv, "cvv"))
-
-
-class Phase(enum.Enum):
-    """What a connection into this location is doing."""
-
-    STARTING = "starting"
-    REPLICATING = "replicating"
-    WAITING = "waiting"  # For what its `why` says.
-    RETRYING = "retrying"  # After the error its `error` says.
-
-
-@dataclass
-class ConnectionState:
-    """What a connection into this location is doing, for Status."""
-
-    source: str
-    filter: str
-    phase: Phase = Phase.STARTING
-    why: str = ""  # What a WAITING connection waits for.
-    via: str = ""  # "location" (filtered at the source) or "journal" (its process is down).
-    source_last_seq: int = 0
-    read: int = 0
-    written: int = 0
-    error: str = ""
-
-    def enter(self, phase: Phase, why: str = "", error: str = "") -> None:
-        self.phase, self.why, self.error = phase, why, error
-
-    @property
-    def state(self) -> str:
-        """As Status shows it: the phase, and what a waiting connection waits for."""
-        return f"{self.phase.value}: {self.why}" if self.why else self.phase.value
-
-    def message(self, progress: int) -> lpb.ConnectionStatus:
-        return lpb.ConnectionStatus(
-            source=self.source, filter=self.filter, state=self.state, via=self.via,
-            progress=progress, source_last_seq=self.source_last_seq,
-            lag=max(0, self.source_last_seq - progress), read=self.read, written=self.written,
-            error=self.error,
-        )  # fmt: skip
 
 
 @dataclass
@@ -266,7 +207,7 @@ class LocationProcess:
         self._adopted: dict[str, str] = {}
         # The write guard of each adopted connection, from the same view: its own view, empty
         # after the loss, would guard nothing until the system events are back.
-        self._adopted_guards: dict[str, frozenset[str]] = {}
+        self.adopted_guards: dict[str, frozenset[str]] = {}
         self._recovered_neighbours: set[str] = set()  # Its neighbours, as Recover found them.
         # Event recovery under way: each source it recovers its own events from, and the
         # sequence number (the source's last at Recover) its connection must read through.
@@ -419,7 +360,7 @@ class LocationProcess:
         own = {s: f for (s, t), f in view.current.items() if t == self.name and s not in view.retired}  # fmt: skip
         for source in [s for s in self._adopted if (s, self.name) in view.ever]:
             del self._adopted[source]  # Its own view has it again (connected, or not any more).
-            self._adopted_guards.pop(source, None)
+            self.adopted_guards.pop(source, None)
         return {**self._adopted, **own}
 
     async def _others(
@@ -494,7 +435,7 @@ class LocationProcess:
 
     async def _watch_clock(self) -> None:
         """Clock rounds until it may emit (or knows it lost events)."""
-        backoff = _retry_backoff()
+        backoff = retry_backoff()
         while not (self.clock_ok or self.lost):
             await backoff.sleep()
             try:
@@ -568,11 +509,11 @@ class LocationProcess:
                     if source not in running:
                         state = ConnectionState(source, filter_text)
                         self.connections[source] = state
-                        task = group.create_task(self._replicate(state), name=f"{source}->{self.name}")  # fmt: skip
+                        task = group.create_task(replicate(self, state), name=f"{source}->{self.name}")  # fmt: skip
                         running[source] = (filter_text, task)
                 await first_of(self._topology_changed.wait(), self.log.grown())
 
-    def _terminal(self) -> bool:
+    def terminal(self) -> bool:
         """Connected to exactly one other location (in either direction)."""
         assert self.log is not None
         return len(self.neighbour_names()) == 1
@@ -583,115 +524,18 @@ class LocationProcess:
         names = {s if t == self.name else t for (s, t) in view.current if self.name in (s, t)}
         # Recover's neighbours stand in only until its own view has their connection again
         # (connected, or not any more): kept after, a location disconnected since was still
-        # asked by `delete`, and counted by `_terminal`.
+        # asked by `delete`, and counted by `terminal`.
         self._recovered_neighbours = {
             n for n in self._recovered_neighbours
             if (n, self.name) not in view.ever and (self.name, n) not in view.ever
         }  # fmt: skip
         return sorted((names | self._recovered_neighbours) - {self.name})
 
-    async def _replicate(self, state: ConnectionState) -> None:
-        """The connection state.source -> this location, until cancelled."""
-        assert self.log is not None
-        target = self.log
-        source = state.source
-        direct: SourceReader | None = None  # Reading the source's journal (its process down).
-        pending: Awaitable[Any] | None = None  # The last round's append, committing.
-        entry: registry.LocationEntry | None = None  # The source, as registered (re-read now
-        looked_up = 0.0  # and then, and after any failure).
-        backoff = _retry_backoff()
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                if entry is None or loop.time() - looked_up > _LOOKUP_EVERY:
-                    entry = (await registry.lookup(self.etcd_client(), self.config.prefix, source))[0]  # fmt: skip
-                    looked_up = loop.time()
-                or_here = self._terminal() and bool(state.filter)
-                # A connection from outside this location's unfiltered group (filtered or not)
-                # writes only what the group's part of its timestamp allows (redundant
-                # filtered connections; an event from outside may carry the group's events
-                # that a filter on the way out left behind).
-                group = target.topology.guard_for(source, self.name)
-                group |= self._adopted_guards.get(source, frozenset())
-                after = target.progress.get(source, 0)
-                if entry.endpoint:
-                    direct = None
-                    reply = await self._ask(entry).read(
-                        after, self.config.batch, cvv=target._cvv, filter=state.filter,
-                        or_emitter=self.name if or_here else "",
-                        wait=0.0 if pending is not None else 1.0,
-                    )  # fmt: skip
-                    state.via = "location"
-                    batch = batch_of(source, reply)
-                    dvv = clock_of(reply.dvv, "dvv")
-                    deleted_through, last_seq = reply.deleted_through, reply.last_seq
-                else:
-                    if direct is None:
-                        direct = SourceReader(self._broker(entry.broker), entry.journal)
-                    state.via = "journal"
-                    if direct.last_seq <= after:
-                        await direct.refresh()
-                    keep = _filter(state.filter, self.name if or_here else "")
-                    selected = await select_lines(source, direct, after, target._cvv, keep, self.config.batch)  # fmt: skip
-                    batch = selected or LineBatch(source, b"", after, direct.cvv)
-                    dvv, deleted_through, last_seq = direct.dvv, direct.deleted_through, direct.last_seq  # fmt: skip
-                state.source_last_seq = last_seq
-                if after < deleted_through and not dvv <= target.cvv:
-                    state.enter(
-                        Phase.WAITING,
-                        f"DVV-{source} {dvv} is not <= CVV-{self.name} {target.cvv} "
-                        f"(events {source} deleted are not all here)",
-                    )
-                    await backoff.sleep()
-                    continue
-                state.enter(Phase.REPLICATING)
-                if batch.through_seq > after or batch.data:
-                    # Staged: the next round reads while this one's append commits. Only if
-                    # the progress is still the one it was read from: `recover` of the
-                    # source may have reset it while the read was under way.
-                    written, commit = await target.stage_lines(batch, group=group, after=after)
-                    if pending is not None:
-                        await pending
-                    pending = commit
-                    now = target.progress.get(source, 0)
-                    if now < after:
-                        continue  # Reset: the batch was dropped; read again from `now`.
-                    state.read += now - after
-                    state.written += len(written)
-                    if now == after:
-                        state.enter(
-                            Phase.WAITING,
-                            f"the next event from {source} follows events of "
-                            f"{','.join(sorted(group))} that are not here yet",
-                        )
-                        await backoff.sleep()
-                    else:
-                        backoff.reset()
-                else:
-                    if pending is not None:
-                        await pending
-                        pending = None
-                    elif not entry.endpoint:
-                        await backoff.sleep()  # The source's journal, polled.
-            except AppendError as exc:
-                _raise_if_cancelling(exc)
-                self.writer_failed(exc)
-                return
-            except (
-                LocationError, BrokerUnavailable, ReadError, grpc.aio.AioRpcError,
-                registry.UnknownLocation, ValueError,
-            ) as exc:  # fmt: skip
-                _raise_if_cancelling(exc)
-                # The source unreachable, its journal gone or made anew: read it afresh.
-                direct, entry = None, None
-                state.enter(Phase.RETRYING, error=str(exc).split("\n")[0])
-                await backoff.sleep()
-
     def etcd_client(self) -> aetcd.Client:
         assert self._etcd is not None
         return self._etcd
 
-    def _ask(self, entry: registry.LocationEntry) -> LocationClient:
+    def ask(self, entry: registry.LocationEntry) -> LocationClient:
         client = self._peers.get(entry.endpoint)
         if client is None:
             client = self._peers[entry.endpoint] = LocationClient(entry.name, entry.endpoint)
@@ -703,7 +547,7 @@ class LocationProcess:
             client = self._brokers[address] = JournalsClient(address)
         return client
 
-    def _broker(self, address: str) -> Any:
+    def broker(self, address: str) -> Any:
         stub = self._journals(address).stub
         return lambda: stub
 
@@ -785,7 +629,7 @@ class LocationProcess:
         after = request.after
         limit = min(request.limit or 1000, MAX_READ_EVENTS)
         cvv = clock_of(request.cvv, "cvv").to_json()
-        keep = _filter(request.filter, request.or_emitter)
+        keep = event_filter(request.filter, request.or_emitter)
         wait = min(max(request.wait, 0.0), 10.0)
         reader = self._reader
         async with self._reader_lock:
@@ -891,13 +735,13 @@ class LocationProcess:
 
     async def _follow_topology(self) -> None:
         """Read etcd's topology history when the process starts and whenever its head moves
-        (polled every _RETRY seconds), and record what the log lacks; a round that fails (etcd
+        (polled every RETRY seconds), and record what the log lacks; a round that fails (etcd
         away, this location may not emit yet) is tried again after the one backoff."""
         assert self.log is not None
         etcd = self.etcd_client()
         head = commands.head_key(self.config.prefix)
         synced = -1  # The head's mod revision as of the last round that recorded everything.
-        backoff = Backoff(initial=_RETRY, maximum=5.0)
+        backoff = Backoff(initial=RETRY, maximum=5.0)
         while True:
             try:
                 current, _ = await etcdx.get_current(etcd, [head])
@@ -905,7 +749,7 @@ class LocationProcess:
                     await self._sync_topology()
                     synced = current[0].mod_revision
                 backoff.reset()
-                await asyncio.sleep(_RETRY)  # Its head, polled.
+                await asyncio.sleep(RETRY)  # Its head, polled.
             except (RuleViolation, ValueError, aetcd.exceptions.ClientError, AppendError, LocationError) as exc:  # fmt: skip
                 log.info("%s: recording etcd's topology history: %s", self.name, str(exc).split("\n")[0])  # fmt: skip
                 await backoff.sleep()
@@ -915,7 +759,7 @@ class LocationProcess:
         a rule that needs them cannot be checked without)."""
         if not entry.endpoint:
             raise LocationError(entry.name, grpc.StatusCode.UNAVAILABLE, "no process serves it")
-        status = await self._ask(entry).status(timeout=timeout)
+        status = await self.ask(entry).status(timeout=timeout)
         return _Neighbour(entry, clock_of(status.cvv, "cvv"), clock_of(status.dvv, "dvv"), status)
 
     async def _vectors_of(self, *names: str) -> list[_Neighbour]:
@@ -1037,7 +881,7 @@ class LocationProcess:
             if (self.name, other.name) in topology_of_status(other.status).ever:
                 readers.setdefault(other.name, other)
         for n in readers.values():
-            await self._ask(n.entry).reset_progress(self.name, survivors)
+            await self.ask(n.entry).reset_progress(self.name, survivors)
         terminal = len(neighbours) == 1
         self._recovered_neighbours = {n.name for n, _ in neighbours}
         skipped = []
@@ -1047,7 +891,7 @@ class LocationProcess:
             if inbound is None:
                 continue
             self._adopted[n.name] = inbound
-            self._adopted_guards[n.name] = view.guard_for(n.name, self.name)
+            self.adopted_guards[n.name] = view.guard_for(n.name, self.name)
             if (inbound == "" and outbound == "") or terminal:
                 # Event recovery from n: the connection reads from its progress; this location
                 # emits nothing until it has read through n's last event of now.
@@ -1092,15 +936,3 @@ def _json_object(data: bytes, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{what}: expected a JSON object")
     return value
-
-
-def _filter(text: str, or_emitter: str) -> EventFilter | None:
-    """A connection's filter: system events always pass; with `or_emitter`, so do events that
-    location emitted (event recovery of a terminal location over a filtered connection)."""
-    keep = parse_filter(text)
-    if keep is None:
-        return None
-    if or_emitter:
-        inner = keep
-        keep = lambda e: e.emitter == or_emitter or inner(e)  # noqa: E731
-    return passes(keep)

@@ -13,7 +13,8 @@ import pytest
 from aetcd import exceptions as etcd_errors
 
 from replication import location_pb2 as lpb
-from replication.process import ConnectionState, LocationConfig, LocationProcess, Phase
+from replication.connections import ConnectionState, Phase
+from replication.process import LocationConfig, LocationProcess
 from replication.service import LocationService
 
 

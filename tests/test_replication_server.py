@@ -79,7 +79,7 @@ def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_
                                   prefix=etcd_prefix + "/replication", lease=2)  # fmt: skip
 
         async with serving(config("A")) as a, serving(config("B")) as b:
-            ask = b._ask
+            ask = b.ask
             wrapped: dict[str, EndsAsAnErrorWhenCancelled] = {}
 
             def patched(entry: Any) -> Any:
@@ -87,7 +87,7 @@ def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_
                     wrapped[entry.endpoint] = EndsAsAnErrorWhenCancelled(ask(entry))
                 return wrapped[entry.endpoint]
 
-            b._ask = patched  # type: ignore[method-assign]
+            b.ask = patched  # type: ignore[method-assign]
             for server in (b, a):
                 await record(server, Connected("A", "B"))
             await emit(a, {"n": 1})
