@@ -28,8 +28,9 @@ from broker.testing import stop_process as stop_process
 # Helper modules whose asserts are the tests' own: rewritten as test modules are, so that a
 # failure says what differed rather than a bare AssertionError.
 pytest.register_assert_rewrite(
+    "tests.helpers",
     *(f"tests.{path.stem}" for path in Path(__file__).parent.glob("*.py")
-      if not path.stem.startswith(("test_", "conftest", "__")))
+      if not path.stem.startswith(("test_", "conftest", "__"))),
 )  # fmt: skip
 
 # Hypothesis's per-example deadline is a wall-clock assertion, and tests never assert speed: on a

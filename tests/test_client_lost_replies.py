@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aetcd
 import pytest
@@ -23,6 +22,7 @@ from broker.client.reader import write_head
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from gazctl.fragments import _suspend_one
+from tests.helpers.waiting import until
 from tests.journals_testing import journal_spec, set_journal, started_brokers
 from tests.tcp_proxy import TcpProxy, host_port
 from tests.test_append_e2e import read_all
@@ -51,14 +51,6 @@ async def dialer() -> AsyncIterator[Dialer]:
         yield dialer
     finally:
         await dialer.close()
-
-
-async def until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
-    """Until `condition()` holds (polled: the state lives in another component)."""
-    deadline = time.monotonic() + timeout
-    while not await condition():  # type: ignore[misc]
-        assert time.monotonic() < deadline, f"not {what} after {timeout}s"
-        await asyncio.sleep(0.02)
 
 
 async def spec_of(etcd: aetcd.Client, root: str, journal: str) -> pb.JournalSpec:

@@ -33,7 +33,8 @@ from consumer import runtime
 from consumer.protocol import cpb
 from consumer.runtime import Consumer, ConsumerConfig
 from tests.consumer_testing import INPUT
-from tests.test_consumer_runtime import RecordedSummer, shard_stub, until
+from tests.helpers.waiting import until
+from tests.test_consumer_runtime import RecordedSummer, shard_stub
 from tests.test_transactions import publish_inputs, write_head
 
 SHARD = "sum-r"
@@ -145,7 +146,7 @@ async def wait_settled(shards: Any, who: str, timeout: float = 60.0) -> int:
         code = await settled(shards, who)
         return code != -1
 
-    await until(done, timeout)
+    await until(done, f"{who} settled", timeout=timeout)
     return code
 
 

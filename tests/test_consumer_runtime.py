@@ -26,6 +26,7 @@ from consumer.runtime import Consumer, ConsumerConfig
 from consumer.store import JSONFileStore
 from consumer.transaction import Shard
 from tests.consumer_testing import INPUT
+from tests.helpers.waiting import until
 from tests.test_transactions import Summer, committed_outputs, publish_inputs, write_head
 
 
@@ -77,12 +78,6 @@ async def statuses(shards: Any) -> list[tuple[str, int]]:
             slot = "primary" if shard.route.members[shard.route.primary] == member else "standby"
             out.append((f"{member.suffix}:{slot}", status.code))
     return sorted(out)
-
-
-async def until(predicate: Any, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await predicate():
-            await asyncio.sleep(0.05)
 
 
 async def test_shards_run_with_a_standby_and_hand_off_on_exit(
@@ -363,7 +358,7 @@ async def test_a_brief_etcd_error_writing_a_status_is_retried(
         )  # fmt: skip
         await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
         want = cpb.ReplicaStatus.PRIMARY if app_kind == "healthy" else cpb.ReplicaStatus.FAILED
-        await until(lambda: _equals(statuses(shards), [("consumer-0:primary", want)]), 20)
+        await until(lambda: _equals(statuses(shards), [("consumer-0:primary", want)]), timeout=20)
         assert failures["left"] == 0
         if app_kind == "failing":
             listed = await shards.List(cpb.ListRequest())

@@ -23,6 +23,7 @@ from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.read_api import serve_read
 from broker.testing import BrokerHarness, EtcdServer
+from tests.helpers.waiting import until
 from tests.journals_testing import journal_spec, set_journal, started_brokers
 
 FRAGMENT_NAME = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{16}-[0-9a-f]{40}")
@@ -52,12 +53,6 @@ async def read_all(h: BrokerHarness, journal: str) -> bytes:
         assert r.status == pb.OK, r
         out += r.content
     return bytes(out)
-
-
-async def until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 # ---- 1. blocked reads after a route change ----------------------------------------------------

@@ -28,6 +28,7 @@ from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.consumer_testing import INPUT
 from tests.consumer_testing import spec as journal_spec
+from tests.helpers.waiting import until
 from tests.recoverylog_testing import new_log
 from tests.test_consumer_runtime import (
     RecordedSummer,
@@ -35,7 +36,6 @@ from tests.test_consumer_runtime import (
     _equals,
     shard_stub,
     statuses,
-    until,
 )
 from tests.test_persistence import routed
 from tests.test_transactions import publish_inputs

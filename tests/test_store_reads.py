@@ -13,7 +13,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from pathlib import Path
 
 import grpc
@@ -30,6 +30,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
 from tests.conftest import start_broker_process
+from tests.helpers.waiting import until
 from tests.test_persistence import routed
 
 STORE = "file:///fragments/"
@@ -246,12 +247,6 @@ class Recorded:
         finally:
             self.closed_on = threading.get_ident()
             self.events.append("closed")
-
-
-async def until(condition: Callable[[], bool], within: float = 10.0) -> None:
-    async with asyncio.timeout(within):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def test_stream_blocks_hands_over_blocks_then_the_generators_error() -> None:
