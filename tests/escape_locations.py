@@ -47,8 +47,8 @@ from replication import location_pb2 as lpb
 from replication import location_pb2_grpc as lpb_grpc
 from replication import registry
 from replication.journals import location_journal, location_journal_spec
+from tests.helpers.tenancy import KEYS, md
 from tests.helpers.waiting import until
-from tests.test_tenancy import KEYS, md
 
 __all__ = [
     "location_network",

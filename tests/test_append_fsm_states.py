@@ -20,7 +20,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.service import JournalService
 from broker.testing import BrokerHarness, EtcdServer
 from plumbing import etcd as etcdx
-from tests.journals_testing import journal_spec, set_journal, started_brokers
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
 
 PRIMARY = "broker-a"
 PEER = "scripted"

@@ -20,9 +20,8 @@ from broker.client.appender import AppendError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.loop_testing import StallProbe
-from tests.test_append_e2e import read_all
+from tests.helpers.journals import journal_spec, read_all, set_journal, started_brokers
+from tests.helpers.loop import StallProbe
 
 IDS = ["broker-a", "broker-b"]
 

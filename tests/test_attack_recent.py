@@ -25,10 +25,9 @@ import pytest
 from broker.testing import EtcdServer, start_broker_process, stop_process
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess, run_cli
+from tests.helpers.dev import append_held
+from tests.helpers.locations import LocationProcesses, _all_events
 from tests.helpers.waiting import until_blocking
-from tests.replication_testing import LocationProcesses
-from tests.test_exit_flush_lost_store import append_held
-from tests.test_replication_locations import _all_events
 
 
 def test_recover_of_a_location_that_lost_nothing_skips_its_neighbours_unread_events(
@@ -127,7 +126,7 @@ def test_delete_after_recover_does_not_ask_a_location_no_longer_connected(
     """A recovers from B (A <-> B); later A and B are disconnected and B stops. A has no
     neighbour: deleting its first event needs nobody's CVV. Recover's set of neighbours is
     never dropped, though, so delete still asks B and refuses naming it."""
-    from tests.test_replication_locations import _lose_log, ids
+    from tests.helpers.locations import _lose_log, ids
 
     asyncio.run(apply_location_journals(location_broker.address, "A", "B"))
     for name in "AB":

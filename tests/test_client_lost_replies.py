@@ -22,10 +22,9 @@ from broker.client.reader import write_head
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from gazctl.fragments import _suspend_one
+from tests.helpers.journals import journal_spec, read_all, set_journal, started_brokers
+from tests.helpers.tcp_proxy import TcpProxy, host_port
 from tests.helpers.waiting import until
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.tcp_proxy import TcpProxy, host_port
-from tests.test_append_e2e import read_all
 
 IDS = ["broker-r"]
 

@@ -32,10 +32,8 @@ from broker.testing import BrokerHarness, EtcdServer
 from consumer import runtime
 from consumer.protocol import cpb
 from consumer.runtime import Consumer, ConsumerConfig
-from tests.consumer_testing import INPUT
+from tests.helpers.consumers import INPUT, RecordedSummer, publish_inputs, shard_stub, write_head
 from tests.helpers.waiting import until
-from tests.test_consumer_runtime import RecordedSummer, shard_stub
-from tests.test_transactions import publish_inputs, write_head
 
 SHARD = "sum-r"
 
@@ -92,8 +90,8 @@ class KillAtHintsRead:
 async def recovery_log(sums_broker: BrokerHarness) -> AsyncIterator[str]:
     """A recovery log journal for the shard, on the brokers."""
     from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
-    from tests.consumer_testing import spec as journal_spec
-    from tests.test_persistence import routed
+    from tests.helpers.consumers import spec as journal_spec
+    from tests.helpers.journals import routed
 
     name = f"recovery/{uuid.uuid4().hex[:12]}/{SHARD}"
     async with sums_broker.client() as client:

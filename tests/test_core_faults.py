@@ -23,8 +23,8 @@ from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.read_api import serve_read
 from broker.testing import BrokerHarness, EtcdServer
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
 from tests.helpers.waiting import until
-from tests.journals_testing import journal_spec, set_journal, started_brokers
 
 FRAGMENT_NAME = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{16}-[0-9a-f]{40}")
 

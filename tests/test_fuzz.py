@@ -70,9 +70,9 @@ from broker.testing import EtcdServer, stop_process
 from gazctl.spark.journals import listed_fragments
 from spec import decode_tree, flatten
 from tests.conftest import BrokerProcess, start_broker_process
-from tests.journals_testing import set_journal
-from tests.mutations import mutated_bytes, mutated_text, mutated_yaml
-from tests.test_gazctl_journals import assert_one_line_error, gazctl
+from tests.helpers.gazctl import assert_one_line_error, gazctl
+from tests.helpers.journals import set_journal
+from tests.helpers.mutations import mutated_bytes, mutated_text, mutated_yaml
 
 RPC_TESTS = 14  # Seven methods, as messages and as raw bytes.
 INPUTS = int(os.environ.get("GAZETTE_FUZZ_INPUTS", "350"))

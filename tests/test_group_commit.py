@@ -18,9 +18,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.testing import BrokerHarness
 from plumbing import metrics
+from tests.helpers.journals import IDS, journal_spec, read_all, set_journal, started_brokers, stub
 from tests.helpers.waiting import until
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_append_e2e import IDS, read_all, stub
 
 
 def commits() -> float:

@@ -32,9 +32,8 @@ from consumer.recoverylog.recorder import Recorder
 from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.conftest import run_cli
-from tests.journals_testing import started_brokers
-from tests.test_consumer_runtime import StoredSummer
-from tests.test_persistence import routed
+from tests.helpers.consumers import StoredSummer
+from tests.helpers.journals import routed, started_brokers
 
 LOG = "recovery/logs/shard-p"
 

@@ -13,18 +13,8 @@ from typing import Any
 from broker.testing import EtcdServer
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess
+from tests.helpers.locations import LocationProcesses, refused
 from tests.helpers.waiting import until_blocking
-from tests.replication_testing import LocationProcesses
-
-
-def refused(locations: LocationProcesses, *args: str) -> str:
-    """The one line of a refused command (exit 1, no traceback)."""
-    result = locations.gazctl(*args)
-    assert result.code == 1, (args, result.out, result.err)
-    assert "Traceback" not in result.err
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err
-    return lines[0]
 
 
 def history(locations: LocationProcesses, name: str) -> list[Any]:

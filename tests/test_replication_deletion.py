@@ -17,9 +17,8 @@ from broker.testing import EtcdServer
 from replication import registry
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess
+from tests.helpers.locations import LocationProcesses, refused
 from tests.helpers.waiting import until_blocking
-from tests.replication_testing import LocationProcesses
-from tests.test_replication_locations import refused
 
 
 def test_a_deletion_whose_neighbour_cannot_answer_is_refused_at_once_naming_it(

@@ -16,9 +16,8 @@ from broker.protocol import protocol_pb2 as pb
 from replication.journals import apply_location_journals
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess
+from tests.helpers.locations import LocationProcesses, assert_causal_order, ids, refused
 from tests.helpers.waiting import until_blocking
-from tests.replication_testing import LocationProcesses
-from tests.test_replication_locations import assert_causal_order, ids, refused
 
 
 def payloads(events: list[dict[str, object]]) -> list[object]:

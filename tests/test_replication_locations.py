@@ -7,7 +7,6 @@ whose process is down from its journal, and a zombie writer is fenced out."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
@@ -27,35 +26,15 @@ from replication.registry import endpoint_key
 from replication.rpc import LocationClient, LocationError, clock_message
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess, start_broker_process
+from tests.helpers.locations import (
+    LocationProcesses,
+    _all_events,
+    _lose_log,
+    assert_causal_order,
+    ids,
+    refused,
+)
 from tests.helpers.waiting import until_blocking
-from tests.replication_testing import LocationProcesses
-
-
-def ids(events: list[dict[str, Any]], *, system: bool = False) -> list[tuple[str, int]]:
-    """The ids (emitter, its own time) of the events, application events only by default."""
-    return [
-        (e["emitter"], e["ts"][e["emitter"]])
-        for e in events
-        if system or "system" not in e["payload"]
-    ]
-
-
-def assert_causal_order(events: list[dict[str, Any]]) -> None:
-    """No event is stored before one in its causal past, and none twice."""
-    clocks = [VectorClock.from_json(e["ts"]) for e in events]
-    for (i, x), (j, y) in itertools.combinations(enumerate(clocks), 2):
-        assert not y < x, (events[i], events[j])
-    assert len(set(ids(events, system=True))) == len(events)
-
-
-def refused(locations: LocationProcesses, *args: str) -> str:
-    """The one line of a refused command (exit 1, no traceback)."""
-    result = locations.gazctl(*args)
-    assert result.code == 1, (args, result.out, result.err)
-    assert "Traceback" not in result.err
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err
-    return lines[0]
 
 
 def clock_after_recovery(locations: LocationProcesses, name: str, seen: int) -> int:
@@ -232,17 +211,6 @@ def test_a_second_process_of_a_location_fences_the_first(
     assert locations.procs["A1"].wait(timeout=15) == 1
     assert "fenced out" in locations.log("A1")
     assert [e["payload"]["num"] for e in locations.events("A")] == [1, 2]
-
-
-async def _lose_log(broker: str, name: str) -> None:
-    """A disaster: the location's journal is deleted, with all its content, and made anew."""
-    from broker.client import JournalsClient
-    from broker.protocol import protocol_pb2 as pb
-
-    async with JournalsClient(broker) as client:
-        await client.apply([pb.ApplyRequest.Change(delete=f"replication/{name}", expect_mod_revision=-1)])  # fmt: skip
-    await asyncio.sleep(0.5)  # The replica goes, and its spool with it.
-    await apply_location_journals(broker, name)
 
 
 def test_a_location_that_lost_its_log_recovers_it(
@@ -684,18 +652,6 @@ def test_a_recovering_hub_guards_its_terminal_neighbours_events_before_its_view_
     lacking = sorted(set(range(count + 1)) - held)
     assert not lacking, f"C lacks {len(lacking)} of A's events: {lacking[:5]} ..."
     assert_causal_order(events)
-
-
-def _all_events(locations: LocationProcesses, name: str) -> list[dict[str, Any]]:
-    """Every event of a location's log, read page by page."""
-    out: list[dict[str, Any]] = []
-    after = 0
-    while True:
-        reply = locations.ask(name, lambda c, a=after: c.read(a, 1000))  # type: ignore[misc]
-        out += [json.loads(line) for line in reply.records.decode().splitlines()]
-        if reply.through <= after or reply.through >= reply.last_seq:
-            return out
-        after = reply.through
 
 
 class _NewLogSource(lpb_grpc.LocationServicer):  # type: ignore[misc]

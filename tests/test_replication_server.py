@@ -5,9 +5,7 @@ as the connection is cancelled."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -20,21 +18,7 @@ from replication.rpc import change_message
 from replication.server import LocationConfig, LocationServer
 from replication.topology import Connected, Disconnected
 from tests.conftest import BrokerProcess
-
-
-@contextlib.asynccontextmanager
-async def serving(config: LocationConfig) -> AsyncIterator[LocationServer]:
-    server = LocationServer(config)
-    stop, ready = asyncio.Event(), asyncio.Event()
-    async with asyncio.TaskGroup() as tasks:
-        task = tasks.create_task(server.run(stop, ready))
-        waiting = asyncio.ensure_future(ready.wait())
-        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-        waiting.cancel()
-        try:
-            yield server
-        finally:
-            stop.set()
+from tests.helpers.locations import serving
 
 
 class EndsAsAnErrorWhenCancelled:

@@ -30,8 +30,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
 from tests.conftest import start_broker_process
+from tests.helpers.journals import routed
 from tests.helpers.waiting import until
-from tests.test_persistence import routed
 
 STORE = "file:///fragments/"
 HISTORY = "store-reads/history"

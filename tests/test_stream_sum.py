@@ -16,6 +16,7 @@ import pytest
 from broker.testing import stop_process
 from consumer.testing import ConsumerProcesses, ConsumerProcessesFactory
 from tests.conftest import BrokerProcess
+from tests.helpers.consumers import primaries
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
 
@@ -121,11 +122,6 @@ def test_a_consumer_given_bad_flags_says_so_in_one_line(
     lines = [line for line in lines if line not in waited]
     assert len(lines) == 1 and words in lines[0], r.stderr
     assert "Traceback" not in r.stderr
-
-
-def primaries(summers: ConsumerProcesses, alive: list[str]) -> set[str]:
-    """The processes hosting a shard's primary, as a live summer lists them."""
-    return summers.primaries()
 
 
 @pytest.mark.slow

@@ -214,7 +214,7 @@ def test_counts_on_recorded_sqlite_survive_a_kill_through_a_hot_standby(
     for prefix in ("the", "fox", "dog"):
         wait_counts(b, prefix, expected)
     time.sleep(1.0)  # The standbys tail their logs.
-    from tests.test_stream_sum import primaries
+    from tests.helpers.consumers import primaries
 
     assert "sqlite-counter-a" in primaries(group, ids), "a hosts no primary to take over"
     group.kill("sqlite-counter-a")
@@ -279,7 +279,7 @@ def test_gazctl_reaches_any_live_consumer_and_marks_a_dead_primary(
     env = {"CONSUMER_ADDRESS": f"{a},{b}", "BROKER_ADDRESS": broker_process.address}
     listed = run_cli("gazctl", "shards", "list", "-p", "--lag", env=env)
     assert listed.code == 0 and listed.out.count(":PRIMARY") == 4, listed.err
-    from tests.test_stream_sum import primaries
+    from tests.helpers.consumers import primaries
 
     assert ids[0] in primaries(group, ids), "counter-a hosts no primary"
 

@@ -31,7 +31,7 @@ from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Sequencer
 from message.types import DictMessages
 from tests.conftest import BrokerProcess
-from tests.consumer_testing import ConsumerProcesses
+from tests.helpers.consumers import ConsumerProcesses
 
 SHARD = "stream-sum-zombie"
 
