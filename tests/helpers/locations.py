@@ -33,6 +33,7 @@ from replication.server import LocationConfig, LocationServer
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
 from tests.helpers.journals import routed
+from tests.helpers.waiting import until_blocking
 
 T = TypeVar("T")
 
@@ -107,13 +108,16 @@ class LocationProcesses:
 
     def wait_ready(self, name: str, before: int = 0) -> None:
         """Until the process announces it serves (a start after `before` announcements)."""
-        deadline = time.monotonic() + 30
-        while self.log(name).count("serving at") <= before:
+
+        def announced() -> bool:
+            if self.log(name).count("serving at") > before:
+                return True
             proc = self.procs[name]
             if proc.poll() is not None:
                 raise RuntimeError(f"location {name} exited {proc.returncode}: {self.log(name)[-2000:]}")  # fmt: skip
-            assert time.monotonic() < deadline, f"location {name} did not become ready"
-            time.sleep(0.05)
+            return False
+
+        until_blocking(announced, f"location {name} ready", interval=0.05)
 
     def kill(self, name: str) -> None:
         os.kill(self.procs[name].pid, signal.SIGKILL)
@@ -156,16 +160,6 @@ class LocationProcesses:
         """`gazctl replication events NAME`'s lines, read in this process."""
         reply = self.ask(name, lambda c: c.read(0, 1000))
         return [json.loads(line) for line in reply.records.decode().splitlines()]
-
-    def wait_for(self, name: str, count: int, timeout: float = 30) -> list[dict[str, Any]]:
-        """The events of `name` once it holds `count`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            events = self.events(name)
-            if len(events) >= count:
-                return events
-            assert time.monotonic() < deadline, f"{name} holds {len(events)} events, not {count}"
-            time.sleep(0.1)
 
 
 @pytest.fixture
