@@ -138,7 +138,7 @@ def test_delete_after_recover_does_not_ask_a_location_no_longer_connected(
     until_blocking(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
     before = set(ids(locations.events("B")))
     locations.stop("A")
-    asyncio.run(_lose_log(location_broker.address, "A"))
+    asyncio.run(_lose_log(location_broker, "A"))
     locations.start("A", location_broker.address)
     until_blocking(lambda: locations.status("A")["lost"] != "", "A notices its loss")
     locations.ok("recover", "A")

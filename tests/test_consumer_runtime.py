@@ -272,7 +272,9 @@ async def test_primary_is_advertised_only_once_its_store_is_fenced_and_restored(
         await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
         async with asyncio.timeout(30):
             await app.restoring.wait()
-        await asyncio.sleep(0.3)  # Time for a status write, were one coming.
+        # Nothing to wait for: the test holds that no PRIMARY status is written while the store
+        # restores, so it gives one time to be written, were one coming.
+        await asyncio.sleep(0.3)
         assert await statuses(shards) != [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
         app.let_go.set()
         await until(
@@ -605,7 +607,13 @@ async def test_no_replica_starts_once_a_stopping_process_closed_its_shards(
             return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.IDLE)]
 
         await until(assigned)
-        await asyncio.sleep(0.5)  # The reconcile loop has seen the assignment.
+
+        def reconciled() -> bool:
+            # The keyspace holds the assignment (its update set `_changed`), and the reconcile
+            # loop has taken that change (it clears `_changed` as it reconciles).
+            return "summer-0" in consumer._local_assignments() and not consumer._changed.is_set()
+
+        await until(reconciled, "the reconcile loop has seen the assignment")
         await channel.close()
         assert consumer.failure is None and not consumer.done.is_set()
         assert consumer.replicas == {}

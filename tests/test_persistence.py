@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from broker.client import JournalsClient
 from broker.client.appender import AppendError, append, reset_head
@@ -24,6 +25,7 @@ from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_processes
+from plumbing import metrics
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.helpers.journals import routed, started_brokers
 from tests.helpers.persistence import (
@@ -34,6 +36,7 @@ from tests.helpers.persistence import (
     read_from_store,
     spec,
 )
+from tests.helpers.waiting import until
 
 # ---- durability across every broker dying -----------------------------------------------------
 
@@ -229,13 +232,20 @@ async def test_persisting_retries_through_a_store_outage(
             await persisted_through(stub, head)
 
             # The store goes away: appends go on, and what completes waits to be persisted.
+            failed_puts = {"store": metrics.store_label("file:///fragments/"), "operation": "put",
+                           "status": "error"}  # fmt: skip
+            failed_before = REGISTRY.get_sample_value("gazette_store_operation_total", failed_puts)
             (root / "fragments").rename(root / "away")
             second = payloads(4, seed=6)
             for content in second:
                 await append_routed(stub, JOURNAL, content)
             await append_routed(stub, JOURNAL, b"")
             end = head + sum(len(c) for c in second)
-            await asyncio.sleep(1.5)  # Some attempts fail meanwhile.
+            await until(
+                lambda: (REGISTRY.get_sample_value("gazette_store_operation_total", failed_puts)
+                         or 0) > (failed_before or 0),
+                "a persist attempt failed",
+            )  # fmt: skip
             response = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
             assert any(not f.spec.backing_store and f.spec.end > head for f in response.fragments)
 

@@ -16,6 +16,8 @@ from typing import Any
 import aetcd
 import grpc
 
+from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
 from replication import location_pb2 as lpb
 from replication import location_pb2_grpc as lpb_grpc
@@ -230,7 +232,7 @@ def test_a_location_that_lost_its_log_recovers_it(
     time_seen = locations.status("B")["cvv"]["A"]
 
     locations.stop("A")
-    asyncio.run(_lose_log(location_broker.address, "A"))
+    asyncio.run(_lose_log(location_broker, "A"))
     locations.start("A", location_broker.address)
     # A knows it lost events (B has seen more of it), and refuses to emit until recovered.
     until_blocking(lambda: locations.status("A")["lost"] != "", "A notices its loss")
@@ -264,7 +266,7 @@ def test_recovery_waits_for_every_location_that_may_hold_its_events(
     seen_by_c = locations.status("C")["cvv"]["A"]
     assert locations.status("B")["cvv"]["A"] < seen_by_c
     locations.stop("A")
-    asyncio.run(_lose_log(location_broker.address, "A"))
+    asyncio.run(_lose_log(location_broker, "A"))
     locations.start("A", location_broker.address)
     locations.stop("C")
     line = refused(locations, "recover", "A")
@@ -292,7 +294,7 @@ def test_a_location_emits_only_once_every_location_answered_since_it_started(
     seen_by_c = locations.status("C")["cvv"]["A"]
     locations.stop("C")
     locations.stop("A")
-    asyncio.run(_lose_log(location_broker.address, "A"))
+    asyncio.run(_lose_log(location_broker, "A"))
     locations.start("A", location_broker.address)
     line = refused(locations, "emit", "A", '{"num": 3}')
     assert "location A has not heard from C since it started" in line
@@ -341,7 +343,7 @@ def test_recovery_resets_progress_wherever_the_location_was_replicated_to(
     until_blocking(lambda: len(ids(locations.events("C"))) == 2, "C holds A's events")
     locations.ok("disconnect", "A", "B")
     locations.stop("A")
-    asyncio.run(_lose_log(location_broker.address, "A"))
+    asyncio.run(_lose_log(location_broker, "A"))
     locations.start("A", location_broker.address)
     until_blocking(lambda: locations.status("A")["lost"] != "", "A learns it lost events")
     locations.ok("recover", "A")
@@ -480,7 +482,15 @@ def test_deleted_events_are_removed_from_the_store_and_the_log_still_opens(
             if not f.name.startswith(".")
         ]  # Not the health probe.
         assert stored and all(int(f.name.split("-")[0], 16) > 0 for f in stored)  # Offset 0 gone.
-        time.sleep(1.5)  # The broker lists its store again.
+
+        def lists_offset_zero() -> bool:
+            with grpc.insecure_channel(broker.address.removeprefix("http://")) as channel:
+                stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+                listed = stub.ListFragments(pb.FragmentsRequest(journal="replication/A"), timeout=10)  # fmt: skip
+            return any(f.spec.backing_store and f.spec.begin == 0 for f in listed.fragments)
+
+        # The broker lists its store again: its index no longer holds what was pruned.
+        until_blocking(lambda: not lists_offset_zero(), "the broker listed its store again")
 
         locations.kill("A")
         locations.start("A", broker.address)
@@ -538,7 +548,7 @@ def test_a_terminal_location_recovers_its_own_events_over_a_filtered_connection(
     until_blocking(lambda: len(ids(locations.events("D"))) == 3, "D holds A's red event")
     before = sorted(ids(locations.events("D")))
     locations.stop("D")
-    asyncio.run(_lose_log(location_broker.address, "D"))
+    asyncio.run(_lose_log(location_broker, "D"))
     locations.start("D", location_broker.address)
     out = locations.ok("recover", "D")
     assert "not from" not in out  # A terminal location recovers over its filtered connection.
@@ -633,7 +643,7 @@ def test_a_recovering_hub_guards_its_terminal_neighbours_events_before_its_view_
     until_blocking(lambda: len(ids(locations.events("D"))) == 1, "D holds A's red event")
     until_blocking(lambda: locations.status("C")["last_seq"] > count, "C holds A's events")
     locations.stop("C")
-    asyncio.run(_lose_log(location_broker.address, "C"))
+    asyncio.run(_lose_log(location_broker, "C"))
     locations.start("C", location_broker.address)
     until_blocking(lambda: locations.status("C")["lost"] != "", "C learns it lost events")
     locations.ok("recover", "C")
@@ -768,7 +778,7 @@ def test_a_hub_recovers_the_events_its_terminal_neighbour_emitted_while_it_was_d
     until_blocking(lambda: len(ids(locations.events("A"))) == 2, "A holds D's first event")
     until_blocking(lambda: len(ids(locations.events("D"))) == 2, "D holds A's red event")
     locations.stop("C")
-    asyncio.run(_lose_log(location_broker.address, "C"))
+    asyncio.run(_lose_log(location_broker, "C"))
     locations.ok("emit", "D", '{"kind": "blue", "n": 2}', '{"kind": "blue", "n": 3}')
     locations.start("C", location_broker.address)
     until_blocking(lambda: locations.status("C")["lost"] != "", "C learns it lost events")

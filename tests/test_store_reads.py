@@ -265,7 +265,7 @@ async def test_stream_blocks_reads_ahead_by_depth_and_closes_the_generator_when_
     assert [await anext(blocks), await anext(blocks)] == [b"0", b"1"]
     # Two consumed, three queued, one waiting for room: and no more.
     await until(lambda: source.produced == 6)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # A hold: no seventh is produced meanwhile.
     assert source.produced == 6
     await blocks.aclose()
     assert source.events == ["closed"]

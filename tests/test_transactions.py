@@ -34,6 +34,7 @@ from tests.helpers.consumers import (
     publish_inputs,
     write_head,
 )
+from tests.helpers.waiting import until
 
 
 def shard_spec(**fields: Any) -> cpb.ShardSpec:
@@ -157,13 +158,15 @@ async def test_a_fenced_out_instance_fails_and_commits_nothing(
 
 
 class SlowStore(JSONFileStore):
-    """A store whose commits take a while on their thread, saying when one began."""
+    """A store whose commits take a while on their thread, saying when one began and when it
+    is done."""
 
     def __init__(self, root: Path, shard_id: str) -> None:
         super().__init__(root, shard_id)
         import threading
 
         self.began = threading.Event()
+        self.done = threading.Event()
 
     def _commit(self, fence: int, checkpoint: bytes, state_text: str) -> None:
         import time
@@ -171,6 +174,7 @@ class SlowStore(JSONFileStore):
         self.began.set()
         time.sleep(0.3)
         super()._commit(fence, checkpoint, state_text)
+        self.done.set()
 
 
 async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
@@ -186,13 +190,11 @@ async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
     async with AppendService(stub) as service:
         shard = Shard(shard_spec(), service, Publisher(service, DictMessages(), JSONLines()))
         task = asyncio.create_task(run_shard(shard, Summer(), store, [source()], lambda: stub))
-        async with asyncio.timeout(30):
-            while not store.began.is_set():
-                await asyncio.sleep(0.001)
+        await until(store.began.is_set, "the store began a commit", interval=0.001)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await asyncio.sleep(0.5)  # The commit's thread finishes it.
+    await until(store.done.is_set, "the commit's thread finished it")
     committed = JSONFileStore(tmp_path, "summer-0")
     checkpoint = await committed.restore_checkpoint()
     assert checkpoint.ack_intents, "the cut-short commit is durable, with its intents"

@@ -246,3 +246,26 @@ class WordTotals:
         self, shard: Shard, store: JSONFileStore, publisher: Publisher[Any]
     ) -> None:
         return None
+
+
+def standbys_tail(group: ConsumerProcesses, shards: int) -> bool:
+    """Whether each of the `shards` shards has a hot standby tailing its recovery log (a replica
+    whose status is STANDBY, which a standby reports once it tails), as the first running process
+    that answers lists them."""
+    for consumer_id in group.running():
+        target = f"127.0.0.1:{group.ports[consumer_id]}"
+        try:
+            with (
+                grpc.secure_channel(target, group.tls)
+                if group.tls
+                else grpc.insecure_channel(target)
+            ) as channel:
+                stub = cpb_grpc.ShardStub(channel)  # type: ignore[no-untyped-call]
+                listed = stub.List(cpb.ListRequest(), timeout=2, metadata=group.metadata)
+        except grpc.RpcError:
+            continue
+        return len(listed.shards) == shards and all(
+            any(s.code == cpb.ReplicaStatus.STANDBY for s in shard.status)
+            for shard in listed.shards
+        )
+    return False

@@ -21,6 +21,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, start_broker_process, stop_process
+from tests.helpers.waiting import until
 
 STORE = "file:///fragments/"
 
@@ -154,7 +155,10 @@ def history(cluster: Cluster) -> History:
         await journals.append("frag/a", parts[0])
         await journals.append("frag/a", parts[1])
         await journals.persisted("frag/a", 1)
-        await asyncio.sleep(1.1)  # B is persisted at a later second than A.
+        # B is persisted at a later second than A: once the clock is past A's (as the store
+        # dates it).
+        a_second = max(f.mod_time for f in open_store(STORE, file_root=cluster.root).list_fragments("frag/a"))  # fmt: skip
+        await until(lambda: time.time() >= a_second + 1, "the clock past A's second")
         await journals.append("frag/a", parts[2])
         await journals.persisted("frag/a", 2)
         await journals.append("frag/b", b"bbb\n")

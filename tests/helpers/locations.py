@@ -33,7 +33,7 @@ from replication.server import LocationConfig, LocationServer
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
 from tests.helpers.journals import routed
-from tests.helpers.waiting import until_blocking
+from tests.helpers.waiting import until, until_blocking
 
 T = TypeVar("T")
 
@@ -210,15 +210,21 @@ def refused(locations: LocationProcesses, *args: str) -> str:
     return lines[0]
 
 
-async def _lose_log(broker: str, name: str) -> None:
+async def _lose_log(broker: BrokerProcess, name: str) -> None:
     """A disaster: the location's journal is deleted, with all its content, and made anew."""
     from broker.client import JournalsClient
     from broker.protocol import protocol_pb2 as pb
 
-    async with JournalsClient(broker) as client:
+    stopping = f"stopping local replica of replication/{name}"
+    before = broker.log.read_text(errors="replace").count(stopping)
+    async with JournalsClient(broker.address) as client:
         await client.apply([pb.ApplyRequest.Change(delete=f"replication/{name}", expect_mod_revision=-1)])  # fmt: skip
-    await asyncio.sleep(0.5)  # The replica goes, and its spool with it.
-    await apply_location_journals(broker, name)
+    # The replica goes, and its spool with it, before the journal is made anew.
+    await until(
+        lambda: broker.log.read_text(errors="replace").count(stopping) > before,
+        f"the broker stopped its replica of replication/{name}",
+    )
+    await apply_location_journals(broker.address, name)
 
 
 def _all_events(locations: LocationProcesses, name: str) -> list[dict[str, Any]]:
