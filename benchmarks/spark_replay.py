@@ -29,7 +29,7 @@ CORES = 2
 
 
 def write_journal(root: Path, count: int) -> int:
-    from tests.fragments_testing import put_fragment
+    from tests.helpers.fragments import put_fragment
 
     (root / "fragments").mkdir()
     store = open_store(STORE, file_root=root)

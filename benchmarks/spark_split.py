@@ -57,7 +57,7 @@ def journal_of(size: int) -> str:
 def write_fragment(root: Path, size: int) -> tuple[pb.Fragment, int]:
     """One fragment of about `size` bytes, the only one of its journal; returns it and its
     message count (ACKs not counted: a replay writes none)."""
-    from tests.fragments_testing import put_fragment
+    from tests.helpers.fragments import put_fragment
 
     count = size // 200
     data, _ = transactions(count, 100)

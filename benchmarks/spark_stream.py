@@ -37,7 +37,7 @@ JOURNALS = 4
 
 def write_fragments(root: Path, prefix: str, per_journal: int) -> int:
     """Each journal's history as fragments in the store; the bytes in all."""
-    from tests.fragments_testing import put_fragment
+    from tests.helpers.fragments import put_fragment
 
     (root / "fragments").mkdir(exist_ok=True)
     store = open_store(STORE, file_root=root)

@@ -28,8 +28,9 @@ from broker.testing import stop_process as stop_process
 # Helper modules whose asserts are the tests' own: rewritten as test modules are, so that a
 # failure says what differed rather than a bare AssertionError.
 pytest.register_assert_rewrite(
+    "tests.helpers",
     *(f"tests.{path.stem}" for path in Path(__file__).parent.glob("*.py")
-      if not path.stem.startswith(("test_", "conftest", "__")))
+      if not path.stem.startswith(("test_", "conftest", "__"))),
 )  # fmt: skip
 
 # Hypothesis's per-example deadline is a wall-clock assertion, and tests never assert speed: on a
@@ -99,13 +100,13 @@ def run_cli(
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
-from tests.store_servers import azure_server, gcs_server, s3_server  # noqa: E402,F401
+from tests.helpers.store_servers import azure_server, gcs_server, s3_server  # noqa: E402,F401
 
 pytest_plugins = [
-    "tests.consumer_testing",
-    "tests.postgres_testing",
-    "tests.recoverylog_testing",
-    "tests.replication_testing",
+    "tests.helpers.consumers",
+    "tests.helpers.locations",
+    "tests.helpers.postgres",
+    "tests.helpers.recoverylog",
 ]
 
 
@@ -155,9 +156,23 @@ def _escape_module_scoped() -> dict[str, str]:
 
 
 def _module_scoped() -> frozenset[str]:
+    """The test modules with a module-scoped fixture: their own, or one of tests/helpers/ they
+    bind (`cluster = fragment_history.cluster`) or import."""
     here = Path(__file__).parent
+    binds = []
+    for helper in (here / "helpers").glob("*.py"):
+        names = re.findall(r'scope="module"\)\n(?:async )?def (\w+)', helper.read_text())
+        if names:
+            either = "|".join(names)
+            binds.append(re.compile(
+                rf"\b{helper.stem}\.(?:{either})\b"
+                rf"|^from tests\.helpers\.{helper.stem} import [^\n]*\b(?:{either})\b",
+                re.MULTILINE,
+            ))  # fmt: skip
     return frozenset(
-        f"tests/{p.name}" for p in here.glob("test_*.py") if 'scope="module"' in p.read_text()
+        f"tests/{p.name}"
+        for p in here.glob("test_*.py")
+        if 'scope="module"' in (text := p.read_text()) or any(b.search(text) for b in binds)
     )
 
 

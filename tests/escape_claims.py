@@ -23,7 +23,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from plumbing import auth
-from tests.test_tenancy import KEY, KEYS, SIGNER, admin, spec
+from tests.helpers.tenancy import KEY, KEYS, SIGNER, admin, spec
 
 __all__ = [
     "claims_world",

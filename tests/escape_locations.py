@@ -47,7 +47,8 @@ from replication import location_pb2 as lpb
 from replication import location_pb2_grpc as lpb_grpc
 from replication import registry
 from replication.journals import location_journal, location_journal_spec
-from tests.test_tenancy import KEYS, md
+from tests.helpers.tenancy import KEYS, md
+from tests.helpers.waiting import until
 
 __all__ = [
     "location_network",
@@ -277,13 +278,7 @@ async def _clock_ok(stub: Any) -> None:
         status = await stub.Status(lpb.StatusRequest(), metadata=md(), timeout=10)
         return bool(status.clock_ok)
 
-    await _until(heard)
-
-
-async def _until(check: Any, timeout: float = 30) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.1)
+    await until(heard)
 
 
 # ---- what an attempt must leave ------------------------------------------------------------------
@@ -511,13 +506,13 @@ def test_a_token_that_selects_both_locations_connects_them(
                 async def holds(stub: Any = stub) -> bool:
                     return connected(await stub.Status(lpb.StatusRequest(), metadata=token, timeout=10))  # fmt: skip
 
-                await _until(holds)
+                await until(holds)
 
             async def arrived() -> bool:
                 read = await a.Read(lpb.ReadRequest(after=0, limit=1000), metadata=token, timeout=10)  # fmt: skip
                 return SECRET.encode() in read.records
 
-            await _until(arrived)
+            await until(arrived)
             reset = await a.ResetProgress(lpb.ResetProgressRequest(source="B", seq=10**6), metadata=token, timeout=10)  # fmt: skip
             assert reset.progress > 0
             assert (await a.Join(lpb.JoinRequest(sources=["B"]), metadata=token, timeout=10)) is not None  # fmt: skip

@@ -29,8 +29,8 @@ from consumer.testing import ConsumerGroup, shard_spec
 from plumbing import auth
 from plumbing.credentials import Credentials
 from plumbing.debug_http import HTTPConfig
-from tests.test_application_guide import WordTotals
-from tests.test_tenancy import KEYS, SIGNER, admin, md, spec, team
+from tests.helpers.consumers import WordTotals
+from tests.helpers.tenancy import KEYS, SIGNER, admin, md, spec, team
 
 __all__ = [
     "names_world",

@@ -22,7 +22,7 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from plumbing import auth
 from tests.escape_stores import journal_spec, read_content
-from tests.test_tenancy import KEYS, admin, md, team
+from tests.helpers.tenancy import KEYS, admin, md, team
 
 __all__ = [
     "test_a_deleted_journals_last_fragment_is_never_persisted_by_a_journal_created_in_its_name",

@@ -38,9 +38,8 @@ from consumer.testing import ConsumerGroup, journal_spec
 from consumer.transaction import Shard
 from plumbing import auth
 from plumbing.credentials import Credentials
-from tests.test_recoverylog_fsm import LogWriter, create, link, write
-from tests.test_recoverylog_playback import framed
-from tests.test_tenancy import KEY, KEYS, admin, md, team
+from tests.helpers.recoverylog import LogWriter, create, framed, link, write
+from tests.helpers.tenancy import KEY, KEYS, admin, md, team
 
 __all__ = [
     "RecordedApp",

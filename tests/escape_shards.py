@@ -30,8 +30,8 @@ from consumer.recoverylog.hints import decode_hints, encode_hints
 from consumer.testing import ConsumerGroup, shard_spec
 from plumbing import auth
 from plumbing.credentials import Credentials
-from tests.test_application_guide import WordTotals
-from tests.test_tenancy import KEYS, SIGNER, admin, md, spec, team
+from tests.helpers.consumers import WordTotals
+from tests.helpers.tenancy import KEYS, SIGNER, admin, md, spec, team
 
 __all__ = [
     "shards_world",

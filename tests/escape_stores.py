@@ -30,9 +30,9 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from plumbing import auth
-from tests.fragments_testing import put_fragment
-from tests.store_servers import S3Server
-from tests.test_tenancy import KEYS, admin, md, team
+from tests.helpers.fragments import put_fragment
+from tests.helpers.store_servers import S3Server
+from tests.helpers.tenancy import KEYS, admin, md, team
 
 __all__ = [
     "left_behind",

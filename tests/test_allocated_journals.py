@@ -14,7 +14,7 @@ from broker.client.appender import AppendError, append
 from broker.client.routes import append_routed
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec
+from tests.helpers.journals import journal_spec
 
 
 async def route_of(h: BrokerHarness, journal: str) -> pb.Route:

@@ -12,9 +12,7 @@ import pytest
 from broker.client.appender import AppendError, append
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-
-IDS = ["broker-a", "broker-b", "broker-c"]
+from tests.helpers.journals import IDS, journal_spec, read_all, set_journal, started_brokers, stub
 
 
 @pytest.fixture
@@ -24,22 +22,6 @@ async def brokers(
     # Assignments are written by the tests themselves (set_journal), so no allocator runs.
     async with started_brokers(etcd_server.endpoint, etcd_prefix, IDS) as harnesses:
         yield harnesses
-
-
-def stub(h: BrokerHarness):  # type: ignore[no-untyped-def]
-    return h.broker.service.dialer.journal_stub(h.endpoint)
-
-
-async def read_all(h: BrokerHarness, journal: str, offset: int = 0, end: int = 0) -> bytes:
-    out = bytearray()
-    async for r in stub(h).Read(
-        pb.ReadRequest(journal=journal, offset=offset, end_offset=end, block=False)
-    ):
-        if r.status == pb.OFFSET_NOT_YET_AVAILABLE:
-            break
-        assert r.status == pb.OK, r
-        out += r.content
-    return bytes(out)
 
 
 async def test_append_commits_on_every_replica_and_reads_back(

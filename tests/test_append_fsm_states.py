@@ -20,7 +20,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.service import JournalService
 from broker.testing import BrokerHarness, EtcdServer
 from plumbing import etcd as etcdx
-from tests.journals_testing import journal_spec, set_journal, started_brokers
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
 
 PRIMARY = "broker-a"
 PEER = "scripted"
@@ -290,7 +290,9 @@ async def test_a_teardown_cancelled_behind_a_reader_fails_the_read_quietly(
     async with asyncio.timeout(5):
         assert await replica.pipeline_queue.get() is pln  # Released to the next user.
     teardown = asyncio.ensure_future(pln.shutdown(expect_err=False))
-    await asyncio.sleep(0.2)  # It waits for the reader's turn to end.
+    # A hold, the thing under test: the teardown waits for the reader's turn to end, so in
+    # this while neither ends.
+    await asyncio.sleep(0.2)
     assert not teardown.done() and not reading.done()
     teardown.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -20,9 +20,9 @@ from broker.client.appender import AppendError
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.loop_testing import StallProbe
-from tests.test_append_e2e import read_all
+from tests.helpers.journals import journal_spec, read_all, set_journal, started_brokers
+from tests.helpers.loop import StallProbe
+from tests.helpers.waiting import until
 
 IDS = ["broker-a", "broker-b"]
 
@@ -189,7 +189,11 @@ async def test_register_checks_and_barriers_go_in_order_and_a_mismatch_is_not_re
             "svc/reg", b"seven\n", Registers(union=owner("b"), subtract=owner("a"))
         )
         assert await moved == Span("svc/reg", 19, 25)
-        await asyncio.sleep(0.2)  # Nothing in flight: the next writes make one batch.
+        journal = service._journals["svc/reg"]
+        await until(
+            lambda: journal.sending is None and journal.pending == 0,
+            "nothing in flight: the next writes make one batch",
+        )
         appends_before = service.appends
         checked_b = Registers(check=owned_by("b"))
         last = [await service.write("svc/reg", b"eight\n", checked_b) for _ in range(3)]
@@ -292,7 +296,13 @@ async def test_a_client_closed_with_batches_in_flight_settles_them_all_unlogged(
     in_flight = await service.write("svc/closed", b"x" * 4096)
     queued = [await service.write("svc/closed", b"y" * 100) for _ in range(3)]
     journal = service._journals["svc/closed"]
-    await asyncio.sleep(0.5)  # Its content is on its way to the primary, held by the rate.
+    # Its content is on its way to the primary, held by the rate: the primary's append holds
+    # the journal's pipeline.
+    replica = brokers[0].broker.service.resolver.replicas["svc/closed"]  # type: ignore[index]
+    await until(
+        lambda j=journal: j.sending is not None and replica.pipeline_queue.empty(),
+        "the batch streams to the primary",
+    )
     assert journal.sending is not None and not in_flight.done()
     await channel.close(None)
     await asyncio.wait_for(service.close(), 10)

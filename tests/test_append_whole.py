@@ -7,7 +7,6 @@ form instead, by the same `append` call, and nothing lands twice."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 
@@ -22,8 +21,8 @@ from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, free_port
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_append_e2e import IDS, read_all, stub
+from tests.helpers.fake_broker import UpstreamLikeJournal, fake_broker
+from tests.helpers.journals import IDS, journal_spec, read_all, set_journal, started_brokers, stub
 
 
 @pytest.fixture
@@ -95,52 +94,6 @@ async def test_a_one_message_append_through_a_non_primary_is_proxied_once(
     answers = [await append(proxy, "whole/proxy", b"line %d\n" % i) for i in range(3)]
     assert [a.commit.begin for a in answers] == [0, 7, 14]
     assert await read_all(brokers[0], "whole/proxy") == b"line 0\nline 1\nline 2\n"
-
-
-class UpstreamLikeJournal(pb_grpc.JournalServicer):
-    """Append as upstream's broker validates it: content in the first message is refused
-    ("unexpected Content", status UNKNOWN as a Go error returned from the handler); the
-    streamed form is taken, and committed at the next offset."""
-
-    def __init__(self) -> None:
-        self.refused = 0
-        self.committed: list[bytes] = []
-
-    async def Append(
-        self, request_iterator: AsyncIterator[pb.AppendRequest], context: grpc.aio.ServicerContext
-    ) -> pb.AppendResponse:
-        first = await anext(request_iterator)
-        if first.content:
-            self.refused += 1
-            await context.abort(grpc.StatusCode.UNKNOWN, "unexpected Content")
-        content, committed = b"", False
-        async for request in request_iterator:
-            if not request.content:
-                committed = True
-            content += request.content
-        if not committed:
-            await context.abort(grpc.StatusCode.ABORTED, "no commit message")
-        begin = sum(len(c) for c in self.committed)
-        self.committed.append(content)
-        return pb.AppendResponse(
-            status=pb.OK,
-            commit=pb.Fragment(journal=first.journal, begin=begin, end=begin + len(content)),
-        )
-
-
-@contextlib.asynccontextmanager
-async def fake_broker(
-    servicer: pb_grpc.JournalServicer,
-) -> AsyncIterator[tuple[grpc.aio.Server, str]]:
-    """A gRPC server of `servicer` alone on 127.0.0.1, and its address; stopped on exit."""
-    server = grpc.aio.server()
-    pb_grpc.add_JournalServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield server, f"http://127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
 
 
 async def test_a_broker_that_refuses_the_one_message_form_gets_the_streamed_form() -> None:

@@ -25,9 +25,9 @@ import pytest
 from broker.testing import EtcdServer, start_broker_process, stop_process
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess, run_cli
-from tests.replication_testing import LocationProcesses
-from tests.test_exit_flush_lost_store import append_held
-from tests.test_replication_locations import _all_events, wait_until
+from tests.helpers.dev import append_held
+from tests.helpers.locations import LocationProcesses, _all_events
+from tests.helpers.waiting import until_blocking
 
 
 def test_recover_of_a_location_that_lost_nothing_skips_its_neighbours_unread_events(
@@ -40,7 +40,7 @@ def test_recover_of_a_location_that_lost_nothing_skips_its_neighbours_unread_eve
     locations.ok("connect", "A", "C", "--filter", "kind=red")
     locations.ok("connect", "B", "C", "--filter", "kind=red")
     locations.ok("emit", "A", json.dumps({"kind": "red", "n": -1}))
-    wait_until(lambda: len(_all_events(locations, "C")) >= 1, "C holds A's first event")
+    until_blocking(lambda: len(_all_events(locations, "C")) >= 1, "C holds A's first event")
     # C is stopped while A emits; started again, it reads A's events one per round.
     locations.stop("C")
     count = 2000
@@ -126,7 +126,7 @@ def test_delete_after_recover_does_not_ask_a_location_no_longer_connected(
     """A recovers from B (A <-> B); later A and B are disconnected and B stops. A has no
     neighbour: deleting its first event needs nobody's CVV. Recover's set of neighbours is
     never dropped, though, so delete still asks B and refuses naming it."""
-    from tests.test_replication_locations import _lose_log, ids
+    from tests.helpers.locations import _lose_log, ids
 
     asyncio.run(apply_location_journals(location_broker.address, "A", "B"))
     for name in "AB":
@@ -134,18 +134,18 @@ def test_delete_after_recover_does_not_ask_a_location_no_longer_connected(
     locations.ok("connect", "A", "B", "--both")
     locations.ok("emit", "A", '{"num": 1}', '{"num": 2}')
     locations.ok("emit", "B", '{"num": 3}')
-    wait_until(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
-    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
+    until_blocking(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
+    until_blocking(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
     before = set(ids(locations.events("B")))
     locations.stop("A")
-    asyncio.run(_lose_log(location_broker.address, "A"))
+    asyncio.run(_lose_log(location_broker, "A"))
     locations.start("A", location_broker.address)
-    wait_until(lambda: locations.status("A")["lost"] != "", "A notices its loss")
+    until_blocking(lambda: locations.status("A")["lost"] != "", "A notices its loss")
     locations.ok("recover", "A")
-    wait_until(lambda: set(ids(locations.events("A"))) == before, "A recovered its events")
+    until_blocking(lambda: set(ids(locations.events("A"))) == before, "A recovered its events")
     locations.ok("emit", "A", '{"num": 4}')
     locations.ok("disconnect", "A", "B", "--both")
-    wait_until(lambda: not locations.status("A")["connections"], "A has no connection")
+    until_blocking(lambda: not locations.status("A")["connections"], "A has no connection")
     locations.stop("B")
     result = locations.gazctl("delete", "A", "--through", "1")
     assert result.code == 0, (

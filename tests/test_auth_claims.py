@@ -32,7 +32,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from plumbing import auth
-from tests.test_tenancy import KEY, KEYS, spec
+from tests.helpers.tenancy import KEY, KEYS, spec
 
 VERIFIER = auth.KeyedVerifier([KEY], allow_missing=False)
 

@@ -29,8 +29,8 @@ from replication import location_pb2 as lpb
 from replication.journals import apply_location_journals
 from replication.process import LocationConfig
 from replication.rpc import SERVICE as LOCATION_SERVICE
-from tests.test_application_guide import WordTotals
-from tests.test_replication_server import serving
+from tests.helpers.consumers import WordTotals
+from tests.helpers.locations import serving
 
 KEY = b"the key of this walk's brokers, consumers and location"
 KEYS = base64.b64encode(KEY).decode()

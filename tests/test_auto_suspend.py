@@ -112,7 +112,9 @@ async def test_an_idle_flushed_journal_is_suspended_with_auto_suspend_and_resume
         assert written.offset == end and empty.offset == 0
 
         # The same journals, as idle, on a broker without the flag: never suspended.
-        await asyncio.sleep(3)  # Some 30 pulses: twice what auto-suspension waits for.
+        # A hold, the thing under test: some 30 pulses, twice what auto-suspension waits for,
+        # in which the broker without the flag suspends nothing.
+        await asyncio.sleep(3)
         for journal in (WRITTEN, EMPTY):
             assert (await suspension(plain.address, journal)).level == NONE
 

@@ -18,7 +18,7 @@ from broker.fragment.stores import (
     open_store,
     read_url,
 )
-from tests.store_servers import AzureServer
+from tests.helpers.store_servers import AzureServer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,8 +14,7 @@ from broker.client import BrokerUnavailable
 from broker.client.appender import append
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_append_e2e import read_all
+from tests.helpers.journals import journal_spec, read_all, set_journal, started_brokers
 
 IDS = ["broker-a", "broker-b"]
 

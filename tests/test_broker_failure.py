@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import os
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,9 @@ from broker.client.appender import append
 from broker.client.dialer import Dialer
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, stop_processes
-from tests.conftest import BrokerProcess, start_broker_process
-from tests.journals_testing import journal_spec
-
-
-async def current_route(address: str, journal: str) -> pb.Route:
-    async with JournalsClient(address, timeout=2) as client:
-        snapshot = await client.list(
-            pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))
-        )
-    return snapshot.journals[0].route
+from tests.conftest import BrokerProcess
+from tests.helpers.brokers import current_route, placed, start_brokers
+from tests.helpers.journals import journal_spec
 
 
 async def read_from(dialer: Dialer, endpoint: str, journal: str) -> dict[int, int]:
@@ -40,32 +32,6 @@ async def read_from(dialer: Dialer, endpoint: str, journal: str) -> dict[int, in
         for i, byte in enumerate(r.content):
             out[r.offset + i] = byte
     return out
-
-
-def start_brokers(
-    etcd_server: EtcdServer, tmp_path: Path, brokers: list[BrokerProcess], count: int = 4
-) -> None:
-    """`count` broker processes with 2 s leases under a fresh prefix, added to `brokers` (which
-    the caller stops, even if starting one fails)."""
-    prefix = f"/gazette-test/{uuid.uuid4().hex[:12]}"
-    for i in range(count):
-        brokers.append(
-            start_broker_process(
-                etcd_server, prefix, tmp_path / f"b{i}.log", f"broker-{i}", lease="2s"
-            )
-        )
-
-
-async def placed(address: str, journal: str, replicas: int = 3) -> pb.Route:
-    """Apply a journal at `replicas` and wait until the allocator has placed it; its route."""
-    async with JournalsClient(address) as client:
-        await client.apply(
-            [pb.ApplyRequest.Change(upsert=journal_spec(journal, replication=replicas))]
-        )
-    async with asyncio.timeout(20):
-        while len((route := await current_route(address, journal)).members) != replicas:
-            await asyncio.sleep(0.05)
-    return route
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import grpc
 from broker.client.append_service import AppendService
 from broker.client.routes import Router, append_routed
 from broker.protocol import protocol_pb2 as pb
-from tests.test_append_whole import UpstreamLikeJournal, fake_broker
+from tests.helpers.fake_broker import UpstreamLikeJournal, fake_broker
 
 APPENDS = 10
 

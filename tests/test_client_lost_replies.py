@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aetcd
 import pytest
@@ -23,9 +22,9 @@ from broker.client.reader import write_head
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from gazctl.fragments import _suspend_one
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.tcp_proxy import TcpProxy, host_port
-from tests.test_append_e2e import read_all
+from tests.helpers.journals import journal_spec, read_all, set_journal, started_brokers
+from tests.helpers.tcp_proxy import TcpProxy, host_port
+from tests.helpers.waiting import until
 
 IDS = ["broker-r"]
 
@@ -51,14 +50,6 @@ async def dialer() -> AsyncIterator[Dialer]:
         yield dialer
     finally:
         await dialer.close()
-
-
-async def until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
-    """Until `condition()` holds (polled: the state lives in another component)."""
-    deadline = time.monotonic() + timeout
-    while not await condition():  # type: ignore[misc]
-        assert time.monotonic() < deadline, f"not {what} after {timeout}s"
-        await asyncio.sleep(0.02)
 
 
 async def spec_of(etcd: aetcd.Client, root: str, journal: str) -> pb.JournalSpec:

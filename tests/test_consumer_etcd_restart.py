@@ -32,9 +32,8 @@ from broker.testing import BrokerHarness, EtcdServer
 from consumer import replicas as runtime  # Where the replicas read their hints.
 from consumer.protocol import cpb
 from consumer.runtime import Consumer, ConsumerConfig
-from tests.consumer_testing import INPUT
-from tests.test_consumer_runtime import RecordedSummer, shard_stub, until
-from tests.test_transactions import publish_inputs, write_head
+from tests.helpers.consumers import INPUT, RecordedSummer, publish_inputs, shard_stub, write_head
+from tests.helpers.waiting import until
 
 SHARD = "sum-r"
 
@@ -91,8 +90,8 @@ class KillAtHintsRead:
 async def recovery_log(sums_broker: BrokerHarness) -> AsyncIterator[str]:
     """A recovery log journal for the shard, on the brokers."""
     from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
-    from tests.consumer_testing import spec as journal_spec
-    from tests.test_persistence import routed
+    from tests.helpers.consumers import spec as journal_spec
+    from tests.helpers.journals import routed
 
     name = f"recovery/{uuid.uuid4().hex[:12]}/{SHARD}"
     async with sums_broker.client() as client:
@@ -145,7 +144,7 @@ async def wait_settled(shards: Any, who: str, timeout: float = 60.0) -> int:
         code = await settled(shards, who)
         return code != -1
 
-    await until(done, timeout)
+    await until(done, f"{who} settled", timeout=timeout)
     return code
 
 

@@ -18,24 +18,25 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 
-from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
 from consumer.protocol import cpb
 from consumer.runtime import Consumer, ConsumerConfig
 from consumer.store import JSONFileStore
 from consumer.transaction import Shard
-from tests.consumer_testing import INPUT
-from tests.test_transactions import Summer, committed_outputs, publish_inputs, write_head
-
-
-class StoredSummer(Summer):
-    def __init__(self, root: Path) -> None:
-        super().__init__()
-        self.root = root
-
-    async def new_store(self, shard: Shard) -> JSONFileStore:
-        return JSONFileStore(self.root, shard.spec.id)
+from tests.helpers.consumers import (
+    INPUT,
+    RecordedSummer,
+    StoredSummer,
+    _consumed,
+    _equals,
+    committed_outputs,
+    publish_inputs,
+    shard_stub,
+    statuses,
+    write_head,
+)
+from tests.helpers.waiting import until
 
 
 @contextlib.asynccontextmanager
@@ -62,27 +63,6 @@ async def consumers(
         await asyncio.gather(*(c.stop() for c in started))
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
-
-
-def shard_stub(consumer: Consumer) -> Any:
-    channel = grpc.aio.insecure_channel(consumer.endpoint.removeprefix("http://"))
-    return cpb_grpc.ShardStub(channel), channel  # type: ignore[no-untyped-call]
-
-
-async def statuses(shards: Any) -> list[tuple[str, int]]:
-    listed = await shards.List(cpb.ListRequest())
-    out = []
-    for shard in listed.shards:
-        for member, status in zip(shard.route.members, shard.status, strict=True):
-            slot = "primary" if shard.route.members[shard.route.primary] == member else "standby"
-            out.append((f"{member.suffix}:{slot}", status.code))
-    return sorted(out)
-
-
-async def until(predicate: Any, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await predicate():
-            await asyncio.sleep(0.05)
 
 
 async def test_shards_run_with_a_standby_and_hand_off_on_exit(
@@ -292,7 +272,9 @@ async def test_primary_is_advertised_only_once_its_store_is_fenced_and_restored(
         await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
         async with asyncio.timeout(30):
             await app.restoring.wait()
-        await asyncio.sleep(0.3)  # Time for a status write, were one coming.
+        # Nothing to wait for: the test holds that no PRIMARY status is written while the store
+        # restores, so it gives one time to be written, were one coming.
+        await asyncio.sleep(0.3)
         assert await statuses(shards) != [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
         app.let_go.set()
         await until(
@@ -303,10 +285,6 @@ async def test_primary_is_advertised_only_once_its_store_is_fenced_and_restored(
         await consumer.stop()
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
-
-
-async def _equals(got: Any, expected: Any) -> bool:
-    return bool(await got == expected)
 
 
 class FailingStore(StoredSummer):
@@ -363,7 +341,7 @@ async def test_a_brief_etcd_error_writing_a_status_is_retried(
         )  # fmt: skip
         await shards.Apply(cpb.ApplyRequest(changes=[cpb.ApplyRequest.Change(upsert=spec)]))
         want = cpb.ReplicaStatus.PRIMARY if app_kind == "healthy" else cpb.ReplicaStatus.FAILED
-        await until(lambda: _equals(statuses(shards), [("consumer-0:primary", want)]), 20)
+        await until(lambda: _equals(statuses(shards), [("consumer-0:primary", want)]), timeout=20)
         assert failures["left"] == 0
         if app_kind == "failing":
             listed = await shards.List(cpb.ListRequest())
@@ -374,37 +352,6 @@ async def test_a_brief_etcd_error_writing_a_status_is_retried(
         await consumer.stop()
         async with aetcd.Client(host=etcd_server.host, port=etcd_server.client_port) as client:
             await client.delete_prefix(root.encode())
-
-
-class RecordedSummer(Summer):
-    """Sums in a SQLite store recorded into the shard's recovery log. `broken`: its store fails
-    to open, as a corrupt database does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.broken = False
-
-    async def new_store(self, shard: Shard) -> Any:
-        from consumer.store_sqlite import SQLiteStore
-
-        if self.broken:
-            raise RuntimeError("database disk image is malformed")
-        return SQLiteStore(shard.recorder)
-
-    async def consume_message(
-        self, shard: Shard, store: Any, envelope: Any, publisher: Any
-    ) -> None:
-        key, n = envelope.message["key"], envelope.message["n"]
-
-        def add(db: Any) -> None:
-            db.execute("CREATE TABLE IF NOT EXISTS sums (key TEXT PRIMARY KEY, total INTEGER)")
-            db.execute(
-                "INSERT INTO sums VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET total = total + ?",
-                (key, n, n),
-            )
-
-        await store.run(add)
-        self.consumed += 1
 
 
 def _last_seq(hints: Any) -> int:
@@ -422,8 +369,8 @@ async def test_backup_hints_are_those_reached_at_hand_off_and_rotate_only_once_r
     from consumer.protocol import hint_backup_keys, hint_primary_key
     from consumer.recoverylog.hints import decode_hints
     from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
-    from tests.consumer_testing import spec as journal_spec
-    from tests.test_persistence import routed
+    from tests.helpers.consumers import spec as journal_spec
+    from tests.helpers.journals import routed
 
     root = f"/gazette-test-consumers/{uuid.uuid4().hex[:12]}"
     log_name = f"recovery/{root.rsplit('/', 1)[1]}/sum-r"
@@ -487,10 +434,6 @@ async def test_backup_hints_are_those_reached_at_hand_off_and_rotate_only_once_r
         await etcd.delete_prefix(root.encode())
         await etcd.delete_prefix(shard.hint_prefix.encode())
         await etcd.close()
-
-
-async def _consumed(app: Summer, count: int) -> bool:
-    return app.consumed >= count
 
 
 async def test_a_stat_ends_when_its_token_expires(
@@ -664,7 +607,13 @@ async def test_no_replica_starts_once_a_stopping_process_closed_its_shards(
             return await statuses(shards) == [("consumer-0:primary", cpb.ReplicaStatus.IDLE)]
 
         await until(assigned)
-        await asyncio.sleep(0.5)  # The reconcile loop has seen the assignment.
+
+        def reconciled() -> bool:
+            # The keyspace holds the assignment (its update set `_changed`), and the reconcile
+            # loop has taken that change (it clears `_changed` as it reconciles).
+            return "summer-0" in consumer._local_assignments() and not consumer._changed.is_set()
+
+        await until(reconciled, "the reconcile loop has seen the assignment")
         await channel.close()
         assert consumer.failure is None and not consumer.done.is_set()
         assert consumer.replicas == {}

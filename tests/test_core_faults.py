@@ -23,7 +23,8 @@ from broker.fragment.spool import Spool
 from broker.protocol import protocol_pb2 as pb
 from broker.read_api import serve_read
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.waiting import until
 
 FRAGMENT_NAME = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{16}-[0-9a-f]{40}")
 
@@ -52,12 +53,6 @@ async def read_all(h: BrokerHarness, journal: str) -> bytes:
         assert r.status == pb.OK, r
         out += r.content
     return bytes(out)
-
-
-async def until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 # ---- 1. blocked reads after a route change ----------------------------------------------------
@@ -341,7 +336,8 @@ async def test_replicate_handler_cancelled_as_it_takes_the_spool_gives_it_back(
                 pass
 
         task = asyncio.ensure_future(handler())
-        await asyncio.sleep(0.05)  # Now waiting for the spool.
+        # Now waiting for the spool: a getter of the replica's spool slot.
+        await until(lambda: bool(replica.spool_queue._getters), "the handler waits for the spool")
         assert not task.done()
         replica.spool_queue.put_nowait(spool)
         for _ in range(spins):
@@ -371,8 +367,11 @@ async def test_a_small_append_queued_behind_a_slow_one_is_not_too_slow(
             yield b"s" * (64 << 10)  # 128 KiB/s on average: above the minimum.
             await asyncio.sleep(0.5)
 
+    replica = brokers[0].broker.service.resolver.replicas[journal]  # type: ignore[index]
+    # The first append gave the pipeline back; then the slow append holds it.
+    await until(lambda: not replica.pipeline_queue.empty(), "the first append let go of it")
     slow = asyncio.ensure_future(append(stub(brokers[0]), journal, slow_content()))
-    await asyncio.sleep(0.3)  # The slow append holds the pipeline.
+    await until(replica.pipeline_queue.empty, "the slow append holds the pipeline")
     small = await append(stub(brokers[0]), journal, b"small\n")
     done = await slow
     assert small.commit.begin == done.commit.end  # It waited, then committed.
@@ -539,9 +538,11 @@ async def test_an_append_queued_behind_the_exit_flush_is_not_acknowledged_below_
     spec = journal_spec(journal)
     spec.fragment.stores.append("file:///fragments/")
     gate = threading.Event()
+    asked = threading.Event()
     original = Persister._persist_blocking
 
     def slow_store(self: Persister, *args: object) -> pb.Fragment:
+        asked.set()
         gate.wait(30)  # The store answers only once the test says so.
         return original(self, *args)  # type: ignore[arg-type]
 
@@ -564,12 +565,15 @@ async def test_an_append_queued_behind_the_exit_flush_is_not_acknowledged_below_
             return next(commit)
 
         flushing = asyncio.create_task(fsm.run(receive))
-        await asyncio.sleep(0.5)  # The flush rolled the spool and waits for the store.
+        await until(asked.is_set, "the flush rolled the spool and waits for the store")
         assert not flushing.done()
         late = asyncio.create_task(
             append(stub(brokers[0]), journal, b"late;", check=False, timeout=20)
         )
-        await asyncio.sleep(0.5)  # Resolved (not suspended yet), waiting for the pipeline.
+        replica = service.resolver.replicas[journal]  # type: ignore[index]
+        # Resolved (not suspended yet), it waits for the pipeline: an append read whole waits in
+        # the replica's group commit.
+        await until(lambda: len(replica.group_commit) >= 1, "the late append waits")
         gate.set()
         await flushing
         assert fsm.status == pb.SUSPENDED, (pb.Status.Name(fsm.status), fsm.error)
@@ -670,11 +674,11 @@ async def marked_exiting(brokers: list[BrokerHarness]) -> list[Any]:
             server.spec(exiting=True).SerializeToString(),
             lease=server.lease_id,
         )
-    async with asyncio.timeout(10):
-        while not all(
-            any(s._all_exiting(r) for r in s.resolver.replicas.values()) for s in services
-        ):
-            await asyncio.sleep(0.05)  # Until each broker's keyspace has seen them exit.
+    await until(
+        lambda: all(any(s._all_exiting(r) for r in s.resolver.replicas.values()) for s in services),
+        "each broker's keyspace has seen them exit",
+        timeout=10,
+    )
     return services
 
 

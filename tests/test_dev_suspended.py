@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -18,38 +17,8 @@ from broker.client.journals import JournalsClient
 from broker.client.reader import read
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
-from gazctl.dev import ClusterState, is_running
-from tests.conftest import Result, run_cli
-
-JOURNAL = "dev/suspended"
-SPEC = (
-    f"name: {JOURNAL}\nreplication: 2\nfragment:\n  length: 1048576\n"
-    "  compression_codec: NONE\n  stores:\n    - file:///dev/\n  refresh_interval: 1m0s\n"
-)
-
-
-def dev(cluster_dir: Path, *args: str, timeout: float = 120) -> Result:
-    return run_cli("gazctl", "dev", args[0], "--dir", str(cluster_dir), *args[1:], timeout=timeout)
-
-
-def exported(out: str) -> dict[str, str]:
-    return dict(
-        line.removeprefix("export ").split("=", 1)
-        for line in out.splitlines()
-        if line.startswith("export ")
-    )
-
-
-def stop_every_broker_gracefully(cluster_dir: Path) -> None:
-    """SIGTERM broker-1, then broker-0 (the last one flushes and suspends), each until gone."""
-    state = ClusterState.load(cluster_dir)
-    assert state is not None
-    for broker in reversed(state.brokers):
-        assert dev(cluster_dir, "kill", "--signal", "TERM", broker.role).code == 0
-        deadline = time.monotonic() + 90
-        while is_running(broker):
-            assert time.monotonic() < deadline, f"{broker.role} did not stop after SIGTERM"
-            time.sleep(0.1)
+from tests.conftest import run_cli
+from tests.helpers.dev import JOURNAL, SPEC, dev, exported, stop_every_broker_gracefully
 
 
 async def library_read(address: str) -> tuple[bytes, pb.JournalSpec.Suspend]:

@@ -14,7 +14,14 @@ from broker.client.journals import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, start_broker_process, stop_process
 from tests.conftest import run_cli
-from tests.test_dev_suspended import JOURNAL, SPEC, dev, exported, stop_every_broker_gracefully
+from tests.helpers.dev import (
+    JOURNAL,
+    SPEC,
+    append_held,
+    dev,
+    exported,
+    stop_every_broker_gracefully,
+)
 
 
 async def suspension(address: str) -> pb.JournalSpec.Suspend:
@@ -83,23 +90,6 @@ def test_exit_flush_that_cannot_persist_keeps_offsets_and_reports_the_hole(
     assert lost and "resumes at offset 7" in lost[0], logs[-3000:]
     assert "after a restart it needs `gazctl journals reset-head`" not in logs, logs[-3000:]
     assert dev(cluster_dir, "down").code == 0
-
-
-def append_held(address: str, tmp_path: Path) -> None:
-    """Apply `flush/j` (one replica, its store file:///flush/) through `address` and append
-    `held\n` to it with gazctl, both checked."""
-    env = {"BROKER_ADDRESS": address}
-    specs = tmp_path / "journal.yaml"
-    specs.write_text(
-        "name: flush/j\nreplication: 1\nfragment:\n  length: 1048576\n"
-        "  compression_codec: NONE\n  stores:\n    - file:///flush/\n  refresh_interval: 1m0s\n"
-    )
-    applied = run_cli("gazctl", "journals", "apply", "--specs", str(specs), env=env)
-    assert applied.code == 0, applied.err
-    appended = run_cli(
-        "gazctl", "journals", "append", "-l", "name=flush/j", input="held\n", env=env
-    )
-    assert appended.code == 0, appended.err
 
 
 def test_a_stopping_broker_gives_up_on_a_failing_store_after_its_exit_flush_timeout(

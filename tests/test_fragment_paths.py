@@ -103,7 +103,7 @@ def test_urls_that_climb_or_hold_what_no_key_can_are_refused(url: str) -> None:
 
 def test_fragment_paths_follow_the_stores_keys(tmp_path: Path) -> None:
     """The path is where the store puts and lists: checked by persisting through the store."""
-    from tests.fragments_testing import put_fragment
+    from tests.helpers.fragments import put_fragment
 
     (tmp_path / "s").mkdir()
     cases = [
@@ -186,7 +186,7 @@ def spec(name: str, *stores: str) -> pb.JournalSpec:
 def test_the_older_of_two_journals_sharing_a_path_keeps_it(tmp_path: Path) -> None:
     """At runtime (specs that reached etcd other than through Apply): the younger is neither
     listed nor persisted; the older's listing leaves out what lies under a younger nested path."""
-    from tests.fragments_testing import put_fragment
+    from tests.helpers.fragments import put_fragment
 
     (tmp_path / "y").mkdir()
     index = PathIndex.of(

@@ -21,14 +21,8 @@ from broker.fragment.content import FragmentCorrupt, fragment_path
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import started_brokers
-from tests.test_persistence import (
-    JOURNAL,
-    payloads,
-    persisted_through,
-    routed,
-    spec,
-)
+from tests.helpers.journals import routed, started_brokers
+from tests.helpers.persistence import JOURNAL, payloads, persisted_through, spec
 
 STORE = "file:///fragments/"
 

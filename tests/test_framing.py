@@ -12,8 +12,7 @@ import uuid
 from typing import Any
 
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.message import Message as ProtoMessage
+from google.protobuf import descriptor_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +37,7 @@ from message.types import (
     decode_message,
     encode_message,
 )
+from tests.helpers.messages import _proto_class
 
 MAGIC = FIXED_FRAME_MAGIC
 
@@ -479,19 +479,6 @@ def test_dataclass_messages() -> None:
     assert at_least_once.get_uuid(fr) is None
     with pytest.raises(ValueError, match="Event has no field 'id'"):
         DataclassMessages(Event, uuid_field="id")
-
-
-def _proto_class(uuid_type: int) -> type[ProtoMessage]:
-    fdp = descriptor_pb2.FileDescriptorProto(
-        name=f"t{uuid_type}.proto", package="t", syntax="proto3"
-    )
-    msg = fdp.message_type.add(name="Count")
-    msg.field.add(name="uuid", number=1, type=uuid_type)
-    msg.field.add(name="ngram", number=2, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING)
-    msg.field.add(name="count", number=3, type=descriptor_pb2.FieldDescriptorProto.TYPE_UINT64)
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(fdp)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("t.Count"))
 
 
 @pytest.mark.parametrize(

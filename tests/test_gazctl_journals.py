@@ -13,14 +13,9 @@ import pytest
 
 from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, run_cli
+from tests.helpers.gazctl import assert_one_line_error, gazctl
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "journals.yaml"
-
-
-def gazctl(broker: BrokerProcess, *args: str, **kw: object) -> object:
-    env = {"BROKER_ADDRESS": broker.address}
-    env.update(kw.pop("env", {}) or {})  # type: ignore[arg-type]
-    return run_cli("gazctl", *args, env=env, **kw)  # type: ignore[arg-type]
 
 
 def tree(prefix: str, body: str) -> str:
@@ -31,15 +26,6 @@ def list_names(broker: BrokerProcess, selector: str) -> list[str]:
     r = gazctl(broker, "journals", "list", "-l", selector, "-o", "json")
     assert r.code == 0, r.err
     return [json.loads(line)["spec"]["name"] for line in r.out.splitlines()]
-
-
-def assert_one_line_error(r: object, *needles: str) -> None:
-    assert r.code != 0
-    assert "Traceback" not in r.err
-    lines = [line for line in r.err.strip().splitlines() if line]
-    assert len(lines) == 1, r.err
-    for needle in needles:
-        assert needle in lines[0], r.err
 
 
 def test_apply_example_then_list_back_equivalently(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from broker.testing import EtcdServer, stop_process
 from tests.conftest import BrokerProcess, run_cli, start_broker_process
-from tests.test_gazctl_journals import assert_one_line_error, gazctl
+from tests.helpers.gazctl import assert_one_line_error, gazctl
 
 SPEC = "name: {name}\nreplication: 1\nfragment: {{length: 4096, compression_codec: NONE, refresh_interval: 1m0s}}\n"
 

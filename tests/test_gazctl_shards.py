@@ -22,10 +22,8 @@ from broker.testing import BrokerHarness, EtcdServer
 from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.conftest import Result, run_cli
-from tests.consumer_testing import INPUT, spec
-from tests.test_consumer_runtime import StoredSummer
-from tests.test_persistence import routed
-from tests.test_transactions import publish_inputs, write_head
+from tests.helpers.consumers import INPUT, StoredSummer, publish_inputs, spec, write_head
+from tests.helpers.journals import routed
 
 SHARDSPACE = """\
 common:

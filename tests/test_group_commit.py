@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
 
 import aetcd
 import grpc
@@ -19,8 +18,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.testing import BrokerHarness
 from plumbing import metrics
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_append_e2e import IDS, read_all, stub
+from tests.helpers.journals import IDS, journal_spec, read_all, set_journal, started_brokers, stub
+from tests.helpers.waiting import until
 
 
 def commits() -> float:
@@ -154,12 +153,6 @@ def waiting(replica: Replica) -> int:
     return len(replica.group_commit)
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
-
-
 HELD = b"h" * (2 << 20)
 
 
@@ -170,7 +163,7 @@ async def hold_pipeline(h: BrokerHarness, journal: str) -> grpc.aio.StreamStream
     call = stub(h).Append()
     await call.write(pb.AppendRequest(journal=journal))
     await call.write(pb.AppendRequest(content=HELD))
-    await until(replica_of(h, journal).pipeline_queue.empty)
+    await until(replica_of(h, journal).pipeline_queue.empty, timeout=60)
     return call
 
 
@@ -216,7 +209,7 @@ async def test_a_group_larger_than_a_peer_takes_in_one_message_commits_whole(
         writers = [
             asyncio.ensure_future(append(stub(primary), journal, p, check=False)) for p in payloads
         ]
-        await until(lambda: waiting(replica_of(primary, journal)) == len(payloads))
+        await until(lambda: waiting(replica_of(primary, journal)) == len(payloads), timeout=60)
         holder = await commit_held(held)
         answers = await asyncio.gather(*writers, return_exceptions=True)
         committed = [(first.commit.begin, b"first\n"), (holder.commit.begin, HELD)]
@@ -289,7 +282,7 @@ async def gone_streamed(h: BrokerHarness, journal: str, payload: bytes) -> None:
     await call.done_writing()
     replica = replica_of(h, journal)
     if len(payload) < 64 * 1024:
-        await until(lambda: waiting(replica) == 1)
+        await until(lambda: waiting(replica) == 1, timeout=60)
     call.cancel()
 
 
@@ -357,7 +350,8 @@ async def test_appends_whose_clients_leave_while_their_group_waits_for_the_rate_
         await until(
             lambda: (
                 waiting(replica_of(primary, journal)) >= 1 or all(task.done() for task in leavers)
-            )
+            ),
+            timeout=60,
         )
         payloads = [f"stays {i} ".encode() * 100 for i in range(3)]
         answers = await asyncio.gather(*(append(stub(primary), journal, p) for p in payloads))

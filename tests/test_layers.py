@@ -6,6 +6,7 @@ imports nothing of the broker server; consumers build on the broker's public par
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -259,3 +260,50 @@ def test_gazctl_dev_modules_build_on_those_before_them() -> None:
         ("__init__", *DEV_MODULES)
     )
     assert found == []
+
+
+# ---- the tests' own layers ---------------------------------------------------------------------
+
+
+def test_test_modules_import_helpers_never_one_another() -> None:
+    """What tests share lives in tests/helpers/ (or conftest): a test module's helpers imported
+    by another made it a library of the other, whose fixtures registered in the importer and
+    whose helpers moved with its tests. The test kit (shipped) imports nothing of tests/."""
+    found = offenders(python_files("tests", "benchmarks"), ("tests.test_",))
+    for path in python_files("tests", "benchmarks"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level
+                and (
+                    (node.module or "").startswith("test_")
+                    or any(alias.name.startswith("test_") for alias in node.names)
+                )
+            ):
+                found.append(f"{path.relative_to(ROOT)} imports .{node.module or ''}")
+    assert found == []
+    kits = [
+        p for kit in TEST_KITS for p in ([ROOT / kit] if kit.endswith(".py") else python_files(kit))
+    ]
+    assert kits and offenders(kits, ("tests",)) == []
+
+
+# The names a generic wait goes by; tests/helpers/waiting.py defines the one there is.
+GENERIC_WAIT = re.compile(r"_*(?:wait_until|until|until_blocking|eventually|wait_for)")
+
+
+def test_the_tests_wait_with_one_until() -> None:
+    """A test waits for a state with tests.helpers.waiting.until (until_blocking where no event
+    loop runs): copies drifted apart in their bounds, polls and failure messages."""
+    waiting = ROOT / "tests" / "helpers" / "waiting.py"
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno} defines {node.name}"
+        for path in python_files("tests")
+        if path != waiting
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and GENERIC_WAIT.fullmatch(node.name)
+    ]
+    assert found == []
+    defined = {n.name for n in ast.parse(waiting.read_text()).body if hasattr(n, "name")}
+    assert {"until", "until_blocking"} <= defined

@@ -26,8 +26,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_persistence import JOURNAL, read_all, read_from_store, routed
+from tests.helpers.journals import journal_spec, routed, set_journal, started_brokers
+from tests.helpers.persistence import JOURNAL, read_all, read_from_store
 
 NAMES = ["lease-0", "lease-1", "lease-2"]
 

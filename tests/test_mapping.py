@@ -21,7 +21,7 @@ from message.mapping import (
     random_mapping,
     rendezvous_mapping,
 )
-from tests.journals_testing import started_brokers
+from tests.helpers.journals import started_brokers
 
 
 def test_fnv1a32_matches_the_reference_vectors() -> None:

@@ -5,7 +5,6 @@ outage that persistence rides out."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import os
 import signal
@@ -14,113 +13,30 @@ import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from broker.client import JournalsClient
 from broker.client.appender import AppendError, append, reset_head
 from broker.client.journals import dial
-from broker.client.reader import read
 from broker.client.routes import append_routed
-from broker.fragment.content import open_in_store
-from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_processes
+from plumbing import metrics
 from tests.conftest import BrokerProcess, start_broker_process
-from tests.journals_testing import started_brokers
-
-JOURNAL = "persist/journal"
-
-
-def spec(
-    store: str, codec: pb.CompressionCodec = pb.ZSTANDARD, replication: int = 3
-) -> pb.JournalSpec:
-    out = pb.JournalSpec(name=JOURNAL, replication=replication)
-    out.fragment.length = 1024
-    out.fragment.compression_codec = codec
-    out.fragment.stores.append(store)
-    out.fragment.refresh_interval.seconds = 1
-    return out
-
-
-def payloads(count: int, seed: int = 0) -> list[bytes]:
-    """Appends of 200..900 bytes each, distinct and partly compressible, then one of 1100
-    bytes: the fragment it ends is over the spec's 1 KiB length, so the next append (even of
-    zero bytes) rolls it and every byte before is persisted."""
-    out = []
-    for i in range(count):
-        digest = hashlib.sha256(f"{seed}-{i}".encode()).hexdigest().encode()
-        out.append((digest * 40)[: 200 + (i * 137) % 700 if i < count - 1 else 1100])
-    return out
-
-
-async def routed(
-    client: JournalsClient, journal: str, replicas: int, members: str = ""
-) -> pb.Route:
-    """The journal's route once it has `replicas` members (with ids starting with `members`)
-    and a primary."""
-    deadline = time.monotonic() + 30
-    while True:
-        listing = await client.list(
-            pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))
-        )
-        if listing.journals:
-            route = listing.journals[0].route
-            if (
-                len(route.members) == replicas
-                and route.primary != -1
-                and all(m.suffix.startswith(members) for m in route.members)
-            ):
-                return route
-        assert time.monotonic() < deadline, "the journal was never assigned"
-        await asyncio.sleep(0.05)
-
-
-async def persisted_through(stub: pb_grpc.JournalStub, end: int, timeout: float = 30) -> list[Any]:
-    """Wait until persisted fragments cover [0, end); returns them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        response = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
-        persisted = [f.spec for f in response.fragments if f.spec.backing_store]
-        covered = 0
-        for fragment in sorted(persisted, key=lambda f: f.begin):
-            if fragment.begin <= covered:
-                covered = max(covered, fragment.end)
-        if covered >= end:
-            return persisted
-        assert time.monotonic() < deadline, f"persisted only through {covered} of {end}"
-        await asyncio.sleep(0.1)
-
-
-async def read_all(stub: pb_grpc.JournalStub, **options: Any) -> bytes:
-    parts = []
-    expect = 0
-    async for chunk in read(stub, JOURNAL, 0, **options):
-        assert chunk.offset == expect, "reads are contiguous from offset 0"
-        parts.append(chunk.content)
-        expect += len(chunk.content)
-    return b"".join(parts)
-
-
-def read_from_store(store_url: str, file_root: Path | None = None) -> bytes:
-    """A journal's history from its store alone, with no broker: list, choose the covering
-    fragments as the index does, and read each (verifying its SHA-1)."""
-    store = open_store(store_url, file_root=file_root)
-    cover = CoverSet()
-    for fragment in store.list_fragments(JOURNAL):
-        cover.add(IndexedFragment(fragment))
-    out, offset = [], 0
-    for entry in cover:
-        assert entry.begin <= offset, f"a gap at {offset}"
-        if entry.end <= offset:
-            continue
-        out.extend(open_in_store(store, entry.spec, offset))
-        offset = entry.end
-    return b"".join(out)
-
+from tests.helpers.journals import routed, started_brokers
+from tests.helpers.persistence import (
+    JOURNAL,
+    payloads,
+    persisted_through,
+    read_all,
+    read_from_store,
+    spec,
+)
+from tests.helpers.waiting import until
 
 # ---- durability across every broker dying -----------------------------------------------------
 
@@ -316,13 +232,20 @@ async def test_persisting_retries_through_a_store_outage(
             await persisted_through(stub, head)
 
             # The store goes away: appends go on, and what completes waits to be persisted.
+            failed_puts = {"store": metrics.store_label("file:///fragments/"), "operation": "put",
+                           "status": "error"}  # fmt: skip
+            failed_before = REGISTRY.get_sample_value("gazette_store_operation_total", failed_puts)
             (root / "fragments").rename(root / "away")
             second = payloads(4, seed=6)
             for content in second:
                 await append_routed(stub, JOURNAL, content)
             await append_routed(stub, JOURNAL, b"")
             end = head + sum(len(c) for c in second)
-            await asyncio.sleep(1.5)  # Some attempts fail meanwhile.
+            await until(
+                lambda: (REGISTRY.get_sample_value("gazette_store_operation_total", failed_puts)
+                         or 0) > (failed_before or 0),
+                "a persist attempt failed",
+            )  # fmt: skip
             response = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
             assert any(not f.spec.backing_store and f.spec.end > head for f in response.fragments)
 

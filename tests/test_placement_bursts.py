@@ -15,7 +15,7 @@ from broker.fragment.persister import Persister
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec
+from tests.helpers.journals import journal_spec
 
 pytestmark = pytest.mark.timeout(120)
 

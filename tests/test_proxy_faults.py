@@ -23,7 +23,7 @@ from broker.client.appender import append
 from broker.client.routes import CORE_SEND_FAILURE, append_routed, is_transient, transient_reason
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
 
 IDS = ["broker-p", "broker-q"]
 

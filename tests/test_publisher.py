@@ -29,8 +29,7 @@ from message.publisher import (
 from message.sequencer import Sequencer
 from message.types import DictMessages
 from message.uuid import Clock
-from tests.journals_testing import started_brokers
-from tests.test_persistence import routed
+from tests.helpers.journals import routed, started_brokers
 
 JOURNALS = ["events/part-000", "events/part-001"]
 
@@ -154,7 +153,7 @@ async def test_one_producer_publishes_to_journals_of_different_content_types(
 
     from message.framing import FixedProtobuf
     from message.types import ProtobufMessages
-    from tests.test_framing import _proto_class
+    from tests.helpers.messages import _proto_class
 
     lines, protos = "mixed/lines", "mixed/protos"
     async with started_brokers(etcd_server.endpoint, etcd_prefix, ["bk-0"], run_allocator=True) as (

@@ -24,8 +24,8 @@ from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed, read_uncommitted
 from message.types import DictMessages
 from tests.conftest import BrokerProcess
-from tests.tcp_proxy import TcpProxy, host_port
-from tests.test_broker_failure import placed, start_brokers
+from tests.helpers.brokers import placed, start_brokers
+from tests.helpers.tcp_proxy import TcpProxy, host_port
 
 JOURNAL = "exactly/once"
 

@@ -33,9 +33,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerProcess, EtcdServer, stop_process
 from tests.conftest import start_broker_process
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.test_gazctl_journals import gazctl
-from tests.test_persistence import routed
+from tests.helpers.gazctl import gazctl
+from tests.helpers.journals import journal_spec, routed, set_journal, started_brokers
 
 STORE = "file:///fragments/"
 JOURNAL = "holes/journal"

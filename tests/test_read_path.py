@@ -34,7 +34,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import wire
 from broker.testing import BrokerHarness, EtcdServer
-from tests.journals_testing import journal_spec, set_journal, started_brokers
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
 
 STORE = "file:///fragments/"
 JOURNAL = "reads/journal"

@@ -26,19 +26,19 @@ from consumer.recoverylog.player import Player
 from consumer.recoverylog.recorder import Recorder
 from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
-from tests.consumer_testing import INPUT
-from tests.consumer_testing import spec as journal_spec
-from tests.recoverylog_testing import new_log
-from tests.test_consumer_runtime import (
+from tests.helpers.consumers import (
+    INPUT,
     RecordedSummer,
     _consumed,
     _equals,
+    publish_inputs,
     shard_stub,
     statuses,
-    until,
 )
-from tests.test_persistence import routed
-from tests.test_transactions import publish_inputs
+from tests.helpers.consumers import spec as journal_spec
+from tests.helpers.journals import routed
+from tests.helpers.recoverylog import new_log
+from tests.helpers.waiting import until
 
 
 async def test_a_new_primarys_hints_play_at_once_before_it_commits_anything(

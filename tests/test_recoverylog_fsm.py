@@ -7,7 +7,6 @@ merging and refusing as upstream's."""
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -24,18 +23,7 @@ from consumer.recoverylog.fsm import (
     encode_frame,
 )
 from consumer.recoverylog.segments import Segment, SegmentError, SegmentSet
-
-LOG = "recovery/logs/shard-a"
-
-
-def crc32c_bitwise(crc: int, data: bytes) -> int:
-    """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), continuing `crc`, bit by bit."""
-    crc ^= 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
+from tests.helpers.recoverylog import LOG, LogWriter, crc32c_bitwise, create, link, unlink, write
 
 
 def test_checksums_and_frames_follow_the_format() -> None:
@@ -55,49 +43,6 @@ def test_checksums_and_frames_follow_the_format() -> None:
     assert author_fence(1234567).labels[0].name == "author"
     assert author_fence(1234567).labels[0].value == "15lk7"
     assert author_fence(0xFFFFFFFF).labels[0].value == "3vvvvvv"
-
-
-@dataclass
-class LogWriter:
-    """Writes ops as a recorder would, from the format alone: each op gets the next sequence
-    number and the checksum chained over the previous ops' bytes of its branch."""
-
-    seq_no: int = 1
-    checksum: int = 0
-    offset: int = 0
-    ops: list[tuple[rpb.RecordedOp, bytes]] = field(default_factory=list)
-
-    def fork(self) -> LogWriter:
-        return LogWriter(self.seq_no, self.checksum, self.offset, [])
-
-    def op(self, author: int, **kind: object) -> rpb.RecordedOp:
-        op = rpb.RecordedOp(seq_no=self.seq_no, checksum=self.checksum, author=author, **kind)  # type: ignore[arg-type]
-        body = op.SerializeToString()
-        length = 8 + len(body) + (op.write.length if op.HasField("write") else 0)
-        meta = rpb.RecordedOp()
-        meta.CopyFrom(op)
-        meta.first_offset, meta.last_offset, meta.log = self.offset, self.offset + length, LOG
-        self.ops.append((meta, body))
-        self.seq_no += 1
-        self.checksum = crc32c_bitwise(self.checksum, body)
-        self.offset += length
-        return meta
-
-
-def create(path: str) -> dict[str, object]:
-    return {"create": rpb.RecordedOp.Create(path=path)}
-
-
-def write(fnode: int, offset: int, length: int) -> dict[str, object]:
-    return {"write": rpb.RecordedOp.Write(fnode=fnode, offset=offset, length=length)}
-
-
-def unlink(fnode: int, path: str) -> dict[str, object]:
-    return {"unlink": rpb.RecordedOp.Link(fnode=fnode, path=path)}
-
-
-def link(fnode: int, path: str) -> dict[str, object]:
-    return {"link": rpb.RecordedOp.Link(fnode=fnode, path=path)}
 
 
 def test_ops_apply_only_in_sequence_with_their_checksums() -> None:

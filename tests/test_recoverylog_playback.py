@@ -28,9 +28,8 @@ from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.hints import decode_hints, encode_hints
 from consumer.recoverylog.player import PlaybackError, Player
 from consumer.recoverylog.recorder import Fenced, Recorder
-from tests.loop_testing import StallProbe
-from tests.recoverylog_testing import new_log
-from tests.test_recoverylog_fsm import LogWriter, create, unlink, write
+from tests.helpers.loop import StallProbe
+from tests.helpers.recoverylog import LogWriter, create, framed, new_log, unlink, write
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -397,16 +396,6 @@ async def test_corrupt_logs_fail_playback_and_leave_nothing(
     assert not (tmp_path / "out").exists()
 
 
-def framed(ops: list[tuple[rpb.RecordedOp, bytes]], payloads: dict[int, bytes]) -> bytes:
-    """The log bytes of `ops` (each op's frame, then its write's data from `payloads` by seq)."""
-    out = b""
-    for op, body in ops:
-        out += b"\x66\x33\x93\x36" + len(body).to_bytes(4, "little") + body
-        if op.HasField("write"):
-            out += payloads[op.seq_no]
-    return out
-
-
 async def test_playback_follows_the_hinted_branch_of_a_forked_log(
     recovery_broker: BrokerHarness, recovery_stub: pb_grpc.JournalStub, tmp_path: Path
 ) -> None:
@@ -561,7 +550,7 @@ def _escape_ops(
 ) -> tuple[bytes, rpb.FSMHints]:
     """The log content and hints that put `path` where `kind` says, with the content
     b"pwned" (what an attacker wants written outside), after files created at `first`."""
-    from tests.test_recoverylog_fsm import link as link_op
+    from tests.helpers.recoverylog import link as link_op
 
     w = LogWriter()
     hints = rpb.FSMHints(log=log)

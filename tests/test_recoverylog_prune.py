@@ -32,9 +32,9 @@ from consumer.recoverylog.recorder import Recorder
 from consumer.runtime import Consumer, ConsumerConfig
 from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.conftest import run_cli
-from tests.journals_testing import started_brokers
-from tests.test_consumer_runtime import StoredSummer
-from tests.test_persistence import routed
+from tests.helpers.consumers import StoredSummer
+from tests.helpers.journals import routed, started_brokers
+from tests.helpers.waiting import until
 
 LOG = "recovery/logs/shard-p"
 
@@ -251,8 +251,18 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     kept_segment = hints.live_nodes[-2].segments[0]
     assert all(f.end > kept_segment.first_offset for f in after)  # Only dead files' went.
 
-    # The brokers list the store again (refresh 1 s), and the shard recovers all the same.
-    await asyncio.sleep(2.5)
+    # The brokers list the store again (refresh 1 s): their index no longer holds what was
+    # removed. And the shard recovers all the same.
+    async def listed_again() -> bool:
+        channel = dial(broker.endpoint)
+        try:
+            stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+            response = await stub.ListFragments(pb.FragmentsRequest(journal=LOG))
+        finally:
+            await channel.close()
+        return not removed & spans([f.spec for f in response.fragments if f.spec.backing_store])
+
+    await until(listed_again, "the broker listed its store again")
     out = await asyncio.to_thread(
         run_cli,
         "gazctl",

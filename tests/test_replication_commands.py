@@ -8,30 +8,13 @@ repaired with gazctl."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from broker.testing import EtcdServer
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess
-from tests.replication_testing import LocationProcesses
-
-
-def wait_until(predicate: Any, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
-def refused(locations: LocationProcesses, *args: str) -> str:
-    """The one line of a refused command (exit 1, no traceback)."""
-    result = locations.gazctl(*args)
-    assert result.code == 1, (args, result.out, result.err)
-    assert "Traceback" not in result.err
-    lines = result.err.strip().splitlines()
-    assert len(lines) == 1, result.err
-    return lines[0]
+from tests.helpers.locations import LocationProcesses, refused
+from tests.helpers.waiting import until_blocking
 
 
 def history(locations: LocationProcesses, name: str) -> list[Any]:
@@ -55,7 +38,7 @@ def test_a_filtered_cycle_is_refused_although_no_endpoint_sees_it(
     locations.ok("connect", "C", "D")
     locations.ok("connect", "B", "D", "--both")
     for name in "ABCD":  # Each records etcd's history, A and C too.
-        wait_until(lambda n=name: len(history(locations, n)) == 4, f"{name} holds the four changes")  # fmt: skip
+        until_blocking(lambda n=name: len(history(locations, n)) == 4, f"{name} holds the four changes")  # fmt: skip
     before = {n: history(locations, n) for n in "ABCD"}
     line = refused(locations, "connect", "A", "C", "--filter", "kind=x")
     assert "A -> C" in line and "cycle" in line, line
@@ -63,7 +46,7 @@ def test_a_filtered_cycle_is_refused_although_no_endpoint_sees_it(
     assert connections(locations, "C") == []
     # Unfiltered, it is one more link of the unfiltered group: accepted.
     locations.ok("connect", "A", "C")
-    wait_until(lambda: connections(locations, "C") == ["A"], "C reads A")
+    until_blocking(lambda: connections(locations, "C") == ["A"], "C reads A")
 
 
 def test_a_refused_connect_changes_nothing_at_either_end(
@@ -78,7 +61,7 @@ def test_a_refused_connect_changes_nothing_at_either_end(
         locations.start(name, location_broker.address)
     locations.ok("connect", "A", "B")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
-    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
+    until_blocking(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
     locations.ok("delete", "A", "--through", "3")
     dvv_a = locations.status("A")["dvv"]
     assert dvv_a.get("A", 0) >= 2, dvv_a
@@ -96,12 +79,12 @@ def test_a_refused_connect_changes_nothing_at_either_end(
     # Nothing to repair: `disconnect` finds no connection, and no view differs.
     assert "A -> D is not connected" in refused(locations, "disconnect", "A", "D")
     locations.start("C", location_broker.address)
-    wait_until(lambda: locations.status("A")["clock"] == "ok", "A heard from C")
+    until_blocking(lambda: locations.status("A")["clock"] == "ok", "A heard from C")
     out = locations.ok("connect", "A", "D", "--new-events-only")
     assert "D: joined for new events" in out
     assert locations.status("D")["dvv"].get("A", 0) >= dvv_a["A"]
-    wait_until(lambda: connections(locations, "D") == ["A"], "D reads A")
-    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "the views agree")
+    until_blocking(lambda: connections(locations, "D") == ["A"], "D reads A")
+    until_blocking(lambda: locations.gazctl("topology", "--check").code == 0, "the views agree")
 
 
 def test_a_change_etcd_recorded_reaches_every_location_though_gazctl_died(
@@ -127,12 +110,12 @@ def test_a_change_etcd_recorded_reaches_every_location_though_gazctl_died(
             await etcd.close()
 
     asyncio.run(record_only())
-    wait_until(lambda: connections(locations, "B") == ["A"], "B reads A")
-    wait_until(lambda: len(history(locations, "A")) == 2, "A holds both changes")
+    until_blocking(lambda: connections(locations, "B") == ["A"], "B reads A")
+    until_blocking(lambda: len(history(locations, "A")) == 2, "A holds both changes")
     locations.ok("emit", "A", '{"n": 1}')
     locations.start("C", location_broker.address)
-    wait_until(lambda: connections(locations, "C") == ["B"], "C reads B")
-    wait_until(lambda: any(e["payload"].get("n") == 1 for e in locations.events("C")), "C holds A's event")  # fmt: skip
+    until_blocking(lambda: connections(locations, "C") == ["B"], "C reads B")
+    until_blocking(lambda: any(e["payload"].get("n") == 1 for e in locations.events("C")), "C holds A's event")  # fmt: skip
     out = locations.ok("topology", "--check")
     assert "3 locations hold etcd's view (2 changes)" in out, out
 
@@ -163,14 +146,16 @@ def test_a_network_that_holds_a_forbidden_change_is_repaired_with_gazctl(
             await etcd.close()
 
     asyncio.run(forbidden())
-    wait_until(lambda: connections(locations, "C") == ["A"], "C reads A, filtered")
+    until_blocking(lambda: connections(locations, "C") == ["A"], "C reads A, filtered")
     locations.ok("connect", "B", "A")
     locations.ok("connect", "D", "C")
     line = refused(locations, "connect", "A", "D", "--filter", "kind=x")
     assert "A -> D" in line and "cycle" in line, line
     locations.ok("disconnect", "A", "C")
-    wait_until(lambda: connections(locations, "C") == ["D"], "C reads D only")
-    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's")
+    until_blocking(lambda: connections(locations, "C") == ["D"], "C reads D only")
+    until_blocking(
+        lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's"
+    )
 
 
 def test_a_history_that_breaks_a_rule_takes_only_commands_that_make_it_no_worse() -> None:
@@ -278,23 +263,23 @@ def test_new_events_only_joins_where_etcd_catch_up_records_it_though_gazctl_died
         locations.start(name, location_broker.address)
     locations.ok("connect", "A", "B")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
-    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
+    until_blocking(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
     locations.ok("delete", "A", "--through", "3")  # A's system event, n 1 and n 2.
     dvv_a = locations.status("A")["dvv"]
     assert dvv_a == {"A": 3}, dvv_a
     op = record_straight_into_etcd(etcd_server, locations.prefix, new_events_only("A", "D", dvv_a))  # fmt: skip
-    wait_until(lambda: connections(locations, "D") == ["A"], "D reads A")
-    wait_until(
+    until_blocking(lambda: connections(locations, "D") == ["A"], "D reads A")
+    until_blocking(
         lambda: locations.status("D")["connections"][0]["state"] == "replicating",
         f"D's connection from A replicates ({locations.status('D')['connections']})",
     )
     locations.ok("emit", "A", '{"n": 4}')
-    wait_until(lambda: 4 in nums(locations, "D"), "D holds A's new event")
+    until_blocking(lambda: 4 in nums(locations, "D"), "D holds A's new event")
     # A's events after the floor, those it still holds (n 3, n 4): not those it deleted.
     assert nums(locations, "D") == nums(locations, "A") == [3, 4]
     assert locations.status("D")["dvv"] == dvv_a
     # A's system event for the op (A recorded it too) reaches D by A -> D: no second join.
-    wait_until(lambda: "A" in op_records(locations, "D", op), "D holds A's record of the op")
+    until_blocking(lambda: "A" in op_records(locations, "D", op), "D holds A's record of the op")
     assert [r["floor"] for r in joined_records(location_broker.address, "D")] == [dvv_a]
     # The join is in D's log: D's process, started again, folds it back.
     locations.stop("D")
@@ -317,32 +302,34 @@ def test_new_events_only_joins_where_replication_brings_the_change_first(
     locations.ok("connect", "A", "C")
     locations.ok("connect", "B", "D")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
-    wait_until(lambda: locations.status("C")["cvv"].get("A", 0) >= 4, "C holds A's events")
+    until_blocking(lambda: locations.status("C")["cvv"].get("A", 0) >= 4, "C holds A's events")
     locations.ok("delete", "A", "--through", "3")
     dvv_a = locations.status("A")["dvv"]
     assert dvv_a == {"A": 3}, dvv_a
-    wait_until(lambda: len(history(locations, "D")) == 2, "D holds etcd's history")
+    until_blocking(lambda: len(history(locations, "D")) == 2, "D holds etcd's history")
     locations.stop("C")
     locations.stop("D")
     locations.start("D", location_broker.address)
     assert locations.status("D")["clock"] != "ok", locations.status("D")  # Not heard from C.
     op = record_straight_into_etcd(etcd_server, locations.prefix, new_events_only("A", "D", dvv_a))  # fmt: skip
-    wait_until(lambda: connections(locations, "D") == ["A", "B"], "D reads A and B")
+    until_blocking(lambda: connections(locations, "D") == ["A", "B"], "D reads A and B")
     # In D's log order: B's record first (replication from B brought it; A's comes by the
     # connection from A, which that record started).
     assert op_records(locations, "D", op)[0] == "B", op_records(locations, "D", op)
-    wait_until(
+    until_blocking(
         lambda: locations.status("D")["connections"][0]["state"] == "replicating",
         f"D's connection from A replicates ({locations.status('D')['connections']})",
     )
     locations.ok("emit", "A", '{"n": 4}')
-    wait_until(lambda: 4 in nums(locations, "D"), "D holds A's new event")
+    until_blocking(lambda: 4 in nums(locations, "D"), "D holds A's new event")
     # A's log: its two system events, then n 1 to n 3; through 3 deleted: n 1 only.
     assert nums(locations, "D") == nums(locations, "A") == [2, 3, 4]
     assert locations.status("D")["dvv"] == dvv_a
     locations.start("C", location_broker.address)
-    wait_until(lambda: locations.status("D")["clock"] == "ok", "D heard from C")
-    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's")
+    until_blocking(lambda: locations.status("D")["clock"] == "ok", "D heard from C")
+    until_blocking(
+        lambda: locations.gazctl("topology", "--check").code == 0, "every view is etcd's"
+    )
     assert [r["floor"] for r in joined_records(location_broker.address, "D")] == [dvv_a]
 
 
@@ -359,16 +346,16 @@ def test_new_events_only_on_a_connection_made_already_joins_at_once(
         locations.start(name, location_broker.address)
     locations.ok("connect", "A", "B")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
-    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
+    until_blocking(lambda: locations.status("B")["cvv"].get("A", 0) >= 4, "B holds A's events")
     locations.ok("delete", "A", "--through", "3")
     record_straight_into_etcd(etcd_server, locations.prefix, Connected("A", "D"))
-    wait_until(lambda: connections(locations, "D") == ["A"], "D reads A")
-    wait_until(
+    until_blocking(lambda: connections(locations, "D") == ["A"], "D reads A")
+    until_blocking(
         lambda: locations.status("D")["connections"][0]["state"].startswith("waiting: DVV-A"),
         "D's connection from A waits",
     )
     out = locations.ok("connect", "A", "D", "--new-events-only")
     assert "A -> D: connected already" in out and "D: joined for new events" in out, out
     locations.ok("emit", "A", '{"n": 4}')
-    wait_until(lambda: 4 in nums(locations, "D"), "D holds A's new event")
+    until_blocking(lambda: 4 in nums(locations, "D"), "D holds A's new event")
     assert nums(locations, "D") == nums(locations, "A") == [3, 4]

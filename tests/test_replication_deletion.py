@@ -17,8 +17,8 @@ from broker.testing import EtcdServer
 from replication import registry
 from replication.journals import apply_location_journals
 from tests.conftest import BrokerProcess
-from tests.replication_testing import LocationProcesses
-from tests.test_replication_locations import refused, wait_until
+from tests.helpers.locations import LocationProcesses, refused
+from tests.helpers.waiting import until_blocking
 
 
 def test_a_deletion_whose_neighbour_cannot_answer_is_refused_at_once_naming_it(
@@ -32,7 +32,7 @@ def test_a_deletion_whose_neighbour_cannot_answer_is_refused_at_once_naming_it(
         locations.start(name, location_broker.address)
     locations.ok("connect", "A", "B", "--both")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}')
-    wait_until(lambda: locations.status("B")["cvv"].get("A", 0) >= 2, "B holds A's events")
+    until_blocking(lambda: locations.status("B")["cvv"].get("A", 0) >= 2, "B holds A's events")
     last = locations.status("A")["last_seq"]
     held = [e["seq"] for e in locations.events("A")]
 

@@ -16,8 +16,8 @@ from broker.protocol import protocol_pb2 as pb
 from replication.journals import apply_location_journals
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess
-from tests.replication_testing import LocationProcesses
-from tests.test_replication_locations import assert_causal_order, ids, refused, wait_until
+from tests.helpers.locations import LocationProcesses, assert_causal_order, ids, refused
+from tests.helpers.waiting import until_blocking
 
 
 def payloads(events: list[dict[str, object]]) -> list[object]:
@@ -38,10 +38,10 @@ def test_a_standby_host_takes_over_a_location_whose_host_dies(
     assert "location hosts run it already" in again
     for host in ("host1", "host2"):
         locations.start_host(host, broker)
-    wait_until(lambda: locations.served_by("A") and locations.served_by("B"), "A and B are served")  # fmt: skip
+    until_blocking(lambda: locations.served_by("A") and locations.served_by("B"), "A and B are served")  # fmt: skip
     locations.ok("connect", "A", "B", "--both")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}')
-    wait_until(lambda: len(ids(locations.events("B"))) == 2, "B holds A's events")
+    until_blocking(lambda: len(ids(locations.events("B"))) == 2, "B holds A's events")
 
     # A's host dies: the other host's standby takes A over once the dead host's lease expires.
     time_before = locations.status("A")["local_time"]
@@ -60,7 +60,7 @@ def test_a_standby_host_takes_over_a_location_whose_host_dies(
     assert "location A: takes over its log folded through offset" in locations.log(survivor)
     # Its clock went on from the log it took over: no time is reused.
     assert f"A {{A: {time_before + 1}" in emitted, emitted
-    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's new event")
+    until_blocking(lambda: len(ids(locations.events("B"))) == 3, "B holds A's new event")
     assert payloads(locations.events("B")) == [{"n": 1}, {"n": 2}, {"n": 3}]
     for name in "AB":
         assert_causal_order(locations.events(name))
@@ -84,12 +84,12 @@ def test_a_lost_log_is_recovered_with_gazctl_alone(
         locations.ok("add", name, "--broker.address", broker)
     for host in ("host1", "host2"):
         locations.start_host(host, broker)
-    wait_until(lambda: locations.served_by("A") and locations.served_by("B"), "A and B are served")  # fmt: skip
+    until_blocking(lambda: locations.served_by("A") and locations.served_by("B"), "A and B are served")  # fmt: skip
     locations.ok("connect", "A", "B", "--both")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}')
     locations.ok("emit", "B", '{"n": 3}')
-    wait_until(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
-    wait_until(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
+    until_blocking(lambda: len(ids(locations.events("A"))) == 3, "A holds B's event")
+    until_blocking(lambda: len(ids(locations.events("B"))) == 3, "B holds A's events")
     before = set(ids(locations.events("B")))
     seen = locations.status("B")["cvv"]["A"]
 
@@ -102,10 +102,10 @@ def test_a_lost_log_is_recovered_with_gazctl_alone(
     assert "A: its journal replication/A made anew" in out
     assert "restarting its process on a location host" in out
     assert f"local time {seen}" in out and "events 1-0 survived" in out
-    wait_until(lambda: set(ids(locations.events("A"))) == before, "A has its events back")
+    until_blocking(lambda: set(ids(locations.events("A"))) == before, "A has its events back")
     emitted = locations.ok("emit", "A", '{"n": 4}')
     assert f"A {{A: {seen + 1}" in emitted, emitted
-    wait_until(lambda: len(ids(locations.events("B"))) == 4, "B gets A's new event")
+    until_blocking(lambda: len(ids(locations.events("B"))) == 4, "B gets A's new event")
     for name in "AB":
         assert_causal_order(locations.events(name))
     new = [e for e in locations.events("A") if e["payload"] == {"n": 4}]
@@ -125,7 +125,7 @@ def test_topology_check_names_the_changes_a_location_lacks_and_add_refuses_bad_i
     locations.stop("C")
     locations.start("C", broker)
     locations.ok("connect", "A", "B", "--both")
-    wait_until(
+    until_blocking(
         lambda: len(locations.status("A")["history"]) == len(locations.status("B")["history"]) == 2,
         "A and B hold both changes",
     )
@@ -137,7 +137,9 @@ def test_topology_check_names_the_changes_a_location_lacks_and_add_refuses_bad_i
     assert "E: not running" in result.out
     assert "the views differ" in result.err and "Traceback" not in result.err
     locations.start("E", broker)  # C hears from E, and records etcd's history.
-    wait_until(lambda: locations.gazctl("topology", "--check").code == 0, "C learns the history")
+    until_blocking(
+        lambda: locations.gazctl("topology", "--check").code == 0, "C learns the history"
+    )
     assert "4 locations hold etcd's view (2 changes)" in locations.ok("topology", "--check")
 
     # `add` refuses in one line and declares nothing.
@@ -164,13 +166,15 @@ def test_a_paused_host_that_resumes_after_its_standby_took_over_writes_nothing(
     locations.ok("add", "A", "--broker.address", broker)
     for host in ("host1", "host2"):
         locations.start_host(host, broker)
-    wait_until(lambda: locations.served_by("A"), "A is served")
+    until_blocking(lambda: locations.served_by("A"), "A is served")
     locations.ok("emit", "A", '{"n": 1}')
     paused = locations.served_by("A")
     old = locations.status("A")["endpoint"]
     os.kill(paused, signal.SIGSTOP)
     try:
-        wait_until(lambda: locations.served_by("A") not in (0, paused), "the standby serves A", 30)
+        until_blocking(
+            lambda: locations.served_by("A") not in (0, paused), "the standby serves A", 30
+        )
         locations.ok("emit", "A", '{"n": 2}')
     finally:
         os.kill(paused, signal.SIGCONT)

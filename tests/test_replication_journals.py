@@ -16,24 +16,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from replication.journal_log import JournalEventLog, read_events, replicate_journals
-from tests.test_persistence import routed
-
-
-async def logs(broker: BrokerHarness, *names: str) -> dict[str, str]:
-    journals = {n: f"replication/test/{n}" for n in names}
-    async with broker.client() as client:
-        specs = []
-        for journal in journals.values():
-            spec = pb.JournalSpec(name=journal, replication=1)
-            spec.fragment.length = 1 << 20
-            spec.fragment.compression_codec = pb.NONE
-            spec.fragment.refresh_interval.seconds = 60
-            spec.labels.labels.add(name="content-type", value="application/x-ndjson")
-            specs.append(spec)
-        await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
-        for journal in journals.values():
-            await routed(client, journal, 1)
-    return journals
+from tests.helpers.locations import logs
 
 
 async def test_replication_between_journal_logs(

@@ -38,7 +38,7 @@ from replication.journal_log import (
 )
 from replication.system import passes, system_payload
 from replication.topology import Connected, Disconnected, RuleViolation, Topology
-from tests.test_replication_journals import logs
+from tests.helpers.locations import logs
 
 NAMES = ["A", "B", "C", "D"]
 FILTERS = ["", "", "", "colour=red", "colour in (red, green)", "!colour"]

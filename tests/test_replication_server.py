@@ -5,9 +5,7 @@ as the connection is cancelled."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -20,21 +18,8 @@ from replication.process import LocationConfig, LocationProcess
 from replication.rpc import change_message
 from replication.topology import Connected, Disconnected
 from tests.conftest import BrokerProcess
-
-
-@contextlib.asynccontextmanager
-async def serving(config: LocationConfig) -> AsyncIterator[LocationProcess]:
-    server = LocationProcess(config)
-    stop, ready = asyncio.Event(), asyncio.Event()
-    async with asyncio.TaskGroup() as tasks:
-        task = tasks.create_task(server.run(stop, ready))
-        waiting = asyncio.ensure_future(ready.wait())
-        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-        waiting.cancel()
-        try:
-            yield server
-        finally:
-            stop.set()
+from tests.helpers.locations import serving
+from tests.helpers.waiting import until
 
 
 class EndsAsAnErrorWhenCancelled:
@@ -45,8 +30,10 @@ class EndsAsAnErrorWhenCancelled:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.cancelled_reads = 0
+        self.reading = 0  # Reads under way.
 
     async def read(self, *args: Any, **kwargs: Any) -> Any:
+        self.reading += 1
         try:
             return await self.inner.read(*args, **kwargs)
         except asyncio.CancelledError:
@@ -55,6 +42,8 @@ class EndsAsAnErrorWhenCancelled:
             self.cancelled_reads += 1
             md = grpc.aio.Metadata()
             raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, md, md, "Locally cancelled") from None  # fmt: skip
+        finally:
+            self.reading -= 1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -91,23 +80,23 @@ def test_a_connection_whose_read_ends_as_it_is_cancelled_stops_and_changes_take_
             for server in (b, a):
                 await record(server, Connected("A", "B"))
             await emit(a, {"n": 1})
-            async with asyncio.timeout(30):
-                while b.log is None or b.log.progress.get("A", 0) < 2:
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(0.3)  # B's connection waits in a blocking Read of A now.
+            await until(
+                lambda: b.log is not None and b.log.progress.get("A", 0) >= 2, "B read A's events"
+            )
+            # B's connection reads A again, and waits there (A has nothing more).
+            await until(
+                lambda: any(w.reading for w in wrapped.values()), "B's connection waits in a Read"
+            )
             for server in (b, a):
                 await record(server, Disconnected("A", "B"))
-            async with asyncio.timeout(10):  # The connection stops; the loop goes on.
-                while "A" in b.connections:
-                    await asyncio.sleep(0.05)
+            # The connection stops; the loop goes on.
+            await until(lambda: "A" not in b.connections, "B's connection to A stopped", 10)
             assert sum(w.cancelled_reads for w in wrapped.values()) >= 1
             # And the loop still follows the topology: a new connection starts.
             for server in (b, a):
                 await record(server, Connected("A", "B"))
             await emit(a, {"n": 2})
-            async with asyncio.timeout(30):
-                while b.log.progress.get("A", 0) < 5:
-                    await asyncio.sleep(0.05)
+            await until(lambda: b.log.progress.get("A", 0) >= 5, "B read A's new events")
 
     asyncio.run(go())
 
@@ -178,7 +167,9 @@ def test_a_process_whose_endpoint_lease_expired_does_not_take_back_anothers_endp
             other = await etcd.lease(30)
             theirs = json.dumps({"endpoint": "http://127.0.0.1:1", "pid": 1}).encode()
             await etcd.put(key, theirs, lease=other)
-            await asyncio.sleep(2.5)  # Its keep-alive notices, more than once.
+            # A hold, the thing under test: its keep-alive notices the loss more than once in
+            # this while, and leaves the other's registration alone.
+            await asyncio.sleep(2.5)
             got = await etcd.get(key)
             assert got is not None and got.value == theirs
             # The other goes: this process registers the location again.

@@ -20,7 +20,7 @@ from broker.resolver import ResolveError, Resolver
 from keyspace import KeySpace
 from plumbing import etcd as etcdx
 from plumbing.tasks import TaskOwner
-from tests.journals_testing import journal_spec
+from tests.helpers.journals import journal_spec
 
 LOCAL = pb.ProcessSpec.ID(zone="local", suffix="me")
 

@@ -527,7 +527,7 @@ def test_consumers_serve_tls_and_verify_tokens_end_to_end(
     arrives exact, and shard RPCs honour capabilities and selectors."""
     from broker.protocol import consumer_pb2 as cpb
     from broker.protocol import consumer_pb2_grpc as cpb_grpc
-    from tests.consumer_testing import ConsumerProcesses
+    from tests.helpers.consumers import ConsumerProcesses
 
     pki = cluster.pki
     example = [sys.executable, "-m", "consumer.examples.stream_sum"]
@@ -785,7 +785,7 @@ async def test_brokers_sign_their_own_tokens_for_one_journal_and_briefly(
     """A broker that proxies an Append, or replicates a journal it leads, signs itself a token
     for that journal alone (`name=<journal>`), living minutes: not APPEND or REPLICATE over
     every journal, for a minute or an hour."""
-    from tests.journals_testing import journal_spec, set_journal, started_brokers
+    from tests.helpers.journals import journal_spec, set_journal, started_brokers
 
     ids = ["signer", "peer"]
     async with started_brokers(etcd_server.endpoint, etcd_prefix, ids, auth_keys=b64(KEY1)) as (a, b):  # fmt: skip
@@ -814,7 +814,7 @@ async def test_a_pipeline_is_renewed_before_its_token_expires(
     a fresh token) before the peer would end the old one, so an append after the token's
     expiry commits on its first try, never failing for it."""
     from broker import pipeline
-    from tests.journals_testing import journal_spec, set_journal, started_brokers
+    from tests.helpers.journals import journal_spec, set_journal, started_brokers
 
     monkeypatch.setattr(pipeline, "TOKEN_TTL", 2.0, raising=False)
     monkeypatch.setattr(pipeline, "RENEW_BEFORE", 1.0, raising=False)

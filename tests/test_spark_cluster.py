@@ -18,35 +18,24 @@ from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
 from gazctl.spark.testing import StandaloneCluster, standalone_cluster
 from tests.conftest import run_cli
-from tests.fragments_testing import put_pieces
-from tests.test_spark_compact import JOURNAL, content, journal_bytes, specs_file
-from tests.test_spark_replay import local_events, sequenced_offline
-from tests.test_spark_stream import TOPIC, broker_with, committed, ordered, write_history
+from tests.helpers.fragments import put_pieces
+from tests.helpers.spark import (
+    JOURNAL,
+    LOOPBACK,
+    content,
+    journal_bytes,
+    listening_addresses,
+    local_events,
+    sequenced_offline,
+    specs_file,
+)
+from tests.helpers.spark_stream import TOPIC, broker_with, committed, ordered, write_history
 
 
 @pytest.fixture(scope="module")  # Three JVMs, started once for the module's tests.
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
     with standalone_cluster(tmp_path_factory.mktemp("spark-cluster")) as started:
         yield started
-
-
-def listening_addresses(pid: int) -> set[str]:
-    """The local addresses (hex, as /proc/net/tcp* writes them) a process listens on."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:
-            continue  # Closed meanwhile.
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    out = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                out.add(fields[1].rsplit(":", 1)[0])
-    return out
 
 
 def executors_of(cluster: StandaloneCluster, app: str) -> list[int]:
@@ -59,9 +48,6 @@ def executors_of(cluster: StandaloneCluster, app: str) -> list[int]:
         for i in range(len(cluster.workers))
         if any((cluster.workdir / f"worker-{i}" / app_id).is_dir() for app_id in ids)
     ]
-
-
-LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
 @pytest.mark.slow

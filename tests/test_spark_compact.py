@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from broker.client.journals import dial
 from broker.client.routes import append_routed
-from broker.fragment.content import fragment_path, open_in_store
-from broker.fragment.stores import FragmentStore, open_store
+from broker.fragment.content import fragment_path
+from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
@@ -26,45 +26,19 @@ from gazctl.cli import cli
 from gazctl.spark.compaction import plan_journal, write_merged
 from gazctl.spark.journals import covering
 from tests.conftest import run_cli
-from tests.fragments_testing import put_pieces
-from tests.journals_testing import started_brokers
-from tests.store_servers import GCSServer, S3Server
-from tests.test_gazctl_fragments import STORE, Cluster, History, cluster, history  # noqa: F401
-from tests.test_persistence import JOURNAL as APPENDED  # The journal its helpers append to.
-from tests.test_persistence import read_all, routed
+from tests.helpers import fragment_history
+from tests.helpers.fragment_history import STORE, Cluster, History
+from tests.helpers.fragments import put_pieces
+from tests.helpers.journals import routed, started_brokers
+from tests.helpers.persistence import JOURNAL as APPENDED  # The journal its helpers append to.
+from tests.helpers.persistence import read_all
+from tests.helpers.spark import JOURNAL, content, journal_bytes, specs_file
+from tests.helpers.store_servers import GCSServer, S3Server
 
-JOURNAL = "compact/events"
-
-
-def journal_bytes(store: FragmentStore, journal: str) -> bytes:
-    """The journal's whole content as a reader gets it from the store: covering fragments."""
-    kept, _ = covering(store.list_fragments(journal))
-    out = bytearray()
-    for fragment in kept:
-        assert fragment.begin <= len(out), f"a gap before {fragment.begin}"
-        for block in open_in_store(store, fragment, len(out)):
-            out += block
-    return bytes(out)
-
-
-def specs_file(tmp_path: Path, store_url: str, codec: str = "ZSTANDARD") -> Path:
-    path = tmp_path / "specs.yaml"
-    path.write_text(
-        f"name: {JOURNAL}\nreplication: 1\nfragment:\n  length: 1048576\n"
-        f'  compression_codec: {codec}\n  stores: ["{store_url}"]\n'
-    )
-    return path
-
-
-def content(size: int, seed: int = 7) -> bytes:
-    rng = random.Random(seed)
-    lines = []
-    total = 0
-    while total < size:
-        line = f'{{"n": {len(lines)}, "v": "{rng.getrandbits(64):x}"}}\n'.encode()
-        lines.append(line)
-        total += len(line)
-    return b"".join(lines)[:size]
+# The module-scoped fixtures of tests/test_gazctl_fragments.py's broker and history, for this
+# module's tests of them.
+cluster = fragment_history.cluster
+history = fragment_history.history
 
 
 def compact(*args: str, env: dict[str, str] | None = None) -> Any:
@@ -330,8 +304,8 @@ async def test_compaction_while_a_broker_keeps_appending(
 
 
 def test_spark_compact_notes_unpersisted_content(
-    cluster: Cluster,  # noqa: F811
-    history: History,  # noqa: F811
+    cluster: Cluster,
+    history: History,
     tmp_path: Path,
 ) -> None:
     # frag/a: [0,1400) persisted, [1400,1600) in the broker only; frag/b: [0,4) in the broker.

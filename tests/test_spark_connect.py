@@ -19,10 +19,17 @@ from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
 from gazctl.spark.testing import ConnectServer, connect_server
 from tests.conftest import run_cli
-from tests.fragments_testing import put_pieces
-from tests.test_spark_cluster import LOOPBACK, listening_addresses
-from tests.test_spark_compact import JOURNAL, content, journal_bytes, specs_file
-from tests.test_spark_replay import local_events, sequenced_offline
+from tests.helpers.fragments import put_pieces
+from tests.helpers.spark import (
+    JOURNAL,
+    LOOPBACK,
+    content,
+    journal_bytes,
+    listening_addresses,
+    local_events,
+    sequenced_offline,
+    specs_file,
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +118,7 @@ async def test_a_stream_runs_on_a_spark_connect_server(
 ) -> None:
     """`gazctl spark stream --remote`: the source's planning and the sink's commits run in the
     server's Spark; into Parquet and into a journal, each committed message once."""
-    from tests.test_spark_stream import TOPIC, broker_with, committed, write_history
+    from tests.helpers.spark_stream import TOPIC, broker_with, committed, write_history
 
     root = tmp_path / "root"
     async with broker_with(etcd_server, etcd_prefix, root, [*TOPIC, "sink/remote"]) as (

@@ -28,17 +28,15 @@ from broker.testing import EtcdServer
 from gazctl.cli import cli
 from gazctl.spark.replay import resolve, summary_of
 from gazctl.spark.source import FragmentPartition, GazetteReader
-from message.framing import FrameReader, JSONLines
+from message.framing import JSONLines
 from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
-from message.sequencer import Sequencer
 from message.types import DictMessages
-from message.uuid import Flags, build, new_producer_id
 from tests.conftest import run_cli
-from tests.fragments_testing import put_pieces
-from tests.journals_testing import started_brokers
-from tests.store_servers import GCSServer, S3Server
-from tests.test_persistence import routed
+from tests.helpers.fragments import put_pieces
+from tests.helpers.journals import routed, started_brokers
+from tests.helpers.spark import local_events, sequenced_offline
+from tests.helpers.store_servers import GCSServer, S3Server
 
 TOPIC = ["replay/part-000", "replay/part-001"]
 TARGET = "replayed/all"
@@ -238,21 +236,6 @@ def test_replay_bad_input_is_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "is not a time" in result.output
 
 
-def sequenced_offline(data: bytes, journal: str) -> list[tuple[str, int, str]]:
-    """What the read-committed iterator delivers for these bytes (its Reader and Sequencer)."""
-    reader = Reader(DictMessages(), JSONLines())
-    frames = FrameReader(JSONLines())
-    seq = Sequencer()
-    out = []
-    _, base, lines = frames.feed_lines(0, data)
-    for envelope in reader.envelopes_of_lines(journal, base, lines):
-        seq.queue_uncommitted(envelope)
-        while (committed := seq.step()) is not None:
-            if not committed.is_ack:
-                out.append((journal, committed.begin, committed.message["id"]))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["gs", "s3"])
 def test_replay_from_cloud_stores_without_a_broker(
@@ -280,56 +263,6 @@ def test_replay_from_cloud_stores_without_a_broker(
     got = [(r["journal"], r["offset"], json.loads(r["content"])["id"]) for r in rows]
     assert got == sequenced_offline(data, "cloud/events")
     assert len(got) == 2_000
-
-
-def committed_history() -> tuple[bytes, list[int]]:
-    """Committed (OUTSIDE_TXN) messages of two producers, messages without a UUID, and a
-    transaction long enough to span fragments; then the cuts between fragments, one of them
-    inside a retried append of committed messages (so that the fragment after it starts with
-    duplicates only the one before can tell)."""
-    messages, framing = DictMessages(), JSONLines()
-    producers = [new_producer_id(), new_producer_id()]
-    clock = 1 << 60
-    lines: list[bytes] = []
-
-    def add(doc: dict[str, Any], producer: bytes | None, flags: Flags) -> None:
-        nonlocal clock
-        if producer is not None:
-            clock += 16
-            messages.set_uuid(doc, build(producer, clock, flags))
-        out = bytearray()
-        framing.marshal(messages.encode(doc), out)
-        lines.append(bytes(out))
-
-    for i in range(300):
-        add({"id": i}, producers[i % 2], Flags.OUTSIDE_TXN)
-        if i % 50 == 0:
-            add({"id": 10_000 + i}, None, Flags.OUTSIDE_TXN)
-    for i in range(120):  # A transaction over three fragments, then its ACK.
-        add({"id": 1_000 + i}, producers[0], Flags.CONTINUE_TXN)
-    add({"id": 1_999}, producers[0], Flags.ACK_TXN)
-    retried = lines[160:190]  # Appended again: all duplicates (none without a UUID).
-    lines = lines[:300] + retried + lines[300:]
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    cuts = [offsets[100], offsets[310], offsets[360], offsets[400]]  # 310: inside the retry.
-    return b"".join(lines), cuts
-
-
-def local_events(tmp_path: Path, codec: int) -> tuple[bytes, list[pb.Fragment], Path]:
-    """`committed_history()` as journal local/events in a file:// store under `tmp_path`: its
-    bytes, its fragments and its specs file."""
-    data, cuts = committed_history()
-    (tmp_path / "store").mkdir()
-    store = open_store("file:///store/", file_root=tmp_path)
-    fragments = put_pieces(store, "local/events", data, cuts, codec=codec)
-    specs = tmp_path / "specs.yaml"
-    specs.write_text(
-        "name: local/events\nreplication: 1\nlabels:\n  - name: content-type\n"
-        '    value: application/x-ndjson\nfragment:\n  stores: ["file:///store/"]\n'
-    )
-    return data, fragments, specs
 
 
 def test_replay_withdraws_duplicates_a_fragment_cannot_see_and_restarts_cleanly(

@@ -22,7 +22,7 @@ from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.columns import hex_ids, uuid_columns, uuid_texts
 from message.types import DictMessages
 from message.uuid import Flags, build, new_producer_id, parse_text
-from tests.fragments_testing import put_fragment, put_pieces
+from tests.helpers.fragments import put_fragment, put_pieces
 
 JOURNAL = "source/events"
 

@@ -25,8 +25,8 @@ from gazctl.spark.journals import JobError
 from gazctl.spark.stream_plan import StreamOptions
 from gazctl.spark.stream_source import GazetteStreamReader
 from message.uuid import TICK, Flags, from_time, text_of
-from tests.test_persistence import routed
-from tests.test_spark_stream import (
+from tests.helpers.journals import routed
+from tests.helpers.spark_stream import (
     broker_with,
     committed,
     kinds_of,

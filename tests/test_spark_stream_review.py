@@ -19,7 +19,7 @@ from gazctl.spark.journals import JobError
 from gazctl.spark.stream_plan import StreamOptions
 from gazctl.spark.stream_source import GazetteStreamReader
 from message.uuid import TICK, Flags, from_time, text_of
-from tests.test_spark_stream import broker_with, run_batches
+from tests.helpers.spark_stream import broker_with, run_batches
 
 ONE = "attack/one"
 OUT, CONT, ACK = int(Flags.OUTSIDE_TXN), int(Flags.CONTINUE_TXN), int(Flags.ACK_TXN)
@@ -378,7 +378,7 @@ async def test_random_histories_batches_are_read_committed(
 ) -> None:
     import random
 
-    from tests.test_spark_stream import committed
+    from tests.helpers.spark_stream import committed
 
     rng = random.Random(seed)
     journals = ["attack/a", "attack/b"]
@@ -450,7 +450,7 @@ def batches_with_appends(
     plans), appending one of `later` after each latestOffset (writes racing the query), every
     reader stopped."""
     from broker.client.journals import JournalsClient
-    from tests.test_spark_stream import plan_of
+    from tests.helpers.spark_stream import plan_of
 
     parsed = StreamOptions.parse(opts)
     reader = GazetteStreamReader(parsed)
@@ -506,7 +506,7 @@ async def test_random_histories_with_racing_appends_and_planning_processes(
     import random
 
     from gazctl.spark import planners
-    from tests.test_spark_stream import committed
+    from tests.helpers.spark_stream import committed
 
     monkeypatch.setattr(planners, "PARALLEL_PLANNING_BYTES", 0)
     rng = random.Random(1000 + seed)
@@ -555,7 +555,7 @@ async def test_a_span_whose_clocks_go_back_commits_the_same_whatever_the_batch_c
     the checkpoint keeps only (last_ack, begin); the next batch replays [begin, ACK) with
     Tally.replayed's `last < clock <= ack`, which skips 30 (above the ACK) without raising the
     bar, so 20 is delivered too: the rows depend on where batches end."""
-    from tests.test_spark_stream import committed
+    from tests.helpers.spark_stream import committed
 
     root = tmp_path / "root"
     async with broker_with(etcd_server, etcd_prefix, root, [ONE]) as (address, stub):
@@ -588,7 +588,7 @@ async def test_planned_rows_from_offset_0_pruned_before_the_executor_reads_them_
     rows although failOnDataLoss=true."""
     from broker.fragment.content import fragment_path
     from broker.protocol import protocol_pb2 as pb
-    from tests.test_spark_stream import persisted
+    from tests.helpers.spark_stream import persisted
 
     root = tmp_path / "root"
     async with broker_with(etcd_server, etcd_prefix, root, [ONE]) as (address, stub):
@@ -634,8 +634,8 @@ async def test_a_journal_made_anew_between_planning_and_reading_is_not_cut_by_th
     revision it was made for (the offset's `rev`); nothing checks it."""
     from broker.client.journals import JournalsClient
     from broker.protocol import protocol_pb2 as pb
-    from tests.test_persistence import routed
-    from tests.test_spark_stream import spec
+    from tests.helpers.journals import routed
+    from tests.helpers.spark_stream import spec
 
     root = tmp_path / "root"
     async with broker_with(etcd_server, etcd_prefix, root, [ONE]) as (address, stub):

@@ -42,7 +42,7 @@ from spec.durations import (
     parse_go_duration,
     seconds_from_duration,
 )
-from tests.mutations import mutated_yaml
+from tests.helpers.mutations import mutated_yaml
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 

@@ -30,8 +30,14 @@ from message.mapping import Partition
 from message.publisher import Publisher
 from message.sequencer import Envelope
 from message.types import DictMessages
-from tests.consumer_testing import INPUT, OUTPUT
-from tests.test_transactions import check_outputs, committed_outputs, publish_inputs, write_head
+from tests.helpers.consumers import (
+    INPUT,
+    OUTPUT,
+    check_outputs,
+    committed_outputs,
+    publish_inputs,
+    write_head,
+)
 
 
 @pytest.fixture

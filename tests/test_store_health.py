@@ -3,7 +3,7 @@ are refused with FRAGMENT_STORE_UNHEALTHY, naming the store and why, until the s
 as upstream's store health checks do; and nothing acknowledged is lost meanwhile.
 
 Over the wire, on real brokers (in this process, with real stores: a file:// directory, and the
-GCS and S3 emulators of tests/store_servers.py), and `gazctl journals append` as a user runs it.
+GCS and S3 emulators of tests/helpers/store_servers.py), and `gazctl journals append` as a user runs it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from tests.conftest import run_cli
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.store_servers import GCSServer, S3Server, unique_bucket
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.store_servers import GCSServer, S3Server, unique_bucket
 
 
 def stub(harness: BrokerHarness):  # type: ignore[no-untyped-def]

@@ -23,8 +23,8 @@ from broker.fragment.persister import Persister
 from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
-from tests.journals_testing import journal_spec, set_journal, started_brokers
-from tests.store_servers import fake_gcs_binary, unique_bucket
+from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.store_servers import fake_gcs_binary, unique_bucket
 
 
 class PrivateGCS:

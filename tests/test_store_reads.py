@@ -13,7 +13,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from pathlib import Path
 
 import grpc
@@ -30,7 +30,8 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_process
 from tests.conftest import start_broker_process
-from tests.test_persistence import routed
+from tests.helpers.journals import routed
+from tests.helpers.waiting import until
 
 STORE = "file:///fragments/"
 HISTORY = "store-reads/history"
@@ -248,12 +249,6 @@ class Recorded:
             self.events.append("closed")
 
 
-async def until(condition: Callable[[], bool], within: float = 10.0) -> None:
-    async with asyncio.timeout(within):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def test_stream_blocks_hands_over_blocks_then_the_generators_error() -> None:
     source = Recorded(count=5, fail_after=2)
     got = []
@@ -270,7 +265,7 @@ async def test_stream_blocks_reads_ahead_by_depth_and_closes_the_generator_when_
     assert [await anext(blocks), await anext(blocks)] == [b"0", b"1"]
     # Two consumed, three queued, one waiting for room: and no more.
     await until(lambda: source.produced == 6)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # A hold: no seventh is produced meanwhile.
     assert source.produced == 6
     await blocks.aclose()
     assert source.events == ["closed"]

@@ -20,7 +20,7 @@ from consumer.recoverylog.fsm import FSM, new_author
 from consumer.recoverylog.player import Player
 from consumer.recoverylog.recorder import Fenced, Recorder
 from consumer.store_sqlite import DATABASE, SQLiteStore
-from tests.recoverylog_testing import new_log
+from tests.helpers.recoverylog import new_log
 
 
 def checkpoint(offset: int) -> cpb.Checkpoint:

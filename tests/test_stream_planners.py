@@ -23,7 +23,7 @@ from gazctl.spark import planners
 from gazctl.spark.journals import JobError
 from gazctl.spark.planners import Scanners
 from gazctl.spark.stream_plan import Planner, Position, Scan, ScanJob, StreamOptions
-from tests.test_spark_stream import TOPIC, broker_with, write_history
+from tests.helpers.spark_stream import TOPIC, broker_with, write_history
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,8 @@ import pytest
 from broker.testing import stop_process
 from consumer.testing import ConsumerProcesses, ConsumerProcessesFactory
 from tests.conftest import BrokerProcess
+from tests.helpers.consumers import primaries, standbys_tail
+from tests.helpers.waiting import until_blocking
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.stream_sum"]
 
@@ -123,11 +125,6 @@ def test_a_consumer_given_bad_flags_says_so_in_one_line(
     assert "Traceback" not in r.stderr
 
 
-def primaries(summers: ConsumerProcesses, alive: list[str]) -> set[str]:
-    """The processes hosting a shard's primary, as a live summer lists them."""
-    return summers.primaries()
-
-
 @pytest.mark.slow
 def test_sums_on_recorded_sqlite_are_exact_while_primaries_are_killed(
     summers: ConsumerProcesses, broker_process: BrokerProcess
@@ -155,9 +152,12 @@ def test_sums_on_recorded_sqlite_are_exact_while_primaries_are_killed(
     kills = 0
     try:
         deadline = time.monotonic() + 180
-        time.sleep(3)  # The standbys catch up with their logs first.
+        # The standbys catch up with their logs first.
+        until_blocking(lambda: standbys_tail(summers, 2), "every shard's standby tails its log", 60)
         while chunker.poll() is None and time.monotonic() < deadline:
-            time.sleep(rng.uniform(2.5, 4.0))  # Past the lease: a standby is tailing again.
+            # The kills' pace, the test's own: each past the lease (2 s) of the last, by when a
+            # standby is tailing again.
+            time.sleep(rng.uniform(2.5, 4.0))
             alive = [i for i in ids if summers.procs[i].poll() is None]
             victims = sorted(primaries(summers, alive))
             if kills < 5 and victims:

@@ -7,7 +7,6 @@ journal names out."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
@@ -27,43 +26,10 @@ from broker.testing.processes import start_broker_process
 from consumer.testing import ConsumerGroup
 from plumbing import auth
 from plumbing.processes import stop_process
-from tests.fragments_testing import put_fragment
-from tests.store_servers import S3Server
-from tests.test_application_guide import WordTotals
-
-KEY = b"a key shared by this test's brokers and consumers, 32+ bytes"
-KEYS = base64.b64encode(KEY).decode()
-SIGNER = auth.KeyedAuth([KEY])
-
-
-def team(name: str) -> pb.LabelSelector:
-    sel = pb.LabelSelector()
-    sel.include.labels.add(name="team", value=name)
-    return sel
-
-
-def md(capability: int = auth.ALL, selector: pb.LabelSelector | None = None, ttl: float = 600) -> tuple[tuple[str, str], ...]:  # fmt: skip
-    return (("authorization", f"Bearer {SIGNER.sign(capability, selector, ttl)}"),)
-
-
-def admin() -> tuple[tuple[str, str], ...]:
-    """Every capability, no selector: signed when used (a module-level token would expire
-    before a long suite reaches these tests)."""
-    return md()
-
-
-def spec(name: str, owner: str, store: str = "") -> pb.JournalSpec:
-    out = pb.JournalSpec(
-        name=name,
-        replication=1,
-        fragment=pb.JournalSpec.Fragment(
-            length=1 << 20, compression_codec=pb.NONE, refresh_interval={"seconds": 1}
-        ),
-    )
-    out.labels.labels.add(name="team", value=owner)
-    if store:
-        out.fragment.stores.append(store)
-    return out
+from tests.helpers.consumers import WordTotals
+from tests.helpers.fragments import put_fragment
+from tests.helpers.store_servers import S3Server
+from tests.helpers.tenancy import KEYS, admin, md, spec, team
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,17 @@ from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Envelope, Sequencer
 from message.types import DictMessages
-from tests.consumer_testing import INPUT, OUTPUT
-
-KEYS = [f"key-{i}" for i in range(5)]
+from tests.helpers.consumers import (
+    INPUT,
+    KEYS,
+    OUTPUT,
+    Summer,
+    check_outputs,
+    committed_outputs,
+    publish_inputs,
+    write_head,
+)
+from tests.helpers.waiting import until
 
 
 def shard_spec(**fields: Any) -> cpb.ShardSpec:
@@ -44,75 +51,8 @@ def shard_spec(**fields: Any) -> cpb.ShardSpec:
     return out
 
 
-class Summer:
-    """Adds each input's `n` to its key's sum, and publishes the new sum (uncommitted)."""
-
-    def __init__(self) -> None:
-        self.consumed = 0
-
-    async def consume_message(
-        self, shard: Shard, store: JSONFileStore, envelope: Envelope, publisher: Publisher[Any]
-    ) -> None:
-        key, n = envelope.message["key"], envelope.message["n"]
-        store.state[key] = store.state.get(key, 0) + n
-        self.consumed += 1
-        await publisher.publish_uncommitted(
-            lambda _m: Partition(OUTPUT, "application/x-ndjson"),
-            {"key": key, "sum": store.state[key]},
-        )
-
-    async def finalize_txn(
-        self, shard: Shard, store: JSONFileStore, publisher: Publisher[Any]
-    ) -> None:
-        return None
-
-
-class Expected(Counter[str]):
-    """The expected sums, and per key the running sums in input order (what the outputs must
-    be, read committed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.running: dict[str, list[int]] = {}
-
-    def add(self, key: str, n: int) -> None:
-        self[key] += n
-        self.running.setdefault(key, []).append(self[key])
-
-
-async def publish_inputs(stub: pb_grpc.JournalStub, count: int, seed: int) -> Expected:
-    """`count` committed inputs in transactions of random sizes, and an aborted transaction
-    between them; returns the expected sums."""
-    rng = random.Random(seed)
-    expected = Expected()
-    to_input = lambda _m: Partition(INPUT, "application/x-ndjson")  # noqa: E731
-    async with AppendService(stub) as service:
-        publisher = Publisher(service, DictMessages(), JSONLines())
-        sent = 0
-        while sent < count:
-            size = min(count - sent, rng.randint(1, 7))
-            for _ in range(size):
-                key, n = rng.choice(KEYS), rng.randint(1, 100)
-                expected.add(key, n)
-                await publisher.publish_uncommitted(to_input, {"key": key, "n": n})
-            await publisher.commit()
-            sent += size
-            if rng.random() < 0.2:
-                for _ in range(3):
-                    await publisher.publish_uncommitted(to_input, {"key": KEYS[0], "n": 10_000})
-                await publisher.abort()
-        await service.flush()
-    return expected
-
-
 def source() -> Source:
     return Source(INPUT, DictMessages(), JSONLines())
-
-
-async def write_head(stub: pb_grpc.JournalStub, journal: str) -> int:
-    from broker.client.reader import write_head as head
-
-    return await head(stub, journal)
 
 
 async def run_until(
@@ -147,25 +87,6 @@ async def run_until(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return shard
-
-
-async def committed_outputs(stub: pb_grpc.JournalStub) -> list[tuple[str, int]]:
-    reader = Reader(DictMessages(), JSONLines())
-    out = []
-    async for envelope in read_committed(stub, OUTPUT, reader, Sequencer()):
-        if not envelope.is_ack:
-            out.append((envelope.message["key"], envelope.message["sum"]))
-    return out
-
-
-def check_outputs(outputs: list[tuple[str, int]], expected: Expected) -> None:
-    """Per key, the published sums read committed are the running sums of its inputs, each
-    once and in order: no output of a rolled-back or repeated transaction, and none lost."""
-    by_key: dict[str, list[int]] = {}
-    for key, total in outputs:
-        by_key.setdefault(key, []).append(total)
-    for key in KEYS:
-        assert by_key.get(key, []) == expected.running.get(key, []), key
 
 
 async def test_every_input_is_applied_once(sums_stub: pb_grpc.JournalStub, tmp_path: Path) -> None:
@@ -237,13 +158,15 @@ async def test_a_fenced_out_instance_fails_and_commits_nothing(
 
 
 class SlowStore(JSONFileStore):
-    """A store whose commits take a while on their thread, saying when one began."""
+    """A store whose commits take a while on their thread, saying when one began and when it
+    is done."""
 
     def __init__(self, root: Path, shard_id: str) -> None:
         super().__init__(root, shard_id)
         import threading
 
         self.began = threading.Event()
+        self.done = threading.Event()
 
     def _commit(self, fence: int, checkpoint: bytes, state_text: str) -> None:
         import time
@@ -251,6 +174,7 @@ class SlowStore(JSONFileStore):
         self.began.set()
         time.sleep(0.3)
         super()._commit(fence, checkpoint, state_text)
+        self.done.set()
 
 
 async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
@@ -266,13 +190,11 @@ async def test_acks_of_a_commit_cut_short_are_appended_by_the_next_primary(
     async with AppendService(stub) as service:
         shard = Shard(shard_spec(), service, Publisher(service, DictMessages(), JSONLines()))
         task = asyncio.create_task(run_shard(shard, Summer(), store, [source()], lambda: stub))
-        async with asyncio.timeout(30):
-            while not store.began.is_set():
-                await asyncio.sleep(0.001)
+        await until(store.began.is_set, "the store began a commit", interval=0.001)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await asyncio.sleep(0.5)  # The commit's thread finishes it.
+    await until(store.done.is_set, "the commit's thread finished it")
     committed = JSONFileStore(tmp_path, "summer-0")
     checkpoint = await committed.restore_checkpoint()
     assert checkpoint.ack_intents, "the cut-short commit is durable, with its intents"
@@ -326,9 +248,9 @@ async def test_a_shard_publishes_two_content_types_under_one_producer(
     from broker.protocol import protocol_pb2 as pb
     from message.framing import FixedProtobuf
     from message.types import ProtobufMessages
-    from tests.consumer_testing import spec as journal_spec
-    from tests.test_framing import _proto_class
-    from tests.test_persistence import routed
+    from tests.helpers.consumers import spec as journal_spec
+    from tests.helpers.journals import routed
+    from tests.helpers.messages import _proto_class
 
     protos = "sums/protos"
     async with sums_broker.client() as client:

@@ -21,6 +21,7 @@ from consumer.examples import word_count_pb2_grpc as wpb_grpc
 from consumer.examples.word_count import matches, ngrams_of, partition_of, words_of
 from consumer.testing import ConsumerProcesses, ConsumerProcessesFactory
 from tests.conftest import BrokerProcess, run_cli
+from tests.helpers.waiting import until_blocking
 
 EXAMPLE = [sys.executable, "-m", "consumer.examples.word_count"]
 TEXTS = [
@@ -213,8 +214,9 @@ def test_counts_on_recorded_sqlite_survive_a_kill_through_a_hot_standby(
     expected = expected_counts(TEXTS)
     for prefix in ("the", "fox", "dog"):
         wait_counts(b, prefix, expected)
-    time.sleep(1.0)  # The standbys tail their logs.
-    from tests.test_stream_sum import primaries
+    from tests.helpers.consumers import primaries, standbys_tail
+
+    until_blocking(lambda: standbys_tail(group, 2), "the standbys tail their logs")
 
     assert "sqlite-counter-a" in primaries(group, ids), "a hosts no primary to take over"
     group.kill("sqlite-counter-a")
@@ -279,7 +281,7 @@ def test_gazctl_reaches_any_live_consumer_and_marks_a_dead_primary(
     env = {"CONSUMER_ADDRESS": f"{a},{b}", "BROKER_ADDRESS": broker_process.address}
     listed = run_cli("gazctl", "shards", "list", "-p", "--lag", env=env)
     assert listed.code == 0 and listed.out.count(":PRIMARY") == 4, listed.err
-    from tests.test_stream_sum import primaries
+    from tests.helpers.consumers import primaries
 
     assert ids[0] in primaries(group, ids), "counter-a hosts no primary"
 

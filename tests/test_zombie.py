@@ -7,6 +7,7 @@ arrives exactly once and exactly right."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
 import subprocess
 import sys
@@ -25,13 +26,15 @@ from broker.testing import EtcdServer, stop_process
 from consumer.client import ShardsClient
 from consumer.examples.stream_sum import SUMS, journal_spec
 from consumer.protocol import cpb
+from consumer.store import JSONFileStore
 from message.framing import JSONLines
 from message.mapping import Partition
 from message.publisher import Publisher, Reader, read_committed
 from message.sequencer import Sequencer
 from message.types import DictMessages
 from tests.conftest import BrokerProcess
-from tests.consumer_testing import ConsumerProcesses
+from tests.helpers.consumers import ConsumerProcesses
+from tests.helpers.waiting import until
 
 SHARD = "stream-sum-zombie"
 
@@ -58,6 +61,19 @@ class Streams:
                 await publisher.publish_committed(
                     lambda _m: to, {"stream": stream, "seq": seq, "value": value, "last": final}
                 )
+
+
+def read_through(store_root: Path, journal: str) -> int:
+    """How far the shard's committed checkpoint (its JSON-file store's document) reads
+    `journal` (0 before its first commit)."""
+    document = JSONFileStore(store_root, SHARD)._read()
+    if document is None:
+        return 0
+    checkpoint = cpb.Checkpoint.FromString(base64.b64decode(document.get("checkpoint", "")))
+    return max(
+        (s.read_through for key, s in checkpoint.sources.items() if key.split(";")[0] == journal),
+        default=0,
+    )
 
 
 @pytest.fixture
@@ -112,10 +128,15 @@ async def test_a_zombie_primarys_commit_is_fenced_out_and_invisible(
             streams = Streams(run, random.Random(5))
             async with AppendService(journals.stub) as service:
                 publisher = Publisher(service, DictMessages(), JSONLines())
-                # The zombie sums the first half of every stream, and commits it.
+                # The zombie sums the first half of every stream, and commits it: its store's
+                # checkpoint reads the chunks through their head.
                 await streams.publish(publisher, chunks, range(20), 5, last=False)
                 await service.flush()
-                await asyncio.sleep(1.0)
+                head = await write_head(journals.stub, chunks)
+                await until(
+                    lambda: read_through(tmp_path / "stores", chunks) >= head,
+                    "the zombie committed the first half",
+                )
 
                 # A consumer process is assigned the shard and restores its store: the zombie,
                 # still running, is fenced out from now on.

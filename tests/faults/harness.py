@@ -312,7 +312,7 @@ class Cluster:
         return f"http://{self.network.store_host}:{self.store_port}"
 
     def start_store(self) -> None:
-        from tests.store_servers import fake_gcs_binary
+        from tests.helpers.store_servers import fake_gcs_binary
 
         endpoint = self.store_endpoint
         cmd = [

@@ -45,6 +45,7 @@ from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
 from message.types import DictMessages
 from tests.faults.runner import Runner, configure_logging, dump_tasks_on_sigusr1, pick_seed
+from tests.helpers.waiting import until
 
 SOURCES = [f"fs/part-{i:03d}" for i in range(3)]
 TARGETS = [f"fsout/part-{i:03d}" for i in range(2)]
@@ -143,14 +144,6 @@ def in_flight(work: Path) -> bool:
     return False
 
 
-async def wait_until(predicate: Any, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def publish(address: str, rng: random.Random, stop: asyncio.Event, outcome: Outcome) -> None:
     """Transactions into the topic until `stop`: committed, aborted, single committed messages,
     and re-appends of a journal's recent bytes (every message in them a duplicate)."""
@@ -246,12 +239,10 @@ async def run_once(seed: int, work: Path) -> Outcome:
         publisher = asyncio.ensure_future(publish(address, rng, stop, outcome))
         try:
             driver.start()
-            await wait_until(
-                lambda: batches_of(work / "ckpt-topic", "commits"), "a first batch", 180
-            )
+            await until(lambda: batches_of(work / "ckpt-topic", "commits"), "a first batch", 180)
             for kill in range(2):
                 # Mid-batch: planned, not committed; some way into it.
-                await wait_until(lambda: in_flight(work), "a batch in flight", 120)
+                await until(lambda: in_flight(work), "a batch in flight", 120)
                 await asyncio.sleep(rng.uniform(0.0, 1.5))
                 driver.kill()
                 outcome.driver_kills += 1
@@ -259,7 +250,7 @@ async def run_once(seed: int, work: Path) -> Outcome:
                     await kill_a_primary(env, cluster, outcome)
                 driver.start()
                 before = len(batches_of(work / "ckpt-topic", "commits"))
-                await wait_until(
+                await until(
                     lambda b=before: len(batches_of(work / "ckpt-topic", "commits")) > b + 1,
                     "batches after a restart", 240,
                 )  # fmt: skip
@@ -309,7 +300,7 @@ async def kill_a_primary(env: dict[str, str], cluster: Path, outcome: Outcome) -
             if killed.returncode != 0:
                 outcome.fail(f"gazctl dev kill {broker.role}: {killed.stderr.strip()}")
                 return
-            await wait_until(lambda b=broker: not is_running(b), f"{broker.role} to die", 30)
+            await until(lambda b=broker: not is_running(b), f"{broker.role} to die", 30)
             outcome.broker_kills += 1
             return
     outcome.fail(f"no dev broker serves {primary!r}, the primary of {SOURCES[0]}")

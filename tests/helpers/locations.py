@@ -1,25 +1,39 @@
 """Location processes (`python -m replication serve`) for tests: started on a real broker process
-and etcd, each stopped by its pid; `gazctl replication` run against their registry."""
+and etcd, each stopped by its pid; `gazctl replication` run against their registry (a refused
+command's one line). Then what the tests read of them (events' ids, their causal order, a
+location's log lost on purpose) and an in-process location server (`serving`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from broker.testing import EtcdServer, stop_process
+from broker.protocol import protocol_pb2 as pb
+from broker.testing import BrokerHarness, EtcdServer, stop_process
 from gazctl.replication import Network
-from replication.rpc import LocationClient, status_document
+from replication.journals import apply_location_journals
+from replication.process import LocationConfig, LocationProcess
+from replication.rpc import (
+    LocationClient,
+    status_document,
+)
+from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
+from tests.helpers.journals import routed
+from tests.helpers.waiting import until, until_blocking
 
 T = TypeVar("T")
 
@@ -94,13 +108,16 @@ class LocationProcesses:
 
     def wait_ready(self, name: str, before: int = 0) -> None:
         """Until the process announces it serves (a start after `before` announcements)."""
-        deadline = time.monotonic() + 30
-        while self.log(name).count("serving at") <= before:
+
+        def announced() -> bool:
+            if self.log(name).count("serving at") > before:
+                return True
             proc = self.procs[name]
             if proc.poll() is not None:
                 raise RuntimeError(f"location {name} exited {proc.returncode}: {self.log(name)[-2000:]}")  # fmt: skip
-            assert time.monotonic() < deadline, f"location {name} did not become ready"
-            time.sleep(0.05)
+            return False
+
+        until_blocking(announced, f"location {name} ready", interval=0.05)
 
     def kill(self, name: str) -> None:
         os.kill(self.procs[name].pid, signal.SIGKILL)
@@ -144,20 +161,9 @@ class LocationProcesses:
         reply = self.ask(name, lambda c: c.read(0, 1000))
         return [json.loads(line) for line in reply.records.decode().splitlines()]
 
-    def wait_for(self, name: str, count: int, timeout: float = 30) -> list[dict[str, Any]]:
-        """The events of `name` once it holds `count`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            events = self.events(name)
-            if len(events) >= count:
-                return events
-            assert time.monotonic() < deadline, f"{name} holds {len(events)} events, not {count}"
-            time.sleep(0.1)
-
 
 @pytest.fixture
 def location_broker(etcd_server: EtcdServer, tmp_path: Path) -> Iterator[BrokerProcess]:
-    import uuid
 
     broker = start_broker_process(
         etcd_server, f"/gazette-test/{uuid.uuid4().hex[:12]}", tmp_path / "broker.log"
@@ -175,3 +181,91 @@ def locations(etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path) -> Iter
         yield processes
     finally:
         processes.stop_all()
+
+
+def ids(events: list[dict[str, Any]], *, system: bool = False) -> list[tuple[str, int]]:
+    """The ids (emitter, its own time) of the events, application events only by default."""
+    return [
+        (e["emitter"], e["ts"][e["emitter"]])
+        for e in events
+        if system or "system" not in e["payload"]
+    ]
+
+
+def assert_causal_order(events: list[dict[str, Any]]) -> None:
+    """No event is stored before one in its causal past, and none twice."""
+    clocks = [VectorClock.from_json(e["ts"]) for e in events]
+    for (i, x), (j, y) in itertools.combinations(enumerate(clocks), 2):
+        assert not y < x, (events[i], events[j])
+    assert len(set(ids(events, system=True))) == len(events)
+
+
+def refused(locations: LocationProcesses, *args: str) -> str:
+    """The one line of a refused command (exit 1, no traceback)."""
+    result = locations.gazctl(*args)
+    assert result.code == 1, (args, result.out, result.err)
+    assert "Traceback" not in result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    return lines[0]
+
+
+async def _lose_log(broker: BrokerProcess, name: str) -> None:
+    """A disaster: the location's journal is deleted, with all its content, and made anew."""
+    from broker.client import JournalsClient
+    from broker.protocol import protocol_pb2 as pb
+
+    stopping = f"stopping local replica of replication/{name}"
+    before = broker.log.read_text(errors="replace").count(stopping)
+    async with JournalsClient(broker.address) as client:
+        await client.apply([pb.ApplyRequest.Change(delete=f"replication/{name}", expect_mod_revision=-1)])  # fmt: skip
+    # The replica goes, and its spool with it, before the journal is made anew.
+    await until(
+        lambda: broker.log.read_text(errors="replace").count(stopping) > before,
+        f"the broker stopped its replica of replication/{name}",
+    )
+    await apply_location_journals(broker.address, name)
+
+
+def _all_events(locations: LocationProcesses, name: str) -> list[dict[str, Any]]:
+    """Every event of a location's log, read page by page."""
+    out: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        reply = locations.ask(name, lambda c, a=after: c.read(a, 1000))  # type: ignore[misc]
+        out += [json.loads(line) for line in reply.records.decode().splitlines()]
+        if reply.through <= after or reply.through >= reply.last_seq:
+            return out
+        after = reply.through
+
+
+async def logs(broker: BrokerHarness, *names: str) -> dict[str, str]:
+    journals = {n: f"replication/test/{n}" for n in names}
+    async with broker.client() as client:
+        specs = []
+        for journal in journals.values():
+            spec = pb.JournalSpec(name=journal, replication=1)
+            spec.fragment.length = 1 << 20
+            spec.fragment.compression_codec = pb.NONE
+            spec.fragment.refresh_interval.seconds = 60
+            spec.labels.labels.add(name="content-type", value="application/x-ndjson")
+            specs.append(spec)
+        await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
+        for journal in journals.values():
+            await routed(client, journal, 1)
+    return journals
+
+
+@contextlib.asynccontextmanager
+async def serving(config: LocationConfig) -> AsyncIterator[LocationProcess]:
+    server = LocationProcess(config)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    async with asyncio.TaskGroup() as tasks:
+        task = tasks.create_task(server.run(stop, ready))
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        try:
+            yield server
+        finally:
+            stop.set()

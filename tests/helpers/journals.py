@@ -1,9 +1,13 @@
-"""Test helpers: journals with hand-written assignments, as upstream's setTestJournal does,
-for tests of the broker core that must not depend on the allocator."""
+"""Journals of the broker-core tests: specs, hand-written assignments (as upstream's
+setTestJournal writes them, for tests that must not depend on the allocator), in-process brokers
+(`started_brokers`, and the three `IDS` of the append tests with a stub and a whole read of each),
+and a wait for a journal's route."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +15,7 @@ import aetcd
 from aetcd import transactions
 
 from allocator import keyspace as aks
+from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness
 from plumbing import etcd as etcdx
@@ -81,3 +86,44 @@ async def started_brokers(
             running.remove(harness)
         if not running:
             _STARTED.pop(root, None)
+
+
+async def routed(
+    client: JournalsClient, journal: str, replicas: int, members: str = ""
+) -> pb.Route:
+    """The journal's route once it has `replicas` members (with ids starting with `members`)
+    and a primary."""
+    deadline = time.monotonic() + 30
+    while True:
+        listing = await client.list(
+            pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))
+        )
+        if listing.journals:
+            route = listing.journals[0].route
+            if (
+                len(route.members) == replicas
+                and route.primary != -1
+                and all(m.suffix.startswith(members) for m in route.members)
+            ):
+                return route
+        assert time.monotonic() < deadline, "the journal was never assigned"
+        await asyncio.sleep(0.05)
+
+
+IDS = ["broker-a", "broker-b", "broker-c"]
+
+
+def stub(h: BrokerHarness):  # type: ignore[no-untyped-def]
+    return h.broker.service.dialer.journal_stub(h.endpoint)
+
+
+async def read_all(h: BrokerHarness, journal: str, offset: int = 0, end: int = 0) -> bytes:
+    out = bytearray()
+    async for r in stub(h).Read(
+        pb.ReadRequest(journal=journal, offset=offset, end_offset=end, block=False)
+    ):
+        if r.status == pb.OFFSET_NOT_YET_AVAILABLE:
+            break
+        assert r.status == pb.OK, r
+        out += r.content
+    return bytes(out)
