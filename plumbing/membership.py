@@ -92,8 +92,16 @@ async def while_etcd_starts(what: str, call: Callable[[], Awaitable[T]], deadlin
     loop = asyncio.get_running_loop()
     said = False
     while True:
+        # Each attempt within the deadline too (at least 5 s): an etcd that never answers
+        # (stopped, a black hole) fails the start there, as one that refuses does.
+        bound = max(5.0, deadline - loop.time())
         try:
-            return await call()
+            async with asyncio.timeout(bound):
+                return await call()
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"starting: {what}: etcd did not answer within {bound:.0f}s"
+            ) from exc
         except (*ETCD_TRANSIENT, grpc.aio.AioRpcError) as exc:
             raw = isinstance(exc, grpc.aio.AioRpcError)  # A keyspace load reads etcd's stub.
             if (raw and exc.code() != grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:
@@ -141,6 +149,7 @@ class Membership:
         self.conflict = conflict
         self.on_fence = on_fence
         self.value = b""
+        self.announced = False  # Whether the key was put under our lease.
         self.lease_id = 0
         self.granted_ttl = 0  # As etcd granted it, in seconds.
         # Until when (the loop's clock) etcd cannot have expired the lease: the send time of
@@ -201,9 +210,13 @@ class Membership:
                 revision = held.mod_revision
                 break
             if loop.time() > deadline:
+                # Ours is given up before saying so: the caller's stop must neither mark the
+                # holder's key exiting nor revoke anything of the holder's.
+                await self.revoke(2.0)
                 raise AnnounceError(f"{self.key} is held by another live process: {self.conflict}")
             log.warning("%s exists; waiting for its lease to expire", self.key)
             await asyncio.sleep(1.0)
+        self.announced = True
         if applied is not None:
             await applied(revision)
 
@@ -263,8 +276,10 @@ class Membership:
             await asyncio.sleep(delay)
             if fencing:
                 self._check_silence(loop.time() >= lapse_at(), ttl, failed_why)
-            if not self.lease_id:  # RENEW: not registered again yet; try again.
-                await self._renew_logged()
+            if not self.lease_id:
+                if self.policy is not LeasePolicy.RENEW:
+                    raise LeaseLost(f"{self.key} has no lease (it was given up)")
+                await self._renew_logged()  # Not registered again yet: try again.
                 delay = interval
                 continue
             sent = loop.time()
@@ -277,9 +292,15 @@ class Membership:
                 # meets the refresh's end, and this loop would go on through its owner's stop.
                 async with asyncio.timeout(bound):
                     reply = await self.etcd.refresh_lease(self.lease_id)
-            except (TimeoutError, etcd_errors.ClientError, grpc.aio.AioRpcError, OSError) as exc:
+            except Exception as exc:  # Whatever the client raised: a refresh that failed.
                 reply, error = None, exc
             if reply is not None and reply.TTL <= 0:
+                if self.policy is LeasePolicy.FENCE and not self.fenced:
+                    # No append is acknowledged from here, while the owner stops.
+                    self.fenced = True
+                    metrics.fenced.set(1)
+                    if self.on_fence is not None:
+                        self.on_fence(True)
                 if self.policy is not LeasePolicy.RENEW:
                     raise LeaseLost(f"etcd lease of {self.key} expired or was revoked")
                 log.warning("the etcd lease of %s expired", self.key)
@@ -319,7 +340,7 @@ class Membership:
             if await self._announce_again():
                 log.warning("%s is registered again under a new lease", self.key)
                 return True
-        except (TimeoutError, etcd_errors.ClientError, grpc.aio.AioRpcError, OSError) as exc:
+        except Exception as exc:  # Whatever the client raised: tried again at the next turn.
             log.warning("registering %s again failed: %s", self.key, describe_refresh_failure(exc, 0))  # fmt: skip
         return False
 
@@ -349,8 +370,8 @@ class Membership:
     async def mark_exiting(self, value: bytes, bound: float) -> None:
         """Put `value` (the process's spec, marked exiting) under the lease, within `bound`
         seconds; an error is logged, not raised (the process stops either way)."""
-        if not self.lease_id:
-            return
+        if not (self.lease_id and self.announced):
+            return  # Never ours: the key may be another live process's.
         try:
             async with asyncio.timeout(bound):
                 await self.etcd.put(self.key.encode(), value, lease=self.lease_id)

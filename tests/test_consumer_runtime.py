@@ -609,9 +609,10 @@ async def test_no_replica_starts_once_a_stopping_process_closed_its_shards(
         await until(assigned)
 
         def reconciled() -> bool:
-            # The keyspace holds the assignment (its update set `_changed`), and the reconcile
-            # loop has taken that change (it clears `_changed` as it reconciles).
-            return "summer-0" in consumer._local_assignments() and not consumer._changed.is_set()
+            # The keyspace holds the assignment (its update set `changed`), and the reconcile
+            # loop has taken that change (it clears `changed` as it reconciles).
+            replicas = consumer.shard_replicas
+            return "summer-0" in replicas._local_assignments() and not replicas.changed.is_set()
 
         await until(reconciled, "the reconcile loop has seen the assignment")
         await channel.close()
