@@ -11,7 +11,6 @@ import base64
 import random
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from message.sequencer import Sequencer
 from message.types import DictMessages
 from tests.conftest import BrokerProcess
 from tests.helpers.consumers import ConsumerProcesses
+from tests.helpers.journals import routed
 from tests.helpers.waiting import until
 
 SHARD = "stream-sum-zombie"
@@ -108,14 +108,9 @@ async def test_a_zombie_primarys_commit_is_fenced_out_and_invisible(
                 if name not in have
             ]
         )
-        start = 0
-        for _ in range(100):  # Until the new journals are placed.
-            try:
-                start = await write_head(journals.stub, SUMS)
-                await write_head(journals.stub, chunks)
-                break
-            except Exception:
-                await asyncio.sleep(0.1)
+        for name in (chunks, SUMS):
+            await routed(journals, name, replicas=1)
+        start = await write_head(journals.stub, SUMS)
 
         zombie = subprocess.Popen(
             [sys.executable, "-m", "tests.zombie_shard", "--broker", broker_process.address,
@@ -145,17 +140,16 @@ async def test_a_zombie_primarys_commit_is_fenced_out_and_invisible(
                     spec = cpb.ShardSpec(id=SHARD, sources=[cpb.ShardSpec.Source(journal=chunks)])
                     spec.max_txn_duration.FromMilliseconds(200)
                     await shards.apply([cpb.ApplyRequest.Change(upsert=spec)])
-                    deadline = time.monotonic() + 30
-                    while True:
+
+                    async def primary() -> bool:
                         listed = (await shards.list()).shards
-                        if (
+                        return bool(
                             listed
                             and listed[0].status
                             and listed[0].status[0].code == cpb.ReplicaStatus.PRIMARY
-                        ):
-                            break
-                        assert time.monotonic() < deadline, listed
-                        await asyncio.sleep(0.05)
+                        )
+
+                    await until(primary, f"{SHARD} has a primary")
 
                 # Both read the rest; only the consumer process may commit it.
                 await streams.publish(publisher, chunks, range(20), 5, last=True)

@@ -11,16 +11,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from broker.client import JournalsClient, dial
-from broker.client.appender import AppendError, append
+from broker.client.appender import append
 from broker.fragment.stores import close_stores, open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, start_broker_process, stop_process
+from tests.helpers.journals import routed
 from tests.helpers.waiting import until
 
 STORE = "file:///fragments/"
@@ -72,20 +72,13 @@ class Journals:
         async with JournalsClient(self.address) as client:
             await client.apply([pb.ApplyRequest.Change(upsert=s) for s in specs])
             for spec in specs:
-                await _routed(client, spec.name)
+                await routed(client, spec.name, replicas=1)
 
     async def append(self, name: str, data: bytes) -> pb.AppendResponse:
         channel = dial(self.address)
         stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
-        deadline = time.monotonic() + 20
         try:
-            while True:
-                try:
-                    return await append(stub, name, data)
-                except (AppendError, grpc.aio.AioRpcError):
-                    if time.monotonic() > deadline:
-                        raise
-                await asyncio.sleep(0.1)
+            return await append(stub, name, data)
         finally:
             await channel.close(None)
 
@@ -102,36 +95,28 @@ class Journals:
         """The persisted fragments once the index holds the mod times the store lists (the
         persister's own clock reading may differ by a second until the next refresh)."""
         store = open_store(STORE, file_root=root)
-        deadline = time.monotonic() + 20
-        while True:
+        indexed: list[pb.Fragment] = []
+
+        async def agree() -> bool:
+            nonlocal indexed
             listed = {(f.begin, f.end): f.mod_time for f in store.list_fragments(name)}
             indexed = [f for f in await self.fragments(name) if f.backing_store]
-            if {(f.begin, f.end): f.mod_time for f in indexed} == listed:
-                return indexed
-            assert time.monotonic() < deadline, "the index never listed the store"
-            await asyncio.sleep(0.1)
+            return {(f.begin, f.end): f.mod_time for f in indexed} == listed
+
+        await until(agree, f"the index of {name} lists what the store holds", timeout=20)
+        return indexed
 
     async def persisted(self, name: str, count: int) -> list[pb.Fragment]:
         """Wait until `count` of the journal's fragments are persisted; returns them."""
-        deadline = time.monotonic() + 20
-        while True:
+        done: list[pb.Fragment] = []
+
+        async def enough() -> bool:
+            nonlocal done
             done = [f for f in await self.fragments(name) if f.backing_store]
-            if len(done) >= count:
-                return done
-            assert time.monotonic() < deadline, f"only {len(done)} of {count} persisted"
-            await asyncio.sleep(0.05)
+            return len(done) >= count
 
-
-async def _routed(client: JournalsClient, name: str) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        listing = await client.list(
-            pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=name)]))
-        )
-        if listing.journals and listing.journals[0].route.primary != -1:
-            return
-        assert time.monotonic() < deadline, f"{name} was never assigned"
-        await asyncio.sleep(0.05)
+        await until(enough, f"{count} fragments of {name} persisted", timeout=20)
+        return done
 
 
 @dataclass
