@@ -573,7 +573,7 @@ def prune_cmd(name: str, dry_run: bool, file_root: Path | None, **opts: Any) -> 
     """Physically delete a location's deleted events: remove the persisted fragments of its
     journal that hold nothing but them (before its last checkpoint and its first kept event)."""
     from broker.client import JournalsClient
-    from gazctl.fragments import _remove_all, _stores_of, list_fragments
+    from gazctl.fragment_ops import list_fragments, remove_all, stores_of
 
     async def plan() -> tuple[str, int, list[Any], int]:
         async with Network(opts) as net:
@@ -593,7 +593,7 @@ def prune_cmd(name: str, dry_run: bool, file_root: Path | None, **opts: Any) -> 
     verb = "would remove" if dry_run else "removing"
     click.echo(f"{name}: {verb} {len(doomed)} of {listed} fragments of {journal} ({size} bytes, before offset {bound})")  # fmt: skip
     if not dry_run and doomed:
-        _remove_all(doomed, _stores_of(doomed, file_root))
+        remove_all(doomed, stores_of(doomed, file_root))
 
 
 @replication.command("recover")

@@ -417,7 +417,7 @@ async def _prune_plan(
 ) -> tuple[list[pb.Fragment], dict[str, str], int]:
     """The fragments to remove, the logs skipped (with why), and the fragments examined."""
     from consumer.recoverylog.prune import LogSegments, PruneRefused, prunable
-    from gazctl.fragments import list_fragments
+    from gazctl.fragment_ops import list_fragments
 
     hinted = LogSegments()
     async with shards_client(opts) as client:
@@ -467,7 +467,7 @@ def prune_cmd(selector: str, dry_run: bool, file_root: Path | None, **opts: Any)
     before anything is removed, since it shows a shard was left out.
     """
     from gazctl.cli import run
-    from gazctl.fragments import _remove_all, _stores_of
+    from gazctl.fragment_ops import remove_all, stores_of
 
     doomed, skipped, examined = run(_prune_plan(opts, parse_selector(selector)))
     for log, why in sorted(skipped.items()):
@@ -484,7 +484,7 @@ def prune_cmd(selector: str, dry_run: bool, file_root: Path | None, **opts: Any)
         )
         return
     if doomed:
-        _remove_all(doomed, _stores_of(doomed, file_root))
+        remove_all(doomed, stores_of(doomed, file_root))
     click.echo(f"removed {len(doomed)} of {examined} fragment(s), {size} bytes", err=True)
 
 

@@ -247,6 +247,20 @@ def test_gazctl_commands_share_options_through_their_own_module() -> None:
     assert found == []
 
 
+def test_gazctl_commands_share_fragment_operations_through_their_own_module() -> None:
+    """One gazctl module takes no private name of another: what several commands share (the
+    fragment listing and removal that `journals prune`, `shards prune` and `replication delete`
+    use) lives in a module of its own, gazctl/fragment_ops.py, not in one command's module."""
+    found = []
+    for path in python_files("gazctl"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gazctl"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    found.append(f"{path.relative_to(ROOT)} imports {private} of {node.module}")
+    assert found == []
+
+
 # gazctl/dev/, each module on those before it.
 DEV_MODULES = ("state", "security", "ports", "supervisor", "processes", "cluster", "cli")
 

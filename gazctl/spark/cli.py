@@ -93,7 +93,7 @@ def journal_source_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _one_engine(master: str | None, remote: str | None) -> None:
+def one_engine(master: str | None, remote: str | None) -> None:
     """--master and --remote each say where the job runs: one of them at most."""
     if master is not None and remote is not None:
         raise JobError(
@@ -264,7 +264,7 @@ def compact_cmd(
     Only stores are read: asked through a broker (not with --specs), each journal whose
     content past its store's end is not persisted yet is named, with how to persist it.
     """
-    _one_engine(master, remote)
+    one_engine(master, remote)
     target = parse_size(target_size)
     age = _seconds(min_age, "--min-age") if min_age is not None else None
     if not dry_run:
@@ -325,7 +325,7 @@ def _wait_listed(
 ) -> None:
     """Wait until the brokers' indexes list each merged fragment (reads then use it), for at
     most a few of the journal's refresh intervals."""
-    from gazctl.fragments import list_fragments
+    from gazctl.fragment_ops import list_fragments
 
     specs = {s.name: s for s in journals}
     by_journal: dict[str, list[pb.Fragment]] = {}
@@ -464,7 +464,7 @@ def replay_cmd(
     Only stores are read: asked through a broker (not with --specs), each journal whose
     content past its store's end is not persisted yet is named, with how to persist it.
     """
-    _one_engine(master, remote)
+    one_engine(master, remote)
     kind, where = _parse_target(target)
     if remote is not None and kind == "journal":
         raise JobError(

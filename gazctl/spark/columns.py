@@ -115,7 +115,7 @@ def with_timestamp(batch: Any) -> Any:
     )
 
 
-def _uuid_decoder(uuid_path: str) -> Any:
+def uuid_decoder(uuid_path: str) -> Any:
     """A msgspec decoder of one JSON document into a struct holding only the UUID at
     `uuid_path` (every other field skipped, in C): the fast path of JSON lines. The structs
     are not tracked by the garbage collector (they hold no cycles), which halves their cost."""
@@ -133,7 +133,7 @@ def _uuid_decoder(uuid_path: str) -> Any:
 
 
 def uuid_docs(decoder: Any, lines: list[bytes]) -> list[Any] | None:
-    """The UUID documents (`_uuid_decoder`) of complete JSON lines, each line decoded on its
+    """The UUID documents (`uuid_decoder`) of complete JSON lines, each line decoded on its
     own, in C; None when a line is not exactly one JSON document of UTF-8 text (decoded
     together, a line of two and one over two lines could make up each other's count and shift
     later lines' UUIDs), or nests too deep: the caller then frames them one at a time, which
@@ -157,7 +157,7 @@ def uuid_texts_of(docs: list[Any], depth: int) -> list[Any]:
     try:
         return list(map(_uuid_getter(depth), docs))
     except AttributeError:  # A struct on the path is missing (None): one at a time.
-        return [_uuid_text_of(doc, depth) for doc in docs]
+        return [uuid_text_of(doc, depth) for doc in docs]
 
 
 @functools.cache
@@ -167,7 +167,7 @@ def _uuid_getter(depth: int) -> Any:
     return operator.attrgetter(".".join(["child"] * depth + ["value"]))
 
 
-def _uuid_text_of(doc: Any, depth: int) -> Any:
+def uuid_text_of(doc: Any, depth: int) -> Any:
     for _ in range(depth):
         doc = doc.child
         if doc is None:

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from broker.client.journals import JournalsClient
 from gazctl.spark.journals import JobError
-from gazctl.spark.stream_plan import Planner, Scan, ScanJob, StreamOptions, _gathered
+from gazctl.spark.stream_plan import Planner, Scan, ScanJob, StreamOptions, gathered
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Scanners:
     async def run(self, client: JournalsClient, jobs: list[ScanJob], pending: int) -> list[Scan]:
         """The jobs' scans, in order."""
         if not self.parallel(jobs, pending):
-            return await _gathered([self.here(client, job) for job in jobs])
+            return await gathered([self.here(client, job) for job in jobs])
         results: list[Scan | None] = [None] * len(jobs)
         queue = list(enumerate(jobs))
         queue.reverse()  # Popped from the end: in order.

@@ -51,12 +51,12 @@ from broker.fragment.content import describe
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.columns import (
     BATCH_ROWS,
-    _uuid_decoder,
     framing_of_journal,
     framing_of_kind,
     hex_ids,
     json_fields,
     uuid_columns,
+    uuid_decoder,
     uuid_docs,
     uuid_texts_of,
     with_json_columns,
@@ -348,7 +348,7 @@ def _json_line_batches(
     import pyarrow.compute as pc
 
     schema = _arrow_schema(message_schema(False))
-    decoder = _uuid_decoder(partition.uuid_path)
+    decoder = uuid_decoder(partition.uuid_path)
     depth = len(partition.uuid_path.split(".")) - 1
     parse = TextParser().fields
     reader = FrameReader(JSONLines())

@@ -185,9 +185,9 @@ def _stream(
     remote: str | None,
     **opts: Any,
 ) -> None:
-    from gazctl.spark.cli import _one_engine
+    from gazctl.spark.cli import one_engine
 
-    _one_engine(master, remote)
+    one_engine(master, remote)
     kind, where = parse_stream_target(target)
     if kind == "topic" and key is None:
         raise click.BadParameter("topic:SELECTOR maps messages by a field: give --key")

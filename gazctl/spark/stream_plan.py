@@ -55,13 +55,13 @@ from broker.client.reader import Chunk, ReadError, read_retrying, write_head
 from broker.protocol import labels
 from broker.protocol import protocol_pb2 as pb
 from gazctl.spark.columns import (
-    _uuid_decoder,
-    _uuid_text_of,
     framing_of_journal,
     framing_of_kind,
     json_fields,
     uuid_columns,
+    uuid_decoder,
     uuid_docs,
+    uuid_text_of,
     uuid_texts_of,
 )
 from gazctl.spark.journals import JobError, known_options, size_in_bytes
@@ -408,7 +408,7 @@ class Decoder:
         self.csv = CSVMessages()
         self.csv_fields = uuid_fields_of(self.csv)
         # JSON lines, a chunk's lines at once: msgspec decodes only their UUIDs, in C.
-        self.uuids = _uuid_decoder(uuid_path) if kind == "lines" else None
+        self.uuids = uuid_decoder(uuid_path) if kind == "lines" else None
         self.depth = len(uuid_path.split(".")) - 1
         self.parse = TextParser().fields
 
@@ -480,7 +480,7 @@ class Decoder:
             try:
                 for line, doc in zip(lines, docs, strict=True):
                     end = begin + len(line) + 1
-                    text = _uuid_text_of(doc, depth)
+                    text = uuid_text_of(doc, depth)
                     if text is None:
                         fields: tuple[bytes, int, int] = (NO_PRODUCER, 0, 0)
                     else:
@@ -1067,7 +1067,7 @@ def run_async(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def _gathered(coros: list[Any]) -> list[Any]:
+async def gathered(coros: list[Any]) -> list[Any]:
     limit = asyncio.Semaphore(PARALLEL_JOURNALS)
 
     async def one(coro: Any) -> Any:

@@ -67,10 +67,10 @@ from gazctl.spark.stream_plan import (
     ScanJob,
     StreamOffset,
     StreamOptions,
-    _gathered,
     choose_cuts,
     chunks_of,
     collection_paused,
+    gathered,
     head_of,
     log,
     run_async,
@@ -243,7 +243,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     client, spec, rev, starting.kind, when=starting.time
                 )
 
-            found = await _gathered([one(name) for name in listed])
+            found = await gathered([one(name) for name in listed])
         return StreamOffset(dict(found))
 
     async def _listed(
@@ -266,7 +266,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             async def one(name: str) -> tuple[str, int]:
                 return name, await head_of(client, listed[name][0])
 
-            return dict(await _gathered([one(name) for name in listed]))
+            return dict(await gathered([one(name) for name in listed]))
 
     async def _latest(self, begun: StreamOffset, limited: bool) -> StreamOffset:
         o = self.options
@@ -317,7 +317,7 @@ class GazetteStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 jobs.append(ScanJob(name, self._kinds[name], pos, bound, first, limited=limited))
             pending = 0
             if self.scanners.may_run_apart(jobs):  # Enough to read to pay for it? Ask.
-                heads = await _gathered([head_of(client, listed[j.journal][0]) for j in jobs])
+                heads = await gathered([head_of(client, listed[j.journal][0]) for j in jobs])
                 pending = sum(
                     min(o.read_ahead, max(0, (j.bound or head) - j.start.at))
                     for j, head in zip(jobs, heads, strict=True)
