@@ -6,6 +6,7 @@ outage (or the series of them) was."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
@@ -193,3 +194,30 @@ async def test_a_fragment_is_persisted_soon_after_a_long_store_outage(
             waited = time.monotonic() - back
             assert waited < 6.0, f"not persisted {waited:.1f}s after the store came back"
             await asyncio.sleep(0.1)
+
+
+def test_a_put_never_makes_the_store_directory_that_vanished_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's own directory goes away (a volume unmounted) between a put's check that it
+    exists and its making of the fragment's directories: the put fails, as if it had gone
+    before, and does not make the store directory again (a later put would then persist to the
+    empty mount point, and an outage would end at once)."""
+    from broker.fragment.stores import open_store
+
+    root = tmp_path / "root"
+    base = root / "fragments"
+    base.mkdir(parents=True)
+    store = open_store("file:///fragments/", file_root=root)
+    checked = Path.is_dir
+
+    def unmounted_after_the_check(self: Path) -> bool:
+        exists = checked(self)
+        if self == base and exists:
+            base.rename(root / "away")
+        return exists
+
+    monkeypatch.setattr(Path, "is_dir", unmounted_after_the_check)
+    with pytest.raises(StoreError, match="does not exist"):
+        store.put("a/journal/0000000000000000-0000000000000008-0.raw", io.BytesIO(b"x" * 8), 8)
+    assert not base.exists(), "the put made the store directory again"

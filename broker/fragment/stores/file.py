@@ -57,14 +57,26 @@ class FileStore(FragmentStore):
         # As upstream, the store's own directory must exist: a missing one is a misconfiguration
         # (an unmounted volume), not something to paper over by creating it.
         base = resolve_under(self._root, self._store_url.prefix, what=self.url)
+        missing = StoreError(
+            f"put {self.describe(key)}: store directory {base} does not exist "
+            "(create it, or check --broker.file-root)",
+            is_auth_error=True,
+        )
         if not base.is_dir():
-            raise StoreError(
-                f"put {self.describe(key)}: store directory {base} does not exist "
-                "(create it, or check --broker.file-root)",
-                is_auth_error=True,
-            )
+            raise missing
         target = self._path(key)
-        target.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        # The directories below the store's, one at a time: should the store's own go away
+        # after the check (a volume unmounted), making the first fails, rather than making the
+        # store's directory again on the mount point.
+        made = base
+        for part in target.parent.relative_to(base).parts:
+            made = made / part
+            try:
+                made.mkdir(mode=0o750)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise missing from None
         fd, partial = tempfile.mkstemp(prefix=PARTIAL_PREFIX + target.name, dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as out:
