@@ -142,6 +142,8 @@ class Membership:
         self.on_fence = on_fence
         self.value = b""
         self.announced = False  # Whether the key was put under our lease.
+        # Under RENEW: a new lease is held, and the key was not yet seen put under it.
+        self.renewing = False
         self.lease_id = 0
         self.granted_ttl = 0  # As etcd granted it, in seconds.
         # Until when (the loop's clock) etcd cannot have expired the lease: the send time of
@@ -214,21 +216,31 @@ class Membership:
 
     async def _announce_again(self) -> bool:
         """Under `RENEW`, after the lease was lost: the key under a new lease, if no other
-        process has put it meanwhile (it took the key over: it is not overwritten)."""
-        lease = await self.etcd.lease(self.ttl)
+        process has put it meanwhile (it took the key over: it is not overwritten).
+
+        The new lease is recorded before the put: a put cancelled in flight (the process
+        stopping) leaves its key under a lease `revoke` takes away, and a put whose reply was
+        lost is found under it at the next turn (`renewing` until the key is seen there)."""
         key = self.key.encode()
+        if not self.lease_id:
+            lease = await self.etcd.lease(self.ttl)
+            self.lease_id = int(lease.id)
+            self.granted_ttl = int(lease.ttl) or self.ttl
+            self.valid_until = asyncio.get_running_loop().time() + self.granted_ttl
+            self.renewing = True
         result = await etcdx.txn(
             self.etcd,
             [transactions.Version(key) == 0],
-            [transactions.Put(key, self.value, lease=lease.id)],
+            [transactions.Put(key, self.value, lease=self.lease_id)],
         )
         if not result.succeeded:
-            await self.etcd.revoke_lease(lease.id)
-            self.lease_id = 0
-            return False
-        self.lease_id = int(lease.id)
-        self.granted_ttl = int(lease.ttl) or self.ttl
-        self.valid_until = asyncio.get_running_loop().time() + self.granted_ttl
+            held = await self.etcd.get(key)
+            if held is None or held.lease != self.lease_id:
+                # Another process's (or gone since the compare: put at the next turn).
+                lease_id, self.lease_id, self.renewing = self.lease_id, 0, False
+                await self.etcd.revoke_lease(lease_id)
+                return False
+        self.renewing = False
         return True
 
     # ---- keep-alive -------------------------------------------------------------------------
@@ -296,7 +308,7 @@ class Membership:
                 if self.policy is not LeasePolicy.RENEW:
                     raise LeaseLost(f"etcd lease of {self.key} expired or was revoked")
                 log.warning("the etcd lease of %s expired", self.key)
-                self.lease_id = 0
+                self.lease_id, self.renewing = 0, False
                 await self._renew_logged()
                 delay = interval
                 continue
@@ -325,6 +337,8 @@ class Membership:
                 log.warning("etcd lease of %s is alive: appends resume", self.key)
                 if self.on_fence is not None:
                     self.on_fence(False)
+            if self.renewing:
+                await self._renew_logged()  # The put's outcome was unknown: the key is read.
             delay = interval
 
     async def _renew_logged(self) -> bool:

@@ -340,14 +340,10 @@ async def _lost_lease(etcd: aetcd.Client, key: str, ttl: float) -> tuple[Members
     return m, task
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known defect, left for issue 40's next step: a renewal does not recognise its own key after a lost put reply",
-)
 async def test_under_renew_a_renewal_whose_reply_was_lost_keeps_the_key_it_put(
     etcd: aetcd.Client, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Defect (minor; the old `_put_endpoint` did the same): `_announce_again` grants a new
+    """A defect, now fixed (the old `_put_endpoint` had it too): `_announce_again` grants a new
     lease and puts the key if absent; when that put lands but its reply is lost (etcd killed
     as it answers, a timeout), `lease_id` stays 0 and nothing refreshes the lease the key is
     under. Every later renewal then fails its `Version == 0` compare against our own key
@@ -383,14 +379,10 @@ async def test_under_renew_a_renewal_whose_reply_was_lost_keeps_the_key_it_put(
         await m.revoke(2.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known defect, left for issue 40's next step: the renewal's lease is recorded only after its put",
-)
 async def test_under_renew_a_renewal_cancelled_mid_put_leaves_no_endpoint_behind(
     etcd: aetcd.Client, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Defect (minor): the location stopping (its keep-alive cancelled) while a renewal's put
+    """A defect, now fixed: the location stopping (its keep-alive cancelled) while a renewal's put
     is in flight: the put is uncancelled (`etcdx.uncancelled`) and lands, then the cancellation
     goes on before `_announce_again` records the new lease, so `revoke` has nothing to revoke
     and the endpoint outlives the process by a TTL (10 s by default), pointing at a dead
