@@ -84,16 +84,30 @@ def describe_refresh_failure(error: BaseException | None, bound: float) -> str:
     return type(error).__name__
 
 
+# The least time one attempt of a start is given, should it begin at or past its deadline.
+ATTEMPT_FLOOR = 1.0
+
+
 async def while_etcd_starts(what: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
     """`call` as a process starts, tried again (the project's backoff) while etcd is
     unreachable, until `deadline` on the loop's clock; then its error is raised. Started while
-    etcd restarts, a process waits for it, as upstream's clientv3 does, rather than exiting."""
+    etcd restarts, a process waits for it, as upstream's clientv3 does, rather than exiting.
+    Each attempt is bounded by the deadline (or ATTEMPT_FLOOR seconds, if later): an etcd that
+    takes a call and never answers fails the start then, rather than holding it for good."""
     backoff = Backoff(initial=0.1, maximum=2.0)
     loop = asyncio.get_running_loop()
     said = False
     while True:
+        bound = asyncio.timeout_at(max(deadline, loop.time() + ATTEMPT_FLOOR))
         try:
-            return await call()
+            async with bound:
+                return await call()
+        except TimeoutError:
+            if not bound.expired():
+                raise  # The call's own.
+            raise etcd_errors.ConnectionTimeoutError(
+                f"{what}: etcd did not answer by the start's deadline"
+            ) from None
         except (*ETCD_TRANSIENT, grpc.aio.AioRpcError) as exc:
             raw = isinstance(exc, grpc.aio.AioRpcError)  # A keyspace load reads etcd's stub.
             if (raw and exc.code() != grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:

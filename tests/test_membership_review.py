@@ -189,12 +189,8 @@ async def test_announce_against_a_silent_etcd_is_cancellable(
     assert await ends_cancelled(task, within=3.0), "announce swallowed its cancellation"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known defect, left for issue 40's next step: an attempt etcd never answers is not bounded by the start deadline (bounding it with asyncio.timeout meets etcdx.uncancelled, which defers the cancellation)",
-)
 async def test_a_grant_against_a_silent_etcd_gives_up_at_its_deadline() -> None:
-    """Defect (minor, also in the old consumer's `_starting`): `grant` and `announce` are
+    """A defect, now fixed (the old consumer's `_starting` had it too): `grant` and `announce` were
     "tried again while etcd is unreachable until `deadline`", but a call etcd never answers is
     not bounded by the deadline at all: with no client timeout (brokers, consumers) a process
     started against a silent etcd waits for ever rather than failing at 2 TTLs + 2 s. Fix:
