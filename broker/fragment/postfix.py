@@ -578,74 +578,58 @@ def format_go_time(t: datetime, layout: str) -> str:
     return _format(t.astimezone(UTC), _compile_layout(layout))
 
 
+def _hour12(t: datetime) -> int:
+    return t.hour % 12 or 12
+
+
+# Each layout element but the fractional seconds, formatted from a UTC time.
+_ELEMENTS: dict[str, Callable[[datetime], str]] = {
+    "long_year": lambda t: f"{t.year:04d}",
+    "year": lambda t: f"{t.year % 100:02d}",
+    "month": lambda t: _MONTHS[t.month - 1][:3],
+    "long_month": lambda t: _MONTHS[t.month - 1],
+    "num_month": lambda t: str(t.month),
+    "zero_month": lambda t: f"{t.month:02d}",
+    "weekday": lambda t: _WEEKDAYS[t.weekday()][:3],
+    "long_weekday": lambda t: _WEEKDAYS[t.weekday()],
+    "day": lambda t: str(t.day),
+    "under_day": lambda t: f"{t.day:2d}",
+    "zero_day": lambda t: f"{t.day:02d}",
+    "under_yearday": lambda t: f"{t.timetuple().tm_yday:3d}",
+    "zero_yearday": lambda t: f"{t.timetuple().tm_yday:03d}",
+    "hour": lambda t: f"{t.hour:02d}",
+    "hour12": lambda t: str(_hour12(t)),
+    "zero_hour12": lambda t: f"{_hour12(t):02d}",
+    "minute": lambda t: str(t.minute),
+    "zero_minute": lambda t: f"{t.minute:02d}",
+    "second": lambda t: str(t.second),
+    "zero_second": lambda t: f"{t.second:02d}",
+    "PM": lambda t: "PM" if t.hour >= 12 else "AM",
+    "pm": lambda t: "pm" if t.hour >= 12 else "am",
+    "tz_name": lambda t: "UTC",
+    # Times here are UTC: ISO 8601 forms print "Z", numeric forms a zero offset.
+    **dict.fromkeys(
+        ("iso_tz", "iso_colon_tz", "iso_short_tz", "iso_seconds_tz", "iso_colon_seconds_tz"),
+        lambda t: "Z",
+    ),
+    "num_tz": lambda t: "+0000",
+    "num_colon_tz": lambda t: "+00:00",
+    "num_short_tz": lambda t: "+00",
+    "num_seconds_tz": lambda t: "+000000",
+    "num_colon_seconds_tz": lambda t: "+00:00:00",
+}
+
+
 def _format_element(t: datetime, name: str, digits: int, separator: str) -> str:
-    hour12 = t.hour % 12 or 12
-    match name:
-        case "long_year":
-            return f"{t.year:04d}"
-        case "year":
-            return f"{t.year % 100:02d}"
-        case "month":
-            return _MONTHS[t.month - 1][:3]
-        case "long_month":
-            return _MONTHS[t.month - 1]
-        case "num_month":
-            return str(t.month)
-        case "zero_month":
-            return f"{t.month:02d}"
-        case "weekday":
-            return _WEEKDAYS[t.weekday()][:3]
-        case "long_weekday":
-            return _WEEKDAYS[t.weekday()]
-        case "day":
-            return str(t.day)
-        case "under_day":
-            return f"{t.day:2d}"
-        case "zero_day":
-            return f"{t.day:02d}"
-        case "under_yearday":
-            return f"{t.timetuple().tm_yday:3d}"
-        case "zero_yearday":
-            return f"{t.timetuple().tm_yday:03d}"
-        case "hour":
-            return f"{t.hour:02d}"
-        case "hour12":
-            return str(hour12)
-        case "zero_hour12":
-            return f"{hour12:02d}"
-        case "minute":
-            return str(t.minute)
-        case "zero_minute":
-            return f"{t.minute:02d}"
-        case "second":
-            return str(t.second)
-        case "zero_second":
-            return f"{t.second:02d}"
-        case "PM":
-            return "PM" if t.hour >= 12 else "AM"
-        case "pm":
-            return "pm" if t.hour >= 12 else "am"
-        case "tz_name":
-            return "UTC"
-        # Times here are UTC: ISO 8601 forms print "Z", numeric forms a zero offset.
-        case "iso_tz" | "iso_colon_tz" | "iso_short_tz" | "iso_seconds_tz" | "iso_colon_seconds_tz":
-            return "Z"
-        case "num_tz":
-            return "+0000"
-        case "num_colon_tz":
-            return "+00:00"
-        case "num_short_tz":
-            return "+00"
-        case "num_seconds_tz":
-            return "+000000"
-        case "num_colon_seconds_tz":
-            return "+00:00:00"
-        case "frac0" | "frac9":
-            nanos = f"{t.microsecond * 1000:09d}"[:digits]
-            if name == "frac9":
-                nanos = nanos.rstrip("0")
-            return separator + nanos if nanos else ""
-    raise AssertionError(f"unknown layout element {name}")
+    if name in ("frac0", "frac9"):
+        nanos = f"{t.microsecond * 1000:09d}"[:digits]
+        if name == "frac9":
+            nanos = nanos.rstrip("0")
+        return separator + nanos if nanos else ""
+    element = _ELEMENTS.get(name)
+    if element is None:
+        raise AssertionError(f"unknown layout element {name}")
+    return element(t)
 
 
 # --- Rendered postfixes ----------------------------------------------------------------------------
