@@ -33,6 +33,8 @@ pytest.register_assert_rewrite(
       if not path.stem.startswith(("test_", "conftest", "__"))),
 )  # fmt: skip
 
+from tests.helpers.cli_fork import ForkServer  # noqa: E402 (after the rewrite is registered)
+
 # Hypothesis's per-example deadline is a wall-clock assertion, and tests never assert speed: on a
 # shared machine one example of a selector parse took 386 ms under load (deadline 200 ms) and
 # failed a clean-clone run. Every property test runs without one.
@@ -76,6 +78,11 @@ class Result:
     err: str
 
 
+# `gazctl` runs fork from a process that imported its libraries already (tests/helpers/cli_fork.py);
+# GAZETTE_TESTS_FORK_CLI=0 starts each one as a fresh interpreter instead.
+FORK_SERVER = ForkServer()
+
+
 def run_cli(
     *args: str,
     input: str | None = None,
@@ -93,6 +100,9 @@ def run_cli(
     ):  # As `gazctl dev up` exports them.
         full_env.pop(inherited, None)
     full_env.update(env or {})
+    if module == "gazctl.cli" and os.environ.get("GAZETTE_TESTS_FORK_CLI", "1") != "0":
+        code, out, err = FORK_SERVER.run(module, list(args[1:]), input, full_env, cwd, timeout)
+        return Result(code, out, err)
     proc = subprocess.run(
         [sys.executable, "-m", module, *args[1:]],
         input=input, capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout,
@@ -282,3 +292,8 @@ def spark(gcs_server: object, s3_server: object) -> Iterator[object]:  # noqa: F
     session = spark_session("local[2]", "gazette-py tests")
     yield session
     stop_spark(session)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The fork server of `gazctl` runs is stopped by its pid as the session ends."""
+    FORK_SERVER.stop()

@@ -209,7 +209,15 @@ async def test_a_group_larger_than_a_peer_takes_in_one_message_commits_whole(
         writers = [
             asyncio.ensure_future(append(stub(primary), journal, p, check=False)) for p in payloads
         ]
-        await until(lambda: waiting(replica_of(primary, journal)) == len(payloads), timeout=60)
+        try:
+            await until(lambda: waiting(replica_of(primary, journal)) == len(payloads), timeout=60)
+        except AssertionError:
+            done = [w for w in writers if w.done()]
+            raise AssertionError(
+                f"{waiting(replica_of(primary, journal))} of {len(payloads)} appends wait for the "
+                f"held pipeline after 60s; {len(done)} writers ended, first: "
+                f"{(done[0].exception() or done[0].result()) if done else None!r}"
+            ) from None
         holder = await commit_held(held)
         answers = await asyncio.gather(*writers, return_exceptions=True)
         committed = [(first.commit.begin, b"first\n"), (holder.commit.begin, HELD)]
