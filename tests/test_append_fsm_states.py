@@ -21,6 +21,7 @@ from broker.service import JournalService
 from broker.testing import BrokerHarness, EtcdServer
 from plumbing import etcd as etcdx
 from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.waiting import until
 
 PRIMARY = "broker-a"
 PEER = "scripted"
@@ -121,9 +122,12 @@ async def placed(h: BrokerHarness, etcd: aetcd.Client, root: str, journal: str) 
     await set_journal(
         etcd, root, journal_spec(journal, replication=2), [("local", PRIMARY), ("local", PEER)]
     )
-    async with asyncio.timeout(10):
-        while journal not in (h.broker.service.resolver.replicas or {}):
-            await asyncio.sleep(0.01)
+    await until(
+        lambda: journal in (h.broker.service.resolver.replicas or {}),
+        f"the primary resolves {journal}",
+        timeout=10,
+        interval=0.01,
+    )
 
 
 async def synchronized(fsm: AppendFSM, peer: ScriptedPeer) -> list[State]:
