@@ -5,16 +5,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aetcd
 import pytest
 
-from broker.append_api import ClientStream
 from broker.client.appender import AppendError, append
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.helpers.journals import IDS, journal_spec, read_all, set_journal, started_brokers, stub
+from tests.helpers.journals import (
+    IDS,
+    append_streams,
+    journal_spec,
+    read_all,
+    set_journal,
+    started_brokers,
+    stub,
+)
 from tests.helpers.waiting import until
 
 
@@ -73,14 +79,7 @@ async def test_cancelled_append_rolls_back_everywhere(
 ) -> None:
     await set_journal(etcd, etcd_prefix, journal_spec("e2e/abort"), [("local", i) for i in IDS])
     await append(stub(brokers[0]), "e2e/abort", b"kept;")
-    streams: list[ClientStream] = []
-    opened = ClientStream.__init__
-
-    def recorded(self: ClientStream, *args: Any, **kwargs: Any) -> None:
-        opened(self, *args, **kwargs)
-        streams.append(self)
-
-    monkeypatch.setattr(ClientStream, "__init__", recorded)
+    streams = append_streams(monkeypatch)
     call = stub(brokers[0]).Append()
     await call.write(pb.AppendRequest(journal="e2e/abort"))
     await call.write(pb.AppendRequest(content=b"never visible"))

@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aetcd
+import pytest
 from aetcd import transactions
 
 from allocator import keyspace as aks
+from broker.append_api import ClientStream
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness
@@ -129,3 +131,17 @@ async def read_all(h: BrokerHarness, journal: str, offset: int = 0, end: int = 0
         assert r.status == pb.OK, r
         out += r.content
     return bytes(out)
+
+
+def append_streams(monkeypatch: pytest.MonkeyPatch) -> list[ClientStream]:
+    """Every Append stream the in-process brokers open from now on, as each opens: a test that
+    writes part of an append waits until a broker has read it (`bytes_received`)."""
+    streams: list[ClientStream] = []
+    opened = ClientStream.__init__
+
+    def recorded(self: ClientStream, *args: Any, **kwargs: Any) -> None:
+        opened(self, *args, **kwargs)
+        streams.append(self)
+
+    monkeypatch.setattr(ClientStream, "__init__", recorded)
+    return streams
