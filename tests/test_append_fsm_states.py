@@ -296,7 +296,7 @@ async def test_a_teardown_cancelled_behind_a_reader_fails_the_read_quietly(
     teardown = asyncio.ensure_future(pln.shutdown(expect_err=False))
     # A hold, the thing under test: the teardown waits for the reader's turn to end, so in
     # this while neither ends.
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # The hold.
     assert not teardown.done() and not reading.done()
     teardown.cancel()
     with contextlib.suppress(asyncio.CancelledError):
