@@ -3,7 +3,6 @@ journal consistent, and appends follow the route."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import aetcd
@@ -15,6 +14,7 @@ from broker.client.routes import append_routed
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
 from tests.helpers.journals import journal_spec
+from tests.helpers.waiting import until
 
 
 async def route_of(h: BrokerHarness, journal: str) -> pb.Route:
@@ -26,28 +26,29 @@ async def route_of(h: BrokerHarness, journal: str) -> pb.Route:
 
 
 async def wait_route(h: BrokerHarness, journal: str, members: int, timeout: float = 20) -> pb.Route:
-    async with asyncio.timeout(timeout):
-        while True:
-            route = await route_of(h, journal)
-            if len(route.members) == members and route.primary != -1:
-                return route
-            await asyncio.sleep(0.05)
+    route = pb.Route(primary=-1)
+
+    async def assigned() -> bool:
+        nonlocal route
+        route = await route_of(h, journal)
+        return len(route.members) == members and route.primary != -1
+
+    await until(assigned, f"{journal} routed to {members} members", timeout, interval=0.05)
+    return route
 
 
 async def wait_consistent(etcd: aetcd.Client, root: str, journal: str, route: pb.Route) -> None:
     """Until every assignment's value holds the route (the pulse's doing)."""
-    async with asyncio.timeout(20):
-        while True:
-            kvs = await etcd.get_prefix(f"{root}{aks.ASSIGNMENTS}{journal}{aks.SEP}".encode())
-            values = [pb.Route.FromString(kv.value) if kv.value else None for kv in kvs]
-            if len(values) == len(route.members) and all(
-                v is not None
-                and list(v.members) == list(route.members)
-                and v.primary == route.primary
-                for v in values
-            ):
-                return
-            await asyncio.sleep(0.05)
+
+    async def consistent() -> bool:
+        kvs = await etcd.get_prefix(f"{root}{aks.ASSIGNMENTS}{journal}{aks.SEP}".encode())
+        values = [pb.Route.FromString(kv.value) if kv.value else None for kv in kvs]
+        return len(values) == len(route.members) and all(
+            v is not None and list(v.members) == list(route.members) and v.primary == route.primary
+            for v in values
+        )
+
+    await until(consistent, f"every assignment of {journal} holds its route", 20, interval=0.05)
 
 
 @pytest.fixture

@@ -12,7 +12,16 @@ import pytest
 from broker.client.appender import AppendError, append
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.helpers.journals import IDS, journal_spec, read_all, set_journal, started_brokers, stub
+from tests.helpers.journals import (
+    IDS,
+    append_streams,
+    journal_spec,
+    read_all,
+    set_journal,
+    started_brokers,
+    stub,
+)
+from tests.helpers.waiting import until
 
 
 @pytest.fixture
@@ -63,14 +72,21 @@ async def test_too_few_brokers(
 
 
 async def test_cancelled_append_rolls_back_everywhere(
-    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     await set_journal(etcd, etcd_prefix, journal_spec("e2e/abort"), [("local", i) for i in IDS])
     await append(stub(brokers[0]), "e2e/abort", b"kept;")
+    streams = append_streams(monkeypatch)
     call = stub(brokers[0]).Append()
     await call.write(pb.AppendRequest(journal="e2e/abort"))
     await call.write(pb.AppendRequest(content=b"never visible"))
-    await asyncio.sleep(0.2)
+    await until(
+        lambda: any(s.bytes_received == len(b"never visible") for s in streams),
+        "the primary reads the content it is to roll back",
+    )
     call.cancel()
     # The next append lands at the same offset the aborted one would have used.
     response = await append(stub(brokers[0]), "e2e/abort", b"next")

@@ -21,6 +21,7 @@ from broker.service import JournalService
 from broker.testing import BrokerHarness, EtcdServer
 from plumbing import etcd as etcdx
 from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.waiting import until
 
 PRIMARY = "broker-a"
 PEER = "scripted"
@@ -121,9 +122,12 @@ async def placed(h: BrokerHarness, etcd: aetcd.Client, root: str, journal: str) 
     await set_journal(
         etcd, root, journal_spec(journal, replication=2), [("local", PRIMARY), ("local", PEER)]
     )
-    async with asyncio.timeout(10):
-        while journal not in (h.broker.service.resolver.replicas or {}):
-            await asyncio.sleep(0.01)
+    await until(
+        lambda: journal in (h.broker.service.resolver.replicas or {}),
+        f"the primary resolves {journal}",
+        timeout=10,
+        interval=0.01,
+    )
 
 
 async def synchronized(fsm: AppendFSM, peer: ScriptedPeer) -> list[State]:
@@ -292,7 +296,7 @@ async def test_a_teardown_cancelled_behind_a_reader_fails_the_read_quietly(
     teardown = asyncio.ensure_future(pln.shutdown(expect_err=False))
     # A hold, the thing under test: the teardown waits for the reader's turn to end, so in
     # this while neither ends.
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # The hold.
     assert not teardown.done() and not reading.done()
     teardown.cancel()
     with contextlib.suppress(asyncio.CancelledError):

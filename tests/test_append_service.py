@@ -80,7 +80,10 @@ async def test_back_pressure_bounds_pending_bytes(
 
 
 async def test_retries_until_the_journal_is_placed_and_fails_on_permanent_errors(
-    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Replication 2, but only one broker assigned: INSUFFICIENT_JOURNAL_BROKERS is retried.
     await set_journal(
@@ -88,7 +91,10 @@ async def test_retries_until_the_journal_is_placed_and_fails_on_permanent_errors
     )
     async with AppendService(stub(brokers[0]), max_retry_delay=0.1) as service:
         future = await service.write("svc/later", b"eventually\n")
-        await asyncio.sleep(0.3)
+        await until(
+            lambda: caplog.text.count("append to svc/later failed (retrying") >= 2,
+            "the unplaced journal's append refused twice, and retried",
+        )
         assert not future.done()
         await set_journal(
             etcd, etcd_prefix, journal_spec("svc/later", replication=2), [("local", i) for i in IDS]
@@ -121,7 +127,7 @@ async def test_a_write_after_a_dependency_holds_the_journal_until_it_completes(
         after = await service.write(name, b"after;")
         assert len(service.pending_except()) == 3 and service.pending_except(name) == []
         await before
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # A hold: nothing behind the uncommitted dependency lands.
         assert not ack.done() and not after.done()
         assert await read_all(brokers[0], name) == b"before;"
         commit.set_result(None)
@@ -345,8 +351,12 @@ async def test_batches_that_fail_or_are_cancelled_after_their_writers_gave_up_lo
     assert "never retrieved" not in caplog.text
 
     service = AppendService(stub(brokers[0]), max_retry_delay=0.05)
+    refused = caplog.text.count("append to svc/gaveup failed (retrying")
     retrying = await service.write("svc/gaveup", b"never either\n")
-    await asyncio.sleep(0.2)
+    await until(
+        lambda: caplog.text.count("append to svc/gaveup failed (retrying") > refused,
+        "the second service's batch refused, and retrying",
+    )
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(service.close(), 0.2)  # As the campaign's clients close.
     assert retrying.batch.cancelled()  # Cancelled with its sender: nobody waits for good.

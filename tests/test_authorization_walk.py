@@ -31,6 +31,7 @@ from replication.process import LocationConfig
 from replication.rpc import SERVICE as LOCATION_SERVICE
 from tests.helpers.consumers import WordTotals
 from tests.helpers.locations import serving
+from tests.helpers.waiting import until
 
 KEY = b"the key of this walk's brokers, consumers and location"
 KEYS = base64.b64encode(KEY).decode()
@@ -131,16 +132,18 @@ async def world(etcd_server: Any, etcd_prefix: str, tmp_path: Path) -> AsyncIter
 async def _routed_header(journals: pb_grpc.JournalStub) -> pb.Header:
     """The header of a Read of the hidden journal once the broker took it on (a peer's
     Replicate carries such a header)."""
-    import asyncio
+    header = pb.Header()
 
-    async with asyncio.timeout(30):
-        while True:
-            call = journals.Read(pb.ReadRequest(journal=HIDDEN_JOURNAL, block=False), metadata=admin())  # fmt: skip
-            first = await call.read()
-            call.cancel()
-            if first.status in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE) and first.header.route.primary == 0:  # fmt: skip
-                return first.header  # type: ignore[no-any-return]
-            await asyncio.sleep(0.05)
+    async def taken_on() -> bool:
+        nonlocal header
+        call = journals.Read(pb.ReadRequest(journal=HIDDEN_JOURNAL, block=False), metadata=admin())  # fmt: skip
+        first = await call.read()
+        call.cancel()
+        header = first.header
+        return first.status in (pb.OK, pb.OFFSET_NOT_YET_AVAILABLE) and first.header.route.primary == 0  # fmt: skip
+
+    await until(taken_on, "the broker took the hidden journal on", timeout=30, interval=0.05)
+    return header
 
 
 # ---- what each RPC does, with the hidden target -------------------------------------------------

@@ -21,6 +21,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,10 +81,13 @@ async def written_and_aged(broker: BrokerProcess, root: Path) -> int:
             await asyncio.sleep(0.1)
         await append(stub, WRITTEN, b"")  # Rolls the fragment (it is over its length).
         files: list[Path] = []
-        while not files:
+
+        def persisted() -> bool:
+            nonlocal files
             files = list((root / "fragments" / WRITTEN).glob("[0-9a-f]*"))  # Not .partial-
-            assert time.monotonic() < deadline, "the fragment was never persisted"
-            await asyncio.sleep(0.1)
+            return bool(files)
+
+        await until(persisted, "the fragment persisted", timeout=30, interval=0.1)
     finally:
         await channel.close(None)
     two_days_ago = time.time() - 2 * 24 * 3600
@@ -102,19 +106,20 @@ async def test_an_idle_flushed_journal_is_suspended_with_auto_suspend_and_resume
         await written_and_aged(plain, tmp_path / "plain")
 
         # The auto-suspending broker suspends both on its own, once their pulses are stable.
-        deadline = time.monotonic() + 30
-        while True:
+        written = empty = pb.JournalSpec.Suspend()
+
+        async def suspended() -> bool:
+            nonlocal written, empty
             written, empty = [await suspension(auto.address, j) for j in (WRITTEN, EMPTY)]
-            if (written.level, empty.level) == (PARTIAL, FULL):
-                break
-            assert time.monotonic() < deadline, f"not suspended: {written} / {empty}"
-            await asyncio.sleep(0.2)
+            return (written.level, empty.level) == (PARTIAL, FULL)
+
+        await until(suspended, f"{WRITTEN} and {EMPTY} suspended", timeout=30, interval=0.2)
         assert written.offset == end and empty.offset == 0
 
         # The same journals, as idle, on a broker without the flag: never suspended.
         # A hold, the thing under test: some 30 pulses, twice what auto-suspension waits for,
         # in which the broker without the flag suspends nothing.
-        await asyncio.sleep(3)
+        await asyncio.sleep(3)  # The hold.
         for journal in (WRITTEN, EMPTY):
             assert (await suspension(plain.address, journal)).level == NONE
 

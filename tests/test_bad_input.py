@@ -14,7 +14,14 @@ from broker.client import BrokerUnavailable
 from broker.client.appender import append
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.helpers.journals import journal_spec, read_all, set_journal, started_brokers
+from tests.helpers.journals import (
+    append_streams,
+    journal_spec,
+    read_all,
+    set_journal,
+    started_brokers,
+)
+from tests.helpers.waiting import until
 
 IDS = ["broker-a", "broker-b"]
 
@@ -164,14 +171,21 @@ async def test_a_replicate_stream_waits_while_the_primary_owns_the_spool(
 
 
 async def test_route_change_mid_append(
-    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     s = stub(brokers[0])
     await append(s, "bad/j", b"one;")
+    streams = append_streams(monkeypatch)
     call = s.Append()
     await call.write(pb.AppendRequest(journal="bad/j"))
     await call.write(pb.AppendRequest(content=b"two;"))
-    await asyncio.sleep(0.1)
+    await until(
+        lambda: any(st.bytes_received == len(b"two;") for st in streams),
+        "the primary reads the append's content",
+    )
     # The primary and replica swap while the append streams.
     await set_journal(
         etcd,

@@ -19,6 +19,7 @@ from broker.testing import EtcdServer, stop_processes
 from tests.conftest import BrokerProcess
 from tests.helpers.brokers import current_route, placed, start_brokers
 from tests.helpers.journals import journal_spec
+from tests.helpers.waiting import until
 
 
 async def read_from(dialer: Dialer, endpoint: str, journal: str) -> dict[int, int]:
@@ -112,10 +113,16 @@ async def test_brokers_stopped_together_log_one_line_records(
                     for i in range(20)
                 ]
             )
-        async with asyncio.timeout(20):
-            for i in range(20):
-                while len((await current_route(brokers[0].address, f"stop/j{i:02d}")).members) < 2:
-                    await asyncio.sleep(0.05)
+        unplaced = {f"stop/j{i:02d}" for i in range(20)}
+
+        async def placed() -> bool:
+            for name in sorted(unplaced):
+                if len((await current_route(brokers[0].address, name)).members) < 2:
+                    return False
+                unplaced.discard(name)
+            return True
+
+        await until(placed, "the 20 journals placed at two replicas", timeout=20, interval=0.05)
         async with JournalsClient(brokers[0].address) as client:
             for i in range(20):
                 await append(client.stub, f"stop/j{i:02d}", b"one\n")

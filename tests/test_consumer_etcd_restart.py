@@ -77,7 +77,7 @@ class KillAtHintsRead:
         return await self.real(*args, **kwargs)
 
     async def _start_again(self) -> None:
-        await asyncio.sleep(self.down)
+        await asyncio.sleep(self.down)  # The outage's length: etcd stays down this long.
         await asyncio.to_thread(self.server.start)
         self.restarted.set()
 

@@ -274,7 +274,7 @@ async def test_primary_is_advertised_only_once_its_store_is_fenced_and_restored(
             await app.restoring.wait()
         # Nothing to wait for: the test holds that no PRIMARY status is written while the store
         # restores, so it gives one time to be written, were one coming.
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # A hold (see above): no PRIMARY is written meanwhile.
         assert await statuses(shards) != [("consumer-0:primary", cpb.ReplicaStatus.PRIMARY)]
         app.let_go.set()
         await until(

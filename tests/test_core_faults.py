@@ -100,9 +100,9 @@ async def test_blocked_tails_stay_idle_after_a_route_change(
             lambda: len(replica.assignments) == 3 and all(kv.raw for kv in replica.assignments),
             timeout=15,
         )
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # A settling time: the tails' wake-ups at the route change pass.
         before = queries
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # The window the idle tails' queries are counted over.
         idle = queries - before
         # Spinning tails query the index thousands of times a second.
         assert idle <= 8, f"{idle} index queries in a second by four idle tails"
@@ -365,7 +365,7 @@ async def test_a_small_append_queued_behind_a_slow_one_is_not_too_slow(
     async def slow_content() -> AsyncIterator[bytes]:
         for _ in range(6):
             yield b"s" * (64 << 10)  # 128 KiB/s on average: above the minimum.
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # The pacing under test: the append holds the pipeline 3 s.
 
     replica = brokers[0].broker.service.resolver.replicas[journal]  # type: ignore[index]
     # The first append gave the pipeline back; then the slow append holds it.

@@ -4,7 +4,6 @@ never served as content)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness, EtcdServer
 from tests.helpers.journals import routed, started_brokers
 from tests.helpers.persistence import JOURNAL, payloads, persisted_through, spec
+from tests.helpers.waiting import until
 
 STORE = "file:///fragments/"
 
@@ -193,10 +193,12 @@ async def test_a_corrupt_fragment_is_reported_not_served(
     # The broker keeps its local copy of a persisted fragment until a store listing covers it
     # (the persist asks for one): from then on it streams the store's bytes.
     replica = harness.broker.service.resolver.replicas[JOURNAL]  # type: ignore[index]
-    deadline = time.monotonic() + 10
-    while any(f.begin < victim.end for f in replica.index.local_fragments()):
-        assert time.monotonic() < deadline, "no listing covered the persisted fragments"
-        await asyncio.sleep(0.05)
+    await until(
+        lambda: not any(f.begin < victim.end for f in replica.index.local_fragments()),
+        "a listing covered the persisted fragments",
+        timeout=10,
+        interval=0.05,
+    )
     path = root / "fragments" / fragment_path(victim)
     content = path.read_bytes()
     path.write_bytes(bytes(b ^ 0x20 for b in content))  # Same length, wrong bytes.

@@ -73,6 +73,7 @@ from tests.conftest import BrokerProcess, start_broker_process
 from tests.helpers.gazctl import assert_one_line_error, gazctl
 from tests.helpers.journals import set_journal
 from tests.helpers.mutations import mutated_bytes, mutated_text, mutated_yaml
+from tests.helpers.waiting import until_blocking
 
 RPC_TESTS = 14  # Seven methods, as messages and as raw bytes.
 INPUTS = int(os.environ.get("GAZETTE_FUZZ_INPUTS", "350"))
@@ -404,15 +405,17 @@ def listing(channel: grpc.Channel, name: str) -> list[pb.ListResponse]:
 def wait_routed(channel: grpc.Channel, names: Sequence[str]) -> dict[str, pb.ListResponse.Journal]:
     """Each journal as listed once it has a primary."""
     out = {}
-    deadline = time.monotonic() + 30
-    for name in names:
-        while True:
-            journals = listing(channel, name)[0].journals
-            if journals and journals[0].route.primary != -1:
+
+    def routed() -> bool:
+        for name in names:
+            if name not in out:
+                journals = listing(channel, name)[0].journals
+                if not journals or journals[0].route.primary == -1:
+                    return False
                 out[name] = journals[0]
-                break
-            assert time.monotonic() < deadline, f"{name} was never assigned"
-            time.sleep(0.05)
+        return True
+
+    until_blocking(routed, f"{', '.join(names)} assigned", 30, 0.05)
     return out
 
 
@@ -458,17 +461,16 @@ def record_commit(
 
 
 def wait_persisted(channel: grpc.Channel, journal: str, count: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+
+    def persisted() -> bool:
         raw, error = invoke(
             channel, "ListFragments", [payload(pb.FragmentsRequest(journal=journal))], LONG
         )
         assert error is None, error
         listed = pb.FragmentsResponse.FromString(raw[0]).fragments
-        if sum(1 for f in listed if f.spec.backing_store) >= count:
-            return
-        assert time.monotonic() < deadline, f"{journal}: fewer than {count} fragments persisted"
-        time.sleep(0.1)
+        return sum(1 for f in listed if f.spec.backing_store) >= count
+
+    until_blocking(persisted, f"{count} fragments of {journal} persisted", 30, 0.1)
 
 
 def stored_files(root: Path) -> dict[str, bytes]:
@@ -1085,17 +1087,18 @@ def test_fragment_files_found_in_a_store(
     # covering the marker.
     # (Fragments of what the test appended are the broker's own: it keeps its copy of one it
     # persisted until a listing shows it, which the directory's removal may prevent.)
-    deadline = time.monotonic() + 20
-    while True:
+    listed: list[pb.Fragment] = []
+
+    def follows() -> bool:
+        nonlocal listed
         listed = persisted_listing(live, NAMES, "store files")
         theirs = [f for f in listed if not any(f.begin <= at < f.end for at in live.names_appends)]
         stale = {key(f) for f in theirs} - present
-        if not stale and any(
+        return not stale and any(
             f.begin <= marker.begin and f.end >= marker.end and key(f) in present for f in listed
-        ):
-            break
-        assert time.monotonic() < deadline, f"the broker lists {stale or 'no marker'}"
-        time.sleep(0.2)
+        )
+
+    until_blocking(follows, "the broker lists the marker and no fragment of removed files", 20, 0.2)
 
     r = gazctl(live.broker, "journals", "fragments", "-l", f"name={NAMES}", "-o", "json")
     assert r.code == 0 and "Traceback" not in r.err, r.err
@@ -1151,10 +1154,12 @@ def test_corrupt_fragment_content(
     live.corrupt_offset = fragment.end  # The next example's follows this one.
     stored = data.draw(corruptions(codecs.compress(codec, content)))
     assert write_under(live.root / "fuzz-store", os.fsencode(fragment_path(fragment)), stored)
-    deadline = time.monotonic() + 20
-    while key(fragment) not in {key(f) for f in persisted_listing(live, CORRUPT, "corrupt")}:
-        assert time.monotonic() < deadline, "the broker never listed the fragment"
-        time.sleep(0.2)
+    until_blocking(
+        lambda: key(fragment) in {key(f) for f in persisted_listing(live, CORRUPT, "corrupt")},
+        "the broker lists the fragment",
+        20,
+        0.2,
+    )
 
     # The broker streams it unverified (a reader checks what it reads whole): its answer is
     # some bytes or DATA_LOSS, and the client library's read is the content or FragmentCorrupt.
@@ -1313,7 +1318,7 @@ def test_an_append_with_another_clusters_header_is_refused_cleanly(live: Live) -
     assert "etcd cluster" in (error.details() or "")
     # A hold: a traceback would reach the log of the broker (another process) meanwhile; the
     # test holds that none does, and absence has no event to wait for.
-    time.sleep(0.2)
+    time.sleep(0.2)  # The hold.
     after = len(unhandled_errors(live.broker.log.read_text(errors="replace"), known=False))
     assert after == before, "the broker logged a traceback"
 
@@ -1333,7 +1338,7 @@ def test_an_append_past_the_largest_offset_is_refused_cleanly(live: Live) -> Non
     assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE), error
     # A hold: a traceback would reach the log of the broker (another process) meanwhile; the
     # test holds that none does, and absence has no event to wait for.
-    time.sleep(0.2)
+    time.sleep(0.2)  # The hold.
     after = len(unhandled_errors(live.broker.log.read_text(errors="replace"), known=False))
     assert after == before, "the broker logged a traceback"
 

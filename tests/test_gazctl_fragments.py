@@ -4,6 +4,7 @@ fragments, against a real broker process persisting to a file:// store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
@@ -32,6 +33,7 @@ from tests.helpers.fragment_history import (
     journal,
 )
 from tests.helpers.gazctl import assert_one_line_error, gazctl
+from tests.helpers.waiting import until, until_blocking
 
 # The module-scoped fixtures: one broker and one history of fragments for this module's tests.
 cluster = fragment_history.cluster
@@ -247,17 +249,23 @@ def test_read_interrupted_writes_offsets(
     try:
         assert proc.stdout is not None
         got = b""
-        deadline = time.monotonic() + 20
-        while got != b"bbb\n":  # A blocking read: it has read all there is, and waits.
-            assert time.monotonic() < deadline, got
+
+        def printed() -> bool:
+            nonlocal got
+            assert proc.stdout is not None
             if select.select([proc.stdout], [], [], 0.1)[0]:
                 got += os.read(proc.stdout.fileno(), 100)
+            return got == b"bbb\n"
+
+        # A blocking read: it has read all there is, and waits.
+        until_blocking(printed, "gazctl read printed all there is", 20, interval=0)
         proc.send_signal(signal.SIGINT)
         try:
             _, err = proc.communicate(timeout=20)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGUSR1)  # gazctl prints its threads' stacks, then dies.
-            time.sleep(1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
             proc.kill()
             _, err = proc.communicate()
             raise AssertionError(
@@ -296,7 +304,7 @@ def test_prune_removes_aged_fragments_but_the_last(cluster: Cluster, tmp_path: P
     asyncio.run(setup())
     newest = max(f.mod_time for f in store.list_fragments("prune/old"))
     # Every fragment is past the 1s retention (the index's mod times may be a second later).
-    time.sleep(max(0.0, newest + 2.2 - time.time()))
+    time.sleep(max(0.0, newest + 2.2 - time.time()))  # The retention must really pass.
 
     def on_disk(name: str) -> list[tuple[int, int]]:
         return [(f.begin, f.end) for f in store.list_fragments(name)]
@@ -330,10 +338,11 @@ def test_prune_removes_aged_fragments_but_the_last(cluster: Cluster, tmp_path: P
 
 
 async def settled_after_prune(journals: Journals, name: str, root: Path) -> None:
-    deadline = time.monotonic() + 20
-    while len(await journals.settled(name, root)) != 1:
-        assert time.monotonic() < deadline, "the index never dropped pruned fragments"
-        await asyncio.sleep(0.1)
+
+    async def dropped() -> bool:
+        return len(await journals.settled(name, root)) == 1
+
+    await until(dropped, "the index dropped the pruned fragments", timeout=20, interval=0.1)
 
 
 # ---- store-health -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, run_cli
 from tests.helpers.gazctl import assert_one_line_error, gazctl
+from tests.helpers.waiting import until
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "journals.yaml"
 
@@ -429,14 +430,17 @@ def test_journals_beyond_the_brokers_slots_say_why_they_have_no_replicas(
         assert applied.code == 0, applied.err
 
         async def placed() -> list[str]:  # Until the allocator has filled both slots.
+            unplaced: list[str] = []
             async with JournalsClient(address) as client:
-                for _ in range(300):
+
+                async def filled() -> bool:
+                    nonlocal unplaced
                     snapshot = await client.list()
                     unplaced = [j.spec.name for j in snapshot.journals if not j.route.members]
-                    if len(unplaced) == 1:
-                        return unplaced
-                    await asyncio.sleep(0.05)
-            raise AssertionError(f"the allocator never placed two of three journals: {unplaced}")
+                    return len(unplaced) == 1
+
+                await until(filled, "the allocator placed two of three journals", 15, 0.05)
+            return unplaced
 
         (unplaced,) = asyncio.run(placed())
         why = (

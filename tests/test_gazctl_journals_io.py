@@ -182,6 +182,7 @@ def test_an_append_right_after_a_graceful_full_restart_waits_for_the_journal_to_
     brokers = [start(0, "second")]
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # Deliberately a second late: the append, sent meanwhile, must wait for it.
             second = pool.submit(lambda: (time.sleep(1.0), start(1, "second"))[1])
             try:
                 r = gazctl(brokers[0], "journals", "append", "-l", "name=io/two", input="after\n")

@@ -24,6 +24,7 @@ from gazctl.shards import RECOVERY_LOG_CONTENT_TYPE
 from tests.conftest import Result, run_cli
 from tests.helpers.consumers import INPUT, StoredSummer, publish_inputs, spec, write_head
 from tests.helpers.journals import routed
+from tests.helpers.waiting import until
 
 SHARDSPACE = """\
 common:
@@ -177,15 +178,16 @@ async def test_list_shows_statuses_replicas_labels_and_lag(
     assert applied.code == 0, applied
     expected = await publish_inputs(stub, 30, seed=9)
     head = await write_head(stub, INPUT)
-    async with asyncio.timeout(30):
-        while True:
-            table = await gazctl(
-                consumer, broker, "list", "-p", "-r", "--rf", "-L", "tier", "--lag"
-            )
-            assert table.code == 0, table
-            if table.out.count(f"{INPUT}:0") == 2:
-                break
-            await asyncio.sleep(0.2)
+    table = None
+
+    async def caught_up() -> bool:
+        nonlocal table
+        table = await gazctl(consumer, broker, "list", "-p", "-r", "--rf", "-L", "tier", "--lag")
+        assert table.code == 0, table
+        return table.out.count(f"{INPUT}:0") == 2
+
+    await until(caught_up, "both shards listed with no lag", timeout=30, interval=0.2)
+    assert table is not None
     rows = [line.split() for line in table.out.splitlines()]
     assert rows[0] == ["ID", "Status", "RF", "Primary", "Replicas", "tier", "Lag"]
     by_id = {row[0]: row for row in rows[1:]}
@@ -214,9 +216,10 @@ async def test_unassign_restarts_a_failed_shard(
         assert table.code == 0, table
         return {row.split()[0]: row.split()[1] for row in table.out.splitlines()[1:]}
 
-    async with asyncio.timeout(30):
-        while await statuses() != {"sum-a": "FAILED", "sum-b": "FAILED"}:
-            await asyncio.sleep(0.2)
+    async def both_failed() -> bool:
+        return await statuses() == {"sum-a": "FAILED", "sum-b": "FAILED"}
+
+    await until(both_failed, "both shards FAILED", timeout=30, interval=0.2)
     as_json = await gazctl(consumer, broker, "list", "-o", "json")
     errors = [json.loads(line)["status"][0].get("errors") for line in as_json.out.splitlines()]
     assert all(e and "poisoned: cannot sum this" in e[0] for e in errors), errors
@@ -229,9 +232,11 @@ async def test_unassign_restarts_a_failed_shard(
     app.poisoned = False  # The cause is gone: unassigning restarts the shard.
     done = await gazctl(consumer, broker, "unassign", "-l", "id=sum-a", "--failed")
     assert done.code == 0 and done.out.split() == ["sum-a"], done
-    async with asyncio.timeout(30):
-        while (await statuses())["sum-a"] != "PRIMARY":
-            await asyncio.sleep(0.2)
+
+    async def restarted() -> bool:
+        return (await statuses())["sum-a"] == "PRIMARY"
+
+    await until(restarted, "sum-a PRIMARY again", timeout=30, interval=0.2)
     assert (await statuses())["sum-b"] == "FAILED"  # Only what the selector named.
     missing = await gazctl(consumer, broker, "unassign")
     assert missing.code == 2 and "--selector" in missing.err
@@ -360,13 +365,15 @@ async def test_a_shard_whose_hints_name_another_log_fails_with_the_reason(
         "  recovery_log_prefix: recovery/logs\n  max_txn_duration: 1s\n"
     )
     assert (await gazctl(consumer, broker, "apply", input=shardspace)).code == 0
-    async with asyncio.timeout(30):
-        while True:
-            listed = await gazctl(consumer, broker, "list", "-o", "json")
-            status = json.loads(listed.out.splitlines()[0])["status"][0] if listed.out else {}
-            if status.get("code") == "FAILED":
-                break
-            await asyncio.sleep(0.1)
+    status: dict[str, Any] = {}
+
+    async def failed() -> bool:
+        nonlocal status
+        listed = await gazctl(consumer, broker, "list", "-o", "json")
+        status = json.loads(listed.out.splitlines()[0])["status"][0] if listed.out else {}
+        return status.get("code") == "FAILED"
+
+    await until(failed, "the shard FAILED", timeout=30, interval=0.1)
     (error,) = status["errors"]
     assert "\n" not in error and "someone-else" in error and "recovery/logs/sum-h" in error
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from allocator import keyspace as aks
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
 from tests.conftest import run_cli, start_broker_process, stop_process
+from tests.helpers.waiting import until_blocking
 
 
 async def member(etcd_server: EtcdServer, key: str) -> pb.BrokerSpec | None:
@@ -60,11 +62,14 @@ def test_serve_reads_env_and_ini(etcd_server: EtcdServer, tmp_path: Path) -> Non
     try:
         key = aks.member_key(prefix, "ini-zone", "from-env")  # env beats the INI file
         spec = None
-        for _ in range(200):
+
+        def announced_or_exited() -> bool:
+            nonlocal spec
             spec = asyncio.run(member(etcd_server, key))
-            if spec is not None or proc.poll() is not None:
-                break
-            asyncio.run(asyncio.sleep(0.05))
+            return spec is not None or proc.poll() is not None
+
+        with contextlib.suppress(AssertionError):  # Late, the assertion below shows the log.
+            until_blocking(announced_or_exited, "the broker announced, or exited", 10, 0.05)
         assert spec is not None, log.read_text()
         assert spec.journal_limit == 77
         assert spec.process_spec.endpoint == f"http://127.0.0.1:{port}"

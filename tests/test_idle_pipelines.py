@@ -19,6 +19,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.replica import PULSE_JITTER, Replica
 from broker.testing import BrokerHarness, EtcdServer
 from tests.helpers.journals import journal_spec
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,13 +82,16 @@ async def test_an_idle_primary_releases_its_pipeline_and_the_next_append_rebuild
     # Idle: a pulse releases the pipeline, and the peers' Replicate handlers end, handing
     # their spools back (each pulse builds a pipeline for its own sync: wait for a moment
     # between them).
-    async with asyncio.timeout(30):
-        while not (
+    await until(
+        lambda: (
             primary.pipelines_released
             and primary.pipeline_queue.qsize() == 1
             and all(peer.spool_queue.qsize() == 1 for peer in peers)
-        ):
-            await asyncio.sleep(0.01)
+        ),
+        "the pipeline released and the peers' spools handed back",
+        timeout=30,
+        interval=0.01,
+    )
 
     # The next append synchronizes a new pipeline, and every replica holds every byte once.
     stub = stop_after[1].broker.service.dialer.journal_stub(stop_after[1].endpoint)  # type: ignore[union-attr]
@@ -114,7 +118,7 @@ async def test_a_pipeline_in_use_is_kept(
     deadline = time.monotonic() + 4.0
     while time.monotonic() < deadline:
         await append(stub, JOURNAL, b"x")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # Workload pacing: appends keep the pipeline in use 4 s.
     assert primary.stable_pulses > pulses  # Pulses ran meanwhile...
     # ...and kept the pipeline appends were using.
     assert primary.pipelines_released == released
@@ -129,16 +133,19 @@ async def test_a_new_primary_releases_the_pipeline_its_first_pulse_built_unless_
     stop_after += await brokers(etcd_server, etcd_prefix, pulse=60.0, release=30.0)
     async with stop_after[0].client() as client:
         await client.apply([pb.ApplyRequest.Change(upsert=journal_spec(JOURNAL, replication=3))])
-    async with asyncio.timeout(30):
-        while True:
-            found = [
-                h.broker.service.resolver.replicas.get(JOURNAL)  # type: ignore[union-attr]
-                for h in stop_after
-            ]
-            primary = next((r for r in found if r is not None and r.primary), None)
-            if primary is not None and primary.pipelines_released:
-                break
-            await asyncio.sleep(0.05)
+    primary: Replica | None = None
+
+    def released() -> bool:
+        nonlocal primary
+        found = [
+            h.broker.service.resolver.replicas.get(JOURNAL)  # type: ignore[union-attr]
+            for h in stop_after
+        ]
+        primary = next((r for r in found if r is not None and r.primary), None)
+        return primary is not None and bool(primary.pipelines_released)
+
+    await until(released, "the primary's first pulse released its pipeline", 30, 0.05)
+    assert primary is not None
     assert primary.pipeline_uses >= 1  # Its pulses, each counted once.
     # The next append builds and synchronizes a new pipeline, and keeps it.
     stub = stop_after[0].broker.service.dialer.journal_stub(stop_after[0].endpoint)  # type: ignore[union-attr]
@@ -163,9 +170,12 @@ async def test_pulses_of_journals_placed_together_spread_over_the_interval(
         for replica in group:  # Placed together: each pulses at once on its route.
             replica.primary = True
             replica.on_route_change()
-        async with asyncio.timeout(60):
-            while len(pulses) < len(group) or min(map(len, pulses.values())) < 3:
-                await asyncio.sleep(0.05)
+        await until(
+            lambda: len(pulses) == len(group) and min(map(len, pulses.values())) >= 3,
+            "three pulses of each replica",
+            timeout=60,
+            interval=0.05,
+        )
     finally:
         for replica in group:
             await replica.shutdown()

@@ -13,6 +13,7 @@ import pytest
 
 from broker.testing import EtcdServer
 from keyspace import IN_PLACE_RATIO, EtcdHeader, KeySpace, KeyValue, Update
+from tests.helpers.waiting import until
 
 
 def decode(key: str, value: bytes) -> str:
@@ -320,9 +321,9 @@ async def test_cancelling_watch_leaves_no_tasks(etcd: aetcd.Client, root: str) -
     assert all("_handle_status_once_received" in repr(t) for t in left), left
     # ...and grpc's own per-call task ends once the stream is torn down, which it only is if
     # the watch cancelled its call. It finishes via grpc's poller thread, hence a bounded wait.
-    async with asyncio.timeout(5):
-        while asyncio.all_tasks() - before:
-            await asyncio.sleep(0.001)
+    await until(
+        lambda: not asyncio.all_tasks() - before, "grpc's call task ended", 5, interval=0.001
+    )
 
 
 async def test_watch_fails_when_client_closed_underneath(

@@ -28,6 +28,7 @@ from broker.testing import BrokerHarness, EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.helpers.journals import journal_spec, routed, set_journal, started_brokers
 from tests.helpers.persistence import JOURNAL, read_all, read_from_store
+from tests.helpers.waiting import until
 
 NAMES = ["lease-0", "lease-1", "lease-2"]
 
@@ -109,16 +110,16 @@ async def test_a_short_etcd_outage_is_a_pause_not_a_loss(
             # service, then down again for 1 s (and its start).
             killed = time.monotonic()
             kill_etcd(own_etcd)
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(2.5)  # The outage's schedule (above): etcd down.
             await asyncio.to_thread(own_etcd.start)
-            await asyncio.sleep(max(0.0, killed + 3.1 - time.monotonic()))
-            await asyncio.sleep(1.75)
+            await asyncio.sleep(max(0.0, killed + 3.1 - time.monotonic()))  # The schedule.
+            await asyncio.sleep(1.75)  # The schedule: etcd serving.
             kill_etcd(own_etcd)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # The schedule: etcd down again.
             await asyncio.to_thread(own_etcd.start)
 
             # Longer than the lease: a broker that gave its lease up would be gone by now.
-            await asyncio.sleep(7.0)
+            await asyncio.sleep(7.0)  # A hold past the lease: no broker exits meanwhile.
             exited = [b.log.name for b in brokers if b.proc.poll() is not None]
             assert not exited, f"brokers exited: {exited}\n{logs(brokers)}"
 
@@ -213,7 +214,7 @@ async def test_a_broker_cut_off_from_etcd_pauses_appends_then_resumes(
     async def keep_alive_for_it() -> None:
         while True:
             await etcd.refresh_lease(broker.lease_id)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # A keep-alive's period, well inside the TTL.
 
     monkeypatch.setattr(broker.etcd, "refresh_lease", refresh_unless_cut_off)
     keeper = asyncio.ensure_future(keep_alive_for_it())
@@ -222,11 +223,11 @@ async def test_a_broker_cut_off_from_etcd_pauses_appends_then_resumes(
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             assert not broker.done.is_set(), f"the broker stopped: {broker.failure}"
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # A hold past the TTL, checked throughout.
         assert broker.fenced
 
         pending = asyncio.ensure_future(append(stub, "lease/j", b"while cut off\n"))
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.0)  # A hold: no append is acknowledged while cut off.
         assert not pending.done(), "an append was acknowledged while the lease may have lapsed"
         assert not broker.done.is_set(), f"the broker stopped: {broker.failure}"
 
@@ -278,14 +279,14 @@ async def test_a_refresh_that_times_out_is_logged_by_its_type_and_bound(
 
     async def refresh_or_hang(lease_id: int) -> object:
         if hung:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # Etcd that does not answer: the refresh's bound cuts it.
         return await refresh(lease_id)
 
     monkeypatch.setattr(broker.etcd, "refresh_lease", refresh_or_hang)
     try:
-        async with asyncio.timeout(5):
-            while "failed (retrying): " not in caplog.text:
-                await asyncio.sleep(0.05)
+        await until(
+            lambda: "failed (retrying): " in caplog.text, "a refresh's failure logged", 5, 0.05
+        )
     finally:
         hung = False
     [message] = [r.getMessage() for r in caplog.records if "failed (retrying): " in r.message]

@@ -59,7 +59,7 @@ class FakeLeases:
         if self.race:
             await self.reply.wait()
         while self.hang:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # A refresh etcd never answers (the fake's hang).
         if self.error is not None:
             raise self.error
         return SimpleNamespace(TTL=self.ttl)

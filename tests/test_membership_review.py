@@ -71,7 +71,7 @@ class ScriptedEtcd:
         self.refreshed_at.append(asyncio.get_running_loop().time())
         await self._call("refresh_lease")
         if self.delay:
-            await asyncio.sleep(self.delay)
+            await asyncio.sleep(self.delay)  # A slow etcd: the latency under test.
         return SimpleNamespace(TTL=self.ttl)
 
     async def get(self, key: bytes) -> Any:

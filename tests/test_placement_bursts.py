@@ -16,6 +16,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.replica import Replica
 from broker.testing import BrokerHarness, EtcdServer
 from tests.helpers.journals import journal_spec
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,9 +51,7 @@ async def test_the_pulses_of_a_placement_run_a_bounded_number_at_a_time(
             await client.apply(
                 [pb.ApplyRequest.Change(upsert=journal_spec(n, replication=1)) for n in names]
             )
-        async with asyncio.timeout(60):
-            while len(pulsed) < JOURNALS:
-                await asyncio.sleep(0.05)
+        await until(lambda: len(pulsed) >= JOURNALS, "every journal pulsed", 60, 0.05)
         # Every journal's route changed at once: without the bound, all of them pulse together.
         assert peak == 4
         stub = service.dialer.journal_stub(h.endpoint)
@@ -77,10 +76,10 @@ async def test_a_journal_without_stores_starts_without_a_listing(
             await client.apply([pb.ApplyRequest.Change(upsert=spec)])
         service = h.broker.service
         assert service is not None and service.resolver.replicas is not None
+        replicas = service.resolver.replicas
+        await until(lambda: "storeless/j" in replicas, "storeless/j resolved", 30, 0.05)
         async with asyncio.timeout(30):
-            while (replica := service.resolver.replicas.get("storeless/j")) is None:
-                await asyncio.sleep(0.05)
-            await replica.index.first_refresh.wait()
+            await replicas["storeless/j"].index.first_refresh.wait()
         response = await append(service.dialer.journal_stub(h.endpoint), "storeless/j", b"x")
         assert response.commit.end == 1
         # No thread was given a listing of no stores (10,000 of them a minute at 10,000 journals).

@@ -12,18 +12,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aetcd
 import grpc
 import pytest
 
 from broker.append_api import relayed_code
+from broker.client import routes
 from broker.client.append_service import AppendService, Span
 from broker.client.appender import append
 from broker.client.routes import CORE_SEND_FAILURE, append_routed, is_transient, transient_reason
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness, EtcdServer
-from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.journals import append_streams, journal_spec, set_journal, started_brokers
+from tests.helpers.waiting import until
 
 IDS = ["broker-p", "broker-q"]
 
@@ -72,7 +75,7 @@ async def test_a_proxied_append_the_primary_refuses_early_gets_the_primarys_stat
         response = await append(
             stub(brokers[1]), journal, slow_content(40), check_registers=check, check=False
         )
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # A hold: a traceback logged after the answer shows meanwhile.
     assert response.status == pb.REGISTER_MISMATCH, response
     assert tracebacks(caplog) == []
     head = await append(stub(brokers[0]), journal, b"")
@@ -84,15 +87,20 @@ async def test_a_proxied_append_to_a_primary_that_dies_mid_stream_is_unavailable
     etcd: aetcd.Client,
     etcd_prefix: str,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The primary's server stops while the proxying broker streams to it: the client gets
     UNAVAILABLE (which every client retries), never UNKNOWN or INTERNAL."""
     journal = "faults/orphaned"
     await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), [("local", IDS[0])])
     await append(stub(brokers[0]), journal, b"first;")
+    streams = append_streams(monkeypatch)  # The proxying broker's, then the primary's.
 
     async def kill_soon() -> None:
-        await asyncio.sleep(0.3)
+        await until(
+            lambda: len(streams) >= 2 and streams[1].bytes_received > 0,
+            "the primary reads the proxied content",
+        )
         server = brokers[0].broker.server
         assert server is not None
         await server.stop(grace=0)
@@ -102,7 +110,7 @@ async def test_a_proxied_append_to_a_primary_that_dies_mid_stream_is_unavailable
             tg.create_task(kill_soon())
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await append(stub(brokers[1]), journal, slow_content(100))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # A hold: a traceback logged after the answer shows meanwhile.
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
     assert tracebacks(caplog) == []
 
@@ -184,7 +192,10 @@ async def test_append_service_retries_a_proxied_append_through_a_primary_change(
 
 
 async def test_a_proxied_append_that_never_reached_the_primary_is_sent_again(
-    brokers: list[BrokerHarness], etcd: aetcd.Client, etcd_prefix: str
+    brokers: list[BrokerHarness],
+    etcd: aetcd.Client,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The proxy could not reach the primary: the append cannot have landed, though the client
     had sent its commit, and the proxy says so (its trailer): the library's appender sends it
@@ -204,14 +215,30 @@ async def test_a_proxied_append_that_never_reached_the_primary_is_sent_again(
     assert failed.value.commit_sent  # type: ignore[attr-defined]
     assert transient_reason(failed.value) == "UNAVAILABLE"  # The proxy's word: not appended.
 
+    attempts: list[BaseException | None] = []
+    real = routes.append
+
+    async def recorded(*args: Any, **kwargs: Any) -> pb.AppendResponse:
+        try:
+            response = await real(*args, **kwargs)
+        except BaseException as exc:
+            attempts.append(exc)
+            raise
+        attempts.append(None)
+        return response
+
+    monkeypatch.setattr(routes, "append", recorded)
+
     async def move_soon() -> None:
-        await asyncio.sleep(0.5)
+        # Once append_routed's first attempt failed (so it is sent again after the move).
+        await until(lambda: attempts, "append_routed's first attempt ended")
         await set_journal(etcd, etcd_prefix, journal_spec(journal, replication=1), members[1:])
 
     async with asyncio.TaskGroup() as tasks:
         tasks.create_task(move_soon())
         response = await append_routed(stub(brokers[1]), journal, b"two;", wait=30)
     assert response.commit.end - response.commit.begin == 4
+    assert attempts[0] is not None and attempts[-1] is None  # Refused, then sent again.
 
     unknown = rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed")
     unknown.commit_sent = True  # type: ignore[attr-defined]

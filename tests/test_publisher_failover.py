@@ -26,6 +26,7 @@ from message.types import DictMessages
 from tests.conftest import BrokerProcess
 from tests.helpers.brokers import placed, start_brokers
 from tests.helpers.tcp_proxy import TcpProxy, host_port
+from tests.helpers.waiting import until
 
 JOURNAL = "exactly/once"
 
@@ -81,9 +82,10 @@ async def test_retried_batch_is_duplicated_in_the_journal_but_read_once(
 
                 # Once the batch is durable on the brokers (read through another one), the
                 # primary dies without its answer ever reaching the client.
-                async with asyncio.timeout(20):
-                    while await journal_length(dialer, others[0].address) < batch_end:
-                        await asyncio.sleep(0.05)
+                async def durable() -> bool:
+                    return await journal_length(dialer, others[0].address) >= batch_end
+
+                await until(durable, "the batch durable on another broker", 20, 0.05)
                 assert not commit.done() and not pending[0].done()
                 os.kill(primary.proc.pid, signal.SIGKILL)
                 primary.proc.wait()

@@ -35,6 +35,7 @@ from broker.testing import BrokerProcess, EtcdServer, stop_process
 from tests.conftest import start_broker_process
 from tests.helpers.gazctl import gazctl
 from tests.helpers.journals import journal_spec, routed, set_journal, started_brokers
+from tests.helpers.waiting import until
 
 STORE = "file:///fragments/"
 JOURNAL = "holes/journal"
@@ -277,16 +278,19 @@ async def test_a_read_before_the_first_listing_of_the_stores_waits_for_it(
         await set_journal(etcd, etcd_prefix, spec, [("local", "holes-0")])
         service = brokers[0].broker.service
         stub = service.dialer.journal_stub(brokers[0].endpoint)
-        async with asyncio.timeout(10):  # Until the broker has taken its assignment.
-            while JOURNAL not in service.resolver.replicas:  # type: ignore[union-attr]
-                await asyncio.sleep(0.05)
+        await until(
+            lambda: JOURNAL in service.resolver.replicas,  # type: ignore[operator]
+            "the broker took its assignment",
+            timeout=10,
+            interval=0.05,
+        )
 
         async def read_all(offset: int) -> bytes:
             return b"".join([c.content async for c in read(stub, JOURNAL, offset, block=False)])
 
         reads = [asyncio.create_task(read_all(0)), asyncio.create_task(read_all(120))]
         try:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # A hold: no read answers while the listing is held.
             replica = service.resolver.replicas[JOURNAL]  # type: ignore[union-attr,index]
             assert not replica.index.first_refresh.is_set()
             assert not any(task.done() for task in reads), "a read answered before the listing"

@@ -5,7 +5,6 @@ the dialer's stub (content parsed by hand) and the generated one."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import os
@@ -35,6 +34,7 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.protocol import wire
 from broker.testing import BrokerHarness, EtcdServer
 from tests.helpers.journals import journal_spec, set_journal, started_brokers
+from tests.helpers.waiting import until
 
 STORE = "file:///fragments/"
 JOURNAL = "reads/journal"
@@ -183,13 +183,12 @@ async def test_fragments_of_several_blocks_read_whole_through_a_replica_or_a_pro
     spec.fragment.stores.append(STORE)
     await set_journal(etcd, etcd_prefix, spec, [("local", "broker-a")])
     replica = harnesses[0].broker.service.dialer.journal_stub(harnesses[0].endpoint)
-    deadline = time.monotonic() + 10
-    while True:  # Until the replica has listed the store.
+
+    async def listed_store() -> bool:
         listed = await replica.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
-        if listed.status == pb.OK and len(listed.fragments) == 2:
-            break
-        assert time.monotonic() < deadline, "the replica never listed the store"
-        await asyncio.sleep(0.05)
+        return bool(listed.status == pb.OK and len(listed.fragments) == 2)
+
+    await until(listed_store, "the replica listed the store", timeout=10, interval=0.05)
 
     # The dialer's stub parses content responses by hand; other responses are protobuf's.
     assert isinstance(replica, JournalStub)

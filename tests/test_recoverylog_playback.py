@@ -30,6 +30,7 @@ from consumer.recoverylog.player import PlaybackError, Player
 from consumer.recoverylog.recorder import Fenced, Recorder
 from tests.helpers.loop import StallProbe
 from tests.helpers.recoverylog import LogWriter, create, framed, new_log, unlink, write
+from tests.helpers.waiting import until
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -189,25 +190,27 @@ async def test_a_cancelled_playback_leaves_no_thread_writing_into_its_directory(
             files.create(f"f{i}", os.urandom(64 << 10))
         hints = await recorder.build_hints()
 
-    applying = threading.Event()
+    applying, applied = threading.Event(), threading.Event()
     apply = player_module._StagedFiles._apply
 
     def slowly(staged: player_module._StagedFiles, batch: list[Any]) -> None:
         applying.set()
-        time.sleep(0.3)
-        apply(staged, batch)
+        try:
+            time.sleep(0.3)  # A slow disk: the batch is still applying when play is cancelled.
+            apply(staged, batch)
+        finally:
+            applied.set()
 
     monkeypatch.setattr(player_module._StagedFiles, "_apply", slowly)
     target = tmp_path / "played"
     async with AppendService(stub) as service:
         playing = asyncio.ensure_future(Player().play(hints, target, lambda: stub, service))
-        while not applying.is_set():
-            await asyncio.sleep(0.005)
+        await until(applying.is_set, "a batch applying on the thread", interval=0.005)
         playing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await playing
         assert not target.exists()
-        await asyncio.sleep(0.5)
+        await until(applied.is_set, "the batch in flight ended")
         assert not target.exists()
 
 
@@ -220,7 +223,7 @@ async def test_a_replicas_directory_is_removed_off_the_event_loop(
     rmtree = shutil.rmtree
 
     def slowly(path: Any, ignore_errors: bool = False) -> None:
-        time.sleep(0.5)
+        time.sleep(0.5)  # A slow disk: the removal takes this long on its thread.
         rmtree(path, ignore_errors)
 
     monkeypatch.setattr(shutil, "rmtree", slowly)

@@ -253,16 +253,16 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
 
     # The brokers list the store again (refresh 1 s): their index no longer holds what was
     # removed. And the shard recovers all the same.
-    async def listed_again() -> bool:
+    async def unlisted(gone: set[tuple[int, int]]) -> bool:
         channel = dial(broker.endpoint)
         try:
             stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
             response = await stub.ListFragments(pb.FragmentsRequest(journal=LOG))
         finally:
             await channel.close()
-        return not removed & spans([f.spec for f in response.fragments if f.spec.backing_store])
+        return not gone & spans([f.spec for f in response.fragments if f.spec.backing_store])
 
-    await until(listed_again, "the broker listed its store again")
+    await until(lambda: unlisted(removed), "the broker listed its store again")
     out = await asyncio.to_thread(
         run_cli,
         "gazctl",
@@ -285,7 +285,9 @@ async def test_prune_removes_dead_fragments_and_the_shard_still_recovers(
     from broker.fragment.content import fragment_path
 
     store.remove(fragment_path(needed[0]))
-    await asyncio.sleep(2.5)
+    await until(
+        lambda: unlisted(spans(needed[:1])), "the broker listed its store without the fragment"
+    )
     lost = await asyncio.to_thread(
         run_cli, "gazctl", "shards", "recover", "--id", "shard-p", "--dir", str(tmp_path / "lost"),
         env=env,

@@ -17,6 +17,7 @@ from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import BrokerHarness
 from replication.journal_log import JournalEventLog, read_events, replicate_journals
 from tests.helpers.locations import logs
+from tests.helpers.waiting import until
 
 
 async def test_replication_between_journal_logs(
@@ -101,15 +102,16 @@ async def test_connections_run_until_the_network_converges(
                 at = "A2" if i % 2 else "C2"
                 colour = "red" if i % 3 == 0 else "blue"
                 emitted += await writers[at].emit([{"i": i, "colour": colour}])
-            async with asyncio.timeout(30):
-                want = {e.id for e in emitted}
-                while not all(
-                    [want <= set(await stored_ids(stub, journals[n])) for n in ("A2", "B2", "C2")]
-                ):
-                    await asyncio.sleep(0.05)
-                red = {e.id for e in emitted if e.payload["colour"] == "red"}
-                while set(await stored_ids(stub, journals["D2"])) != red:
-                    await asyncio.sleep(0.05)
+            want = {e.id for e in emitted}
+            red = {e.id for e in emitted if e.payload["colour"] == "red"}
+
+            async def replicated() -> bool:
+                for n in ("A2", "B2", "C2"):
+                    if not want <= set(await stored_ids(stub, journals[n])):
+                        return False
+                return set(await stored_ids(stub, journals["D2"])) == red
+
+            await until(replicated, "A2, B2, C2 hold every event, D2 the red", 30, 0.05)
             for task in running:
                 task.cancel()
         for n in ("A2", "B2", "C2", "D2"):

@@ -124,13 +124,23 @@ def test_status_and_deletion_see_committed_events_only(
             try:
                 a.log.service.barrier(config.journal, dependency=hold)
                 emitting = asyncio.ensure_future(emit(a, {"n": 2}))
-                await asyncio.sleep(0.2)
-                assert not emitting.done() and a.log.next_seq == before.last_seq + 2
+                log = a.log
+                await until(lambda: log.next_seq == before.last_seq + 2, "the second emit staged")
+                assert not emitting.done()
                 held = await a.status(lpb.StatusRequest())
                 assert (held.cvv, held.last_seq) == (before.cvv, before.last_seq)
                 through = held.last_seq + 1
+                waiting = asyncio.Event()
+                settled = log.settled
+
+                async def settling() -> None:
+                    waiting.set()
+                    await settled()
+
+                log.settled = settling  # type: ignore[method-assign]
                 deleting = asyncio.ensure_future(a.delete(lpb.DeleteRequest(through=through)))
-                await asyncio.sleep(0.2)
+                await until(waiting.is_set, "the deletion waits for the staged emit")
+                assert not deleting.done()
                 hold.set_result(None)
                 emitted, deleted = await emitting, await deleting
                 assert deleted.dvv.times["A"] == emitted.events[0].time == 2
@@ -169,15 +179,19 @@ def test_a_process_whose_endpoint_lease_expired_does_not_take_back_anothers_endp
             await etcd.put(key, theirs, lease=other)
             # A hold, the thing under test: its keep-alive notices the loss more than once in
             # this while, and leaves the other's registration alone.
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(2.5)  # The hold.
             got = await etcd.get(key)
             assert got is not None and got.value == theirs
             # The other goes: this process registers the location again.
             await etcd.revoke_lease(other.id)
-            async with asyncio.timeout(10):
-                while (got := await etcd.get(key)) is None:
-                    await asyncio.sleep(0.1)
-            assert json.loads(got.value)["endpoint"] == a.endpoint
+
+            async def registered() -> bool:
+                nonlocal got
+                got = await etcd.get(key)
+                return got is not None
+
+            await until(registered, "the location registered again", timeout=10, interval=0.1)
+            assert got is not None and json.loads(got.value)["endpoint"] == a.endpoint
 
     asyncio.run(go())
 
@@ -208,12 +222,20 @@ def test_a_recovered_location_emits_only_once_its_own_events_are_back(
                     await record(server, Connected("A", "B"))
                     await record(server, Connected("B", "A"))
                 await emit(a, *({"n": i} for i in range(200)))
-                async with asyncio.timeout(30):
-                    while b.log is None or b.log.cvv["A"] < a.log.local_time:  # type: ignore[union-attr]
-                        await asyncio.sleep(0.05)
+                await until(
+                    lambda: b.log is not None and b.log.cvv["A"] >= a.log.local_time,  # type: ignore[union-attr]
+                    "B holds A's 200 events",
+                    timeout=30,
+                    interval=0.05,
+                )
             async with JournalsClient(location_broker.address) as client:  # A's log is lost.
                 await client.apply([pb.ApplyRequest.Change(delete="replication/A", expect_mod_revision=-1)])  # fmt: skip
-            await asyncio.sleep(0.5)
+
+                async def gone() -> bool:
+                    named = pb.LabelSet(labels=[pb.Label(name="name", value="replication/A")])
+                    return not (await client.list(pb.LabelSelector(include=named))).journals
+
+                await until(gone, "the broker dropped A's journal", interval=0.05)
             await apply_location_journals(location_broker.address, "A")
             async with serving(config("A")) as a:
                 assert a.lost and a.log is not None
@@ -222,9 +244,11 @@ def test_a_recovered_location_emits_only_once_its_own_events_are_back(
                     await emit(a, {"n": "too early"})
                 status = await a.status(lpb.StatusRequest())
                 assert status.recovering.startswith("recovering its events from B"), status
-                async with asyncio.timeout(60):
-                    while (await a.status(lpb.StatusRequest())).recovering:
-                        await asyncio.sleep(0.1)
+
+                async def recovered() -> bool:
+                    return not (await a.status(lpb.StatusRequest())).recovering
+
+                await until(recovered, "A's event recovery done", timeout=60, interval=0.1)
                 await emit(a, {"n": "after"})
                 stored, _ = await read_events(a._stub, "replication/A", 0, 1000)
                 ns = [e.event.payload.get("n") for e in stored]

@@ -30,6 +30,7 @@ from broker.testing import EtcdServer, stop_process, stop_processes
 from plumbing import auth
 from plumbing.tls import DevPKI, make_dev_pki
 from tests.conftest import BrokerProcess, run_cli, start_broker_process
+from tests.helpers.waiting import until_blocking
 
 KEY1 = b"first key of the security tests, 32+ bytes"
 KEY2 = b"second key, rotated in after the first one"
@@ -687,13 +688,12 @@ def test_a_spark_replay_reaches_tls_brokers_with_tokens_from_its_executors(
         assert r.code == 0, r.err
         r = run_cli("gazctl", "journals", "suspend", "-l", "name=spk/source", "--force", env=env)
         assert r.code == 0, r.err
-        deadline = time.monotonic() + 30
-        while True:  # Until the store holds it.
-            r = run_cli("gazctl", "journals", "fragments", "-l", "name=spk/source", "-o", "json", env=env)  # fmt: skip
-            if r.code == 0 and "file:///store/" in r.out:
-                break
-            assert time.monotonic() < deadline, r.out + r.err
-            time.sleep(0.5)
+
+        def stored() -> bool:
+            listed = run_cli("gazctl", "journals", "fragments", "-l", "name=spk/source", "-o", "json", env=env)  # fmt: skip
+            return listed.code == 0 and "file:///store/" in listed.out
+
+        until_blocking(stored, "the store holds spk/source", 30, 0.5)
         r = run_cli(
             "gazctl", "spark", "replay", "-l", "name=spk/source", "--to", "journal:spk/target",
             env=env, timeout=240,
@@ -828,7 +828,7 @@ async def test_a_pipeline_is_renewed_before_its_token_expires(
         first = recording.of(auth.REPLICATE)[-1]
         assert first.exp - time.time() <= 2, first.exp - time.time()  # The pipeline's, short.
         # Past the token's exp and the peer's leeway: the peer ended the old pipeline's stream.
-        await asyncio.sleep(first.exp + auth.LEEWAY + 0.5 - time.time())
+        await asyncio.sleep(first.exp + auth.LEEWAY + 0.5 - time.time())  # The expiry under test.
         response = await append_to(a.endpoint, "own/renewed", b"second\n")
         assert response.status == pb.OK, response
         assert recording.of(auth.REPLICATE)[-1].exp > first.exp  # A new pipeline's token.

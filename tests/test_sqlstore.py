@@ -38,6 +38,7 @@ from tests.helpers.consumers import (
     publish_inputs,
     write_head,
 )
+from tests.helpers.waiting import until
 
 
 @pytest.fixture
@@ -150,12 +151,16 @@ async def test_a_shard_on_postgres_stopped_anywhere_applies_each_input_once(
             source = Source(INPUT, DictMessages(), JSONLines())
             task = asyncio.create_task(run_shard(shard, app, store, [source], lambda: stub))
             try:
-                async with asyncio.timeout(60):
-                    if stop_after is None:
+                if stop_after is None:
+                    async with asyncio.timeout(60):
                         await shard.progress.wait_for({INPUT: head})
-                    else:
-                        while app.consumed < stop_after and not task.done():
-                            await asyncio.sleep(0.001)
+                else:
+                    await until(
+                        lambda: app.consumed >= stop_after or task.done(),
+                        f"{stop_after} messages consumed",
+                        timeout=60,
+                        interval=0.001,  # Stopped as soon as it is there: mid-transaction.
+                    )
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -223,7 +228,7 @@ async def test_a_store_closes_after_a_transaction_cancelled_as_it_began(
             begin: asyncio.Future[Any] = asyncio.ensure_future(store.transaction())
         else:
             begin = asyncio.ensure_future(store.start_commit(cpb.Checkpoint()))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # A hold: nothing answers the stopped session meanwhile.
         assert not begin.done()
         begin.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -9,7 +9,6 @@ GCS and S3 emulators of tests/helpers/store_servers.py), and `gazctl journals ap
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from broker.testing import BrokerHarness, EtcdServer
 from tests.conftest import run_cli
 from tests.helpers.journals import journal_spec, set_journal, started_brokers
 from tests.helpers.store_servers import GCSServer, S3Server, unique_bucket
+from tests.helpers.waiting import until
 
 
 def stub(harness: BrokerHarness):  # type: ignore[no-untyped-def]
@@ -40,18 +40,20 @@ async def read_committed(harness: BrokerHarness, journal: str) -> bytes:
 
 async def persisted_through(harness: BrokerHarness, journal: str, end: int) -> list[pb.Fragment]:
     """Wait (up to 30 s) until persisted fragments cover [0, end); returns them."""
-    deadline = time.monotonic() + 30
-    while True:
+    persisted: list[pb.Fragment] = []
+
+    async def covered() -> bool:
+        nonlocal persisted
         response = await stub(harness).ListFragments(pb.FragmentsRequest(journal=journal))
         persisted = [f.spec for f in response.fragments if f.spec.backing_store]
-        covered = 0
+        through = 0
         for fragment in sorted(persisted, key=lambda f: f.begin):
-            if fragment.begin <= covered:
-                covered = max(covered, fragment.end)
-        if covered >= end:
-            return persisted
-        assert time.monotonic() < deadline, f"{journal}: persisted only through {covered} of {end}"
-        await asyncio.sleep(0.1)
+            if fragment.begin <= through:
+                through = max(through, fragment.end)
+        return through >= end
+
+    await until(covered, f"{journal} persisted through {end}", timeout=30, interval=0.1)
+    return persisted
 
 
 def create_bucket(server: GCSServer | S3Server, name: str) -> None:
@@ -137,10 +139,12 @@ async def test_a_store_that_fails_a_persist_refuses_appends_and_keeps_what_was_a
         await append(stub(brokers[0]), journal, b"acknowledged in the outage\n")  # [8, 35)
         await append(stub(brokers[0]), journal, b"")
         health = brokers[0].broker.service.persister.health
-        deadline = time.monotonic() + 30
-        while not health.problem("file:///fragments/"):
-            assert time.monotonic() < deadline, "the failed persist left the store healthy"
-            await asyncio.sleep(0.05)
+        await until(
+            lambda: health.problem("file:///fragments/"),
+            "the failed persist made the store unhealthy",
+            timeout=30,
+            interval=0.05,
+        )
 
         with pytest.raises(AppendError) as refused:
             await append(stub(brokers[0]), journal, b"refused\n")

@@ -26,6 +26,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
 from tests.helpers.journals import journal_spec, set_journal, started_brokers
 from tests.helpers.store_servers import fake_gcs_binary, unique_bucket
+from tests.helpers.waiting import until, until_blocking
 
 
 class PrivateGCS:
@@ -53,15 +54,17 @@ class PrivateGCS:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while True:
+        proc = self.proc
+
+        def answers() -> bool:
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=1):
-                    return
+                    return True
             except OSError:
-                assert self.proc.poll() is None, "fake-gcs-server exited"
-                assert time.monotonic() < deadline, "fake-gcs-server did not start"
-                time.sleep(0.05)
+                assert proc.poll() is None, "fake-gcs-server exited"
+                return False
+
+        until_blocking(answers, "fake-gcs-server started", 20, 0.05)
 
     def kill(self) -> None:
         proc, self.proc = self.proc, None
@@ -111,7 +114,7 @@ async def test_appends_resume_soon_after_a_gcs_outage_that_held_the_first_listin
         spec = journal_spec("outage/gcs", replication=1)
         spec.fragment.stores.append(f"gs://{bucket}/fragments/")
         await set_journal(etcd, etcd_prefix, spec, [("local", "store-0")])
-        await asyncio.sleep(10.0)
+        await asyncio.sleep(10.0)  # The outage's length, the first listing held through it.
 
         await asyncio.to_thread(gcs.start)
         back = time.monotonic()
@@ -150,7 +153,7 @@ async def test_appends_resume_soon_after_a_store_outage_that_failed_the_first_li
         spec = journal_spec("outage/file", replication=1)
         spec.fragment.stores.append("file:///fragments/")
         await set_journal(etcd, etcd_prefix, spec, [("local", "store-0")])
-        await asyncio.sleep(6.0)
+        await asyncio.sleep(6.0)  # The outage's length: listings fail, retried, meanwhile.
 
         down = False
         back = time.monotonic()
@@ -180,20 +183,18 @@ async def test_a_fragment_is_persisted_soon_after_a_long_store_outage(
         (root / "fragments").rename(root / "away")
         await append(stub(brokers[0]), journal, b"over the fragment's length\n")
         await append(stub(brokers[0]), journal, b"")  # Rolls it: the primary persists at once.
-        await asyncio.sleep(13.0)
+        await asyncio.sleep(13.0)  # The outage's length: the persist's retries back off.
         listed = await stub(brokers[0]).ListFragments(pb.FragmentsRequest(journal=journal))
         # (The warm-up's fragment may have been rolled and persisted before the outage.)
         assert not any(f.spec.backing_store for f in listed.fragments if f.spec.end == 35)
 
         (root / "away").rename(root / "fragments")
-        back = time.monotonic()
-        while True:
+
+        async def persisted() -> bool:
             listed = await stub(brokers[0]).ListFragments(pb.FragmentsRequest(journal=journal))
-            if any(f.spec.backing_store and f.spec.end == 35 for f in listed.fragments):
-                break
-            waited = time.monotonic() - back
-            assert waited < 6.0, f"not persisted {waited:.1f}s after the store came back"
-            await asyncio.sleep(0.1)
+            return any(f.spec.backing_store and f.spec.end == 35 for f in listed.fragments)
+
+        await until(persisted, "persisted within 6 s of the store's return", 6.0, 0.1)
 
 
 def test_a_put_never_makes_the_store_directory_that_vanished_under_it(

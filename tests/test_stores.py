@@ -104,7 +104,7 @@ async def test_start_commit_snapshots_at_once_and_waits_for_the_appends(tmp_path
         store.start_commit(build_checkpoint({"in/a": 10}, {}), [appended])
     )
     store.state["n"] = 2  # The next transaction, already at work.
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # A hold: the commit is not durable before its appends.
     assert not committing.done()
     assert not (tmp_path / "shard-1" / "state.json").read_text().count('"n"')
     appended.set_result(None)

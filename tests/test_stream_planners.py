@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from gazctl.spark.journals import JobError
 from gazctl.spark.planners import Scanners
 from gazctl.spark.stream_plan import Planner, Position, Scan, ScanJob, StreamOptions
 from tests.helpers.spark_stream import TOPIC, broker_with, write_history
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +51,7 @@ def alive(pid: int) -> bool:
 
 
 async def gone(pids: list[int], seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"planning processes {pids} still running"
-        await asyncio.sleep(0.05)
+    await until(lambda: not any(alive(p) for p in pids), f"planning processes {pids} gone", seconds, 0.05)  # fmt: skip
 
 
 async def test_scans_in_planning_processes_plan_what_the_driver_plans(

@@ -63,7 +63,7 @@ def test_every_sum_is_exact_while_summers_are_killed(
     try:
         deadline = time.monotonic() + 150
         while chunker.poll() is None and time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.3, 1.0))
+            time.sleep(rng.uniform(0.3, 1.0))  # The kills' pace, the test's own workload.
             victim = rng.choice(ids)
             if kills < 8 and summers.procs[victim].poll() is None:
                 summers.kill(victim)  # Mid-transaction, mid-commit: wherever it is.
@@ -157,7 +157,7 @@ def test_sums_on_recorded_sqlite_are_exact_while_primaries_are_killed(
         while chunker.poll() is None and time.monotonic() < deadline:
             # The kills' pace, the test's own: each past the lease (2 s) of the last, by when a
             # standby is tailing again.
-            time.sleep(rng.uniform(2.5, 4.0))
+            time.sleep(rng.uniform(2.5, 4.0))  # The kills' pace.
             alive = [i for i in ids if summers.procs[i].poll() is None]
             victims = sorted(primaries(summers, alive))
             if kills < 5 and victims:

@@ -11,6 +11,7 @@ import pytest
 
 from plumbing.backoff import Backoff
 from plumbing.tasks import Event, Slot, TaskOwner, first_of, in_thread, take_unless, wait_any
+from tests.helpers.waiting import until
 
 
 async def test_close_cancels_and_awaits_every_task_and_refuses_new_ones() -> None:
@@ -47,7 +48,7 @@ async def test_close_cancels_again_a_task_that_swallowed_its_cancellation() -> N
     async def loses_one_cancellation() -> None:
         while True:
             try:
-                await asyncio.sleep(10)
+                await asyncio.sleep(10)  # Longer than the test: it ends only cancelled.
             except asyncio.CancelledError:
                 if swallowed.is_set():
                     raise
@@ -62,7 +63,7 @@ async def test_close_cancels_again_a_task_that_swallowed_its_cancellation() -> N
 
 async def test_join_waits_for_tasks_to_end_by_themselves_within_a_bound() -> None:
     owner = TaskOwner("test")
-    owner.spawn(asyncio.sleep(0.05), "short")
+    owner.spawn(asyncio.sleep(0.05), "short")  # A task that ends by itself, soon.
     assert await owner.join(timeout=5)
     owner.spawn(asyncio.Event().wait(), "stuck")
     assert not await owner.join(timeout=0.05)
@@ -123,7 +124,7 @@ async def test_first_of_returns_at_the_first_done_and_cancels_only_what_it_start
 
     async def slow(name: str) -> str:
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # Longer than the test: it ends only cancelled.
         finally:
             await asyncio.sleep(0.01)  # Clean-up that awaits: first_of waits for it.
             cleaned.append(name)
@@ -133,7 +134,7 @@ async def test_first_of_returns_at_the_first_done_and_cancels_only_what_it_start
         await asyncio.sleep(0.01)
         return 7
 
-    theirs = asyncio.ensure_future(asyncio.sleep(60))  # The caller's: never cancelled by it.
+    theirs = asyncio.ensure_future(asyncio.sleep(60))  # The caller's: never done, nor cancelled.
     try:
         done = await first_of(slow("a"), quick(), theirs)
         assert [f.done() for f in done] == [True, True, False]
@@ -147,11 +148,11 @@ async def test_first_of_returns_at_the_first_done_and_cancels_only_what_it_start
 async def test_first_of_ends_at_its_timeout_and_a_given_future_already_done_returns_at_once() -> (
     None
 ):
-    done = await first_of(asyncio.sleep(60), timeout=0.01)
+    done = await first_of(asyncio.sleep(60), timeout=0.01)  # Never done: the timeout ends it.
     assert done[0].cancelled()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     ready.set_result("now")
-    waited = await first_of(asyncio.sleep(60), ready)
+    waited = await first_of(asyncio.sleep(60), ready)  # Never done: `ready` ends it.
     assert waited[0].cancelled() and waited[1].result() == "now"
     assert await first_of(timeout=0) == []  # Nothing to wait on: it sleeps out its timeout.
     with pytest.raises(ValueError):
@@ -164,7 +165,7 @@ async def test_first_of_cancelled_cancels_and_awaits_what_it_started() -> None:
     async def waits() -> None:
         started.set()
         try:
-            await asyncio.sleep(60)
+            await asyncio.sleep(60)  # Longer than the test: it ends only cancelled.
         finally:
             await asyncio.sleep(0.01)
             cleaned.set()
@@ -183,9 +184,10 @@ async def test_first_of_hands_a_failure_to_the_caller_and_leaves_none_unretrieve
     async def fails() -> None:
         raise RuntimeError("broken")
 
-    done = await first_of(fails(), asyncio.sleep(60))
+    done = await first_of(fails(), asyncio.sleep(60))  # Never done: the failure ends it.
     assert isinstance(done[0].exception(), RuntimeError)
-    await first_of(fails(), asyncio.sleep(60))  # A failure nobody looks at: not logged.
+    # A failure nobody looks at: not logged. (The sleep is never done.)
+    await first_of(fails(), asyncio.sleep(60))
     del done
     gc.collect()
     assert "never retrieved" not in caplog.text
@@ -277,16 +279,19 @@ async def test_in_thread_is_waited_out_when_cancelled() -> None:
     does happens after its caller moved on."""
     release, done = threading.Event(), threading.Event()
 
+    started = threading.Event()
+
     def work() -> None:
+        started.set()
         release.wait(10)
         done.set()
 
     task = asyncio.ensure_future(in_thread(work))
-    await asyncio.sleep(0.05)
+    await until(started.is_set, "the work running on its thread")
     task.cancel()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # The task takes the first cancellation.
     task.cancel()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # A hold: cancelled twice, the task waits for the thread.
     assert not task.done()
     release.set()
     with pytest.raises(asyncio.CancelledError):

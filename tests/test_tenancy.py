@@ -30,6 +30,7 @@ from tests.helpers.consumers import WordTotals
 from tests.helpers.fragments import put_fragment
 from tests.helpers.store_servers import S3Server
 from tests.helpers.tenancy import KEYS, admin, md, spec, team
+from tests.helpers.waiting import until
 
 
 @pytest.fixture
@@ -189,9 +190,15 @@ async def test_signed_fragment_urls_live_no_longer_than_the_token_they_were_aske
         try:
             change = pb.ApplyRequest.Change(upsert=spec("t/signed", "x", store))
             await stubs[0].Apply(pb.ApplyRequest(changes=[change]), metadata=admin())
-            async with asyncio.timeout(30):  # Until a broker took the journal on.
-                while not ((found := await journal(stubs[0], "t/signed")) and found.route.primary == 0):  # fmt: skip
-                    await asyncio.sleep(0.05)
+            found: pb.ListResponse.Journal | None = None
+
+            async def taken_on() -> bool:
+                nonlocal found
+                found = await journal(stubs[0], "t/signed")
+                return found is not None and found.route.primary == 0
+
+            await until(taken_on, "a broker took the journal on", timeout=30, interval=0.05)
+            assert found is not None
             member = found.route.members[0].suffix
             local, proxying = (stubs[0], stubs[1]) if member == "broker-0" else (stubs[1], stubs[0])
 

@@ -74,13 +74,17 @@ async def run_until(
         )
         task = asyncio.create_task(run_shard(shard, app, store, [source()], lambda: stub))
         try:
-            async with asyncio.timeout(60):
-                if stop_after is not None:
-                    start = app.consumed
-                    while app.consumed < start + stop_after and not task.done():
-                        await asyncio.sleep(0.001)
-                else:
-                    assert through is not None
+            if stop_after is not None:
+                start = app.consumed
+                await until(
+                    lambda: app.consumed >= start + stop_after or task.done(),
+                    f"{stop_after} more messages consumed",
+                    timeout=60,
+                    interval=0.001,  # Cancelled as soon as it is there: mid-transaction or commit.
+                )
+            else:
+                assert through is not None
+                async with asyncio.timeout(60):
                     await shard.progress.wait_for({INPUT: through})
         finally:
             task.cancel()
@@ -172,7 +176,7 @@ class SlowStore(JSONFileStore):
         import time
 
         self.began.set()
-        time.sleep(0.3)
+        time.sleep(0.3)  # A slow write: the commit is still writing when the shard moves on.
         super()._commit(fence, checkpoint, state_text)
         self.done.set()
 
@@ -324,7 +328,7 @@ class CommitsLater(JSONFileStore):
         self.writes = 0
 
     async def _finish_commit(self, *args: Any) -> None:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # The moment the commit waits (as for its appends).
         await super()._finish_commit(*args)
 
     def _commit(self, fence: int, checkpoint: bytes, state_text: str) -> None:
@@ -351,7 +355,7 @@ async def test_a_shard_cancelled_as_its_commit_starts_writes_nothing_after_it_st
             await task
         writes = store.writes
         leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # A hold past the commit's 0.3 s: a leftover one would write.
     assert store.writes == writes, "the store was written after the shard stopped"
     assert not [t for t in leftover if "_finish_commit" in repr(t.get_coro())], leftover
 
@@ -379,7 +383,7 @@ class PipelinedStore(JSONFileStore):
             PipelinedStore.most_in_flight = max(PipelinedStore.most_in_flight, self._in_flight)
             started = False
             try:
-                await asyncio.sleep(self.DELAY)
+                await asyncio.sleep(self.DELAY)  # The slow log under test: commits overlap.
                 if previous is not None:
                     await asyncio.shield(previous)  # Its failure is this one's too.
                 started = True

@@ -7,9 +7,9 @@ over with every count unchanged."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -81,17 +81,21 @@ def wait_counts(
     """Query until the committed counts of `prefix` are the expected ones (the shards commit
     after Publish returns); fail with the last answer."""
     want = {g: c for g, c in expected.items() if matches(g, prefix)}
-    deadline = time.monotonic() + timeout
-    while True:
+    answer, got = wpb.QueryResponse(), dict[str, int]()
+
+    def committed() -> bool:
+        nonlocal answer, got
         try:
             answer = query(address, prefix)
             got = {g.n_gram: g.count for g in answer.grams}
-            if got == want:
-                return answer
         except grpc.RpcError as exc:  # A shard moving between processes: UNAVAILABLE.
             got = {"error": exc.code().name}  # type: ignore[dict-item]
-        assert time.monotonic() < deadline, f"{prefix!r}: {got} != {want}"
-        time.sleep(0.1)
+        return got == want
+
+    with contextlib.suppress(AssertionError):  # Late, the assertion below shows the answer.
+        until_blocking(committed, f"the committed counts of {prefix!r}", timeout, 0.1)
+    assert got == want, f"{prefix!r}: {got} != {want}"
+    return answer
 
 
 @pytest.fixture
@@ -248,10 +252,7 @@ def test_counts_on_recorded_sqlite_survive_a_kill_through_a_hot_standby(
             for shard in listed.shards
         )
 
-    deadline = time.monotonic() + 60
-    while not standbys_on_a():
-        assert time.monotonic() < deadline, "counter-a did not become the standbys"
-        time.sleep(0.2)
+    until_blocking(standbys_on_a, "counter-a the standbys", 60, 0.2)
     assert group.stop("sqlite-counter-b") == 0
     a = group.address("sqlite-counter-a")
     for prefix in ("the", "fox", "dog"):

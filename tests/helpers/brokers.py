@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer
 from tests.conftest import BrokerProcess, start_broker_process
 from tests.helpers.journals import journal_spec
+from tests.helpers.waiting import until
 
 
 async def current_route(address: str, journal: str) -> pb.Route:
@@ -41,7 +41,12 @@ async def placed(address: str, journal: str, replicas: int = 3) -> pb.Route:
         await client.apply(
             [pb.ApplyRequest.Change(upsert=journal_spec(journal, replication=replicas))]
         )
-    async with asyncio.timeout(20):
-        while len((route := await current_route(address, journal)).members) != replicas:
-            await asyncio.sleep(0.05)
+    route = pb.Route()
+
+    async def assigned() -> bool:
+        nonlocal route
+        route = await current_route(address, journal)
+        return len(route.members) == replicas
+
+    await until(assigned, f"{journal} placed at {replicas} replicas", timeout=20, interval=0.05)
     return route

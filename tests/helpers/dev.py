@@ -3,11 +3,11 @@ applied and appended to through one, and every broker stopped gracefully."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from gazctl.dev import ClusterState, is_running
 from tests.conftest import Result, run_cli
+from tests.helpers.waiting import until_blocking
 
 JOURNAL = "dev/suspended"
 
@@ -36,10 +36,7 @@ def stop_every_broker_gracefully(cluster_dir: Path) -> None:
     assert state is not None
     for broker in reversed(state.brokers):
         assert dev(cluster_dir, "kill", "--signal", "TERM", broker.role).code == 0
-        deadline = time.monotonic() + 90
-        while is_running(broker):
-            assert time.monotonic() < deadline, f"{broker.role} did not stop after SIGTERM"
-            time.sleep(0.1)
+        until_blocking(lambda b=broker: not is_running(b), f"{broker.role} stopped by SIGTERM", 90)
 
 
 def append_held(address: str, tmp_path: Path) -> None:

@@ -5,20 +5,21 @@ and a wait for a journal's route."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aetcd
+import pytest
 from aetcd import transactions
 
 from allocator import keyspace as aks
+from broker.append_api import ClientStream
 from broker.client import JournalsClient
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import BrokerHarness
 from plumbing import etcd as etcdx
+from tests.helpers.waiting import until
 
 
 def journal_spec(name: str, replication: int = 3, length: int = 1 << 20) -> pb.JournalSpec:
@@ -93,21 +94,24 @@ async def routed(
 ) -> pb.Route:
     """The journal's route once it has `replicas` members (with ids starting with `members`)
     and a primary."""
-    deadline = time.monotonic() + 30
-    while True:
+    route = pb.Route()
+
+    async def assigned() -> bool:
+        nonlocal route
         listing = await client.list(
             pb.LabelSelector(include=pb.LabelSet(labels=[pb.Label(name="name", value=journal)]))
         )
-        if listing.journals:
-            route = listing.journals[0].route
-            if (
-                len(route.members) == replicas
-                and route.primary != -1
-                and all(m.suffix.startswith(members) for m in route.members)
-            ):
-                return route
-        assert time.monotonic() < deadline, "the journal was never assigned"
-        await asyncio.sleep(0.05)
+        if not listing.journals:
+            return False
+        route = listing.journals[0].route
+        return (
+            len(route.members) == replicas
+            and route.primary != -1
+            and all(m.suffix.startswith(members) for m in route.members)
+        )
+
+    await until(assigned, f"{journal} assigned", timeout=30, interval=0.05)
+    return route
 
 
 IDS = ["broker-a", "broker-b", "broker-c"]
@@ -127,3 +131,17 @@ async def read_all(h: BrokerHarness, journal: str, offset: int = 0, end: int = 0
         assert r.status == pb.OK, r
         out += r.content
     return bytes(out)
+
+
+def append_streams(monkeypatch: pytest.MonkeyPatch) -> list[ClientStream]:
+    """Every Append stream the in-process brokers open from now on, as each opens: a test that
+    writes part of an append waits until a broker has read it (`bytes_received`)."""
+    streams: list[ClientStream] = []
+    opened = ClientStream.__init__
+
+    def recorded(self: ClientStream, *args: Any, **kwargs: Any) -> None:
+        opened(self, *args, **kwargs)
+        streams.append(self)
+
+    monkeypatch.setattr(ClientStream, "__init__", recorded)
+    return streams

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -81,13 +80,14 @@ class LocationProcesses:
                 ],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while f"consumer local/{key} serving at" not in self.log(key):
+
+        def serving() -> bool:
             proc = self.procs[key]
             if proc.poll() is not None:
                 raise RuntimeError(f"host {key} exited {proc.returncode}: {self.log(key)[-2000:]}")  # fmt: skip
-            assert time.monotonic() < deadline, f"host {key} did not start"
-            time.sleep(0.05)
+            return f"consumer local/{key} serving at" in self.log(key)
+
+        until_blocking(serving, f"host {key} started", 30, 0.05)
 
     def served_by(self, name: str) -> int:
         """The pid of the process that serves location `name` now (0: none)."""

@@ -43,5 +43,5 @@ class StallProbe:
         loop = asyncio.get_running_loop()
         while True:
             self._asleep_since = loop.time()
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.interval)  # The probe's period: lateness past it is lag.
             self._note(loop.time())

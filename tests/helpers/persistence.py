@@ -4,9 +4,7 @@ store alone."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ from broker.fragment.cover_set import CoverSet, IndexedFragment
 from broker.fragment.stores import open_store
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from tests.helpers.waiting import until
 
 JOURNAL = "persist/journal"
 
@@ -44,18 +43,20 @@ def payloads(count: int, seed: int = 0) -> list[bytes]:
 
 async def persisted_through(stub: pb_grpc.JournalStub, end: int, timeout: float = 30) -> list[Any]:
     """Wait until persisted fragments cover [0, end); returns them."""
-    deadline = time.monotonic() + timeout
-    while True:
+    persisted: list[Any] = []
+
+    async def covered() -> bool:
+        nonlocal persisted
         response = await stub.ListFragments(pb.FragmentsRequest(journal=JOURNAL))
         persisted = [f.spec for f in response.fragments if f.spec.backing_store]
-        covered = 0
+        through = 0
         for fragment in sorted(persisted, key=lambda f: f.begin):
-            if fragment.begin <= covered:
-                covered = max(covered, fragment.end)
-        if covered >= end:
-            return persisted
-        assert time.monotonic() < deadline, f"persisted only through {covered} of {end}"
-        await asyncio.sleep(0.1)
+            if fragment.begin <= through:
+                through = max(through, fragment.end)
+        return through >= end
+
+    await until(covered, f"persisted fragments covering [0, {end})", timeout, interval=0.1)
+    return persisted
 
 
 async def read_all(stub: pb_grpc.JournalStub, **options: Any) -> bytes:

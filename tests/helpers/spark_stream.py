@@ -4,9 +4,7 @@ Spark does."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +26,7 @@ from message.mapping import Partition, modulo_mapping
 from message.publisher import Publisher, Reader, read_committed
 from message.types import DictMessages
 from tests.helpers.journals import routed, started_brokers
+from tests.helpers.waiting import until
 
 TOPIC = ["stream/part-000", "stream/part-001"]
 
@@ -166,14 +165,16 @@ async def persisted(stub: pb_grpc.JournalStub, journal: str, head: int) -> list[
     `head`, all of them in the store."""
     response = await append(stub, journal, b"", suspend=pb.AppendRequest.SUSPEND_NOW, check=False)
     assert response.status in (pb.OK, pb.SUSPENDED), response
-    deadline = time.monotonic() + 120
-    while True:
+    found: list[pb.Fragment] = []
+
+    async def through() -> bool:
+        nonlocal found
         listed = await stub.ListFragments(pb.FragmentsRequest(journal=journal))
         found = [f.spec for f in listed.fragments]
-        if found and max(f.end for f in found) >= head and all(f.backing_store for f in found):
-            return found
-        assert time.monotonic() < deadline, f"{journal} not persisted through {head}: {found}"
-        await asyncio.sleep(0.1)
+        return bool(found) and max(f.end for f in found) >= head and all(f.backing_store for f in found)  # fmt: skip
+
+    await until(through, f"{journal} persisted through {head}", timeout=120, interval=0.1)
+    return found
 
 
 def sink_checkpoint(path: Path, batch: int) -> Path:

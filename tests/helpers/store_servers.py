@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from broker.testing import free_port, stop_process
+from tests.helpers.waiting import until_blocking
 
 __all__ = ["AzureServer", "GCSServer", "S3Server", "azure_server", "gcs_server", "s3_server"]
 
@@ -34,21 +34,20 @@ S3_REGION = "us-east-1"
 
 def _wait_http(proc: subprocess.Popen[bytes], url: str, log: Path, what: str) -> None:
     """Poll `url` until the server answers HTTP at all (any status)."""
-    deadline = time.monotonic() + 20
-    while True:
+
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             with urllib.request.urlopen(url, timeout=1):
-                return
+                return True
         except urllib.error.HTTPError as exc:
             exc.close()
-            return
+            return True
         except OSError:
-            if time.monotonic() > deadline:
-                stop_process(proc)
-                raise TimeoutError(f"{what} did not answer at {url}") from None
-            time.sleep(0.05)
+            return False
+
+    until_blocking(answers, f"{what} answering at {url}", 20, 0.05)  # The caller stops `proc`.
 
 
 def unique_bucket() -> str:
