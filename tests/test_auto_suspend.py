@@ -21,6 +21,7 @@ from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
 from broker.testing import EtcdServer, stop_processes
 from tests.conftest import BrokerProcess, start_broker_process
+from tests.helpers.journals import routed
 from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,18 +68,13 @@ async def suspension(address: str, journal: str) -> pb.JournalSpec.Suspend:
 async def written_and_aged(broker: BrokerProcess, root: Path) -> int:
     """Both journals created; one written and persisted, its fragments' mtimes set back two
     days (as if written long ago). Returns the written journal's end offset."""
-    async with JournalsClient(broker.address) as client:
-        await client.apply([pb.ApplyRequest.Change(upsert=spec(j)) for j in (WRITTEN, EMPTY)])
     channel = dial(broker.address)
     stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
     try:
-        deadline = time.monotonic() + 30
-        while True:  # Until the journal is assigned (the allocator places it after apply).
-            response = await append(stub, WRITTEN, b"x" * 1100, check=False)
-            if response.status == pb.OK:
-                break
-            assert time.monotonic() < deadline, pb.Status.Name(response.status)
-            await asyncio.sleep(0.1)
+        async with JournalsClient(broker.address) as client:
+            await client.apply([pb.ApplyRequest.Change(upsert=spec(j)) for j in (WRITTEN, EMPTY)])
+            await routed(client, WRITTEN, replicas=1)  # The allocator places it after apply.
+        await append(stub, WRITTEN, b"x" * 1100)
         await append(stub, WRITTEN, b"")  # Rolls the fragment (it is over its length).
         files: list[Path] = []
 

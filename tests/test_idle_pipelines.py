@@ -18,7 +18,7 @@ from broker.client.reader import read
 from broker.protocol import protocol_pb2 as pb
 from broker.replica import PULSE_JITTER, Replica
 from broker.testing import BrokerHarness, EtcdServer
-from tests.helpers.journals import journal_spec
+from tests.helpers.journals import journal_spec, routed
 from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,13 +62,9 @@ def replicas(cluster: list[BrokerHarness]) -> tuple[Replica, list[Replica]]:
 async def placed_and_written(cluster: list[BrokerHarness], content: bytes) -> pb.Fragment:
     async with cluster[0].client() as client:
         await client.apply([pb.ApplyRequest.Change(upsert=journal_spec(JOURNAL, replication=3))])
+        await routed(client, JOURNAL, replicas=3)
     stub = cluster[0].broker.service.dialer.journal_stub(cluster[0].endpoint)  # type: ignore[union-attr]
-    async with asyncio.timeout(30):
-        while True:
-            response = await append(stub, JOURNAL, content, check=False)
-            if response.status == pb.OK:
-                return response.commit
-            await asyncio.sleep(0.05)
+    return (await append(stub, JOURNAL, content)).commit
 
 
 async def test_an_idle_primary_releases_its_pipeline_and_the_next_append_rebuilds_it(

@@ -276,6 +276,9 @@ async def test_a_suspended_journal_resumes_at_its_offset_after_every_broker_dies
             await append_routed(stub, JOURNAL, content)
         end = sum(len(c) for c in written)
 
+        # Not a retry: as upstream's protocol goes (and `gazctl journals suspend`), the first
+        # SUSPEND_NOW suspends PARTIAL, the next rolls the remaining replica's spool, and one
+        # answers SUSPENDED once nothing is left to roll.
         deadline = time.monotonic() + 30
         while True:
             response = await append(

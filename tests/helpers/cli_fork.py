@@ -47,6 +47,8 @@ PRELOAD = (
 def _serve(path: str) -> dict[str, Any]:
     """Serve until killed; returns only in a forked run, with its request, its descriptors in
     place, its directory and environment set."""
+    # As gazctl's package sets it as it is imported, before gRPC could read it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
