@@ -13,6 +13,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aetcd
 import grpc
@@ -22,7 +23,6 @@ from allocator import keyspace as aks
 from broker.client.dialer import Dialer
 from broker.fragment import spool
 from broker.fragment.persister import FINAL_ATTEMPT_TIMEOUT, Persister
-from broker.gateway import Gateway
 from broker.keyspace import broker_keyspace, broker_rules
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import validate
@@ -30,10 +30,13 @@ from broker.service import JournalService, add_journal_service
 from plumbing import auth, metrics
 from plumbing import etcd as etcdx
 from plumbing.credentials import Credentials
-from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.http_config import HTTPConfig
 from plumbing.membership import LeaseLost, LeasePolicy, Membership, ProcessTasks
 from plumbing.servers import SERVER_OPTIONS
 from plumbing.tls import ClientTLS, ServerTLS
+
+if TYPE_CHECKING:
+    from plumbing.debug_http import HTTPServers
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +248,10 @@ class Broker:
         metrics.spool_disk_bytes.set_function(spool.disk_bytes)
         if not self.config.http.enabled:
             return
+        # Imported only here: a broker with no HTTP port loads no HTTP stack.
+        from broker.gateway import Gateway
+        from plumbing.debug_http import HTTPServers
+
         # The gateway calls this broker's own service, as a peer would (its authorization is
         # the HTTP request's).
         channel = Credentials(self.config.peer_tls).open_channel(

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import aetcd
 import grpc
@@ -62,7 +62,7 @@ from consumer.transaction import Application, Shard
 from plumbing import auth, metrics
 from plumbing import etcd as etcdx
 from plumbing.credentials import Credentials
-from plumbing.debug_http import HTTPConfig, HTTPServers
+from plumbing.http_config import HTTPConfig
 from plumbing.membership import (
     LeaseLost,
     LeasePolicy,
@@ -75,6 +75,10 @@ from plumbing.tasks import TaskOwner, first_of, in_thread
 from plumbing.tls import ClientTLS, ServerTLS
 
 __all__ = ["Consumer", "ConsumerApplication", "ConsumerConfig", "LeaseLost", "Resolution"]
+
+
+if TYPE_CHECKING:
+    from plumbing.debug_http import HTTPServers
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +296,8 @@ class Consumer:
         metrics.watch_revision.set_function(lambda: self.ks.revision)
         if not self.config.http.enabled:
             return
+        from plumbing.debug_http import HTTPServers  # Only here: no HTTP port, no HTTP stack.
+
         self.http = HTTPServers(
             self.config.http,
             name=f"consumer {self.config.zone}/{self.config.id}",

@@ -342,7 +342,7 @@ def http_options(service: str) -> Callable[[F], F]:
 
 
 def http_config(opts: dict[str, Any], service: str) -> Any:
-    from plumbing.debug_http import HTTPConfig
+    from plumbing.http_config import HTTPConfig
 
     origins = tuple(
         o.strip() for o in (opts[f"{service}_allow_origin"] or "").split(",") if o.strip()

@@ -24,13 +24,13 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from plumbing import metrics
+from plumbing.http_config import HTTPConfig as HTTPConfig
 from plumbing.tls import ServerTLS
 
 log = logging.getLogger(__name__)
@@ -73,20 +73,6 @@ def stacks_text() -> str:
             out.write(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}\n')
         out.write("\n")
     return out.getvalue()
-
-
-@dataclass
-class HTTPConfig:
-    """What a process serves over HTTP (its flags)."""
-
-    port: int | None = None  # None: no HTTP port. 0: a free one.
-    debug_port: int | None = None  # The diagnostics port (stack dumps), on loopback.
-    private: bool = False  # --debug.private: no /debug/* on the HTTP port.
-    allow_origins: Sequence[str] = field(default_factory=tuple)
-
-    @property
-    def enabled(self) -> bool:
-        return self.port is not None or self.debug_port is not None
 
 
 def _cors(origins: Sequence[str], exposed: Sequence[str]) -> Any:
