@@ -645,7 +645,9 @@ class JournalService(pb_grpc.JournalServicer):
     async def Append(
         self, request_iterator: AsyncIterator[pb.AppendRequest], context: Context
     ) -> pb.AppendResponse:
-        claims = await auth.verify_or_abort(self.verifier, context, auth.APPEND)
+        claims = await auth.verify_or_abort(
+            self.verifier, context, auth.APPEND, unread=request_iterator
+        )
         try:
             return await serve_append(self.ctx, request_iterator, context, claims)
         except AppendFailed as exc:

@@ -632,15 +632,40 @@ def verifier_of(keys_text: str, flag: str) -> NoopVerifier | KeyedVerifier:
     return KeyedVerifier.from_text(keys_text, flag)
 
 
+# A client-streaming call refused before any of its messages is read (for its token): were the
+# stream ended while the client still sends, the client's send would fail, and gRPC's Python
+# client reports that as INTERNAL ("Internal error from Core") in place of the refusal. What the
+# refused client sends is read and dropped until its half-close first, within these bounds.
+REFUSED_READ_SECONDS = 2.0
+REFUSED_READ_BYTES = 16 << 20
+
+
+async def _read_out(unread: AsyncIterator[Any]) -> None:
+    received = 0
+    # A read that fails, or the bound: the refusal goes out all the same.
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(REFUSED_READ_SECONDS):
+            async for message in unread:
+                received += message.ByteSize()
+                if received > REFUSED_READ_BYTES:
+                    return
+
+
 async def verify_or_abort(
-    verifier: Verifier, context: grpc.aio.ServicerContext[Any, Any], require: int
+    verifier: Verifier,
+    context: grpc.aio.ServicerContext[Any, Any],
+    require: int,
+    unread: AsyncIterator[Any] | None = None,
 ) -> Claims:
     """The request's claims, or the RPC aborted UNAUTHENTICATED with upstream's reason. Claims
     that expire (a token's, or those of no token under `AA==`) bound the call (see CallBounds)
-    to their `exp` plus the verifier's leeway."""
+    to their `exp` plus the verifier's leeway. `unread`: a client-streaming call's requests, read
+    out (within bounds) before a refusal, so that its client hears the refusal."""
     try:
         claims = verifier.verify(context.invocation_metadata(), require)
     except Unauthenticated as exc:
+        if unread is not None:
+            await _read_out(unread)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         raise AssertionError("unreachable") from None
     if claims.exp:
