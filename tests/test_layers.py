@@ -221,28 +221,34 @@ def test_production_code_draws_from_its_own_random_never_the_global_one() -> Non
     assert not found, found
 
 
+def loaded_by(imported: tuple[str, ...], watched: tuple[str, ...]) -> list[str]:
+    """Which of `watched` a fresh interpreter has loaded once it imported `imported`."""
+    probe = (
+        f"import sys, {', '.join(imported)}\n"
+        f"print(' '.join(sorted(m for m in {watched!r} if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
 def test_the_client_library_loads_no_server_machinery() -> None:
     """Every `gazctl` run imports the client: the spool's metrics (the Prometheus client) and
     the brokers' HTTP server (aiohttp) would cost each one ~0.1 s of CPU for nothing."""
-    probe = (
-        "import sys, broker.client, broker.client.reader, gazctl.cli\n"
-        "print(sorted(m for m in ('prometheus_client', 'aiohttp', 'broker.fragment.spool')"
-        " if m in sys.modules))"
+    loaded = loaded_by(
+        ("broker.client", "broker.client.reader", "gazctl.cli"),
+        ("prometheus_client", "aiohttp", "broker.fragment.spool"),
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert loaded == []
 
 
 def test_a_server_with_no_http_port_imports_no_http_stack() -> None:
     """Brokers, consumers and locations import aiohttp only to serve an HTTP port, which is off
     unless a flag asks for one: it cost every start 0.2 s of CPU (the suite starts hundreds)."""
-    probe = (
-        "import sys, broker.main, consumer.__main__, replication.__main__\n"
-        "print(sorted(m for m in ('aiohttp', 'broker.gateway', 'plumbing.debug_http')"
-        " if m in sys.modules))"
+    loaded = loaded_by(
+        ("broker.main", "consumer.__main__", "replication.__main__"),
+        ("aiohttp", "broker.gateway", "plumbing.debug_http"),
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert loaded == []
 
 
 def test_gazctl_commands_share_options_through_their_own_module() -> None:
