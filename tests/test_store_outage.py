@@ -25,7 +25,7 @@ from broker.fragment.stores import StoreError
 from broker.protocol import protocol_pb2 as pb
 from broker.testing import EtcdServer, free_port
 from tests.helpers.journals import journal_spec, set_journal, started_brokers
-from tests.helpers.store_servers import fake_gcs_binary, unique_bucket
+from tests.helpers.store_servers import create_gcs_bucket, fake_gcs_binary
 from tests.helpers.waiting import until, until_blocking
 
 
@@ -73,17 +73,7 @@ class PrivateGCS:
             proc.wait()
 
     def create_bucket(self) -> str:
-        from google.auth.credentials import AnonymousCredentials
-
-        from broker.fragment.stores.gcs import storage
-
-        name = unique_bucket()
-        client = storage.Client(project="test-project", credentials=AnonymousCredentials())
-        try:
-            client.create_bucket(name)
-        finally:
-            client.close()
-        return name
+        return create_gcs_bucket()  # Through STORAGE_EMULATOR_HOST, which the fixture sets.
 
 
 @pytest.fixture

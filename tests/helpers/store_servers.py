@@ -62,18 +62,23 @@ class GCSServer:
     proc: subprocess.Popen[bytes]
 
     def create_bucket(self) -> str:
-        from google.auth.credentials import AnonymousCredentials
+        return create_gcs_bucket()
 
-        # Through the store module, which imports the SDK without its ImportWarning.
-        from broker.fragment.stores.gcs import storage
 
-        name = unique_bucket()
-        client = storage.Client(project="test-project", credentials=AnonymousCredentials())
-        try:
-            client.create_bucket(name)
-        finally:
-            client.close()
-        return name
+def create_gcs_bucket() -> str:
+    """A new bucket of the fake-gcs-server STORAGE_EMULATOR_HOST names; its name."""
+    from google.auth.credentials import AnonymousCredentials
+
+    # Through the store module, which imports the SDK without its ImportWarning.
+    from broker.fragment.stores.gcs import storage
+
+    name = unique_bucket()
+    client = storage.Client(project="test-project", credentials=AnonymousCredentials())
+    try:
+        client.create_bucket(name)
+    finally:
+        client.close()
+    return name
 
 
 @dataclass
