@@ -180,6 +180,11 @@ class Membership:
         lease = await while_etcd_starts(
             "granting a lease", lambda: self.etcd.lease(self.ttl), deadline
         )
+        self._hold(lease, sent)
+
+    def _hold(self, lease: Any, sent: float) -> None:
+        """Record a lease etcd granted to a request sent at `sent` (the loop's clock): it
+        cannot expire before `sent` plus its TTL."""
         self.lease_id = int(lease.id)
         self.granted_ttl = int(lease.ttl) or self.ttl
         self.valid_until = sent + self.granted_ttl
@@ -237,10 +242,8 @@ class Membership:
         lost is found under it at the next turn (`renewing` until the key is seen there)."""
         key = self.key.encode()
         if not self.lease_id:
-            lease = await self.etcd.lease(self.ttl)
-            self.lease_id = int(lease.id)
-            self.granted_ttl = int(lease.ttl) or self.ttl
-            self.valid_until = asyncio.get_running_loop().time() + self.granted_ttl
+            sent = asyncio.get_running_loop().time()
+            self._hold(await self.etcd.lease(self.ttl), sent)
             self.renewing = True
         result = await etcdx.txn(
             self.etcd,
