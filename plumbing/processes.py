@@ -30,3 +30,10 @@ def stop_processes(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 10
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     return [proc.returncode for proc in procs]
+
+
+# The Popen class the test kits (broker.testing, consumer.testing) start server processes with
+# (`python -m ...` commands). A test suite may set a subclass that starts the same command
+# another way, as a process of its own all the same: this project's tests start them as clones
+# of a process that has their modules imported (tests/helpers/server_fork.py).
+SERVER_POPEN: type[subprocess.Popen[bytes]] = subprocess.Popen

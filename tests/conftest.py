@@ -24,6 +24,7 @@ from broker.testing import BrokerProcess as BrokerProcess
 from broker.testing import EtcdServer
 from broker.testing import start_broker_process as start_broker_process
 from broker.testing import stop_process as stop_process
+from plumbing import processes
 
 # Helper modules whose asserts are the tests' own: rewritten as test modules are, so that a
 # failure says what differed rather than a bare AssertionError.
@@ -34,6 +35,7 @@ pytest.register_assert_rewrite(
 )  # fmt: skip
 
 from tests.helpers.cli_fork import ForkServer  # noqa: E402 (after the rewrite is registered)
+from tests.helpers.server_fork import ZYGOTES, ForkedPopen  # noqa: E402
 
 # Hypothesis's per-example deadline is a wall-clock assertion, and tests never assert speed: on a
 # shared machine one example of a selector parse took 386 ms under load (deadline 200 ms) and
@@ -81,6 +83,10 @@ class Result:
 # `gazctl` runs fork from a process that imported its libraries already (tests/helpers/cli_fork.py);
 # GAZETTE_TESTS_FORK_CLI=0 starts each one as a fresh interpreter instead.
 FORK_SERVER = ForkServer()
+# The test kits' broker and consumer processes (and the helpers' locations) start as clones of a
+# process with their modules imported (tests/helpers/server_fork.py); GAZETTE_TESTS_FORK_SERVERS=0
+# starts each one as a fresh interpreter instead.
+processes.SERVER_POPEN = ForkedPopen
 
 
 def run_cli(
@@ -295,5 +301,7 @@ def spark(gcs_server: object, s3_server: object) -> Iterator[object]:  # noqa: F
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The fork server of `gazctl` runs is stopped by its pid as the session ends."""
+    """The fork server of `gazctl` runs and the servers' zygotes are stopped by their pids as
+    the session ends."""
     FORK_SERVER.stop()
+    ZYGOTES.stop()

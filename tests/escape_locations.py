@@ -47,6 +47,7 @@ from replication import location_pb2 as lpb
 from replication import location_pb2_grpc as lpb_grpc
 from replication import registry
 from replication.journals import location_journal, location_journal_spec
+from tests.helpers.server_fork import ForkedPopen
 from tests.helpers.tenancy import KEYS, md
 from tests.helpers.waiting import until
 
@@ -174,7 +175,7 @@ class Network:
         log = self.logs / f"{name}.log"
         env = {**os.environ, "REPLICATION_AUTH_KEYS": KEYS, "BROKER_AUTH_KEYS": KEYS}
         with log.open("ab") as out:
-            self.procs[name] = subprocess.Popen(
+            self.procs[name] = ForkedPopen(
                 [
                     sys.executable, "-m", "replication", "serve", "--location", name,
                     "--broker.address", self.broker.address,

@@ -13,6 +13,7 @@ import grpc
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing import processes
 from plumbing.local_etcd import EtcdServer, free_port
 from plumbing.processes import stop_process
 
@@ -42,7 +43,7 @@ def start_broker_process(
     then https://). `extra` are more `gazette serve` flags."""
     port = free_port()
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        proc = processes.SERVER_POPEN(
             [
                 sys.executable, "-m", "broker.main", "serve",
                 "--broker.id", broker_id, "--broker.host", "127.0.0.1", "--broker.port", str(port),

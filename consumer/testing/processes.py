@@ -16,6 +16,7 @@ import grpc
 from broker.protocol import consumer_pb2_grpc as cpb_grpc
 from broker.testing import EtcdServer, free_port, stop_process, stop_processes
 from consumer.protocol import cpb
+from plumbing import processes
 
 # Seconds a consumer process gets to stop gracefully before SIGKILL (see ConsumerProcesses.stop).
 STOP_TIMEOUT = 30.0
@@ -64,7 +65,7 @@ class ConsumerProcesses:
         tmp = self.logs / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         with (self.logs / f"{consumer_id}.log").open("ab") as out:
-            self.procs[consumer_id] = subprocess.Popen(
+            self.procs[consumer_id] = processes.SERVER_POPEN(
                 [
                     *self.example, "serve", "--consumer.id", consumer_id,
                     "--consumer.port", str(port), "--consumer.drain-timeout", "5s",

@@ -55,6 +55,7 @@ from tests.faults.harness import (
     signal_slot,
 )
 from tests.faults.history import History
+from tests.helpers.server_fork import ForkedPopen
 
 ETCD_PREFIX = "/gazette-faults-consumers"
 PREFIX = "faults/stream-sum"
@@ -319,7 +320,7 @@ class ConsumerHarness:
         env = dict(os.environ, TMPDIR=str(slot.tmpdir), PYTHONUNBUFFERED="1")
         log = self.workdir / "logs" / f"{slot.id}.{slot.incarnation}.log"
         with log.open("wb") as out:
-            slot.proc = subprocess.Popen(
+            slot.proc = ForkedPopen(
                 self.cluster.network.command(slot.node, argv),
                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
             )  # fmt: skip

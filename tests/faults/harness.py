@@ -50,6 +50,7 @@ from tests.faults.history import (
     SpoolsRenewed,
 )
 from tests.faults.network import Loopback, Namespaces, Network
+from tests.helpers.server_fork import ForkedPopen
 
 PREFIX = "/gazette-faults"
 CONTENT_TYPE = "application/x-ndjson"
@@ -381,7 +382,7 @@ class Cluster:
         env = dict(os.environ, TMPDIR=str(slot.spool_root), PYTHONUNBUFFERED="1", **self._env)
         log = self.workdir / "logs" / f"{slot.id}.{slot.incarnation}.log"
         with log.open("wb") as out:
-            slot.proc = subprocess.Popen(
+            slot.proc = ForkedPopen(
                 self.network.command(slot.index, argv),
                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).parents[2],
             )  # fmt: skip

@@ -46,6 +46,7 @@ from replication.topology import command_key
 from tests.faults.harness import HarnessError, _free_port, _stop, _wait_http, signal_slot
 from tests.faults.network import PartitionsUnsupported, _ip, namespaces_unavailable
 from tests.faults.replication_checker import FAIL, INFO, OK, Emit, ReplicationHistory
+from tests.helpers.server_fork import ForkedPopen
 
 PREFIX = "/gazette-faults-replication"
 REGISTRY = f"{PREFIX}/registry"
@@ -335,7 +336,7 @@ class ReplicationNetwork:
             ]  # fmt: skip
             env = dict(os.environ, PYTHONUNBUFFERED="1")
         with self._log(slot).open("wb") as out:
-            slot.proc = subprocess.Popen(
+            slot.proc = ForkedPopen(
                 self.nodes.command(slot.node, argv), stdout=out, stderr=subprocess.STDOUT,
                 env=env, cwd=ROOT,
             )  # fmt: skip

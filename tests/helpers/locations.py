@@ -32,6 +32,7 @@ from replication.rpc import (
 from replication.vclock import VectorClock
 from tests.conftest import BrokerProcess, Result, run_cli, start_broker_process
 from tests.helpers.journals import routed
+from tests.helpers.server_fork import ForkedPopen
 from tests.helpers.waiting import until, until_blocking
 
 T = TypeVar("T")
@@ -54,7 +55,7 @@ class LocationProcesses:
         log = self.logs / f"{key}.log"
         before = log.read_text().count("serving at") if log.exists() else 0
         with log.open("ab") as out:
-            self.procs[key] = subprocess.Popen(
+            self.procs[key] = ForkedPopen(
                 [
                     sys.executable, "-m", "replication", "serve", "--location", name,
                     "--broker.address", broker, "--etcd.address", self.etcd.endpoint,
@@ -71,7 +72,7 @@ class LocationProcesses:
         the locations `gazctl replication add` declared, and standbys of them."""
         log = self.logs / f"{key}.log"
         with log.open("ab") as out:
-            self.procs[key] = subprocess.Popen(
+            self.procs[key] = ForkedPopen(
                 [
                     sys.executable, "-m", "replication", "host", "--consumer.id", key,
                     "--consumer.port", "0", "--broker.address", broker,
