@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.server_fork import ForkedPopen, Zygotes
 
-PROBE = '''
+PROBE = """
 import json, os, random, sys, threading
 preloaded = "grpc" in sys.modules
 from tests.helpers.server_fork import _Clone
@@ -40,7 +40,7 @@ print(json.dumps({
 }))
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
-'''
+"""
 
 
 @pytest.fixture
