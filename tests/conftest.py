@@ -106,7 +106,8 @@ def run_cli(
     ):  # As `gazctl dev up` exports them.
         full_env.pop(inherited, None)
     full_env.update(env or {})
-    if module == "gazctl.cli" and os.environ.get("GAZETTE_TESTS_FORK_CLI", "1") != "0":
+    forks = module == "gazctl.cli" and os.environ.get("GAZETTE_TESTS_FORK_CLI", "1") != "0"
+    if forks and FORK_SERVER.serves(full_env):
         code, out, err = FORK_SERVER.run(module, list(args[1:]), input, full_env, cwd, timeout)
         return Result(code, out, err)
     proc = subprocess.run(

@@ -67,3 +67,17 @@ def test_a_run_past_its_timeout_is_killed(server: ForkServer) -> None:
     assert time.monotonic() - began < 10
     # The server goes on serving.
     assert server.run("json.tool", [], "[]", dict(os.environ), None, 30)[0] == 0
+
+
+def test_a_run_whose_interpreter_or_imports_read_another_environment_is_not_a_fork(
+    server: ForkServer,
+) -> None:
+    """What an interpreter reads as it starts (PYTHON* variables), or what gazctl's modules read
+    as the server imported them (rich's console reads COLUMNS), a fork would not read again:
+    such a run starts fresh (run_cli asks `serves`)."""
+    env = dict(os.environ)
+    assert server.serves(env)
+    assert "COLUMNS" in server.read, server.read
+    assert not server.serves({**env, "COLUMNS": "33"})
+    assert not server.serves({**env, "PYTHONWARNINGS": "error"})
+    assert server.serves({**env, "BROKER_ADDRESS": "http://127.0.0.1:7"})

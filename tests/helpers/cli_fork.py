@@ -4,9 +4,11 @@ timeout), but it starts as a fork of a process that has already imported the lib
 `gazctl` imports (asyncio, gRPC, the etcd client, protobuf, rich, click), rather than importing
 them again: about 0.3 s of CPU a run, and the suite runs some 700 of them.
 
-Only third-party modules and generated protobuf code are imported ahead: they read nothing of
-the environment as they import, where the project's own modules might. The server holds one
-thread, so forking it is safe; the gRPC core starts in each run, after the fork.
+Imported ahead are gazctl's modules and the libraries under them. What they read of the
+environment as they import is recorded (tests/helpers/server_fork.py's `preload`), and a run
+whose environment differs in one of those, or in what an interpreter reads as it starts (the
+PYTHON* variables, the locale), starts as a fresh interpreter instead (`serves`). The server
+holds one thread, so forking it is safe; the gRPC core starts in each run, after the fork.
 
 `python -m tests.helpers.cli_fork SOCKET` serves; `ForkServer` starts and asks it. Each request
 is one connection: a line of JSON with the run's stdin, stdout and stderr as passed file
@@ -15,7 +17,6 @@ it and answers its exit code (negative for a signal, as subprocess's)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import runpy
@@ -27,6 +28,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.server_fork import agrees, preload, startup_environment, take_environment
 
 PRELOAD = (
     "asyncio",
@@ -41,6 +44,15 @@ PRELOAD = (
     "yaml",
     "broker.protocol.protocol_pb2",
     "broker.protocol.protocol_pb2_grpc",
+    "gazctl.cli",
+    "gazctl.journals",
+    "gazctl.journals_io",
+    "gazctl.shards",
+    "gazctl.fragments",
+    "gazctl.replication",
+    "gazctl.attach_uuids",
+    "gazctl.editor",
+    "gazctl.dev.cli",
 )
 
 
@@ -48,14 +60,13 @@ def _serve(path: str) -> dict[str, Any]:
     """Serve until killed; returns only in a forked run, with its request, its descriptors in
     place, its directory and environment set."""
     # As gazctl's package sets it as it is imported, before gRPC could read it.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    for name in PRELOAD:
-        importlib.import_module(name)
+    os.environ.update(_as_gazctl_sets_it(dict(os.environ)))
+    read = preload(PRELOAD)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # Waiters are reaped as they end.
-    print("ready", flush=True)
+    print(json.dumps({"ready": True, "read": read}), flush=True)
     while True:
         conn, _ = listener.accept()
         if os.fork():
@@ -73,8 +84,7 @@ def _serve(path: str) -> dict[str, Any]:
                 os.close(fd)
             os.chdir(request["cwd"])
             sys.path[0] = request["cwd"]  # As `python -m` puts its directory first.
-            os.environ.clear()
-            os.environ.update(request["env"])
+            take_environment(_as_gazctl_sets_it(request["env"]))
             return request  # type: ignore[no-any-return]
         for fd in fds:
             os.close(fd)
@@ -84,10 +94,16 @@ def _serve(path: str) -> dict[str, Any]:
         os._exit(0)
 
 
+def _as_gazctl_sets_it(env: dict[str, str]) -> dict[str, str]:
+    """`env` as gazctl's package leaves it as it is imported, before gRPC could read it."""
+    return {"GRPC_VERBOSITY": "ERROR", **env}
+
+
 def main() -> None:
     request = _serve(sys.argv[1])
     # The run, as `python -m MODULE ARGS` runs it; the interpreter then exits as that one does.
     sys.argv = [sys.argv[0], *request["args"]]
+    sys.modules.pop(request["module"], None)  # Run as `__main__` only, as a fresh one is.
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
@@ -98,18 +114,34 @@ class ForkServer:
         self.proc: subprocess.Popen[str] | None = None
         self.dir = ""
         self.lock = threading.Lock()  # Tests run commands from threads too (asyncio.to_thread).
+        self.read: dict[str, str | None] = {}
+        self.startup: tuple[tuple[str, str], ...] = ()
 
     def start(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="gazctl-fork-")
+        self.startup = startup_environment(dict(os.environ))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.cli_fork", self.path],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
             cwd=Path(__file__).resolve().parents[2],
+            # os.environ, not the C library's (readline sets COLUMNS and LINES there).
+            env=dict(os.environ),
         )  # fmt: skip
         assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != "ready":
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
             self.stop()
             raise RuntimeError("the gazctl fork server did not start")
+        self.read = json.loads(line)["read"]
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a run with `env` may be a fork: it agrees with the server on what an
+        interpreter reads as it starts, and on what the server's imports read."""
+        with self.lock:
+            if self.proc is None:
+                self.start()
+        env = _as_gazctl_sets_it(env)
+        return startup_environment(env) == self.startup and agrees(env, self.read)
 
     @property
     def path(self) -> str:

@@ -140,27 +140,48 @@ def _recording_environment(names: set[str]) -> Any:
     return undo
 
 
-def _serve(path: str) -> dict[str, Any]:
-    """Serve until killed; returns only in a clone, with its request, its descriptors in place,
-    its directory and environment set."""
+def preload(modules: tuple[str, ...]) -> dict[str, str | None]:
+    """Import `modules` (and UNRECORDED first), and return the environment variables they read
+    as they imported, with their values. What was imported then stays out of the collector's
+    way: a fork's or clone's collections would touch (and so copy) every page it is on."""
     for name in UNRECORDED:
         importlib.import_module(name)
     names: set[str] = set()
     undo = _recording_environment(names)
     try:
-        for name in PRELOAD:
+        for name in modules:
             importlib.import_module(name)
     finally:
         undo()
-    # What was imported stays out of the collector's way: a clone's collections would touch
-    # (and so copy) every page the zygote's objects are on.
     gc.collect()
     gc.freeze()
+    return {name: os.environ.get(name) for name in sorted(names)}
+
+
+def take_environment(env: dict[str, str]) -> None:
+    """In a fork or clone: `env` as its environment, read again where the preloaded modules
+    keep what they read of it."""
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # TMPDIR is read again at the first use.
+    import wsgiref.handlers
+
+    wsgiref.handlers.BaseHandler.os_environ = wsgiref.handlers.read_environ()
+
+
+def agrees(env: dict[str, str], read: dict[str, str | None]) -> bool:
+    """Whether `env` has the values of `read` (variables a preload read, and their values)."""
+    return all(env.get(name) == value for name, value in read.items())
+
+
+def _serve(path: str) -> dict[str, Any]:
+    """Serve until killed; returns only in a clone, with its request, its descriptors in place,
+    its directory and environment set."""
+    read = preload(PRELOAD)
     clone = _Clone()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    read = {name: os.environ.get(name) for name in sorted(names)}
     print(json.dumps({"ready": True, "read": read}), flush=True)
     while True:
         ready, _, _ = select.select([listener, sys.stdin], [], [])
@@ -201,12 +222,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
                 os.close(fd)
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # As `python -m` puts its directory first.
-    os.environ.clear()
-    os.environ.update(request["env"])
-    tempfile.tempdir = None  # TMPDIR is read again at the first use.
-    import wsgiref.handlers
-
-    wsgiref.handlers.BaseHandler.os_environ = wsgiref.handlers.read_environ()
+    take_environment(request["env"])
 
 
 def main() -> None:
@@ -267,7 +283,7 @@ class Zygote:
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a command with `env` may be its clone: it agrees on every variable the zygote
         read as it imported."""
-        return all(env.get(name) == value for name, value in self.read.items())
+        return agrees(env, self.read)
 
     def spawn(
         self, module: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int]
