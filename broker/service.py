@@ -483,6 +483,7 @@ class JournalService(pb_grpc.JournalServicer):
 
         expected = [change.expect_mod_revision for change in request.changes]
         check = None if claims.unrestricted else check_replaced
+        await etcdx.wait_until_ready(self.etcd)
         try:
             if paths:
                 result = await self._txn_with_paths(keys, names, expected, ops, check, paths, claims)  # fmt: skip

@@ -460,6 +460,7 @@ async def apply_shards(
             raise _not_the_hint_root(index, kept[index], state.hint_root)
 
     check = None if claims.unrestricted and not kept else check_replaced
+    await etcdx.wait_until_ready(state.etcd)
     if claims.unrestricted:
         result = await etcdx.txn_guarded(state.etcd, keys, expected, ops, check)
     else:

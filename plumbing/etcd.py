@@ -117,6 +117,29 @@ TOO_MANY_OPS = "too many operations in txn request"
 UNREACHABLE = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
 
 
+# How long a client's change that needs etcd (an Apply of journals or shards) waits for the
+# connection to etcd to be ready before it goes on, to fail UNAVAILABLE if it is not: upstream's
+# etcd client waits for a ready connection (gRPC's WaitForReady) as well, so that an etcd
+# restart, or the connection dialled again after one, holds an Apply for a moment rather than
+# refusing it. Reconnects are tried at least every 2 s (`connect`'s backoff).
+READY_WAIT = 5.0
+
+
+async def wait_until_ready(client: aetcd.Client, wait: float = READY_WAIT) -> None:
+    """Return once `client`'s connection to etcd is ready, or after `wait` seconds (what follows
+    then meets etcd unreachable, as it would have)."""
+    await client.connect()
+    channel = client.channel
+    state = channel.get_state(try_to_connect=True)
+    try:
+        async with asyncio.timeout(wait):
+            while state != grpc.ChannelConnectivity.READY:
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=True)
+    except TimeoutError:
+        pass
+
+
 def unreachable_message(exc: BaseException) -> str:
     """One line for a client whose request met an UNREACHABLE error."""
     first = (str(exc) or type(exc).__name__).splitlines()[0]
