@@ -26,6 +26,7 @@ from broker.append_fsm import (
     OffsetOverflow,
     State,
 )
+from broker.client.appender import first_write, outcome
 from broker.client.journals import PLACEMENT
 from broker.client.routes import CORE_SEND_FAILURE, NOT_APPENDED
 from broker.protocol import protocol_pb2 as pb
@@ -377,7 +378,7 @@ async def proxy_append(
     forwarded_commit = False
     try:
         try:
-            await call.write(out)
+            await first_write(call, out)
             async for request in iterator:
                 if call.done():
                     break  # The primary answered before the stream's end; it reads no more.
@@ -394,7 +395,7 @@ async def proxy_append(
             # relay, never the failed write's (which hid a suspension that was applied, and
             # turned a REGISTER_MISMATCH into UNAVAILABLE).
             pass
-        response: pb.AppendResponse = await call
+        response: pb.AppendResponse = await outcome(call)
         return response
     except grpc.aio.AioRpcError as exc:
         call.cancel()  # The primary rolls back a stream that ends without its commit.

@@ -17,6 +17,8 @@ from grpc.aio import InternalError as CoreError
 
 from broker.client.appender import append
 from broker.protocol import protocol_pb2 as pb
+from broker.protocol import protocol_pb2_grpc as pb_grpc
+from broker.testing import BrokerHarness, EtcdServer
 
 
 class EndedCall:
@@ -32,6 +34,12 @@ class EndedCall:
 
     async def done_writing(self) -> None:
         raise CoreError('Failed "execute_batch": (SendCloseFromClientOperation,)')
+
+    def done(self) -> bool:
+        return False
+
+    def add_done_callback(self, _callback: object) -> None:
+        pass
 
     def cancel(self) -> bool:
         self.cancelled = True
@@ -82,3 +90,25 @@ async def test_an_answer_that_ends_the_call_at_its_half_close_is_returned() -> N
     response = await append(Stub(call), "a/journal", [b"abc"])  # type: ignore[arg-type]
     assert response.commit.end == 3
     assert not call.cancelled
+
+
+async def test_an_append_whose_channel_closes_as_it_starts_fails_and_does_not_wait_for_good(
+    etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A real call, this one: its channel closed before the call's metadata was sent. grpc.aio
+    then ends the call CANCELLED, and its first write waits for the metadata for good (seen in
+    `test_a_client_closed_with_batches_in_flight_settles_them_all_unlogged` under load: the
+    AppendService's next batch started on the channel closing under it, and its close hung).
+    The append fails with the call's status."""
+    async with BrokerHarness(etcd_server.endpoint, etcd_prefix) as harness:
+        for turns in range(1, 5):  # A few loop turns after the call started.
+            channel = grpc.aio.insecure_channel(harness.endpoint.removeprefix("http://"))
+            stub = pb_grpc.JournalStub(channel)  # type: ignore[no-untyped-call]
+            appending = asyncio.ensure_future(append(stub, "races/closed", b"x" * 100_000))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await channel.close(None)
+            async with asyncio.timeout(10):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await appending
+            assert info.value.code() == grpc.StatusCode.CANCELLED, info.value

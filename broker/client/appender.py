@@ -44,6 +44,52 @@ def _chunks(data: bytes, size: int) -> Iterable[bytes]:
         yield bytes(view[start : start + size])
 
 
+async def outcome(call: Any) -> Any:
+    """`await call`, for a call that may be cancelled under its caller: grpc.aio raises
+    asyncio.CancelledError from a call cancelled locally (its channel closed), which would read
+    as the caller's own cancellation. That is the call's failure, CANCELLED, unless the caller
+    is being cancelled itself."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        empty = grpc.aio.Metadata()
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.CANCELLED, empty, empty,
+            "the call was cancelled (its channel closed)", None,
+        ) from None  # fmt: skip
+
+
+async def first_write(call: Any, message: object) -> None:
+    """`call.write(message)` of a client-streaming call's first message, which ends when the
+    call does: grpc.aio's write waits for the call's metadata to be sent, and waits for good
+    when the call ended before that (its channel closed as it started). Then it raises
+    InvalidStateError, as a write after the call finished does; the call's outcome is its
+    status."""
+    if call.done():
+        raise asyncio.InvalidStateError("the call ended before its first message was sent")
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def end(_call: object) -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    call.add_done_callback(end)
+    write = asyncio.ensure_future(call.write(message))
+    try:
+        await asyncio.wait([write, ended], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not write.done():
+            write.cancel()
+            # Its end (cancelled, or the call's error) goes nowhere: retrieved here.
+            write.add_done_callback(lambda t: t.cancelled() or t.exception())
+    if not write.done() or write.cancelled():
+        raise asyncio.InvalidStateError("the call ended before its first message was sent")
+    write.result()
+
+
 async def _send(
     call: object,
     first: pb.AppendRequest,
@@ -53,7 +99,7 @@ async def _send(
     written: list[int],
 ) -> None:
     write = call.write  # type: ignore[attr-defined]
-    await write(first)
+    await first_write(call, first)
     if isinstance(content, bytes | bytearray | memoryview):
         for chunk in _chunks(bytes(content), chunk_size):
             await write(pb.AppendRequest(content=chunk))
@@ -129,7 +175,7 @@ async def append(
         # (grpc.aio raises InvalidStateError for a write after the call finished.)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await _send(call, first, content, chunk_size, sent, written)
-        response: pb.AppendResponse = await call
+        response: pb.AppendResponse = await outcome(call)
     except grpc.aio.AioRpcError as exc:
         call.cancel()
         # The commit was on its way when the call failed: the append may have landed.
