@@ -11,6 +11,7 @@ import grpc
 
 from broker.protocol import protocol_pb2 as pb
 from broker.protocol import protocol_pb2_grpc as pb_grpc
+from plumbing.tasks import first_of
 
 # Content chunk size of appends: large enough to amortize per-message costs, small enough to
 # keep gRPC's buffers and a replica's memory modest.
@@ -77,14 +78,8 @@ async def first_write(call: Any, message: object) -> None:
             ended.set_result(None)
 
     call.add_done_callback(end)
-    write = asyncio.ensure_future(call.write(message))
-    try:
-        await asyncio.wait([write, ended], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not write.done():
-            write.cancel()
-            # Its end (cancelled, or the call's error) goes nowhere: retrieved here.
-            write.add_done_callback(lambda t: t.cancelled() or t.exception())
+    # The write is first_of's own: cancelled and awaited if the call ends first.
+    write, _ = await first_of(call.write(message), ended)
     if not write.done() or write.cancelled():
         raise asyncio.InvalidStateError("the call ended before its first message was sent")
     write.result()
