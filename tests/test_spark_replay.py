@@ -19,7 +19,7 @@ from benchmarks._messages import transactions
 from broker.client.append_service import AppendService
 from broker.client.appender import append
 from broker.client.journals import dial
-from broker.client.reader import read
+from broker.client.reader import read, write_head
 from broker.fragment.content import fragment_path
 from broker.fragment.stores import FragmentStore, open_store
 from broker.protocol import protocol_pb2 as pb
@@ -36,6 +36,7 @@ from tests.conftest import run_cli
 from tests.helpers.fragments import put_pieces
 from tests.helpers.journals import routed, started_brokers
 from tests.helpers.spark import local_events, sequenced_offline
+from tests.helpers.spark_stream import persisted
 from tests.helpers.store_servers import GCSServer, S3Server
 
 TOPIC = ["replay/part-000", "replay/part-001"]
@@ -124,12 +125,11 @@ async def test_replay_equals_the_read_committed_iterator_and_dedupes_into_a_jour
                 + [("txn", i) for i in range(12)]
                 + [("late", i) for i in range(6)]
             )
-            # Everything to the store: suspend each journal (its spool rolls and persists).
+            # Everything to the store: suspend each journal (its spool rolls and persists), and
+            # wait until it is persisted: the replay reads the stores, and leaves out what is
+            # not in them yet (a run under load replayed before the last fragments were).
             for journal in TOPIC:
-                response = await append(
-                    stub, journal, b"", suspend=pb.AppendRequest.SUSPEND_NOW, check=False
-                )
-                assert response.status in (pb.OK, pb.SUSPENDED), response
+                await persisted(stub, journal, await write_head(stub, journal))
 
             base = ["-l", "topic=replay", "--file-root", str(root),
                     "--broker.address", broker.endpoint]  # fmt: skip
