@@ -106,20 +106,21 @@ def tests(session: nox.Session) -> None:
         session.run("pytest", "-m", expression, *rest)
         return
     chosen = f"({expression}) and "
-    # pytest rewrites the asserts of every test module (and of the plugins' modules) as it
-    # imports them, and caches the result; on a fresh clone each worker would rewrite all of
-    # them at once, 11 s of CPU apiece. One collection first fills the cache for them all.
-    session.run(
-        "pytest", "--collect-only", "-q", "-p", "no:xdist", "-m", f"{chosen}not serial", *rest,
-        silent=True, success_codes=[0, 5],
-    )  # fmt: skip
     parallel = ["-n", TEST_WORKERS, "--dist", "loadgroup", "-m", f"{chosen}not serial"]
     # The `serial` tests run alongside, in a pytest of their own whose processes come first for
     # the CPU: the parallel part runs under `nice -n 19`. They are the tests that failed for
     # want of CPU among the parallel ones (a Spark Python worker has 10 s to connect back to
-    # its JVM); run after them, they added their whole time to the session's.
+    # its JVM); run after them, they added their whole time to the session's. They start first,
+    # on the core the collection below leaves idle.
     serial = _start_serial(session, ["-p", "no:xdist", "-m", f"{chosen}serial", *rest])
     try:
+        # pytest rewrites the asserts of every test module (and of the plugins' modules) as it
+        # imports them, and caches the result; on a fresh clone each worker would rewrite all
+        # of them at once, 11 s of CPU apiece. One collection first fills the cache for them.
+        session.run(
+            "pytest", "--collect-only", "-q", "-p", "no:xdist", "-m", f"{chosen}not serial",
+            *rest, silent=True, success_codes=[0, 5],
+        )  # fmt: skip
         session.run("nice", "-n", "19", "pytest", *parallel, *rest, success_codes=[0, 5],
                     external=True)  # fmt: skip
         # Exit code 5: nothing selected in that part (arguments that name only serial tests).
