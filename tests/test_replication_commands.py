@@ -301,11 +301,17 @@ def test_new_events_only_joins_where_replication_brings_the_change_first(
         locations.start(name, location_broker.address)
     locations.ok("connect", "A", "C")
     locations.ok("connect", "B", "D")
+    # gazctl tells B and D of B -> D; A records it from etcd's history when its poll sees the
+    # head move. Waited for, so that A's log holds both system events before n 1 to n 3 and the
+    # deletion through 3 takes n 1 only (were the emit first, it would take n 1 and n 2 and
+    # leave n 3 first: the same DVV, A:3).
+    until_blocking(lambda: len(history(locations, "A")) == 2, "A holds etcd's history")
     locations.ok("emit", "A", '{"n": 1}', '{"n": 2}', '{"n": 3}')
-    until_blocking(lambda: locations.status("C")["cvv"].get("A", 0) >= 4, "C holds A's events")
+    until_blocking(lambda: locations.status("C")["cvv"].get("A", 0) >= 5, "C holds A's events")
     locations.ok("delete", "A", "--through", "3")
     dvv_a = locations.status("A")["dvv"]
     assert dvv_a == {"A": 3}, dvv_a
+    assert nums(locations, "A") == [2, 3], nums(locations, "A")
     until_blocking(lambda: len(history(locations, "D")) == 2, "D holds etcd's history")
     locations.stop("C")
     locations.stop("D")
@@ -322,8 +328,10 @@ def test_new_events_only_joins_where_replication_brings_the_change_first(
     )
     locations.ok("emit", "A", '{"n": 4}')
     until_blocking(lambda: 4 in nums(locations, "D"), "D holds A's new event")
-    # A's log: its two system events, then n 1 to n 3; through 3 deleted: n 1 only.
-    assert nums(locations, "D") == nums(locations, "A") == [2, 3, 4]
+    # A's log: its two system events, then n 1 to n 3; through 3 deleted: n 1 only. D holds
+    # every event A holds (its new events, from n 2 on).
+    assert nums(locations, "A") == [2, 3, 4], nums(locations, "A")
+    assert nums(locations, "D") == nums(locations, "A"), nums(locations, "D")
     assert locations.status("D")["dvv"] == dvv_a
     locations.start("C", location_broker.address)
     until_blocking(lambda: locations.status("D")["clock"] == "ok", "D heard from C")
