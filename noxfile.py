@@ -7,7 +7,6 @@ Every session installs what it needs from the project's own files, so a fresh ma
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -89,8 +88,7 @@ def _split_marker(args: list[str]) -> tuple[list[str], str]:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Run the test suite against real etcd, real gRPC servers and real subprocesses: the tests
-    that share the machine in parallel (pytest-xdist, under `nice`), and beside them the
-    `serial` ones, which come first for the CPU.
+    that share the machine in parallel (pytest-xdist), then the `serial` ones alone.
     `nox -s tests -- -n 0` runs everything serially in one process (for debugging); other
     arguments go to pytest in both parts. Benchmarks' quick runs (marked `bench`) and the fault
     scenarios' short runs that `nox -s faults` covers (marked `faults`) are left out unless `-m`
@@ -106,66 +104,24 @@ def tests(session: nox.Session) -> None:
         session.run("pytest", "-m", expression, *rest)
         return
     chosen = f"({expression}) and "
+    # pytest rewrites the asserts of every test module (and of the plugins' modules) as it
+    # imports them, and caches the result; on a fresh clone each worker would rewrite all of
+    # them at once, 11 s of CPU apiece. One collection first fills the cache for them all.
+    session.run(
+        "pytest", "--collect-only", "-q", "-p", "no:xdist", "-m", f"{chosen}not serial", *rest,
+        silent=True, success_codes=[0, 5],
+    )  # fmt: skip
     parallel = ["-n", TEST_WORKERS, "--dist", "loadgroup", "-m", f"{chosen}not serial"]
-    # The `serial` tests run alongside, in a pytest of their own whose processes come first for
-    # the CPU: the parallel part runs under `nice -n 19`. They are the tests that failed for
-    # want of CPU among the parallel ones (a Spark Python worker has 10 s to connect back to
-    # its JVM); run after them, they added their whole time to the session's. They start first,
-    # on the core the collection below leaves idle.
-    serial = _start_serial(session, ["-p", "no:xdist", "-m", f"{chosen}serial", *rest])
-    try:
-        # pytest rewrites the asserts of every test module (and of the plugins' modules) as it
-        # imports them, and caches the result; on a fresh clone each worker would rewrite all
-        # of them at once, 11 s of CPU apiece. One collection first fills the cache for them.
-        session.run(
-            "pytest", "--collect-only", "-q", "-p", "no:xdist", "-m", f"{chosen}not serial",
-            *rest, silent=True, success_codes=[0, 5],
-        )  # fmt: skip
-        session.run("nice", "-n", "19", "pytest", *parallel, *rest, success_codes=[0, 5],
-                    external=True)  # fmt: skip
-        # Exit code 5: nothing selected in that part (arguments that name only serial tests).
-    except KeyboardInterrupt:
-        if serial is not None:
-            serial[0].kill()
-        raise
-    finally:
-        _finish_serial(session, serial)
-
-
-def _start_serial(
-    session: nox.Session, args: list[str]
-) -> tuple[subprocess.Popen[bytes], Path] | None:
-    """The serial part's pytest, started with its output in a file (None: no test is marked
-    serial)."""
+    session.run("pytest", *parallel, *rest, success_codes=[0, 5])
+    # Exit code 5: nothing selected in that part (arguments that name only serial tests, or none).
     if not _marks_serial_tests():
         session.log("no test is marked serial: the serial part is skipped")
-        return None
-    log = Path(session.create_tmp()) / "serial.log"
-    env = {
-        **os.environ, **{k: v for k, v in session.env.items() if v is not None},
-        "VIRTUAL_ENV": str(session.virtualenv.location),
-        "PATH": os.pathsep.join([str(session.bin), os.environ.get("PATH", "")]),
-    }  # fmt: skip
-    session.log(f"pytest {shlex.join(args)} (alongside; output after the parallel part's)")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [os.path.join(session.bin, "pytest"), *args], stdout=out, stderr=subprocess.STDOUT,
-            env=env,
-        )  # fmt: skip
-    return proc, log
-
-
-def _finish_serial(
-    session: nox.Session, serial: tuple[subprocess.Popen[bytes], Path] | None
-) -> None:
-    """Wait for the serial part, show its output, and fail the session if it failed."""
-    if serial is None:
         return
-    proc, log = serial
-    code = proc.wait()
-    print(log.read_text(errors="replace"), end="", flush=True)
-    if code not in (0, 5):
-        session.error(f"the serial part failed (pytest exited {code})")
+    # The serial tests ran beside the parallel part for a while (2026-11-29), at a higher
+    # priority (the parallel part under `nice -n 19`): that starved the parallel part's own Spark
+    # tests as they started, and a Spark Python worker has 10 s to connect back to its JVM (it
+    # failed so in two runs of five). They run after it again.
+    session.run("pytest", "-p", "no:xdist", "-m", f"{chosen}serial", *rest, success_codes=[0, 5])
 
 
 def _marks_serial_tests() -> bool:
