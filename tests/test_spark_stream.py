@@ -520,6 +520,8 @@ def test_gazctl_spark_stream_refuses_bad_input_in_one_line(
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # Its Python worker failed to connect back (Spark gives it 10 s) in three
+# suite runs of three under the parallel load (2026-11-29): alone, after the parallel part.
 async def test_gazctl_spark_stream_once_into_parquet_and_into_a_journal(
     spark: Any, etcd_server: EtcdServer, etcd_prefix: str, tmp_path: Path
 ) -> None:
